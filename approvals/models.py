@@ -1,0 +1,414 @@
+"""Agents, tokens, runs, actions, approvals, operations and idempotency records."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class Agent(models.Model):
+    """A registered automated principal (e.g. `deploy-bot`)."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.SlugField(max_length=100, unique=True)
+    description = models.TextField(blank=True)
+    # The person accountable for this agent; separation of duties may forbid
+    # them from approving the agent's own actions.
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="owned_agents",
+    )
+    is_active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class TokenFields(models.Model):
+    """A secret stored only as its SHA-256, found by a short readable prefix."""
+
+    prefix = models.CharField(max_length=16, db_index=True)
+    token_hash = models.CharField(max_length=64, unique=True)
+    label = models.CharField(max_length=100, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        abstract = True
+
+
+class AgentToken(TokenFields):
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="tokens")
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.agent_id})"
+
+
+class PersonalToken(TokenFields):
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="personal_tokens"
+    )
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.user_id})"
+
+
+class RunStatus(models.TextChoices):
+    PENDING_APPROVAL = "pending_approval", "pending approval"
+    ACTIVE = "active", "active"
+    REJECTED = "rejected", "rejected"
+    FINISHED = "finished", "finished"
+    EXPIRED = "expired", "expired"
+    REVOKED = "revoked", "revoked"
+
+
+class Run(models.Model):
+    """One execution session of an agent, with its own short-lived run token."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="runs")
+    task = models.TextField()
+    # The write set as declared: [{"resource": "kind/name-or-prefix*", "operations": [...]}].
+    write_set = models.JSONField(default=list)
+    status = models.CharField(
+        max_length=20, choices=RunStatus.choices, default=RunStatus.PENDING_APPROVAL
+    )
+    token_prefix = models.CharField(max_length=16, db_index=True)
+    token_hash = models.CharField(max_length=64, unique=True)
+    ttl_seconds = models.PositiveIntegerField(default=3600)
+    expires_at = models.DateTimeField()
+    # Heartbeats never extend a run past this.
+    max_expires_at = models.DateTimeField()
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    auto_approved = models.BooleanField(default=False)
+    status_reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    activated_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["status", "expires_at"])]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(expires_at__lte=models.F("max_expires_at")),
+                name="run_expiry_within_max",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.id}"
+
+
+class WriteOperation(models.TextChoices):
+    CREATE = "create", "create"
+    UPDATE = "update", "update"
+    DELETE = "delete", "delete"
+
+
+class PayloadFormat(models.TextChoices):
+    REPLACE = "replace", "full document (PUT)"
+    MERGE_PATCH = "merge_patch", "JSON merge patch (PATCH)"
+    DELETE = "delete", "delete"
+    RESOLUTION = "resolution", "document chosen by a conflict resolution"
+
+
+class ActionStatus(models.TextChoices):
+    PENDING_APPROVAL = "pending_approval", "pending approval"
+    QUEUED = "queued", "queued"
+    EXECUTING = "executing", "executing"
+    APPLIED = "applied", "applied"
+    CONFLICT = "conflict", "conflict"
+    REJECTED = "rejected", "rejected"
+    FAILED = "failed", "failed"
+    EXPIRED = "expired", "expired"
+    CANCELLED = "cancelled", "cancelled"
+    PAUSED = "paused", "paused"
+    UNDONE = "undone", "undone"
+
+
+FINAL_ACTION_STATUSES = frozenset(
+    {
+        ActionStatus.APPLIED,
+        ActionStatus.CONFLICT,
+        ActionStatus.REJECTED,
+        ActionStatus.FAILED,
+        ActionStatus.EXPIRED,
+        ActionStatus.CANCELLED,
+        ActionStatus.UNDONE,
+    }
+)
+
+
+class Action(models.Model):
+    """One proposed write by a run."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="actions")
+    agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="actions")
+    kind = models.ForeignKey("ownership.ResourceKind", on_delete=models.PROTECT, related_name="+")
+    name = models.CharField(max_length=255)
+    # Set once the resource row exists (creates get it at execution).
+    resource = models.ForeignKey(
+        "ownership.Resource",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="actions",
+    )
+    operation = models.CharField(max_length=16, choices=WriteOperation.choices)
+    payload_format = models.CharField(max_length=16, choices=PayloadFormat.choices)
+    payload = models.JSONField(null=True, blank=True)
+    # The version the agent observed (If-Match); null for a create (If-None-Match: *).
+    observed_version = models.PositiveBigIntegerField(null=True, blank=True)
+    conflict_class = models.ForeignKey(
+        "ownership.ConflictClass", on_delete=models.PROTECT, related_name="+"
+    )
+    status = models.CharField(
+        max_length=20, choices=ActionStatus.choices, default=ActionStatus.QUEUED
+    )
+    # Bumped on every transition; the action's ETag is derived from it.
+    revision = models.PositiveIntegerField(default=1)
+    reason = models.CharField(max_length=500, blank=True)  # Airlock-Reason
+    idempotency_key = models.CharField(max_length=255, blank=True)
+    request_id = models.CharField(max_length=128, blank=True)
+    paused_reason = models.TextField(blank=True)
+    error = models.JSONField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    not_before = models.DateTimeField(null=True, blank=True)
+    # A resolution creates a new action based on the current version.
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="children"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["status", "created_at"]),
+            models.Index(fields=["run", "created_at"]),
+            models.Index(fields=["kind", "name", "created_at"]),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(operation="create") | Q(observed_version__isnull=False),
+                name="action_update_delete_observe_a_version",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"action {self.id}"
+
+    @property
+    def resource_identifier(self) -> str:
+        return f"{self.kind_id}/{self.name}"
+
+    @property
+    def etag(self) -> str:
+        return f'"a{self.revision}"'
+
+    @property
+    def observed_etag(self) -> str | None:
+        return None if self.observed_version is None else f'"{self.observed_version}"'
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL_ACTION_STATUSES
+
+
+class ApprovalSubject(models.TextChoices):
+    RUN = "run", "run"
+    ACTION = "action", "action"
+
+
+class ApprovalStatus(models.TextChoices):
+    PENDING = "pending", "pending"
+    APPROVED = "approved", "approved"
+    REJECTED = "rejected", "rejected"
+    EXPIRED = "expired", "expired"
+    CANCELLED = "cancelled", "cancelled"
+
+
+class Approval(models.Model):
+    """A request for a person's decision on a run (per-run) or one action (per-call).
+
+    A per-call approval binds the version it was shown (`observed_version`): if
+    the resource moved before execution, the approval is never reused.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    subject = models.CharField(max_length=8, choices=ApprovalSubject.choices)
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="approvals")
+    action = models.ForeignKey(
+        Action, null=True, blank=True, on_delete=models.PROTECT, related_name="approvals"
+    )
+    status = models.CharField(
+        max_length=12, choices=ApprovalStatus.choices, default=ApprovalStatus.PENDING
+    )
+    quorum = models.PositiveSmallIntegerField(default=1)
+    observed_version = models.PositiveBigIntegerField(null=True, blank=True)
+    expires_at = models.DateTimeField()
+    escalate_at = models.DateTimeField(null=True, blank=True)
+    escalated_at = models.DateTimeField(null=True, blank=True)
+    # A conflict resolution is itself the approval of the action it creates.
+    from_conflict = models.ForeignKey(
+        "ownership.Conflict", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    decided_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        indexes = [models.Index(fields=["status", "created_at"])]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(subject="run", action__isnull=True)
+                | Q(subject="action", action__isnull=False),
+                name="approval_subject_matches_target",
+            ),
+            models.UniqueConstraint(
+                fields=["action"],
+                condition=Q(status="pending"),
+                name="approval_one_pending_per_action",
+            ),
+            models.CheckConstraint(condition=Q(quorum__gte=1), name="approval_quorum_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"approval {self.id} ({self.subject})"
+
+
+class Decision(models.TextChoices):
+    APPROVE = "approve", "approve"
+    REJECT = "reject", "reject"
+
+
+class ApprovalDecision(models.Model):
+    """One person's decision; a person counts once per approval."""
+
+    approval = models.ForeignKey(Approval, on_delete=models.PROTECT, related_name="decisions")
+    person = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+")
+    decision = models.CharField(max_length=8, choices=Decision.choices)
+    comment = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["approval", "person"], name="approvaldecision_one_per_person"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.decision} by {self.person_id}"
+
+
+class AutoApproveRule(models.Model):
+    """Data, editable by admins: run write-set entries this rule covers are admitted
+    without a person (e.g. a sandbox namespace). A run is auto-approved only when
+    every entry of its write set is covered."""
+
+    kind = models.ForeignKey("ownership.ResourceKind", on_delete=models.CASCADE, related_name="+")
+    name_prefix = models.CharField(max_length=255, blank=True)
+    operations = models.JSONField(default=list)
+    agent = models.ForeignKey(Agent, null=True, blank=True, on_delete=models.CASCADE)
+    enabled = models.BooleanField(default=True)
+    description = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"auto-approve {self.kind_id}/{self.name_prefix}*"
+
+
+class OperationStatus(models.TextChoices):
+    PENDING = "pending", "pending"
+    DONE = "done", "done"
+    FAILED = "failed", "failed"
+    UNKNOWN = "unknown", "unknown"
+    UNDONE = "undone", "undone"
+
+
+class Operation(models.Model):
+    """The execution record of an action (or of an undo of one).
+
+    `lease_expires_at` lets the reconciler find an operation left pending by a
+    dead worker. At most one undo per operation (`undo_of` is unique).
+    """
+
+    action = models.ForeignKey(Action, on_delete=models.PROTECT, related_name="operations")
+    undo_of = models.OneToOneField(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="undone_by"
+    )
+    fence = models.BigIntegerField()
+    status = models.CharField(
+        max_length=12, choices=OperationStatus.choices, default=OperationStatus.PENDING
+    )
+    base_version = models.PositiveBigIntegerField(null=True, blank=True)
+    result_version = models.PositiveBigIntegerField(null=True, blank=True)
+    undo_deadline = models.DateTimeField(null=True, blank=True)
+    outcome = models.JSONField(null=True, blank=True)
+    worker = models.CharField(max_length=200, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+        indexes = [models.Index(fields=["status", "lease_expires_at"])]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["action"],
+                condition=Q(status="done", undo_of__isnull=True),
+                name="operation_one_done_per_action",
+            ),
+            models.CheckConstraint(condition=Q(fence__gt=0), name="operation_fence_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"operation {self.pk} (fence {self.fence})"
+
+
+class IdempotencyStatus(models.TextChoices):
+    IN_FLIGHT = "in_flight", "in flight"
+    DONE = "done", "done"
+
+
+class IdempotencyRecord(models.Model):
+    """One per agent + key: the fingerprint and the stored response to replay."""
+
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64)
+    method = models.CharField(max_length=8)
+    path = models.CharField(max_length=1024)
+    status = models.CharField(
+        max_length=12, choices=IdempotencyStatus.choices, default=IdempotencyStatus.IN_FLIGHT
+    )
+    response_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    response_headers = models.JSONField(default=dict, blank=True)
+    response_body = models.BinaryField(null=True, blank=True)
+    action = models.ForeignKey(Action, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["agent", "key"], name="idempotency_one_per_agent_key"),
+        ]
+
+    def __str__(self) -> str:
+        return f"idempotency {self.key}"

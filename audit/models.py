@@ -1,0 +1,60 @@
+"""The append-only, hash-chained audit trail."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class ActorType(models.TextChoices):
+    PERSON = "person", "person"
+    AGENT = "agent", "agent"
+    RUN = "run", "run"
+    SYSTEM = "system", "system"
+
+
+class AuditEvent(models.Model):
+    """One event. `hash` = SHA-256 over the canonical JSON of the event and `prev_hash`.
+
+    Rows are never updated or deleted: on PostgreSQL a trigger refuses UPDATE,
+    DELETE and TRUNCATE. `seq` is contiguous; appends are serialised through
+    the AuditHead row.
+    """
+
+    seq = models.BigIntegerField(primary_key=True)
+    created_at = models.DateTimeField()
+    actor_type = models.CharField(max_length=8, choices=ActorType.choices)
+    actor_id = models.CharField(max_length=64, blank=True)
+    actor_label = models.CharField(max_length=200, blank=True)
+    request_id = models.CharField(max_length=128, blank=True)
+    event_type = models.CharField(max_length=64)
+    resource = models.CharField(max_length=320, blank=True)
+    run_id = models.UUIDField(null=True, blank=True)
+    action_id = models.UUIDField(null=True, blank=True)
+    details = models.JSONField(default=dict)
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64, unique=True)
+
+    class Meta:
+        ordering = ["seq"]
+        indexes = [
+            models.Index(fields=["resource", "seq"]),
+            models.Index(fields=["run_id", "seq"]),
+            models.Index(fields=["action_id", "seq"]),
+            models.Index(fields=["event_type", "seq"]),
+            models.Index(fields=["actor_type", "actor_id", "seq"]),
+            models.Index(fields=["created_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"#{self.seq} {self.event_type}"
+
+
+class AuditHead(models.Model):
+    """The single row that serialises appends: the last seq and hash."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    seq = models.BigIntegerField(default=0)
+    hash = models.CharField(max_length=64, default="0" * 64)
+
+    def __str__(self) -> str:
+        return f"audit head #{self.seq}"

@@ -1,0 +1,70 @@
+"""Who may do what. Roles are Django groups; owner groups are groups too.
+
+Selectors and services ask these predicates; views never test groups by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROLE_OPERATOR = "operators"
+ROLE_OWNER = "owners"
+ROLE_ADMIN = "admins"
+ROLE_AUDITOR = "auditors"
+ROLES = {
+    "operator": ROLE_OPERATOR,
+    "owner": ROLE_OWNER,
+    "admin": ROLE_ADMIN,
+    "auditor": ROLE_AUDITOR,
+}
+
+
+def user_groups(user: Any) -> frozenset[str]:
+    """The names of the user's groups, cached on the user object for the request."""
+    if not getattr(user, "is_authenticated", False):
+        return frozenset()
+    cached: frozenset[str] | None = getattr(user, "_airlock_groups", None)
+    if cached is None:
+        cached = frozenset(user.groups.values_list("name", flat=True))
+        user._airlock_groups = cached
+    return cached
+
+
+def is_admin(user: Any) -> bool:
+    return bool(getattr(user, "is_superuser", False)) or ROLE_ADMIN in user_groups(user)
+
+
+def is_operator(user: Any) -> bool:
+    return is_admin(user) or ROLE_OPERATOR in user_groups(user)
+
+
+def is_auditor(user: Any) -> bool:
+    return ROLE_AUDITOR in user_groups(user)
+
+
+def can_read_everything(user: Any) -> bool:
+    """Operators, admins and auditors see every run, resource, action and event."""
+    return is_operator(user) or is_auditor(user)
+
+
+def resolver_group(resolver: str, owner_group: str) -> str:
+    """The group that settles a conflict: '' when the agent itself resolves."""
+    if resolver == "owner":
+        return owner_group
+    if resolver.startswith("group:"):
+        return resolver.removeprefix("group:")
+    return ""
+
+
+def can_resolve(user: Any, *, resolver: str, owner_group: str) -> bool:
+    group = resolver_group(resolver, owner_group)
+    return bool(group) and group in user_groups(user)
+
+
+def can_decide_approvals(user: Any) -> bool:
+    """Deciding run and call approvals needs the operator role (admins have it)."""
+    return is_operator(user)
+
+
+def can_undo_as_person(user: Any, *, owner_group: str) -> bool:
+    return is_operator(user) or owner_group in user_groups(user)

