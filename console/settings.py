@@ -60,7 +60,7 @@ if not SECRET_KEY:
     if not DEBUG and env_bool("AIRLOCK_REQUIRE_SECRET_KEY", False):
         raise ImproperlyConfigured("SECRET_KEY must be set in production")
     # Development and tests only: a fixed, obviously-insecure key.
-    SECRET_KEY = "airlock-insecure-development-key-do-not-use-in-production-0123456789"  # noqa: S105
+    SECRET_KEY = "airlock-insecure-development-key-do-not-use-in-production-0123456789"
 
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])

@@ -45,7 +45,9 @@ class ConflictClass(models.Model):
     class Meta:
         ordering = ["slug"]
         constraints = [
-            models.CheckConstraint(condition=Q(quorum__gte=1), name="conflictclass_quorum_positive"),
+            models.CheckConstraint(
+                condition=Q(quorum__gte=1), name="conflictclass_quorum_positive"
+            ),
             models.CheckConstraint(
                 condition=Q(resolver="agent")
                 | Q(resolver="owner")
@@ -182,7 +184,7 @@ class ResourceVersion(models.Model):
 
 
 class OwnershipRecord(models.Model):
-    """"Run R may do operations O on resource (or name prefix) X until T".
+    """ "Run R may do operations O on resource (or name prefix) X until T".
 
     `exclusive=True` makes it a lease with a fencing token. Released or expired
     records stay for history; `active` is cleared when they end.
@@ -243,7 +245,9 @@ class Conflict(models.Model):
     """A refused stale write (or undo) waiting for its resolver."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    action = models.ForeignKey("approvals.Action", on_delete=models.PROTECT, related_name="conflicts")
+    action = models.ForeignKey(
+        "approvals.Action", on_delete=models.PROTECT, related_name="conflicts"
+    )
     resource = models.ForeignKey(Resource, on_delete=models.PROTECT, related_name="conflicts")
     conflict_class = models.ForeignKey(ConflictClass, on_delete=models.PROTECT, related_name="+")
     origin = models.CharField(
@@ -277,7 +281,9 @@ class Conflict(models.Model):
         ordering = ["-created_at"]
         indexes = [models.Index(fields=["status", "resolver_group", "created_at"])]
         constraints = [
-            models.UniqueConstraint(fields=["action", "origin"], name="conflict_one_per_action_origin"),
+            models.UniqueConstraint(
+                fields=["action", "origin"], name="conflict_one_per_action_origin"
+            ),
             models.CheckConstraint(
                 condition=Q(status="open", resolved_at__isnull=True)
                 | Q(status="resolved", resolved_at__isnull=False),

@@ -62,4 +62,11 @@ CLASSES: list[dict[str, Any]] = [
     },
 ]
 
-GROUPS: list[str] = ["operators", "owners", "admins", "auditors", "release-owners", "account-owners"]
+GROUPS: list[str] = [
+    "operators",
+    "owners",
+    "admins",
+    "auditors",
+    "release-owners",
+    "account-owners",
+]
