@@ -1,15 +1,523 @@
-"""The write barrier. Owner: core helper. Interface contract (see issue 2):
+"""The write barrier: every accepted write is one conditional UPDATE (or INSERT).
 
-open_operation(*, action_id, fence, worker: str, lease_seconds: int, undo_of_id=None) -> Operation
-    Creates the Operation row (status pending) and moves the action to `executing`.
+    open_operation(*, action_id, fence, worker, lease_seconds, undo_of_id=None) -> Operation
+    apply_action(*, action_id, operation_id, fence, actor) -> WriteOutcome
 
-apply_action(*, action_id, operation_id, fence, actor: Actor) -> WriteOutcome
-    ONE transaction: kill-switch re-check, conditional UPDATE (or INSERT for a create)
-    `... WHERE id = :id AND version = :observed AND last_fence < :fence`, the new
-    ResourceVersion row, Operation -> done (undo deadline from the kind/class window),
-    Action -> applied (revision + 1), audit event `write.applied`.
-    Zero rows: re-read to tell stale version from stale fence, record the refusal
-    (Operation -> failed with outcome, audit `write.refused`), change nothing else,
-    and return WriteOutcome(applied=False, refusal=...). The caller (the engine)
-    routes a stale version to a conflict.
+`apply_action` runs ONE transaction: lock the operation and the action rows,
+re-check the kill switch, then
+
+    UPDATE ownership_resource SET document, version = version + 1, last_fence = :fence
+     WHERE id = :id AND version = :observed AND last_fence < :fence AND NOT deleted
+
+(an INSERT, or a conditional revive of a tombstone, for a create), the new
+ResourceVersion row, Operation -> done (undo deadline from the kind/class window),
+Action -> applied (revision + 1), and the audit event `write.applied` — last,
+because it locks the audit head row until commit.
+
+Zero rows: the resource is re-read to tell a stale fence from a stale version
+from a missing resource; the refusal is recorded (Operation -> failed with the
+outcome, audit `write.refused`), nothing else changes, and the caller (the engine)
+gets WriteOutcome(applied=False, refusal=...) to route: a stale version becomes a
+conflict, a stale fence means a newer holder has written (take a new fence).
+
+This module never touches Redis: publishing wake-ups after commit is the caller's job.
 """
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from approvals.models import (
+    Action,
+    ActionStatus,
+    Operation,
+    OperationStatus,
+    PayloadFormat,
+    WriteOperation,
+)
+from audit.services import Actor, audit_append
+from console.core.errors import InvalidTransition, KillSwitchEngaged, NotFound
+from console.core.killswitch import engaged_switch_for
+from ownership.models import Resource, ResourceVersion
+
+# Why a write was refused (WriteOutcome.refusal.reason).
+STALE_VERSION = "stale_version"  # someone wrote since the agent read: route to a conflict
+STALE_FENCE = "stale_fence"  # a newer lock holder has written: this holder is a zombie
+MISSING = "missing"  # no such resource, or it is a tombstone
+ALREADY_EXISTS = "already_exists"  # create of a name that exists (e.g. a concurrent create won)
+OPERATION_NOT_PENDING = "operation_not_pending"  # re-delivery of a finished operation
+ACTION_NOT_EXECUTABLE = "action_not_executable"  # the action left queued/paused/executing
+
+# An action may be (re-)executed from these statuses.
+EXECUTABLE_STATUSES = (ActionStatus.QUEUED, ActionStatus.PAUSED, ActionStatus.EXECUTING)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+    message: str
+    expected_version: int | None = None
+    current_version: int | None = None
+    fence: int | None = None
+    current_fence: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    applied: bool
+    action_id: uuid.UUID
+    operation_id: int
+    fence: int
+    resource_id: int | None = None
+    base_version: int | None = None
+    result_version: int | None = None
+    undo_deadline: datetime | None = None
+    refusal: Refusal | None = None
+
+    @property
+    def reason(self) -> str | None:
+        return self.refusal.reason if self.refusal else None
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7396 JSON Merge Patch: null removes a member, objects merge, the rest replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    result: dict[str, Any] = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def proposed_document(action: Action, current: Any) -> Any:
+    """The document the action would leave, given the current one."""
+    if action.operation == WriteOperation.DELETE:
+        return current
+    if action.payload_format == PayloadFormat.MERGE_PATCH:
+        return merge_patch(
+            current if action.operation != WriteOperation.CREATE else {}, action.payload
+        )
+    return action.payload if action.payload is not None else {}
+
+
+def undo_window(action: Action) -> timedelta:
+    kind_window = action.kind.undo_window_seconds
+    seconds = kind_window if kind_window is not None else action.conflict_class.undo_window_seconds
+    return timedelta(seconds=seconds)
+
+
+def open_operation(
+    *,
+    action_id: uuid.UUID | str,
+    fence: int,
+    worker: str,
+    lease_seconds: int,
+    undo_of_id: int | None = None,
+) -> Operation:
+    """Record an execution attempt (status pending) before the write.
+
+    For a write: moves the action queued/paused/executing -> executing (revision + 1)
+    with a conditional UPDATE; raises NotFound, or InvalidTransition when the action
+    is in any other status (e.g. already applied: a re-delivered job must stop).
+
+    For an undo (`undo_of_id`): the action keeps its status; at most one undo
+    operation exists per operation (unique `undo_of`), so a second request gets the
+    existing one back (its fence raised if still pending) and `apply_undo` answers
+    "already_undone" once it is finished.
+    """
+    now = timezone.now()
+    lease_expires_at = now + timedelta(seconds=lease_seconds)
+    with transaction.atomic():
+        if undo_of_id is not None:
+            return _open_undo_operation(
+                action_id=action_id,
+                fence=fence,
+                worker=worker,
+                lease_expires_at=lease_expires_at,
+                undo_of_id=undo_of_id,
+            )
+        moved = Action.objects.filter(pk=action_id, status__in=EXECUTABLE_STATUSES).update(
+            status=ActionStatus.EXECUTING, revision=F("revision") + 1, updated_at=now
+        )
+        if not moved:
+            status = Action.objects.filter(pk=action_id).values_list("status", flat=True).first()
+            if status is None:
+                raise NotFound("no such action", extra={"action": str(action_id)})
+            raise InvalidTransition(
+                f"the action is {status}; it cannot be executed",
+                extra={"action": str(action_id), "status": status},
+            )
+        return Operation.objects.create(
+            action_id=action_id,
+            fence=fence,
+            worker=worker[:200],
+            lease_expires_at=lease_expires_at,
+            status=OperationStatus.PENDING,
+        )
+
+
+def _open_undo_operation(
+    *,
+    action_id: uuid.UUID | str,
+    fence: int,
+    worker: str,
+    lease_expires_at: datetime,
+    undo_of_id: int,
+) -> Operation:
+    if not Operation.objects.filter(pk=undo_of_id, action_id=action_id).exists():
+        raise NotFound("no such operation for this action", extra={"operation": undo_of_id})
+    existing = Operation.objects.filter(undo_of_id=undo_of_id).first()
+    if existing is None:
+        try:
+            with transaction.atomic():
+                return Operation.objects.create(
+                    action_id=action_id,
+                    undo_of_id=undo_of_id,
+                    fence=fence,
+                    worker=worker[:200],
+                    lease_expires_at=lease_expires_at,
+                    status=OperationStatus.PENDING,
+                )
+        except IntegrityError:
+            # A concurrent undo request created it first; share it.
+            existing = Operation.objects.get(undo_of_id=undo_of_id)
+    Operation.objects.filter(
+        pk=existing.pk, status=OperationStatus.PENDING, fence__lt=fence
+    ).update(fence=fence, worker=worker[:200], lease_expires_at=lease_expires_at)
+    existing.refresh_from_db()
+    return existing
+
+
+def apply_action(
+    *, action_id: uuid.UUID | str, operation_id: int, fence: int, actor: Actor
+) -> WriteOutcome:
+    """Apply the action's write through the barrier, in one transaction.
+
+    Raises NotFound (no such action/operation) and KillSwitchEngaged (nothing is
+    written, the operation stays pending: the caller pauses the action). Every
+    other outcome, accepted or refused, is recorded and returned.
+    """
+    with transaction.atomic():
+        operation = (
+            Operation.objects.select_for_update()
+            .filter(pk=operation_id, action_id=action_id, undo_of__isnull=True)
+            .first()
+        )
+        if operation is None:
+            raise NotFound("no such operation for this action", extra={"operation": operation_id})
+        action = (
+            Action.objects.select_for_update(of=("self",))
+            .select_related("kind", "conflict_class", "run")
+            .get(pk=action_id)
+        )
+        if operation.status != OperationStatus.PENDING:
+            # A re-delivered job: the first delivery already recorded the outcome.
+            return _finished_outcome(action, operation)
+
+        identifier = action.resource_identifier
+        switch = engaged_switch_for(identifier)
+        if switch is not None:
+            raise KillSwitchEngaged(
+                f"kill switch {switch.scope} is engaged: {switch.reason}".rstrip(": "),
+                extra={"scope": switch.scope, "reason": switch.reason, "resource": identifier},
+            )
+
+        if action.status not in EXECUTABLE_STATUSES:
+            refusal = Refusal(ACTION_NOT_EXECUTABLE, f"the action is {action.status}", fence=fence)
+            return _refuse(action, operation, refusal, actor=actor, resource_id=action.resource_id)
+
+        now = timezone.now()
+        if action.operation == WriteOperation.CREATE:
+            result = _write_create(action, fence=fence, now=now)
+        else:
+            result = _write_existing(action, fence=fence, now=now)
+        if isinstance(result, _Refused):
+            return _refuse(
+                action, operation, result.refusal, actor=actor, resource_id=result.resource_id
+            )
+
+        deadline = now + undo_window(action)
+        ResourceVersion.objects.create(
+            resource_id=result.resource_id,
+            version=result.result_version,
+            document=result.document,
+            deleted=result.deleted,
+            operation=action.operation,
+            fence=fence,
+            run_id=action.run_id,
+            action_id=action.pk,
+        )
+        Operation.objects.filter(pk=operation.pk).update(
+            status=OperationStatus.DONE,
+            fence=fence,
+            base_version=result.base_version,
+            result_version=result.result_version,
+            undo_deadline=deadline,
+            finished_at=now,
+            outcome={"result": "applied"},
+        )
+        Action.objects.filter(pk=action.pk).update(
+            status=ActionStatus.APPLIED,
+            revision=F("revision") + 1,
+            resource_id=result.resource_id,
+            error=None,
+            updated_at=now,
+        )
+        audit_append(
+            event_type="write.applied",
+            actor=actor,
+            resource=identifier,
+            run_id=action.run_id,
+            action_id=action.pk,
+            details={
+                "operation": action.operation,
+                "operation_id": operation.pk,
+                "fence": fence,
+                "from_version": result.base_version,
+                "to_version": result.result_version,
+            },
+        )
+    return WriteOutcome(
+        applied=True,
+        action_id=action.pk,
+        operation_id=operation.pk,
+        fence=fence,
+        resource_id=result.resource_id,
+        base_version=result.base_version,
+        result_version=result.result_version,
+        undo_deadline=deadline,
+    )
+
+
+@dataclass(frozen=True)
+class _Written:
+    resource_id: int
+    base_version: int | None
+    result_version: int
+    document: Any
+    deleted: bool
+
+
+@dataclass(frozen=True)
+class _Refused:
+    refusal: Refusal
+    resource_id: int | None = None
+
+
+def _write_existing(action: Action, *, fence: int, now: datetime) -> _Written | _Refused:
+    """Update or delete: the single conditional UPDATE, then classify a miss."""
+    observed = action.observed_version
+    assert observed is not None  # a constraint: updates and deletes observe a version
+    current = (
+        Resource.objects.filter(kind_id=action.kind_id, name=action.name)
+        .values("id", "document")
+        .first()
+    )
+    if current is None:
+        return _Refused(
+            Refusal(MISSING, "the resource does not exist", expected_version=observed, fence=fence)
+        )
+    deleting = action.operation == WriteOperation.DELETE
+    # The merge patch is computed from the document read above; if anyone wrote
+    # since, the version precondition below fails and nothing is written.
+    document = proposed_document(action, current["document"])
+    rows = Resource.objects.filter(
+        pk=current["id"], version=observed, last_fence__lt=fence, deleted=False
+    ).update(
+        document=document,
+        deleted=deleting,
+        version=F("version") + 1,
+        last_fence=fence,
+        updated_at=now,
+    )
+    if rows == 1:
+        return _Written(current["id"], observed, observed + 1, document, deleting)
+    return _Refused(_classify_miss(current["id"], expected=observed, fence=fence), current["id"])
+
+
+def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _Refused:
+    """Create: INSERT (the unique kind+name constraint refuses a concurrent twin),
+    or revive a tombstone with the same conditional UPDATE."""
+    document = proposed_document(action, {})
+    existing = (
+        Resource.objects.filter(kind_id=action.kind_id, name=action.name)
+        .values("id", "version", "deleted", "last_fence")
+        .first()
+    )
+    if existing is None:
+        try:
+            with transaction.atomic():
+                resource = Resource.objects.create(
+                    kind_id=action.kind_id,
+                    name=action.name,
+                    document=document,
+                    version=1,
+                    last_fence=fence,
+                    deleted=False,
+                    owner_group=action.kind.owner_group,
+                )
+        except IntegrityError:
+            existing = (
+                Resource.objects.filter(kind_id=action.kind_id, name=action.name)
+                .values("id", "version", "deleted", "last_fence")
+                .first()
+            )
+            if existing is None:  # not a name clash: let it surface
+                raise
+            return _Refused(_already_exists(existing, fence), existing["id"])
+        return _Written(resource.pk, None, 1, document, False)
+    if not existing["deleted"]:
+        return _Refused(_already_exists(existing, fence), existing["id"])
+    rows = Resource.objects.filter(
+        pk=existing["id"], version=existing["version"], deleted=True, last_fence__lt=fence
+    ).update(
+        document=document,
+        deleted=False,
+        version=F("version") + 1,
+        last_fence=fence,
+        updated_at=now,
+    )
+    if rows == 1:
+        return _Written(
+            existing["id"], existing["version"], existing["version"] + 1, document, False
+        )
+    fresh = (
+        Resource.objects.filter(pk=existing["id"]).values("version", "deleted", "last_fence").get()
+    )
+    if fresh["last_fence"] >= fence:
+        refusal = _stale_fence(fresh, expected=existing["version"], fence=fence)
+    elif not fresh["deleted"]:
+        refusal = _already_exists(fresh, fence)
+    else:
+        refusal = Refusal(
+            STALE_VERSION,
+            "the tombstone changed while it was being revived",
+            expected_version=existing["version"],
+            current_version=fresh["version"],
+            fence=fence,
+            current_fence=fresh["last_fence"],
+        )
+    return _Refused(refusal, existing["id"])
+
+
+def _classify_miss(resource_id: int, *, expected: int, fence: int) -> Refusal:
+    """Zero rows matched: re-read (a new statement sees the latest commit) and say why."""
+    fresh = Resource.objects.filter(pk=resource_id).values("version", "deleted", "last_fence").get()
+    if fresh["last_fence"] >= fence:
+        # Checked first: a holder whose fence is stale must not write at all, and
+        # its refusal is not a conflict for a person — a newer holder has the resource.
+        return _stale_fence(fresh, expected=expected, fence=fence)
+    if fresh["deleted"]:
+        return Refusal(
+            MISSING,
+            "the resource has been deleted",
+            expected_version=expected,
+            current_version=fresh["version"],
+            fence=fence,
+            current_fence=fresh["last_fence"],
+        )
+    return Refusal(
+        STALE_VERSION,
+        f"the resource is at version {fresh['version']}, the action observed {expected}",
+        expected_version=expected,
+        current_version=fresh["version"],
+        fence=fence,
+        current_fence=fresh["last_fence"],
+    )
+
+
+def _stale_fence(fresh: dict[str, Any], *, expected: int | None, fence: int) -> Refusal:
+    return Refusal(
+        STALE_FENCE,
+        f"fence {fence} is stale: fence {fresh['last_fence']} has already written",
+        expected_version=expected,
+        current_version=fresh["version"],
+        fence=fence,
+        current_fence=fresh["last_fence"],
+    )
+
+
+def _already_exists(existing: dict[str, Any], fence: int) -> Refusal:
+    return Refusal(
+        ALREADY_EXISTS,
+        "a resource with this name already exists",
+        expected_version=None,
+        current_version=existing["version"],
+        fence=fence,
+        current_fence=existing["last_fence"],
+    )
+
+
+def _refuse(
+    action: Action,
+    operation: Operation,
+    refusal: Refusal,
+    *,
+    actor: Actor,
+    resource_id: int | None,
+) -> WriteOutcome:
+    """Record a refusal: the operation fails with the outcome; the resource is untouched."""
+    Operation.objects.filter(pk=operation.pk).update(
+        status=OperationStatus.FAILED,
+        outcome=refusal.as_dict(),
+        finished_at=timezone.now(),
+    )
+    audit_append(
+        event_type="write.refused",
+        actor=actor,
+        resource=action.resource_identifier,
+        run_id=action.run_id,
+        action_id=action.pk,
+        details={"operation": action.operation, "operation_id": operation.pk, **refusal.as_dict()},
+    )
+    return WriteOutcome(
+        applied=False,
+        action_id=action.pk,
+        operation_id=operation.pk,
+        fence=refusal.fence if refusal.fence is not None else operation.fence,
+        resource_id=resource_id,
+        refusal=refusal,
+    )
+
+
+def _finished_outcome(action: Action, operation: Operation) -> WriteOutcome:
+    """The recorded outcome of an operation that already finished (no new writes)."""
+    if operation.status == OperationStatus.DONE or operation.status == OperationStatus.UNDONE:
+        return WriteOutcome(
+            applied=True,
+            action_id=action.pk,
+            operation_id=operation.pk,
+            fence=operation.fence,
+            resource_id=action.resource_id,
+            base_version=operation.base_version,
+            result_version=operation.result_version,
+            undo_deadline=operation.undo_deadline,
+        )
+    recorded = operation.outcome or {}
+    known = {f for f in Refusal.__dataclass_fields__ if f in recorded}
+    refusal = (
+        Refusal(**{f: recorded[f] for f in known})
+        if {"reason", "message"} <= known
+        else Refusal(OPERATION_NOT_PENDING, f"the operation is {operation.status}")
+    )
+    return WriteOutcome(
+        applied=False,
+        action_id=action.pk,
+        operation_id=operation.pk,
+        fence=operation.fence,
+        resource_id=action.resource_id,
+        refusal=refusal,
+    )

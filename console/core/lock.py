@@ -1,20 +1,171 @@
-"""Per-resource Redis lock: SET NX PX with a random token; Lua release and renew by token."""
+"""Per-resource Redis lock: SET NX PX with a random token; Lua release and renew by token.
+
+The lock only keeps honest holders from overlapping; it is not what makes a
+write safe. A holder can be paused (GC, SIGSTOP, a slow disk) past the TTL and
+wake up believing it still holds the lock. What makes the write safe is the
+fencing token from PostgreSQL (`next_fence`), checked by the write barrier.
+"""
 
 from __future__ import annotations
 
+import secrets
+import threading
+import time
+from types import TracebackType
+
 from redis import Redis
+
+from console.core.errors import LockBusy, LockLost
+from console.core.fence import next_fence
+
+LOCK_NAMESPACE = "airlock:lock:"
+
+# Both scripts act only if the key still holds our token.
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('del', KEYS[1])
+end
+return 0
+"""
+_RENEW = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+def lock_key(resource_identifier: str) -> str:
+    """The Redis key of a resource's lock, e.g. `airlock:lock:notification-policy/prod-alerts`."""
+    return f"{LOCK_NAMESPACE}{resource_identifier}"
 
 
 class FencedLock:
-    """Owner: core helper. Interface contract:
+    """A per-resource lock plus the fencing token issued when it was taken.
 
-    lock = FencedLock(redis, key="kind/name", ttl_ms=30_000)
-    fence = lock.acquire(wait_seconds=0.0)  # raises LockBusy; fence from next_fence()
-    lock.renew()                             # raises LockLost if the lock is gone or not ours
-    lock.release() -> bool                   # token-checked; False if it was no longer ours
-    lock.fence, lock.token, lock.key
-    Usable as a context manager (acquire on enter, release on exit).
+        lock = FencedLock(redis, key="kind/name", ttl_ms=30_000)
+        fence = lock.acquire(wait_seconds=0.0)  # raises LockBusy; fence from next_fence()
+        lock.renew()                             # raises LockLost if the lock is gone or not ours
+        lock.release() -> bool                   # token-checked; False if it was no longer ours
+
+    Usable as a context manager (acquire on enter with `wait_seconds`, release on exit).
+    `start_heartbeat()` renews from a daemon thread; `check()` raises LockLost if a
+    renewal failed — call it (or `renew()`) right before writing.
     """
 
-    def __init__(self, redis: Redis, *, key: str, ttl_ms: int) -> None:
-        raise NotImplementedError
+    def __init__(self, redis: Redis, *, key: str, ttl_ms: int, wait_seconds: float = 0.0) -> None:
+        if ttl_ms < 1:
+            raise ValueError("ttl_ms must be positive")
+        self.redis = redis
+        self.key = key
+        self.redis_key = lock_key(key)
+        self.ttl_ms = ttl_ms
+        self.wait_seconds = wait_seconds
+        self.token = secrets.token_hex(16)
+        self.fence: int | None = None
+        self.lost = False
+        self._release_script = redis.register_script(_RELEASE)
+        self._renew_script = redis.register_script(_RENEW)
+        self._heartbeat: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- taking and giving back ------------------------------------------------
+
+    def try_acquire(self) -> bool:
+        return bool(self.redis.set(self.redis_key, self.token, nx=True, px=self.ttl_ms))
+
+    def acquire(self, wait_seconds: float | None = None) -> int:
+        """Take the lock (waiting up to `wait_seconds`) and return a fresh fence.
+
+        The fence is drawn from PostgreSQL *after* the lock is held, so a later
+        holder always has a larger fence than an earlier one. Raises LockBusy.
+        """
+        wait = self.wait_seconds if wait_seconds is None else wait_seconds
+        deadline = time.monotonic() + max(wait, 0.0)
+        pause = 0.005
+        while not self.try_acquire():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LockBusy(
+                    f"{self.key} is locked by another worker",
+                    extra={"resource": self.key},
+                )
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, 0.1)
+        self.lost = False
+        try:
+            self.fence = next_fence()
+        except BaseException:
+            self.release()
+            raise
+        # A pause between SET and nextval could let a successor take the lock
+        # and a *smaller* fence; confirm we still hold it now that ours is drawn.
+        self.renew()
+        return self.fence
+
+    def renew(self) -> None:
+        """Extend the TTL; raises LockLost (and marks the lock lost) if it is not ours."""
+        if not self._renew_script(keys=[self.redis_key], args=[self.token, self.ttl_ms]):
+            self.lost = True
+            raise LockLost(
+                f"the lock on {self.key} expired or was taken by another worker",
+                extra={"resource": self.key, "fence": self.fence},
+            )
+
+    def release(self) -> bool:
+        """Delete the lock if it is still ours. False when it had expired or moved on."""
+        self.stop_heartbeat()
+        return bool(self._release_script(keys=[self.redis_key], args=[self.token]))
+
+    def held(self) -> bool:
+        value = self.redis.get(self.redis_key)
+        return value is not None and value.decode() == self.token
+
+    def check(self) -> None:
+        """Raise LockLost if a heartbeat renewal failed, else renew once now."""
+        if self.lost:
+            raise LockLost(
+                f"the lock on {self.key} was lost",
+                extra={"resource": self.key, "fence": self.fence},
+            )
+        self.renew()
+
+    # -- background renewal ------------------------------------------------------
+
+    def start_heartbeat(self, interval_ms: int | None = None) -> None:
+        """Renew every `interval_ms` (default a third of the TTL) until released or lost."""
+        interval = (interval_ms or max(self.ttl_ms // 3, 1)) / 1000
+        self._stop.clear()
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.renew()
+                except LockLost:
+                    return
+                except Exception:  # Redis unreachable: the TTL decides; report lost.
+                    self.lost = True
+                    return
+
+        self._heartbeat = threading.Thread(target=beat, name=f"lock:{self.key}", daemon=True)
+        self._heartbeat.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=1)
+        self._heartbeat = None
+
+    # -- context manager -----------------------------------------------------------
+
+    def __enter__(self) -> FencedLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()

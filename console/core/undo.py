@@ -1,8 +1,256 @@
-"""Undo through the same barrier. Owner: core helper. Interface contract:
+"""Undo through the same barrier.
 
-apply_undo(*, operation_id, undo_operation_id, fence, actor: Actor) -> UndoOutcome
-    Restores the document from before `operation_id` only while the resource is
-    still at the version that operation produced and inside its undo deadline.
-    One undo per operation (Operation.undo_of is unique). Refusals:
-    "window_expired", "resource_moved" (the caller opens a conflict), "already_undone".
+    apply_undo(*, operation_id, undo_operation_id, fence, actor) -> UndoOutcome
+
+Restores the document from before `operation_id` (or the tombstone, for a
+create; or revives the resource, for a delete) with the same conditional UPDATE
+as every write — `WHERE version = <the version the operation produced> AND
+last_fence < :fence` — only inside the operation's undo deadline. One undo per
+operation: `Operation.undo_of` is unique and the undo operation moves pending ->
+done/failed exactly once under a row lock, so asking again (or twice at the same
+time) answers "already_undone" and writes nothing.
+
+Refusal reasons: "window_expired", "resource_moved" (the caller opens a conflict),
+"already_undone", "not_applied" (the operation never wrote), "stale_fence" (a newer
+lock holder wrote first: take a new fence and ask again).
 """
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from audit.models import ActorType
+from audit.services import Actor, audit_append
+from console.core.errors import KillSwitchEngaged, NotFound
+from console.core.killswitch import engaged_switch_for
+from ownership.models import Resource, ResourceVersion
+
+WINDOW_EXPIRED = "window_expired"
+RESOURCE_MOVED = "resource_moved"
+ALREADY_UNDONE = "already_undone"
+NOT_APPLIED = "not_applied"
+STALE_FENCE = "stale_fence"
+
+
+@dataclass(frozen=True)
+class UndoOutcome:
+    applied: bool
+    operation_id: int
+    undo_operation_id: int
+    action_id: uuid.UUID
+    fence: int
+    reason: str | None = None
+    message: str = ""
+    resource_id: int | None = None
+    # The version the undo needed (the operation's result) and the one it found.
+    expected_version: int | None = None
+    current_version: int | None = None
+    # On success: the version the undo restored and the new version it wrote.
+    restored_version: int | None = None
+    result_version: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["action_id"] = str(self.action_id)
+        return data
+
+
+def apply_undo(
+    *, operation_id: int, undo_operation_id: int, fence: int, actor: Actor
+) -> UndoOutcome:
+    """Undo one applied operation, in one transaction.
+
+    Locks the undo operation, then the original operation, then the action (the
+    same order as apply_action), re-checks the kill switch (raises
+    KillSwitchEngaged: nothing written, the undo operation stays pending),
+    then writes. Raises NotFound for an unknown pair of operations.
+    """
+    with transaction.atomic():
+        undo_op = (
+            Operation.objects.select_for_update()
+            .filter(pk=undo_operation_id, undo_of_id=operation_id)
+            .first()
+        )
+        if undo_op is None:
+            raise NotFound(
+                "no such undo operation",
+                extra={"operation": operation_id, "undo_operation": undo_operation_id},
+            )
+        original = Operation.objects.select_for_update().get(pk=operation_id)
+        action = (
+            Action.objects.select_for_update(of=("self",))
+            .select_related("kind", "run")
+            .get(pk=original.action_id)
+        )
+        base = {
+            "operation_id": original.pk,
+            "undo_operation_id": undo_op.pk,
+            "action_id": action.pk,
+            "fence": fence,
+            "resource_id": action.resource_id,
+            "expected_version": original.result_version,
+        }
+        if undo_op.status != OperationStatus.PENDING:
+            # Asked again after it finished: answer from the record, write nothing.
+            recorded = undo_op.outcome or {}
+            if undo_op.status == OperationStatus.DONE:
+                return UndoOutcome(
+                    applied=False,
+                    reason=ALREADY_UNDONE,
+                    message="this operation has already been undone",
+                    **base,
+                )
+            return UndoOutcome(
+                applied=False,
+                reason=str(recorded.get("reason") or ALREADY_UNDONE),
+                message=str(recorded.get("message") or "the undo has already been attempted"),
+                **base,
+            )
+
+        now = timezone.now()
+        if original.status == OperationStatus.UNDONE:
+            return _refuse(undo_op, action, actor, ALREADY_UNDONE, "already undone", base)
+        if original.status != OperationStatus.DONE or original.result_version is None:
+            return _refuse(undo_op, action, actor, NOT_APPLIED, "the operation did not write", base)
+        if original.undo_deadline is None or now >= original.undo_deadline:
+            return _refuse(
+                undo_op,
+                action,
+                actor,
+                WINDOW_EXPIRED,
+                "the undo window of this operation has closed",
+                base,
+            )
+
+        identifier = action.resource_identifier
+        switch = engaged_switch_for(identifier)
+        if switch is not None:
+            raise KillSwitchEngaged(
+                f"kill switch {switch.scope} is engaged: {switch.reason}".rstrip(": "),
+                extra={"scope": switch.scope, "reason": switch.reason, "resource": identifier},
+            )
+
+        resource_id = action.resource_id
+        assert resource_id is not None  # set by apply_action on every accepted write
+        if original.base_version is None:
+            # The operation created the resource: undo leaves a tombstone.
+            restored_document: Any = {}
+            restored_deleted = True
+        else:
+            previous = ResourceVersion.objects.get(
+                resource_id=resource_id, version=original.base_version
+            )
+            restored_document, restored_deleted = previous.document, previous.deleted
+
+        rows = Resource.objects.filter(
+            pk=resource_id, version=original.result_version, last_fence__lt=fence
+        ).update(
+            document=restored_document,
+            deleted=restored_deleted,
+            version=F("version") + 1,
+            last_fence=fence,
+            updated_at=now,
+        )
+        if rows == 0:
+            fresh = Resource.objects.filter(pk=resource_id).values("version", "last_fence").get()
+            base["current_version"] = fresh["version"]
+            if fresh["last_fence"] >= fence:
+                return _refuse(
+                    undo_op,
+                    action,
+                    actor,
+                    STALE_FENCE,
+                    f"fence {fence} is stale: fence {fresh['last_fence']} has already written",
+                    base,
+                )
+            return _refuse(
+                undo_op,
+                action,
+                actor,
+                RESOURCE_MOVED,
+                f"the resource moved on to version {fresh['version']} since this write "
+                f"produced version {original.result_version}",
+                base,
+            )
+
+        new_version = original.result_version + 1
+        ResourceVersion.objects.create(
+            resource_id=resource_id,
+            version=new_version,
+            document=restored_document,
+            deleted=restored_deleted,
+            operation="undo",
+            fence=fence,
+            run_id=action.run_id,
+            action_id=action.pk,
+            person_id=int(actor.id) if actor.type == ActorType.PERSON and actor.id else None,
+        )
+        Operation.objects.filter(pk=original.pk, status=OperationStatus.DONE).update(
+            status=OperationStatus.UNDONE
+        )
+        Operation.objects.filter(pk=undo_op.pk).update(
+            status=OperationStatus.DONE,
+            fence=fence,
+            base_version=original.result_version,
+            result_version=new_version,
+            finished_at=now,
+            outcome={"result": "undone", "restored_version": original.base_version},
+        )
+        Action.objects.filter(pk=action.pk).update(
+            status=ActionStatus.UNDONE, revision=F("revision") + 1, updated_at=now
+        )
+        audit_append(
+            event_type="write.undone",
+            actor=actor,
+            resource=identifier,
+            run_id=action.run_id,
+            action_id=action.pk,
+            details={
+                "operation_id": original.pk,
+                "undo_operation_id": undo_op.pk,
+                "fence": fence,
+                "from_version": original.result_version,
+                "to_version": new_version,
+                "restored_version": original.base_version,
+            },
+        )
+    return UndoOutcome(
+        applied=True,
+        restored_version=original.base_version,
+        result_version=new_version,
+        **base,
+    )
+
+
+def _refuse(
+    undo_op: Operation,
+    action: Action,
+    actor: Actor,
+    reason: str,
+    message: str,
+    base: dict[str, Any],
+) -> UndoOutcome:
+    outcome = UndoOutcome(applied=False, reason=reason, message=message, **base)
+    recorded = outcome.as_dict()
+    if reason != STALE_FENCE:
+        Operation.objects.filter(pk=undo_op.pk).update(
+            status=OperationStatus.FAILED, outcome=recorded, finished_at=timezone.now()
+        )
+    # A stale fence leaves the undo pending: this holder was overtaken, and the
+    # retry with a fresh fence must still be able to finish the one undo.
+    audit_append(
+        event_type="write.undo_refused",
+        actor=actor,
+        resource=action.resource_identifier,
+        run_id=action.run_id,
+        action_id=action.pk,
+        details={k: v for k, v in recorded.items() if k != "action_id"},
+    )
+    return outcome
