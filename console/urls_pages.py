@@ -1,6 +1,73 @@
 from __future__ import annotations
 
-from django.urls import URLPattern, URLResolver
+from django.urls import URLPattern, URLResolver, path
+
+from approvals import views as approvals_views
+from audit import views as audit_views
+from console import views
+from ownership import views as ownership_views
 
 # Owner: console helper — login, dashboard and every page.
-urlpatterns: list[URLPattern | URLResolver] = []
+urlpatterns: list[URLPattern | URLResolver] = [
+    path("login/", views.LoginView.as_view(), name="login"),
+    path("logout/", views.LogoutView.as_view(), name="logout"),
+    path("", views.dashboard, name="dashboard"),
+    path("dashboard/counts/", views.dashboard_counts_fragment, name="dashboard_counts"),
+    path("kill-switch/banner/", views.killswitch_banner, name="killswitch_banner"),
+    path("kill-switch/", views.killswitch_set, name="killswitch_set"),
+    # approvals, actions, runs, tokens
+    path("approvals/", approvals_views.approvals_inbox, name="approvals"),
+    path(
+        "approvals/<uuid:approval_id>/decision/",
+        approvals_views.approval_decide_view,
+        name="approval_decide",
+    ),
+    path("actions/<uuid:action_id>/", approvals_views.action_detail, name="action_detail"),
+    path("actions/<uuid:action_id>/status/", approvals_views.action_status, name="action_status"),
+    path("runs/", approvals_views.runs_list, name="runs"),
+    path("runs/<uuid:run_id>/", approvals_views.run_detail, name="run_detail"),
+    path("runs/<uuid:run_id>/revoke/", approvals_views.run_revoke_view, name="run_revoke"),
+    path("tokens/", approvals_views.tokens_page, name="tokens"),
+    path("tokens/personal/", approvals_views.personal_token_create, name="personal_token_create"),
+    path(
+        "tokens/personal/<int:token_id>/revoke/",
+        approvals_views.personal_token_revoke,
+        name="personal_token_revoke",
+    ),
+    path("tokens/agents/", approvals_views.agent_create, name="agent_create"),
+    path(
+        "tokens/agents/<uuid:agent_id>/tokens/",
+        approvals_views.agent_token_create,
+        name="agent_token_create",
+    ),
+    path(
+        "tokens/agent-tokens/<int:token_id>/revoke/",
+        approvals_views.agent_token_revoke,
+        name="agent_token_revoke",
+    ),
+    # conflicts, resources, catalog
+    path("conflicts/", ownership_views.conflicts_list, name="conflicts"),
+    path("conflicts/<uuid:conflict_id>/", ownership_views.conflict_detail, name="conflict_detail"),
+    path(
+        "conflicts/<uuid:conflict_id>/preview/",
+        ownership_views.conflict_preview,
+        name="conflict_preview",
+    ),
+    path(
+        "conflicts/<uuid:conflict_id>/resolution/",
+        ownership_views.conflict_resolve_view,
+        name="conflict_resolve",
+    ),
+    path("resources/", ownership_views.resources_list, name="resources"),
+    path("resources/<path:identifier>/", ownership_views.resource_detail, name="resource_detail"),
+    path(
+        "operations/<int:operation_id>/undo/", ownership_views.operation_undo, name="operation_undo"
+    ),
+    path("catalog/", ownership_views.catalog, name="catalog"),
+    path("catalog/classes/", ownership_views.conflict_class_save, name="conflict_class_save"),
+    path("catalog/kinds/", ownership_views.resource_kind_save, name="resource_kind_save"),
+    # audit
+    path("audit/", audit_views.audit_list, name="audit"),
+    path("audit/verify/", audit_views.audit_verify_badge, name="audit_verify"),
+    path("audit/export.jsonl", audit_views.audit_export, name="audit_export"),
+]

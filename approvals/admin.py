@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+from django.contrib import admin
+
+from approvals.models import (
+    Action,
+    Agent,
+    AgentToken,
+    Approval,
+    ApprovalDecision,
+    AutoApproveRule,
+    IdempotencyRecord,
+    Operation,
+    PersonalToken,
+    Run,
+)
+from ownership.admin import ReadOnlyAdmin
+
+
+@admin.register(Agent)
+class AgentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("name", "owner", "is_active", "created_at")
+    search_fields = ("name",)
+
+
+class TokenAdmin(ReadOnlyAdmin):
+    """Tokens are created (and shown once) on the Tokens page; here only looked at."""
+
+    list_display = ("prefix", "label", "created_at", "last_used_at", "revoked_at")
+    exclude = ("token_hash",)
+
+
+@admin.register(AgentToken)
+class AgentTokenAdmin(TokenAdmin):
+    list_display = ("prefix", "agent", "label", "created_at", "last_used_at", "revoked_at")
+
+
+@admin.register(PersonalToken)
+class PersonalTokenAdmin(TokenAdmin):
+    list_display = ("prefix", "user", "label", "created_at", "last_used_at", "revoked_at")
+
+
+@admin.register(Run)
+class RunAdmin(ReadOnlyAdmin):
+    list_display = ("id", "agent", "status", "created_at", "expires_at")
+    list_filter = ("status",)
+    exclude = ("token_hash",)
+
+
+@admin.register(Action)
+class ActionAdmin(ReadOnlyAdmin):
+    list_display = ("id", "run", "kind", "name", "operation", "status", "created_at")
+    list_filter = ("status", "operation")
+    raw_id_fields = ("run", "agent", "resource", "parent")
+
+
+@admin.register(Approval)
+class ApprovalAdmin(ReadOnlyAdmin):
+    list_display = ("id", "subject", "status", "quorum", "expires_at")
+    list_filter = ("status", "subject")
+    raw_id_fields = ("run", "action", "from_conflict")
+
+
+@admin.register(ApprovalDecision)
+class ApprovalDecisionAdmin(ReadOnlyAdmin):
+    list_display = ("approval", "person", "decision", "created_at")
+    raw_id_fields = ("approval", "person")
+
+
+@admin.register(AutoApproveRule)
+class AutoApproveRuleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("kind", "name_prefix", "agent", "enabled", "description")
+
+
+@admin.register(Operation)
+class OperationAdmin(ReadOnlyAdmin):
+    list_display = ("id", "action", "fence", "status", "result_version", "undo_deadline")
+    list_filter = ("status",)
+    raw_id_fields = ("action", "undo_of")
+
+
+@admin.register(IdempotencyRecord)
+class IdempotencyRecordAdmin(ReadOnlyAdmin):
+    list_display = ("agent", "key", "status", "response_status", "expires_at")
+    exclude = ("response_body",)
+    raw_id_fields = ("action",)

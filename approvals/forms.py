@@ -1,0 +1,44 @@
+"""Forms of the approvals, runs and tokens pages."""
+
+from __future__ import annotations
+
+from django import forms
+
+from approvals.models import ActionStatus, RunStatus
+
+
+class DecisionForm(forms.Form):
+    decision = forms.ChoiceField(choices=[("approve", "Approve"), ("reject", "Reject")])
+    comment = forms.CharField(max_length=2000, required=False, widget=forms.Textarea)
+
+    def clean(self) -> dict[str, object]:
+        data = super().clean() or {}
+        if data.get("decision") == "reject" and not (data.get("comment") or "").strip():
+            self.add_error("comment", "Say why you reject: the agent and the audit trail see it.")
+        return data
+
+
+class RunFilterForm(forms.Form):
+    status = forms.ChoiceField(choices=[("", "any"), *RunStatus.choices], required=False)
+    agent = forms.SlugField(max_length=100, required=False)
+    action_status = forms.ChoiceField(
+        choices=[("", "any"), *ActionStatus.choices], required=False, label="With an action"
+    )
+
+
+class RevokeForm(forms.Form):
+    reason = forms.CharField(max_length=500)
+    confirm = forms.BooleanField(required=True)
+
+
+class PersonalTokenCreateForm(forms.Form):
+    label = forms.CharField(max_length=100)
+
+
+class AgentCreateForm(forms.Form):
+    name = forms.SlugField(max_length=100)
+    description = forms.CharField(max_length=1000, required=False)
+
+
+class AgentTokenCreateForm(forms.Form):
+    label = forms.CharField(max_length=100, required=False)

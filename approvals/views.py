@@ -1,0 +1,505 @@
+"""Approvals inbox, actions, runs and tokens pages."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.contrib import messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import Exists, OuterRef, Prefetch, Q
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from approvals.forms import (
+    AgentCreateForm,
+    AgentTokenCreateForm,
+    DecisionForm,
+    PersonalTokenCreateForm,
+    RevokeForm,
+    RunFilterForm,
+)
+from approvals.models import (
+    Action,
+    Agent,
+    AgentToken,
+    Approval,
+    ApprovalDecision,
+    ApprovalStatus,
+    PersonalToken,
+    Run,
+    RunStatus,
+)
+from audit.services import Actor
+from console import permissions
+from console.core.errors import DomainError
+from console.views import (
+    EVENT_COUNTS,
+    after_post,
+    console_page,
+    document_diff,
+    domain_error_status,
+    forbid_unless,
+    is_htmx,
+    keyset_page,
+    proposed_document,
+    query_without,
+    render_fragment_or_page,
+)
+from ownership.models import OwnershipRecord
+
+EVENT_APPROVALS = "approvals-changed"
+
+
+# --- who may see what ----------------------------------------------------------
+
+
+def runs_visible_to(user: Any) -> Any:
+    """Runs a person may look at: everything for operators/admins/auditors; for a
+    resource owner, the runs that acted on a resource of their groups."""
+    runs = Run.objects.all()
+    if permissions.can_read_everything(user):
+        return runs
+    groups = list(permissions.user_groups(user))
+    touching = Action.objects.filter(run=OuterRef("pk"), resource__owner_group__in=groups)
+    return runs.filter(Exists(touching))
+
+
+def actions_visible_to(user: Any) -> Any:
+    actions = Action.objects.all()
+    if permissions.can_read_everything(user):
+        return actions
+    groups = list(permissions.user_groups(user))
+    return actions.filter(
+        Q(resource__owner_group__in=groups) | Q(conflicts__resolver_group__in=groups)
+    ).distinct()
+
+
+# --- approvals inbox ----------------------------------------------------------------
+
+
+def _approval_rows(approvals: list[Approval]) -> list[dict[str, Any]]:
+    rows = []
+    for approval in approvals:
+        row: dict[str, Any] = {"approval": approval, "decisions": list(approval.decisions.all())}
+        action = approval.action
+        if action is not None:
+            current = action.resource
+            row["current_version"] = current.version if current else None
+            row["version_moved"] = (
+                current is not None
+                and action.observed_version is not None
+                and current.version != action.observed_version
+            )
+            before = current.document if current and not current.deleted else None
+            row["diff"] = document_diff(before, proposed_document(action))
+        rows.append(row)
+    return rows
+
+
+def _pending_approvals() -> Any:
+    return (
+        Approval.objects.filter(status=ApprovalStatus.PENDING)
+        .select_related(
+            "run__agent",
+            "action__resource",
+            "action__conflict_class",
+            "action__agent",
+        )
+        .prefetch_related(
+            Prefetch("decisions", queryset=ApprovalDecision.objects.select_related("person"))
+        )
+    )
+
+
+@console_page
+@require_GET
+def approvals_inbox(request: HttpRequest) -> HttpResponse:
+    user = request.user
+    may_decide = permissions.can_decide_approvals(user)
+    may_read = may_decide or permissions.is_auditor(user)
+    rows: list[dict[str, Any]] = []
+    next_cursor = None
+    if may_read:
+        # Oldest first: the one waiting longest is decided first.
+        qs = _pending_approvals().order_by("created_at", "id")
+        cursor = request.GET.get("after")
+        if cursor:
+            try:
+                pivot = Approval.objects.only("created_at").get(pk=uuid.UUID(cursor))
+                qs = qs.filter(
+                    Q(created_at__gt=pivot.created_at)
+                    | Q(created_at=pivot.created_at, id__gt=pivot.id)
+                )
+            except (ValueError, Approval.DoesNotExist):
+                pass
+        approvals = list(qs[:26])
+        if len(approvals) > 25:
+            approvals = approvals[:25]
+            next_cursor = str(approvals[-1].id)
+        rows = _approval_rows(approvals)
+    context = {
+        "nav": "approvals",
+        "rows": rows,
+        "may_decide": may_decide,
+        "may_read": may_read,
+        "next_cursor": next_cursor,
+        "now": timezone.now(),
+        "form": DecisionForm(),
+    }
+    return render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
+
+
+@console_page
+@require_POST
+def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
+    """One decision on one approval; there is deliberately no bulk variant."""
+    user = request.user
+    approval = get_object_or_404(_pending_approvals().model.objects, pk=approval_id)
+    forbid_unless(
+        permissions.can_decide_approvals(user),
+        "Deciding approvals needs the operator role.",
+    )
+    form = DecisionForm(request.POST)
+    error: str | None = None
+    status = 200
+    if form.is_valid():
+        from approvals.services.decisions import approval_decide
+
+        try:
+            approval_decide(
+                approval_id=approval.id,
+                person=user,
+                decision=form.cleaned_data["decision"],
+                comment=form.cleaned_data["comment"],
+            )
+        except DomainError as exc:
+            error = exc.message
+            status = domain_error_status(exc)
+    else:
+        error = "; ".join(str(e) for errors in form.errors.values() for e in errors)
+        status = 422
+
+    if error is None and not is_htmx(request):
+        messages.success(request, "Decision recorded.")
+    elif error is not None and not is_htmx(request):
+        messages.error(request, error)
+
+    def fragment() -> HttpResponse:
+        fresh = (
+            _pending_approvals()
+            .model.objects.select_related(
+                "run__agent", "action__resource", "action__conflict_class", "action__agent"
+            )
+            .prefetch_related(
+                Prefetch("decisions", queryset=ApprovalDecision.objects.select_related("person"))
+            )
+            .get(pk=approval.pk)
+        )
+        context = {
+            "row": _approval_rows([fresh])[0],
+            "may_decide": True,
+            "error": error,
+            "form": form if error else DecisionForm(),
+            "now": timezone.now(),
+        }
+        return render(request, "approvals/inbox.html#approval", context, status=status)
+
+    if error is not None and is_htmx(request):
+        return fragment()
+    return after_post(
+        request,
+        redirect_to=reverse("approvals"),
+        fragment=fragment,
+        trigger=(EVENT_COUNTS, EVENT_APPROVALS) if error is None else (),
+    )
+
+
+# --- actions ---------------------------------------------------------------------------
+
+
+def _action_for(user: Any, action_id: uuid.UUID) -> Action:
+    action = (
+        actions_visible_to(user)
+        .select_related("run", "agent", "resource", "conflict_class")
+        .filter(pk=action_id)
+        .first()
+    )
+    if action is None:
+        raise Http404("No such action")
+    return action
+
+
+@console_page
+@require_GET
+def action_detail(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
+    action = _action_for(request.user, action_id)
+    operations = list(action.operations.order_by("started_at"))
+    conflicts = list(action.conflicts.all())
+    approvals = list(
+        action.approvals.prefetch_related(
+            Prefetch("decisions", queryset=ApprovalDecision.objects.select_related("person"))
+        )
+    )
+    context = {
+        "nav": "runs",
+        "action": action,
+        "operations": operations,
+        "conflicts": conflicts,
+        "approvals": approvals,
+        "children": list(action.children.all()[:20]),
+    }
+    return render(request, "approvals/action.html", context)
+
+
+@console_page
+@require_GET
+def action_status(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
+    """A status badge that polls itself until the action is final (then answers 286)."""
+    action = _action_for(request.user, action_id)
+    response = render(request, "approvals/partials/_action_status.html", {"action": action})
+    if action.is_final and is_htmx(request):
+        response.status_code = 286  # htmx: stop polling
+    return response
+
+
+# --- runs ---------------------------------------------------------------------------------
+
+
+@console_page
+@require_GET
+def runs_list(request: HttpRequest) -> HttpResponse:
+    form = RunFilterForm(request.GET or None)
+    runs = runs_visible_to(request.user).select_related("agent")
+    if form.is_valid():
+        data = form.cleaned_data
+        if data.get("status"):
+            runs = runs.filter(status=data["status"])
+        if data.get("agent"):
+            runs = runs.filter(agent__name=data["agent"])
+        if data.get("action_status"):
+            runs = runs.filter(
+                Exists(Action.objects.filter(run=OuterRef("pk"), status=data["action_status"]))
+            )
+    rows, next_cursor = keyset_page(runs, cursor=request.GET.get("cursor"))
+    context = {
+        "nav": "runs",
+        "form": form if form.is_bound else RunFilterForm(),
+        "runs": rows,
+        "next_cursor": next_cursor,
+        "query": query_without(request, "cursor"),
+        "now": timezone.now(),
+    }
+    return render_fragment_or_page(request, "approvals/runs.html", context, partial="list")
+
+
+def _run_for(user: Any, run_id: uuid.UUID) -> Run:
+    run = runs_visible_to(user).select_related("agent").filter(pk=run_id).first()
+    if run is None:
+        raise Http404("No such run")
+    return run
+
+
+def _run_context(request: HttpRequest, run: Run) -> dict[str, Any]:
+    actions = list(
+        run.actions.select_related("conflict_class", "resource").order_by("-created_at")[:100]
+    )
+    records = list(OwnershipRecord.objects.filter(run=run).order_by("-active", "kind_id", "name"))
+    now = timezone.now()
+    heartbeat_age = (
+        int((now - run.last_heartbeat_at).total_seconds()) if run.last_heartbeat_at else None
+    )
+    return {
+        "nav": "runs",
+        "run": run,
+        "actions": actions,
+        "records": [r for r in records if not r.exclusive],
+        "leases": [r for r in records if r.exclusive],
+        "heartbeat_age": heartbeat_age,
+        "now": now,
+        "may_revoke": permissions.is_operator(request.user)
+        and run.status in (RunStatus.ACTIVE, RunStatus.PENDING_APPROVAL),
+        "is_operator": permissions.is_operator(request.user),
+        "revoke_form": RevokeForm(),
+    }
+
+
+@console_page
+@require_GET
+def run_detail(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    run = _run_for(request.user, run_id)
+    return render_fragment_or_page(
+        request, "approvals/run.html", _run_context(request, run), partial="timeline"
+    )
+
+
+@console_page
+@require_POST
+def run_revoke_view(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    run = _run_for(request.user, run_id)
+    forbid_unless(permissions.is_operator(request.user), "Revoking a run needs the operator role.")
+    form = RevokeForm(request.POST)
+    if not form.is_valid():
+        context = _run_context(request, run)
+        context["revoke_form"] = form
+        return render_fragment_or_page(
+            request, "approvals/run.html", context, partial="revoke", status=422
+        )
+    from approvals.services.runs import run_revoke
+
+    try:
+        run_revoke(
+            run_id=run.id, actor=Actor.person(request.user), reason=form.cleaned_data["reason"]
+        )
+    except DomainError as exc:
+        messages.error(request, exc.message)
+        context = _run_context(request, run)
+        context["revoke_error"] = exc.message
+        return render_fragment_or_page(
+            request,
+            "approvals/run.html",
+            context,
+            partial="revoke",
+            status=domain_error_status(exc),
+        )
+    messages.success(request, "Run revoked: its ownership records are released.")
+    return after_post(request, redirect_to=reverse("run_detail", args=[run.id]))
+
+
+# --- tokens -----------------------------------------------------------------------------------
+
+
+def _tokens_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
+    user = request.user
+    admin = permissions.is_admin(user)
+    context: dict[str, Any] = {
+        "nav": "tokens",
+        "personal_tokens": list(
+            PersonalToken.objects.filter(user=user).order_by("-created_at")[:100]
+        ),
+        "personal_form": PersonalTokenCreateForm(),
+        "is_admin": admin,
+        "agents": list(
+            Agent.objects.select_related("owner")
+            .prefetch_related(
+                Prefetch("tokens", queryset=AgentToken.objects.order_by("-created_at"))
+            )
+            .order_by("name")[:200]
+        )
+        if admin
+        else [],
+        "agent_form": AgentCreateForm(),
+        "agent_token_form": AgentTokenCreateForm(),
+        "now": timezone.now(),
+    }
+    context.update(extra)
+    return context
+
+
+@console_page
+@require_GET
+def tokens_page(request: HttpRequest) -> HttpResponse:
+    return render(request, "approvals/tokens.html", _tokens_context(request))
+
+
+def _show_secret(request: HttpRequest, *, what: str, secret: str) -> HttpResponse:
+    # Shown once, never stored in clear: rendered directly, not through a redirect.
+    response = render(
+        request,
+        "approvals/tokens.html",
+        _tokens_context(request, new_secret=secret, new_secret_what=what),
+    )
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@console_page
+@require_POST
+def personal_token_create(request: HttpRequest) -> HttpResponse:
+    form = PersonalTokenCreateForm(request.POST)
+    if not form.is_valid():
+        return render(
+            request,
+            "approvals/tokens.html",
+            _tokens_context(request, personal_form=form),
+            status=422,
+        )
+    from approvals.services.tokens import personal_token_create as create
+
+    token, secret = create(
+        user=request.user, label=form.cleaned_data["label"], actor=Actor.person(request.user)
+    )
+    return _show_secret(request, what=f"personal token {token.prefix}…", secret=secret)
+
+
+@console_page
+@require_POST
+def personal_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
+    token = PersonalToken.objects.filter(pk=token_id, user=request.user).first()
+    if token is None:
+        raise Http404("No such token")
+    from approvals.services.tokens import personal_token_revoke as revoke
+
+    revoke(token_id=token.pk, actor=Actor.person(request.user))
+    messages.success(request, f"Token {token.prefix}… revoked.")
+    return after_post(request, redirect_to=reverse("tokens"), trigger=())
+
+
+@console_page
+@require_POST
+def agent_create(request: HttpRequest) -> HttpResponse:
+    forbid_unless(permissions.is_admin(request.user), "Only admins create agents.")
+    form = AgentCreateForm(request.POST)
+    if not form.is_valid():
+        return render(
+            request, "approvals/tokens.html", _tokens_context(request, agent_form=form), status=422
+        )
+    from approvals.services.tokens import agent_create as create
+
+    try:
+        agent, secret = create(
+            name=form.cleaned_data["name"],
+            description=form.cleaned_data["description"],
+            actor=Actor.person(request.user),
+        )
+    except DomainError as exc:
+        form.add_error("name", exc.message)
+        return render(
+            request,
+            "approvals/tokens.html",
+            _tokens_context(request, agent_form=form),
+            status=domain_error_status(exc),
+        )
+    return _show_secret(request, what=f"agent token for {agent.name}", secret=secret)
+
+
+@console_page
+@require_POST
+def agent_token_create(request: HttpRequest, agent_id: uuid.UUID) -> HttpResponse:
+    forbid_unless(permissions.is_admin(request.user), "Only admins create agent tokens.")
+    agent = get_object_or_404(Agent, pk=agent_id)
+    form = AgentTokenCreateForm(request.POST)
+    if not form.is_valid():
+        return render(request, "approvals/tokens.html", _tokens_context(request), status=422)
+    from approvals.services.tokens import agent_token_create as create
+
+    token, secret = create(
+        agent=agent, label=form.cleaned_data["label"], actor=Actor.person(request.user)
+    )
+    return _show_secret(request, what=f"agent token for {agent.name}", secret=secret)
+
+
+@console_page
+@require_POST
+def agent_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
+    if not permissions.is_admin(request.user):
+        raise PermissionDenied("Only admins revoke agent tokens.")
+    token = get_object_or_404(AgentToken, pk=token_id)
+    from approvals.services.tokens import agent_token_revoke as revoke
+
+    revoke(token_id=token.pk, actor=Actor.person(request.user))
+    messages.success(request, f"Agent token {token.prefix}… revoked.")
+    return after_post(request, redirect_to=reverse("tokens"), trigger=())

@@ -1,0 +1,39 @@
+"""Forms of the console pages (dashboard, kill switch)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django import forms
+
+_SCOPE = re.compile(r"^(\*|[a-z0-9][a-z0-9-]*/[A-Za-z0-9._:/-]*\*?)$")
+
+
+class KillSwitchForm(forms.Form):
+    action = forms.ChoiceField(
+        choices=[("engage", "Engage"), ("release", "Release")], widget=forms.HiddenInput
+    )
+    scope = forms.CharField(
+        max_length=300,
+        initial="*",
+        help_text="* for everything, or kind/prefix* (e.g. dns-record/prod-*).",
+    )
+    reason = forms.CharField(max_length=500, required=False, widget=forms.TextInput)
+    confirm = forms.BooleanField(
+        required=True,
+        label="I understand this stops or resumes writes in this scope",
+        error_messages={"required": "Tick the confirmation box to change the kill switch."},
+    )
+
+    def clean_scope(self) -> str:
+        scope: str = self.cleaned_data["scope"].strip()
+        if not _SCOPE.match(scope):
+            raise forms.ValidationError("Scope must be * or kind/prefix* (e.g. dns-record/prod-*).")
+        return scope
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if data.get("action") == "engage" and not (data.get("reason") or "").strip():
+            self.add_error("reason", "Say why: the reason is shown on every page and audited.")
+        return data

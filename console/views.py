@@ -1,0 +1,386 @@
+"""Console pages: sign-in, dashboard, kill switch, plus the helpers every page uses.
+
+Views are thin: parse, authorise through selectors/permission predicates, call
+one service, render. Each view serves the full page and, for htmx requests, the
+fragment (``"page.html#partial"``); every mutation also works as a plain form
+POST with redirect-after-POST.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from functools import wraps
+from typing import Any, TypeVar
+
+from django.contrib import messages
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
+from django.shortcuts import render
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.cache import patch_vary_headers
+from django.views.decorators.http import require_GET, require_POST
+
+from approvals.models import Action, ActionStatus, Approval, ApprovalStatus
+from audit.models import AuditEvent
+from console import permissions
+from console.core.errors import DomainError
+from console.forms import KillSwitchForm
+from console.models import KillSwitch
+from ownership.models import Conflict, ConflictStatus
+
+V = TypeVar("V", bound=Callable[..., HttpResponseBase])
+
+# Events fired through HX-Trigger after a mutation, so counters and lists refresh.
+EVENT_COUNTS = "counts-changed"
+
+
+def console_page(view: V) -> V:
+    """Login required, and the response varies on HX-Request (full page vs fragment)."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        response = view(request, *args, **kwargs)
+        patch_vary_headers(response, ("HX-Request",))
+        return response
+
+    return login_required(wrapper)  # type: ignore[return-value]
+
+
+def is_htmx(request: HttpRequest) -> bool:
+    return bool(getattr(request, "htmx", False))
+
+
+def render_fragment_or_page(
+    request: HttpRequest,
+    template: str,
+    context: dict[str, Any],
+    *,
+    partial: str,
+    status: int = 200,
+    trigger: Iterable[str] = (),
+) -> HttpResponse:
+    """The full page, or only ``template#partial`` for an htmx request."""
+    name = f"{template}#{partial}" if is_htmx(request) else template
+    response = render(request, name, context, status=status)
+    events = list(trigger)
+    if events:
+        response["HX-Trigger"] = json.dumps(dict.fromkeys(events, True))
+    return response
+
+
+def after_post(
+    request: HttpRequest,
+    *,
+    redirect_to: str,
+    fragment: Callable[[], HttpResponse] | None = None,
+    trigger: Iterable[str] = (EVENT_COUNTS,),
+) -> HttpResponse:
+    """Redirect-after-POST for plain forms; the updated fragment for htmx."""
+    if is_htmx(request) and fragment is not None:
+        response = fragment()
+    else:
+        response = HttpResponseRedirect(redirect_to)
+    events = list(trigger)
+    if events:
+        response["HX-Trigger"] = json.dumps(dict.fromkeys(events, True))
+    return response
+
+
+def domain_error_status(error: DomainError) -> int:
+    return {
+        "not_found": 404,
+        "forbidden": 403,
+        "self_approval": 403,
+        "validation_error": 422,
+    }.get(error.code, 409)
+
+
+def safe_next(request: HttpRequest, default: str) -> str:
+    """A same-site path to return to, never an absolute URL."""
+    target = request.POST.get("next") or request.GET.get("next") or ""
+    if target.startswith("/") and not target.startswith("//"):
+        return target
+    return default
+
+
+def engaged_switches() -> list[KillSwitch]:
+    return list(KillSwitch.objects.filter(engaged=True).select_related("changed_by"))
+
+
+# --- sign-in -------------------------------------------------------------------
+
+
+class LoginView(auth_views.LoginView):
+    """Django's login; django-axes counts failures and locks the username out."""
+
+    template_name = "registration/login.html"
+    redirect_authenticated_user = True
+
+
+class LogoutView(auth_views.LogoutView):
+    pass
+
+
+def locked_out(
+    request: HttpRequest, credentials: Any = None, *args: Any, **kwargs: Any
+) -> HttpResponse:
+    """django-axes lockout response (AXES_LOCKOUT_CALLABLE)."""
+    return render(request, "registration/locked_out.html", status=429)
+
+
+# --- dashboard -----------------------------------------------------------------
+
+
+def dashboard_counts(user: Any) -> dict[str, Any]:
+    """The live numbers on the dashboard: two aggregate queries plus one count."""
+    hour_ago = timezone.now() - timedelta(hours=1)
+    actions = Action.objects.filter(
+        Q(status__in=[ActionStatus.QUEUED, ActionStatus.EXECUTING, ActionStatus.PAUSED])
+        | Q(status=ActionStatus.FAILED, updated_at__gte=hour_ago)
+    ).aggregate(
+        queued=Count("id", filter=Q(status=ActionStatus.QUEUED)),
+        executing=Count("id", filter=Q(status=ActionStatus.EXECUTING)),
+        paused=Count("id", filter=Q(status=ActionStatus.PAUSED)),
+        failed_last_hour=Count("id", filter=Q(status=ActionStatus.FAILED)),
+    )
+    groups = permissions.user_groups(user)
+    conflicts = Conflict.objects.filter(status=ConflictStatus.OPEN).aggregate(
+        all=Count("id"), mine=Count("id", filter=Q(resolver_group__in=list(groups)))
+    )
+    may_decide = permissions.can_decide_approvals(user)
+    pending = (
+        Approval.objects.filter(
+            status=ApprovalStatus.PENDING, expires_at__gt=timezone.now()
+        ).count()
+        if may_decide or permissions.is_auditor(user)
+        else None
+    )
+    return {
+        "pending_approvals": pending,
+        "may_decide": may_decide,
+        "conflicts_mine": conflicts["mine"],
+        "conflicts_all": conflicts["all"],
+        **actions,
+    }
+
+
+def dashboard_context(request: HttpRequest, form: KillSwitchForm | None = None) -> dict[str, Any]:
+    user = request.user
+    reader = permissions.can_read_everything(user)
+    pauses = (
+        Action.objects.filter(status=ActionStatus.PAUSED)
+        .values("paused_reason")
+        .annotate(n=Count("id"))
+        .order_by("-n")[:10]
+    )
+    return {
+        "nav": "dashboard",
+        "counts": dashboard_counts(user),
+        "pauses": list(pauses),
+        "switches": list(KillSwitch.objects.select_related("changed_by").order_by("scope")[:50]),
+        "may_switch": permissions.is_operator(user),
+        "form": form or KillSwitchForm(),
+        "recent": list(AuditEvent.objects.order_by("-seq")[:12]) if reader else None,
+    }
+
+
+@console_page
+@require_GET
+def dashboard(request: HttpRequest) -> HttpResponse:
+    return render(request, "console/dashboard.html", dashboard_context(request))
+
+
+@console_page
+@require_GET
+def dashboard_counts_fragment(request: HttpRequest) -> HttpResponse:
+    return render(
+        request,
+        "console/dashboard.html#counts",
+        {"counts": dashboard_counts(request.user)},
+    )
+
+
+@console_page
+@require_GET
+def killswitch_banner(request: HttpRequest) -> HttpResponse:
+    return render(request, "console/partials/_banner.html")
+
+
+@console_page
+@require_POST
+def killswitch_set(request: HttpRequest) -> HttpResponse:
+    """Engage or release one scope (operators and admins; audited by the service)."""
+    if not permissions.is_operator(request.user):
+        raise PermissionDenied("Only operators and admins may use the kill switch.")
+    form = KillSwitchForm(request.POST)
+    if not form.is_valid():
+        context = dashboard_context(request, form)
+        return render_fragment_or_page(
+            request, "console/dashboard.html", context, partial="killswitch", status=422
+        )
+    from audit.services import Actor
+    from console.services import kill_switch_set
+
+    data = form.cleaned_data
+    engaged = data["action"] == "engage"
+    try:
+        kill_switch_set(
+            scope=data["scope"],
+            engaged=engaged,
+            reason=data["reason"],
+            actor=Actor.person(request.user),
+        )
+    except DomainError as error:
+        form.add_error(None, error.message)
+        context = dashboard_context(request, form)
+        return render_fragment_or_page(
+            request,
+            "console/dashboard.html",
+            context,
+            partial="killswitch",
+            status=domain_error_status(error),
+        )
+    verb = "engaged" if engaged else "released"
+    messages.success(request, f"Kill switch {verb} for {data['scope']}.")
+    return after_post(
+        request,
+        redirect_to=reverse("dashboard"),
+        fragment=lambda: render(
+            request, "console/dashboard.html#killswitch", dashboard_context(request)
+        ),
+    )
+
+
+def forbid_unless(allowed: bool, why: str) -> None:
+    if not allowed:
+        raise PermissionDenied(why)
+
+
+# --- keyset pagination ------------------------------------------------------------
+
+PAGE_SIZE = 50
+
+
+def _encode_cursor(values: list[Any]) -> str:
+    import base64
+
+    raw = json.dumps(values, default=str).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> list[Any] | None:
+    import base64
+    import binascii
+
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        values = json.loads(base64.urlsafe_b64decode(padded.encode()))
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        return None
+    return values if isinstance(values, list) else None
+
+
+def keyset_page(
+    queryset: Any,
+    *,
+    cursor: str | None,
+    fields: tuple[str, str] = ("created_at", "id"),
+    limit: int = PAGE_SIZE,
+) -> tuple[list[Any], str | None]:
+    """Newest first by (fields[0], fields[1]) descending; a bad cursor starts over.
+
+    Keyset, not OFFSET: page N costs the same as page 1 on a large table.
+    """
+    first, second = fields
+    qs = queryset.order_by(f"-{first}", f"-{second}")
+    values = _decode_cursor(cursor) if cursor else None
+    if values and len(values) == 2:
+        qs = qs.filter(
+            Q(**{f"{first}__lt": values[0]}) | Q(**{first: values[0], f"{second}__lt": values[1]})
+        )
+    rows = list(qs[: limit + 1])
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        last = rows[-1]
+        next_cursor = _encode_cursor([getattr(last, first), getattr(last, second)])
+    return rows, next_cursor
+
+
+def query_without(request: HttpRequest, key: str) -> str:
+    """The current query string without `key` (for "next page" links keeping filters)."""
+    params = request.GET.copy()
+    params.pop(key, None)
+    return params.urlencode()
+
+
+# --- documents and diffs (presentation only) ---------------------------------------
+
+_MISSING = object()
+
+
+def flatten(document: Any, prefix: str = "") -> dict[str, Any]:
+    """JSON pointer -> leaf value. Lists are compared as whole values."""
+    if isinstance(document, dict) and document:
+        out: dict[str, Any] = {}
+        for key, value in document.items():
+            pointer = f"{prefix}/{str(key).replace('~', '~0').replace('/', '~1')}"
+            out.update(flatten(value, pointer))
+        return out
+    return {prefix or "/": document}
+
+
+def document_diff(before: Any, after: Any) -> list[dict[str, Any]]:
+    """Field-level changes from `before` to `after`, for the pages: path, old, new, kind."""
+    if before is None and after is None:
+        return []
+    left = flatten(before) if before is not None else {}
+    right = flatten(after) if after is not None else {}
+    rows = []
+    for path in sorted(set(left) | set(right)):
+        old, new = left.get(path, _MISSING), right.get(path, _MISSING)
+        if old == new:
+            continue
+        kind = "added" if old is _MISSING else "removed" if new is _MISSING else "changed"
+        rows.append(
+            {
+                "path": path,
+                "old": None if old is _MISSING else pretty(old),
+                "new": None if new is _MISSING else pretty(new),
+                "kind": kind,
+            }
+        )
+    return rows
+
+
+def pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7396 JSON merge patch (to show the result of a PATCH before it runs)."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def proposed_document(action: Any) -> Any:
+    """What the resource would hold if `action` were applied to the current document."""
+    current = action.resource.document if action.resource_id and action.resource else {}
+    if action.payload_format == "merge_patch":
+        return merge_patch(current, action.payload)
+    if action.payload_format == "delete" or action.operation == "delete":
+        return None
+    return action.payload

@@ -1,0 +1,93 @@
+"""Forms of the conflicts, resources and catalog pages."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django import forms
+
+from ownership.models import (
+    ApprovalMode,
+    ConflictClass,
+    OnConflict,
+    ResolutionChoice,
+    ResourceKind,
+    TargetType,
+)
+
+_RESOLVER = re.compile(r"^(agent|owner|group:[A-Za-z0-9_.@+-]+)$")
+
+
+class ResolutionForm(forms.Form):
+    choice = forms.ChoiceField(choices=ResolutionChoice.choices)
+    comment = forms.CharField(max_length=2000, required=False, widget=forms.Textarea)
+
+
+class ResourceFilterForm(forms.Form):
+    kind = forms.SlugField(max_length=64, required=False)
+    prefix = forms.CharField(max_length=255, required=False)
+
+
+class UndoForm(forms.Form):
+    confirm = forms.BooleanField(required=True)
+
+
+class ConflictClassForm(forms.Form):
+    slug = forms.SlugField(max_length=64)
+    name = forms.CharField(max_length=200)
+    description = forms.CharField(required=False, widget=forms.Textarea)
+    approval_mode = forms.ChoiceField(choices=ApprovalMode.choices)
+    on_conflict = forms.ChoiceField(choices=OnConflict.choices)
+    resolver = forms.CharField(max_length=150, help_text="agent, owner or group:<name>")
+    quorum = forms.IntegerField(min_value=1, max_value=20, initial=1)
+    undo_window_seconds = forms.IntegerField(min_value=0, max_value=30 * 86400, initial=600)
+    approval_ttl_seconds = forms.IntegerField(min_value=60, max_value=30 * 86400, initial=172_800)
+
+    def clean_resolver(self) -> str:
+        resolver: str = self.cleaned_data["resolver"].strip()
+        if not _RESOLVER.match(resolver):
+            raise forms.ValidationError("Resolver must be agent, owner or group:<name>.")
+        return resolver
+
+    @staticmethod
+    def initial_from(row: ConflictClass) -> dict[str, Any]:
+        return {name: getattr(row, name) for name in ConflictClassForm.base_fields}
+
+
+class ResourceKindForm(forms.Form):
+    slug = forms.SlugField(max_length=64)
+    description = forms.CharField(required=False, max_length=1000)
+    class_create = forms.ModelChoiceField(
+        queryset=ConflictClass.objects.all(), to_field_name="slug"
+    )
+    class_update = forms.ModelChoiceField(
+        queryset=ConflictClass.objects.all(), to_field_name="slug"
+    )
+    class_delete = forms.ModelChoiceField(
+        queryset=ConflictClass.objects.all(), to_field_name="slug"
+    )
+    owner_group = forms.CharField(max_length=150)
+    undo_window_seconds = forms.IntegerField(min_value=0, max_value=30 * 86400, required=False)
+    target = forms.ChoiceField(choices=TargetType.choices, initial=TargetType.MANAGED)
+    target_url = forms.URLField(required=False)
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if data.get("target") == TargetType.HTTP and not data.get("target_url"):
+            self.add_error("target_url", "An HTTP target needs its URL.")
+        return data
+
+    @staticmethod
+    def initial_from(kind: ResourceKind) -> dict[str, Any]:
+        return {
+            "slug": kind.slug,
+            "description": kind.description,
+            "class_create": kind.class_create_id,
+            "class_update": kind.class_update_id,
+            "class_delete": kind.class_delete_id,
+            "owner_group": kind.owner_group,
+            "undo_window_seconds": kind.undo_window_seconds,
+            "target": kind.target,
+            "target_url": kind.target_url,
+        }

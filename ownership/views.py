@@ -1,0 +1,528 @@
+"""Conflicts (three-way resolution), resources, conflict classes and resource kinds."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.contrib import messages
+from django.db.models import Q
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from approvals.models import Operation, OperationStatus
+from audit.services import Actor
+from console import permissions
+from console.core.errors import DomainError
+from console.views import (
+    EVENT_COUNTS,
+    after_post,
+    console_page,
+    document_diff,
+    domain_error_status,
+    flatten,
+    forbid_unless,
+    is_htmx,
+    keyset_page,
+    pretty,
+    query_without,
+    render_fragment_or_page,
+)
+from ownership.forms import (
+    ConflictClassForm,
+    ResolutionForm,
+    ResourceFilterForm,
+    ResourceKindForm,
+    UndoForm,
+)
+from ownership.models import (
+    Conflict,
+    ConflictClass,
+    ConflictStatus,
+    OwnershipRecord,
+    Resource,
+    ResourceKind,
+    ResourceVersion,
+)
+
+EVENT_CONFLICTS = "conflicts-changed"
+_MISSING = object()
+
+
+# --- conflicts ---------------------------------------------------------------------------
+
+
+def conflicts_visible_to(user: Any) -> Any:
+    conflicts = Conflict.objects.all()
+    if permissions.can_read_everything(user):
+        return conflicts
+    groups = list(permissions.user_groups(user))
+    return conflicts.filter(Q(resolver_group__in=groups) | Q(resource__owner_group__in=groups))
+
+
+def _unescape(token: str) -> str:
+    return token.replace("~1", "/").replace("~0", "~")
+
+
+def three_way(base: Any, current: Any, proposed: Any) -> list[dict[str, Any]]:
+    """Field by field: which side changed it since the base (what the agent saw)."""
+    b, c, p = flatten(base or {}), flatten(current or {}), flatten(proposed or {})
+    rows = []
+    for path in sorted(set(b) | set(c) | set(p)):
+        vb, vc, vp = b.get(path, _MISSING), c.get(path, _MISSING), p.get(path, _MISSING)
+        agent_changed, other_changed = vp != vb, vc != vb
+        if not (agent_changed or other_changed):
+            continue
+        change = (
+            "both"
+            if agent_changed and other_changed
+            else "agent_only"
+            if agent_changed
+            else "other_only"
+        )
+        rows.append(
+            {
+                "path": path,
+                "base": vb,
+                "current": vc,
+                "proposed": vp,
+                "change": change,
+            }
+        )
+    return rows
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is _MISSING else pretty(value)
+
+
+def _field_rows(conflict: Conflict) -> list[dict[str, Any]]:
+    rows = three_way(conflict.base_document, conflict.current_document, conflict.proposed_document)
+    for row in rows:
+        row["base_text"] = _show(row["base"])
+        row["current_text"] = _show(row["current"])
+        row["proposed_text"] = _show(row["proposed"])
+        # Default choice: keep what only the agent changed, keep others' edits.
+        row["default"] = "proposed" if row["change"] == "agent_only" else "current"
+        row["slug"] = row["path"].strip("/").replace("/", "__") or "root"
+    return rows
+
+
+def _set_pointer(document: Any, path: str, value: Any) -> Any:
+    if path == "/":
+        return None if value is _MISSING else value
+    parts = [_unescape(p) for p in path.lstrip("/").split("/")]
+    root = dict(document) if isinstance(document, dict) else {}
+    node = root
+    for part in parts[:-1]:
+        child = node.get(part)
+        child = dict(child) if isinstance(child, dict) else {}
+        node[part] = child
+        node = child
+    if value is _MISSING:
+        node.pop(parts[-1], None)
+    else:
+        node[parts[-1]] = value
+    return root
+
+
+def merged_document(conflict: Conflict, choices: dict[str, str]) -> Any:
+    """Current document with the fields chosen as "proposed" taken from the proposal."""
+    document: Any = conflict.current_document
+    for row in three_way(
+        conflict.base_document, conflict.current_document, conflict.proposed_document
+    ):
+        if choices.get(row["path"]) == "proposed":
+            document = _set_pointer(document, row["path"], row["proposed"])
+    return document
+
+
+def _conflict_for(user: Any, conflict_id: uuid.UUID) -> Conflict:
+    conflict = (
+        conflicts_visible_to(user)
+        .select_related(
+            "resource", "conflict_class", "action__run__agent", "resolved_by", "resolution_action"
+        )
+        .filter(pk=conflict_id)
+        .first()
+    )
+    if conflict is None:
+        raise Http404("No such conflict")
+    return conflict
+
+
+def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) -> dict[str, Any]:
+    rows = _field_rows(conflict)
+    may_resolve = permissions.can_resolve(
+        request.user, resolver=conflict.resolver, owner_group=conflict.resource.owner_group
+    )
+    choices = {row["path"]: row["default"] for row in rows}
+    # Who wrote the current version, from which run.
+    current_writer = (
+        ResourceVersion.objects.select_related("run__agent", "person", "action")
+        .filter(resource=conflict.resource, version=conflict.current_version)
+        .first()
+    )
+    context = {
+        "nav": "conflicts",
+        "conflict": conflict,
+        "rows": rows,
+        "may_resolve": may_resolve,
+        "resolver_group": permissions.resolver_group(
+            conflict.resolver, conflict.resource.owner_group
+        ),
+        "current_writer": current_writer,
+        "preview": pretty(merged_document(conflict, choices)),
+        "form": ResolutionForm(),
+    }
+    context.update(extra)
+    return context
+
+
+@console_page
+@require_GET
+def conflicts_list(request: HttpRequest) -> HttpResponse:
+    user = request.user
+    scope = request.GET.get("scope", "mine")
+    status = request.GET.get("status", "open")
+    conflicts = conflicts_visible_to(user).select_related(
+        "resource", "conflict_class", "action__run__agent"
+    )
+    if scope != "all":
+        conflicts = conflicts.filter(resolver_group__in=list(permissions.user_groups(user)))
+    if status in ConflictStatus.values:
+        conflicts = conflicts.filter(status=status)
+    rows, next_cursor = keyset_page(conflicts, cursor=request.GET.get("cursor"))
+    context = {
+        "nav": "conflicts",
+        "conflicts": rows,
+        "scope": scope,
+        "status": status,
+        "next_cursor": next_cursor,
+        "query": query_without(request, "cursor"),
+    }
+    return render_fragment_or_page(request, "ownership/conflicts.html", context, partial="list")
+
+
+@console_page
+@require_GET
+def conflict_detail(request: HttpRequest, conflict_id: uuid.UUID) -> HttpResponse:
+    conflict = _conflict_for(request.user, conflict_id)
+    return render(request, "ownership/conflict.html", _conflict_context(request, conflict))
+
+
+def _choices_from(request: HttpRequest, conflict: Conflict) -> dict[str, str]:
+    choices = {}
+    for row in _field_rows(conflict):
+        value = request.POST.get(f"field:{row['path']}", row["default"])
+        choices[row["path"]] = value if value in ("current", "proposed") else row["default"]
+    return choices
+
+
+@console_page
+@require_http_methods(["POST"])
+def conflict_preview(request: HttpRequest, conflict_id: uuid.UUID) -> HttpResponse:
+    """The merged document for the choices in the form (no state change)."""
+    conflict = _conflict_for(request.user, conflict_id)
+    choice = request.POST.get("choice", "merge")
+    if choice == "keep_current":
+        document: Any = conflict.current_document
+    elif choice == "take_proposed":
+        document = conflict.proposed_document
+    else:
+        document = merged_document(conflict, _choices_from(request, conflict))
+    return render(
+        request,
+        "ownership/conflict.html#preview",
+        {"preview": pretty(document), "conflict": conflict},
+    )
+
+
+@console_page
+@require_POST
+def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpResponse:
+    conflict = _conflict_for(request.user, conflict_id)
+    forbid_unless(
+        permissions.can_resolve(
+            request.user, resolver=conflict.resolver, owner_group=conflict.resource.owner_group
+        ),
+        "Only the resolver group of this conflict may resolve it.",
+    )
+    form = ResolutionForm(request.POST)
+    if not form.is_valid():
+        context = _conflict_context(request, conflict, form=form)
+        return render_fragment_or_page(
+            request, "ownership/conflict.html", context, partial="resolution", status=422
+        )
+    choice = form.cleaned_data["choice"]
+    fields = _choices_from(request, conflict) if choice == "merge" else {}
+    from ownership.services import conflict_resolve
+
+    try:
+        conflict_resolve(
+            conflict_id=conflict.id,
+            person=request.user,
+            choice=choice,
+            fields=fields,
+            comment=form.cleaned_data["comment"],
+        )
+    except DomainError as exc:
+        context = _conflict_context(request, conflict, form=form, error=exc.message)
+        return render_fragment_or_page(
+            request,
+            "ownership/conflict.html",
+            context,
+            partial="resolution",
+            status=domain_error_status(exc),
+        )
+    if not is_htmx(request):
+        messages.success(request, "Conflict resolved.")
+
+    def fragment() -> HttpResponse:
+        fresh = _conflict_for(request.user, conflict.id)
+        return render(
+            request, "ownership/conflict.html#resolution", _conflict_context(request, fresh)
+        )
+
+    return after_post(
+        request,
+        redirect_to=reverse("conflict_detail", args=[conflict.id]),
+        fragment=fragment,
+        trigger=(EVENT_COUNTS, EVENT_CONFLICTS),
+    )
+
+
+# --- resources ----------------------------------------------------------------------------
+
+
+def resources_visible_to(user: Any) -> Any:
+    resources = Resource.objects.all()
+    if permissions.can_read_everything(user):
+        return resources
+    return resources.filter(owner_group__in=list(permissions.user_groups(user)))
+
+
+@console_page
+@require_GET
+def resources_list(request: HttpRequest) -> HttpResponse:
+    form = ResourceFilterForm(request.GET or None)
+    resources = resources_visible_to(request.user)
+    if form.is_valid():
+        if form.cleaned_data.get("kind"):
+            resources = resources.filter(kind_id=form.cleaned_data["kind"])
+        if form.cleaned_data.get("prefix"):
+            resources = resources.filter(name__startswith=form.cleaned_data["prefix"])
+    rows, next_cursor = keyset_page(
+        resources.only("id", "kind_id", "name", "version", "owner_group", "updated_at", "deleted"),
+        cursor=request.GET.get("cursor"),
+        fields=("updated_at", "id"),
+    )
+    context = {
+        "nav": "resources",
+        "form": form if form.is_bound else ResourceFilterForm(),
+        "resources": rows,
+        "next_cursor": next_cursor,
+        "query": query_without(request, "cursor"),
+    }
+    return render_fragment_or_page(request, "ownership/resources.html", context, partial="list")
+
+
+def _resource_for(user: Any, identifier: str) -> Resource:
+    kind, sep, name = identifier.partition("/")
+    if not sep or not name:
+        raise Http404("No such resource")
+    resource = (
+        resources_visible_to(user).select_related("kind").filter(kind_id=kind, name=name).first()
+    )
+    if resource is None:
+        raise Http404("No such resource")
+    return resource
+
+
+def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) -> dict[str, Any]:
+    now = timezone.now()
+    versions = list(
+        ResourceVersion.objects.filter(resource=resource)
+        .select_related("run__agent", "person")
+        .order_by("-version")[:31]
+    )
+    history = []
+    for index, version in enumerate(versions[:30]):
+        previous = versions[index + 1] if index + 1 < len(versions) else None
+        history.append(
+            {
+                "v": version,
+                "diff": document_diff(
+                    None if previous is None or previous.deleted else previous.document,
+                    None if version.deleted else version.document,
+                )
+                if previous is not None
+                else None,
+            }
+        )
+    records = [
+        r
+        for r in OwnershipRecord.objects.filter(kind_id=resource.kind_id, active=True)
+        .filter(Q(name=resource.name) | Q(is_prefix=True))
+        .select_related("run__agent")
+        if r.name == resource.name or (r.is_prefix and resource.name.startswith(r.name))
+    ]
+    undoable = list(
+        Operation.objects.filter(
+            action__resource=resource,
+            status=OperationStatus.DONE,
+            undo_of__isnull=True,
+            undo_deadline__gt=now,
+            undone_by__isnull=True,
+        )
+        .select_related("action__run__agent")
+        .order_by("-result_version")[:20]
+    )
+    may_undo = permissions.can_undo_as_person(request.user, owner_group=resource.owner_group)
+    context = {
+        "nav": "resources",
+        "resource": resource,
+        "document": pretty(resource.document),
+        "history": history,
+        "records": records,
+        "undoable": undoable,
+        "may_undo": may_undo,
+        "now": now,
+    }
+    context.update(extra)
+    return context
+
+
+@console_page
+@require_GET
+def resource_detail(request: HttpRequest, identifier: str) -> HttpResponse:
+    resource = _resource_for(request.user, identifier)
+    return render(request, "ownership/resource.html", _resource_context(request, resource))
+
+
+@console_page
+@require_POST
+def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
+    """Ask for the undo of one applied write (the engine runs it through the barrier)."""
+    operation = Operation.objects.select_related("action__resource").filter(pk=operation_id).first()
+    if operation is None or operation.action.resource is None:
+        raise Http404("No such operation")
+    resource = _resource_for(request.user, operation.action.resource.identifier)
+    forbid_unless(
+        permissions.can_undo_as_person(request.user, owner_group=resource.owner_group),
+        "Only operators and the resource's owner group may undo.",
+    )
+    form = UndoForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "Tick the confirmation box to undo.")
+        return after_post(
+            request, redirect_to=reverse("resource_detail", args=[resource.identifier]), trigger=()
+        )
+    from approvals.services.undo import action_undo_request
+
+    try:
+        action_undo_request(action_id=operation.action_id, actor=Actor.person(request.user))
+    except DomainError as exc:
+        messages.error(request, exc.message)
+        return after_post(
+            request, redirect_to=reverse("resource_detail", args=[resource.identifier]), trigger=()
+        )
+    messages.success(request, f"Undo of version {operation.result_version} requested.")
+    return after_post(request, redirect_to=reverse("resource_detail", args=[resource.identifier]))
+
+
+# --- conflict classes and resource kinds ---------------------------------------------------
+
+
+def _catalog_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
+    classes = list(ConflictClass.objects.order_by("slug"))
+    kinds = list(
+        ResourceKind.objects.select_related("class_create", "class_update", "class_delete")
+    )
+    context = {
+        "nav": "catalog",
+        "classes": classes,
+        "kinds": kinds,
+        "is_admin": permissions.is_admin(request.user),
+        "class_form": ConflictClassForm(),
+        "kind_form": ResourceKindForm(),
+    }
+    context.update(extra)
+    return context
+
+
+@console_page
+@require_GET
+def catalog(request: HttpRequest) -> HttpResponse:
+    context = _catalog_context(request)
+    edit = request.GET.get("edit_class")
+    if edit and context["is_admin"]:
+        row = ConflictClass.objects.filter(slug=edit).first()
+        if row is not None:
+            context["class_form"] = ConflictClassForm(initial=ConflictClassForm.initial_from(row))
+    edit_kind = request.GET.get("edit_kind")
+    if edit_kind and context["is_admin"]:
+        kind = ResourceKind.objects.filter(slug=edit_kind).first()
+        if kind is not None:
+            context["kind_form"] = ResourceKindForm(initial=ResourceKindForm.initial_from(kind))
+    return render(request, "ownership/catalog.html", context)
+
+
+@console_page
+@require_POST
+def conflict_class_save(request: HttpRequest) -> HttpResponse:
+    forbid_unless(permissions.is_admin(request.user), "Only admins edit conflict classes.")
+    form = ConflictClassForm(request.POST)
+    if not form.is_valid():
+        return render(
+            request,
+            "ownership/catalog.html",
+            _catalog_context(request, class_form=form),
+            status=422,
+        )
+    from ownership.catalog import conflict_class_put
+
+    data = dict(form.cleaned_data)
+    slug = data.pop("slug")
+    try:
+        conflict_class_put(slug=slug, data=data, actor=Actor.person(request.user))
+    except DomainError as exc:
+        form.add_error(None, exc.message)
+        return render(
+            request,
+            "ownership/catalog.html",
+            _catalog_context(request, class_form=form),
+            status=domain_error_status(exc),
+        )
+    messages.success(request, f"Conflict class {slug} saved.")
+    return after_post(request, redirect_to=reverse("catalog"), trigger=())
+
+
+@console_page
+@require_POST
+def resource_kind_save(request: HttpRequest) -> HttpResponse:
+    forbid_unless(permissions.is_admin(request.user), "Only admins edit resource kinds.")
+    form = ResourceKindForm(request.POST)
+    if not form.is_valid():
+        return render(
+            request, "ownership/catalog.html", _catalog_context(request, kind_form=form), status=422
+        )
+    from ownership.catalog import resource_kind_put
+
+    data = dict(form.cleaned_data)
+    slug = data.pop("slug")
+    try:
+        resource_kind_put(slug=slug, data=data, actor=Actor.person(request.user))
+    except DomainError as exc:
+        form.add_error(None, exc.message)
+        return render(
+            request,
+            "ownership/catalog.html",
+            _catalog_context(request, kind_form=form),
+            status=domain_error_status(exc),
+        )
+    messages.success(request, f"Resource kind {slug} saved.")
+    return after_post(request, redirect_to=reverse("catalog"), trigger=())
