@@ -1,0 +1,368 @@
+"""The write barrier: one conditional UPDATE per write, refusals recorded, nothing lost."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from audit.models import AuditEvent
+from audit.selectors import verify_chain
+from audit.services import Actor
+from console.core.barrier import apply_action, merge_patch, open_operation
+from console.core.errors import InvalidTransition, KillSwitchEngaged
+from console.core.fence import next_fence
+from console.models import KillSwitch
+from ownership.models import Resource, ResourceVersion
+from tests.fixtures.core import execute, make_action, make_resource, make_run
+
+PROD_ALERTS = "notification-policy/prod-alerts"
+
+
+@pytest.mark.django_db
+def test_the_design_collision_refuses_the_stale_full_document_write(prod_alerts: Any) -> None:
+    run_a = make_run("agent-a", task="add a backup destination")
+    run_b = make_run("agent-b", task="raise severity")
+    seen_by_a = Resource.objects.get(pk=prod_alerts.pk)
+    assert seen_by_a.version == 41
+
+    # B patches severity -> critical, observed 41 -> 42.
+    action_b = make_action(
+        run=run_b,
+        identifier=PROD_ALERTS,
+        payload={"severity": "critical"},
+        payload_format="merge_patch",
+        observed_version=41,
+    )
+    outcome_b = execute(action_b)
+    assert outcome_b.applied and outcome_b.result_version == 42
+
+    # A sends the full document it read at 41, plus its own change.
+    document_a = {**seen_by_a.document, "channels": ["email", "backup-pager"]}
+    action_a = make_action(
+        run=run_a, identifier=PROD_ALERTS, payload=document_a, observed_version=41
+    )
+    outcome_a = execute(action_a)
+
+    assert not outcome_a.applied
+    assert outcome_a.refusal is not None
+    assert outcome_a.refusal.reason == "stale_version"
+    assert outcome_a.refusal.expected_version == 41
+    assert outcome_a.refusal.current_version == 42
+
+    resource = Resource.objects.get(pk=prod_alerts.pk)
+    assert resource.version == 42
+    assert resource.document == {
+        "severity": "critical",
+        "channels": ["email"],
+        "escalation": {"after_minutes": 15},
+    }
+    assert Operation.objects.get(pk=outcome_a.operation_id).status == OperationStatus.FAILED
+    assert Operation.objects.get(pk=outcome_a.operation_id).outcome["current_version"] == 42
+    assert Action.objects.get(pk=action_b.pk).status == ActionStatus.APPLIED
+    # The engine routes the refused action; the barrier leaves it executing.
+    assert Action.objects.get(pk=action_a.pk).status == ActionStatus.EXECUTING
+
+    applied = AuditEvent.objects.get(event_type="write.applied", action_id=action_b.pk)
+    refused = AuditEvent.objects.get(event_type="write.refused", action_id=action_a.pk)
+    assert (applied.run_id, applied.actor_type, applied.actor_id) == (
+        run_b.pk,
+        "run",
+        str(run_b.pk),
+    )
+    assert applied.details["from_version"] == 41 and applied.details["to_version"] == 42
+    assert applied.details["fence"] == outcome_b.fence
+    assert (refused.run_id, refused.actor_id) == (run_a.pk, str(run_a.pk))
+    assert refused.details["expected_version"] == 41
+    assert refused.details["current_version"] == 42
+    assert refused.details["reason"] == "stale_version"
+    assert refused.seq > applied.seq
+    assert verify_chain().ok
+
+
+@pytest.mark.django_db
+def test_an_accepted_write_records_version_operation_and_deadline(prod_alerts: Any) -> None:
+    run = make_run()
+    action = make_action(
+        run=run,
+        identifier=PROD_ALERTS,
+        payload={"severity": "info"},
+        payload_format="merge_patch",
+        observed_version=41,
+    )
+    outcome = execute(action)
+    version = ResourceVersion.objects.get(resource=prod_alerts, version=42)
+    assert version.document["severity"] == "info"
+    assert (version.fence, version.run_id, version.action_id) == (outcome.fence, run.pk, action.pk)
+    assert version.operation == "update"
+    operation = Operation.objects.get(pk=outcome.operation_id)
+    assert operation.status == OperationStatus.DONE
+    assert (operation.base_version, operation.result_version) == (41, 42)
+    # replace_shared_document's window is 600 s.
+    window = (operation.undo_deadline - operation.finished_at).total_seconds()
+    assert 599 <= window <= 601
+    action.refresh_from_db()
+    assert action.status == ActionStatus.APPLIED
+    assert action.revision == 3  # queued(1) -> executing(2) -> applied(3)
+    assert action.resource_id == prod_alerts.pk
+    assert Resource.objects.get(pk=prod_alerts.pk).last_fence == outcome.fence
+
+
+@pytest.mark.django_db
+def test_a_kind_undo_window_overrides_the_class_window() -> None:
+    make_resource("dns-record/www", {"ip": "10.0.0.1"})
+    from tests.fixtures.core import make_kind
+
+    make_kind("dns-record", undo_window_seconds=30)
+    action = make_action(
+        run=make_run(), identifier="dns-record/www", payload={"ip": "10.0.0.2"}, observed_version=1
+    )
+    outcome = execute(action)
+    operation = Operation.objects.get(pk=outcome.operation_id)
+    assert 29 <= (operation.undo_deadline - operation.finished_at).total_seconds() <= 31
+
+
+def test_merge_patch_follows_rfc_7396() -> None:
+    target = {"a": "b", "c": {"d": "e", "f": "g"}, "list": [1, 2], "keep": True}
+    patch = {"a": "z", "c": {"f": None, "new": 1}, "list": [3], "absent": None}
+    assert merge_patch(target, patch) == {
+        "a": "z",
+        "c": {"d": "e", "new": 1},
+        "list": [3],
+        "keep": True,
+    }
+    # RFC 7396 appendix examples.
+    assert merge_patch({"a": ["b"]}, {"a": "c"}) == {"a": "c"}
+    assert merge_patch({"a": "foo"}, "bar") == "bar"
+    assert merge_patch({"e": None}, {"a": 1}) == {"e": None, "a": 1}
+    assert merge_patch([1, 2], {"a": "b", "c": None}) == {"a": "b"}
+    assert merge_patch({}, {"a": {"bb": {"ccc": None}}}) == {"a": {"bb": {}}}
+    assert target["c"] == {"d": "e", "f": "g"}  # the input is not mutated
+
+
+@pytest.mark.django_db
+def test_a_merge_patch_is_applied_to_the_current_document(prod_alerts: Any) -> None:
+    action = make_action(
+        run=make_run(),
+        identifier=PROD_ALERTS,
+        payload={"escalation": {"after_minutes": None, "to": "oncall"}, "channels": None},
+        payload_format="merge_patch",
+        observed_version=41,
+    )
+    assert execute(action).applied
+    assert Resource.objects.get(pk=prod_alerts.pk).document == {
+        "severity": "warning",
+        "escalation": {"to": "oncall"},
+    }
+
+
+@pytest.mark.django_db
+def test_delete_leaves_a_tombstone_and_create_revives_it() -> None:
+    make_resource("dns-record/old", {"ip": "10.0.0.9"}, version=3)
+    run = make_run()
+    delete = make_action(
+        run=run, identifier="dns-record/old", operation="delete", observed_version=3
+    )
+    outcome = execute(delete)
+    assert outcome.applied and outcome.result_version == 4
+    resource = Resource.objects.get(kind_id="dns-record", name="old")
+    assert resource.deleted and resource.version == 4
+    assert ResourceVersion.objects.get(resource=resource, version=4).deleted
+
+    # An update of a tombstone is refused as missing.
+    update = make_action(
+        run=run, identifier="dns-record/old", payload={"ip": "1.1.1.1"}, observed_version=4
+    )
+    refused = execute(update)
+    assert not refused.applied and refused.reason == "missing"
+
+    # A create of the same name revives it; versions keep rising.
+    create = make_action(
+        run=run, identifier="dns-record/old", operation="create", payload={"ip": "10.0.0.10"}
+    )
+    revived = execute(create)
+    assert revived.applied and (revived.base_version, revived.result_version) == (4, 5)
+    resource.refresh_from_db()
+    assert not resource.deleted and resource.document == {"ip": "10.0.0.10"}
+
+
+@pytest.mark.django_db
+def test_create_of_an_existing_name_is_refused() -> None:
+    make_resource("dns-record/taken", {"ip": "10.0.0.1"})
+    action = make_action(
+        run=make_run(), identifier="dns-record/taken", operation="create", payload={"ip": "x"}
+    )
+    outcome = execute(action)
+    assert not outcome.applied and outcome.reason == "already_exists"
+    assert Resource.objects.get(kind_id="dns-record", name="taken").document == {"ip": "10.0.0.1"}
+
+
+@pytest.mark.django_db
+def test_update_of_a_missing_resource_is_refused() -> None:
+    from tests.fixtures.core import make_kind
+
+    make_kind("dns-record")
+    action = make_action(
+        run=make_run(), identifier="dns-record/nowhere", payload={}, observed_version=1
+    )
+    outcome = execute(action)
+    assert not outcome.applied and outcome.reason == "missing"
+    assert AuditEvent.objects.filter(event_type="write.refused", action_id=action.pk).exists()
+
+
+@pytest.mark.django_db
+def test_the_kill_switch_is_checked_inside_the_barrier(prod_alerts: Any) -> None:
+    run = make_run()
+    action = make_action(
+        run=run, identifier=PROD_ALERTS, payload={"severity": "x"}, observed_version=41
+    )
+    fence = next_fence()
+    operation = open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=60)
+    # Engaged after the job started (after open_operation): the barrier still refuses.
+    KillSwitch.objects.create(scope="notification-policy/prod-*", engaged=True, reason="incident")
+    events_before = AuditEvent.objects.count()
+    with pytest.raises(KillSwitchEngaged) as raised:
+        apply_action(
+            action_id=action.pk, operation_id=operation.pk, fence=fence, actor=Actor.run(run)
+        )
+    assert raised.value.extra["scope"] == "notification-policy/prod-*"
+    assert Resource.objects.get(pk=prod_alerts.pk).version == 41
+    assert Operation.objects.get(pk=operation.pk).status == OperationStatus.PENDING
+    assert AuditEvent.objects.count() == events_before
+
+    # Other namespaces are not affected; a global switch covers everything.
+    other = make_resource("dns-record/a", {})
+    other_action = make_action(run=run, identifier="dns-record/a", payload={}, observed_version=1)
+    assert execute(other_action).applied
+    KillSwitch.objects.create(scope="*", engaged=True, reason="all stop")
+    another = make_action(run=run, identifier="dns-record/a", payload={"b": 1}, observed_version=2)
+    with pytest.raises(KillSwitchEngaged):
+        execute(another)
+    assert Resource.objects.get(pk=other.pk).version == 2
+
+    # Released: the same operation goes through.
+    KillSwitch.objects.update(engaged=False)
+    outcome = apply_action(
+        action_id=action.pk, operation_id=operation.pk, fence=fence, actor=Actor.run(run)
+    )
+    assert outcome.applied and outcome.result_version == 42
+
+
+@pytest.mark.django_db
+def test_a_redelivered_operation_writes_nothing_twice(prod_alerts: Any) -> None:
+    run = make_run()
+    action = make_action(
+        run=run, identifier=PROD_ALERTS, payload={"severity": "x"}, observed_version=41
+    )
+    first = execute(action)
+    operation_id = first.operation_id
+    again = apply_action(
+        action_id=action.pk, operation_id=operation_id, fence=first.fence, actor=Actor.run(run)
+    )
+    assert again.applied and again.result_version == 42
+    assert Resource.objects.get(pk=prod_alerts.pk).version == 42
+    assert AuditEvent.objects.filter(action_id=action.pk).count() == 1
+    # A new execution of an applied action is refused before it writes.
+    with pytest.raises(InvalidTransition):
+        open_operation(action_id=action.pk, fence=next_fence(), worker="w", lease_seconds=60)
+
+
+def _race(count: int, target: Any) -> list[Any]:
+    """Run `target(index)` in `count` threads released together; collect results."""
+    start = threading.Barrier(count)
+    results: list[Any] = [None] * count
+
+    def run(index: int) -> None:
+        try:
+            start.wait()
+            results[index] = target(index)
+        except BaseException as exc:
+            results[index] = exc
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fifty_concurrent_writes_of_one_observed_version_apply_exactly_once() -> None:
+    resource = make_resource("notification-policy/race", {"n": 0}, version=7)
+    run = make_run()
+    actions = [
+        make_action(
+            run=run,
+            identifier="notification-policy/race",
+            payload={"n": index},
+            payload_format="merge_patch",
+            observed_version=7,
+        )
+        for index in range(50)
+    ]
+    operations = []
+    for action in actions:
+        fence = next_fence()
+        operations.append(
+            (
+                open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=60),
+                fence,
+            )
+        )
+
+    def write(index: int) -> Any:
+        operation, fence = operations[index]
+        return apply_action(
+            action_id=actions[index].pk,
+            operation_id=operation.pk,
+            fence=fence,
+            actor=Actor.run(run),
+        )
+
+    results = _race(50, write)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    applied = [r for r in results if r.applied]
+    refused = [r for r in results if not r.applied]
+    assert len(applied) == 1
+    assert len(refused) == 49
+    assert {r.reason for r in refused} <= {"stale_version", "stale_fence"}
+    winner = applied[0]
+    resource.refresh_from_db()
+    assert resource.version == 8
+    assert resource.last_fence == winner.fence
+    assert ResourceVersion.objects.filter(resource=resource).count() == 2
+    winner_index = next(i for i, r in enumerate(results) if r.applied)
+    assert resource.document == {"n": winner_index}
+    assert Operation.objects.filter(status=OperationStatus.DONE).count() == 1
+    assert Operation.objects.filter(status=OperationStatus.FAILED).count() == 49
+    assert AuditEvent.objects.filter(event_type="write.applied").count() == 1
+    assert AuditEvent.objects.filter(event_type="write.refused").count() == 49
+    assert verify_chain().ok
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_concurrent_creates_of_one_name_leave_one_row() -> None:
+    from tests.fixtures.core import make_kind
+
+    make_kind("dns-record")
+    run = make_run()
+    for attempt in range(3):
+        name = f"dns-record/new-{attempt}"
+        actions = [
+            make_action(run=run, identifier=name, operation="create", payload={"by": index})
+            for index in range(2)
+        ]
+        results = _race(2, lambda index, actions=actions: execute(actions[index]))
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        assert sorted(r.applied for r in results) == [False, True]
+        loser = next(r for r in results if not r.applied)
+        assert loser.reason in {"already_exists", "stale_fence"}
+        assert Resource.objects.filter(kind_id="dns-record", name=name.split("/")[1]).count() == 1
+    assert verify_chain().ok
