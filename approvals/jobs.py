@@ -5,12 +5,131 @@ Interface contract used by other areas:
 enqueue_action_execution(action_id: uuid.UUID) -> None
     Call inside transaction.on_commit(...) only. Enqueues the job that executes
     an approved/queued action. Safe to call twice (the job is idempotent).
+enqueue_undo_execution(operation_id: int) -> None
+    Same for an undo operation recorded by action_undo_request.
+
+Delivery bookkeeping: each enqueue leaves a marker `airlock:outbox:<what>:<id>`
+= the RQ job id (TTL one hour). The reconciler re-enqueues work that
+PostgreSQL says is due when the marker is gone or names a job RQ no longer
+has pending (FLUSHALL, Redis restart, a job lost with a dead worker). RQ does
+not deduplicate; duplicates are harmless because the services re-check state
+with conditional UPDATEs.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
+from datetime import timedelta
+from typing import Any
+
+import redis
+from django.conf import settings
+from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+
+log = logging.getLogger("airlock.jobs")
+
+QUEUE_NAME = "default"
+MARKER_TTL_SECONDS = 3600
+# A job that is still due in RQ's eyes: the outbox does not need to resend it.
+PENDING_JOB_STATUSES = {
+    JobStatus.QUEUED,
+    JobStatus.SCHEDULED,
+    JobStatus.STARTED,
+    JobStatus.DEFERRED,
+}
 
 
-def enqueue_action_execution(action_id: uuid.UUID) -> None:
-    raise NotImplementedError  # owner: engine helper
+def engine_redis() -> redis.Redis:
+    """The Redis the engine's queue and locks live in (read at call time, so tests
+    can point a process at a private server)."""
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def engine_queue(connection: redis.Redis | None = None) -> Queue:
+    return Queue(QUEUE_NAME, connection=connection or engine_redis())
+
+
+def marker_key(kind: str, object_id: Any) -> str:
+    return f"airlock:outbox:{kind}:{object_id}"
+
+
+def _enqueue(
+    kind: str,
+    object_id: Any,
+    func: Any,
+    *,
+    delay_seconds: float = 0.0,
+    connection: redis.Redis | None = None,
+) -> str:
+    conn = connection or engine_redis()
+    queue = engine_queue(conn)
+    job_id = f"airlock-{kind}-{object_id}-{uuid.uuid4().hex[:12]}"
+    kwargs: dict[str, Any] = {
+        "job_id": job_id,
+        "result_ttl": 600,
+        "failure_ttl": 24 * 3600,
+        "job_timeout": 120,
+    }
+    if delay_seconds > 0:
+        queue.enqueue_in(timedelta(seconds=delay_seconds), func, str(object_id), **kwargs)
+    else:
+        queue.enqueue(func, str(object_id), **kwargs)
+    conn.set(marker_key(kind, object_id), job_id, ex=MARKER_TTL_SECONDS)
+    return job_id
+
+
+def job_is_pending(kind: str, object_id: Any, *, connection: redis.Redis | None = None) -> bool:
+    """Does RQ still hold a queued/scheduled/running job for this object?"""
+    conn = connection or engine_redis()
+    raw = conn.get(marker_key(kind, object_id))
+    if raw is None:
+        return False
+    try:
+        job = Job.fetch(raw.decode(), connection=conn)
+    except NoSuchJobError:
+        return False
+    return job.get_status(refresh=True) in PENDING_JOB_STATUSES
+
+
+def enqueue_action_execution(
+    action_id: uuid.UUID | str, *, delay_seconds: float = 0.0, connection: redis.Redis | None = None
+) -> None:
+    """Enqueue the execution job. Call from transaction.on_commit only."""
+    _enqueue(
+        "action", action_id, execute_action_job, delay_seconds=delay_seconds, connection=connection
+    )
+
+
+def enqueue_undo_execution(
+    operation_id: int | str, *, delay_seconds: float = 0.0, connection: redis.Redis | None = None
+) -> None:
+    _enqueue(
+        "undo", operation_id, execute_undo_job, delay_seconds=delay_seconds, connection=connection
+    )
+
+
+def execute_action_job(action_id: str) -> str:
+    from approvals.services.execution import action_execute
+
+    return action_execute(action_id=uuid.UUID(action_id))
+
+
+def execute_undo_job(operation_id: str) -> str:
+    from approvals.services.undo import undo_execute
+
+    return undo_execute(undo_operation_id=int(operation_id))
+
+
+def reconcile_job() -> dict[str, int]:
+    from approvals.services.execution import reconcile
+
+    return reconcile()
+
+
+def housekeeping_job() -> dict[str, int]:
+    from approvals.services.housekeeping import housekeeping_run
+
+    return housekeeping_run()

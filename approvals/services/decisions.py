@@ -5,11 +5,443 @@ approval_open_for_run(*, run: Run) -> Approval
 approval_open_for_action(*, action: Action) -> Approval
     Inside the caller's transaction: a pending per-call approval bound to
     action.observed_version, quorum/ttl/escalation from the action's class.
-approval_decide(*, approval_id, person: User, decision: "approve"|"reject", comment: str) -> Approval
+approval_decide(*, approval_id, person, decision: "approve"|"reject", comment: str) -> Approval
     Checks role and separation of duties (raises Forbidden code="forbidden"/"self_approval"),
     409 InvalidTransition if already decided or expired; counts one vote per person;
     at quorum: run -> runs.run_activate(...), action -> queued + enqueue on commit;
     reject -> run rejected / action rejected with the comment. Audited.
+approval_expire_due(*, now=None) -> dict
+    Pending approvals past `expires_at` -> expired (their action -> expired, their
+    run -> expired); approvals past `escalate_at` -> escalated once (audit
+    `approval.escalated`, a WARNING log line on the `airlock.escalation` logger
+    naming the escalation group; the approval is listed for that group's members).
 """
 
 from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from approvals.models import (
+    Action,
+    ActionStatus,
+    Approval,
+    ApprovalDecision,
+    ApprovalStatus,
+    ApprovalSubject,
+    Decision,
+    Run,
+    RunStatus,
+)
+from audit.services import Actor, audit_append
+from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
+from console.permissions import can_decide_approvals
+from ownership.models import ApprovalMode, ConflictClass, OwnershipRecord, ResourceKind
+
+log = logging.getLogger("airlock.approvals")
+escalation_log = logging.getLogger("airlock.escalation")
+
+RUN_APPROVAL_TTL_SECONDS = int(getattr(settings, "AIRLOCK_RUN_APPROVAL_TTL_SECONDS", 172_800))
+MAX_COMMENT_LENGTH = 2000
+
+
+def notify_action_on_commit(action_id: uuid.UUID) -> None:
+    """Wake long-pollers of the action once the transition is committed."""
+
+    def _notify() -> None:
+        try:
+            from approvals.notify import notify_action_changed
+        except ImportError:  # the api area's module is not there yet
+            return
+        try:
+            notify_action_changed(action_id)
+        except Exception:  # a lost wake-up only delays a poller until its timeout
+            log.warning("could not notify action %s", action_id, exc_info=True)
+
+    transaction.on_commit(_notify)
+
+
+def action_transition(
+    *,
+    action_id: uuid.UUID,
+    from_statuses: tuple[str, ...],
+    to_status: str,
+    **fields: Any,
+) -> bool:
+    """Conditional UPDATE of an action's status (the only way the engine moves one).
+
+    Returns False when the action was not in `from_statuses` (someone else won).
+    Bumps the revision (the action's ETag) and schedules the long-poll wake-up.
+    """
+    updated = Action.objects.filter(pk=action_id, status__in=from_statuses).update(
+        status=to_status, revision=F("revision") + 1, updated_at=timezone.now(), **fields
+    )
+    if updated:
+        notify_action_on_commit(action_id)
+    return bool(updated)
+
+
+def _classes_for_run(run: Run) -> list[ConflictClass]:
+    """The conflict classes the run's write set may touch."""
+    kinds = {str(entry.get("resource", "")).split("/", 1)[0] for entry in run.write_set or []}
+    classes: dict[str, ConflictClass] = {}
+    for kind in ResourceKind.objects.filter(slug__in=kinds).select_related(
+        "class_create", "class_update", "class_delete"
+    ):
+        entry_ops: set[str] = set()
+        for entry in run.write_set or []:
+            if str(entry.get("resource", "")).split("/", 1)[0] == kind.slug:
+                entry_ops.update(entry.get("operations") or [])
+        for op in entry_ops & {"create", "update", "delete"}:
+            cls = kind.class_for(op)
+            classes[cls.slug] = cls
+    return list(classes.values())
+
+
+def approval_open_for_run(*, run: Run) -> Approval:
+    """A pending run approval (quorum 1). Call inside the caller's transaction."""
+    now = timezone.now()
+    approval = Approval.objects.create(
+        subject=ApprovalSubject.RUN,
+        run=run,
+        quorum=1,
+        expires_at=now + timedelta(seconds=RUN_APPROVAL_TTL_SECONDS),
+    )
+    audit_append(
+        event_type="approval.requested",
+        actor=Actor.system(),
+        run_id=run.pk,
+        details={"approval": str(approval.pk), "subject": "run", "quorum": 1},
+    )
+    return approval
+
+
+def approval_open_for_action(*, action: Action) -> Approval:
+    """A pending per-call approval bound to the action's observed version.
+
+    Call inside the caller's transaction; quorum, TTL and escalation come from
+    the action's conflict class.
+    """
+    cls = action.conflict_class
+    now = timezone.now()
+    approval = Approval.objects.create(
+        subject=ApprovalSubject.ACTION,
+        run_id=action.run_id,
+        action=action,
+        quorum=cls.quorum,
+        observed_version=action.observed_version,
+        expires_at=now + timedelta(seconds=cls.approval_ttl_seconds),
+        escalate_at=(
+            now + timedelta(seconds=cls.escalation_seconds) if cls.escalation_seconds else None
+        ),
+    )
+    audit_append(
+        event_type="approval.requested",
+        actor=Actor.system(),
+        resource=action.resource_identifier,
+        run_id=action.run_id,
+        action_id=action.pk,
+        details={
+            "approval": str(approval.pk),
+            "subject": "action",
+            "quorum": cls.quorum,
+            "observed_version": action.observed_version,
+            "conflict_class": cls.slug,
+        },
+    )
+    return approval
+
+
+def _check_separation_of_duties(*, approval: Approval, person: Any) -> None:
+    """Only people decide; the agent's owner may not where a class forbids it."""
+    if not getattr(person, "is_authenticated", False) or not getattr(person, "is_active", False):
+        raise Forbidden("Only an active person can decide approvals.", code="forbidden")
+    if not can_decide_approvals(person):
+        raise Forbidden("Deciding approvals needs the operator role.", code="forbidden")
+    run = approval.run
+    agent_owner_id = run.agent.owner_id
+    if agent_owner_id is None or agent_owner_id != person.pk:
+        return
+    if approval.subject == ApprovalSubject.ACTION:
+        assert approval.action is not None
+        forbids = approval.action.conflict_class.forbid_agent_owner_approval
+    else:
+        classes = _classes_for_run(run)
+        # No known class: stay on the safe side and keep the owner out.
+        forbids = not classes or any(c.forbid_agent_owner_approval for c in classes)
+    if forbids:
+        raise Forbidden(
+            "You are the owner of this agent; its conflict class requires someone else to approve.",
+            code="self_approval",
+        )
+
+
+def _subject_identifier(approval: Approval) -> str:
+    return approval.action.resource_identifier if approval.action is not None else ""
+
+
+def approval_decide(
+    *, approval_id: uuid.UUID | str, person: Any, decision: str, comment: str = ""
+) -> Approval:
+    """Record one person's decision; at quorum admit the run or queue the action.
+
+    Locks the approval row (select_for_update). Raises NotFound, Forbidden
+    (`forbidden`, `self_approval`), ValidationFailed (bad decision/comment),
+    InvalidTransition (409: already decided, expired, or this person already
+    voted). Enqueues the action's job on commit.
+    """
+    if decision not in (Decision.APPROVE, Decision.REJECT):
+        raise ValidationFailed(
+            "decision must be 'approve' or 'reject'",
+            extra={"errors": [{"field": "decision", "message": "approve or reject"}]},
+        )
+    comment = (comment or "").strip()
+    if len(comment) > MAX_COMMENT_LENGTH:
+        raise ValidationFailed(
+            f"comment is longer than {MAX_COMMENT_LENGTH} characters",
+            extra={"errors": [{"field": "comment", "message": "too long"}]},
+        )
+    try:
+        approval_uuid = uuid.UUID(str(approval_id))
+    except ValueError as exc:
+        raise NotFound("No such approval.") from exc
+    expired = False
+    with transaction.atomic():
+        try:
+            approval = (
+                Approval.objects.select_for_update(of=("self",))
+                .select_related("run__agent", "action__conflict_class", "action__kind")
+                .get(pk=approval_uuid)
+            )
+        except Approval.DoesNotExist as exc:
+            raise NotFound("No such approval.") from exc
+        _check_separation_of_duties(approval=approval, person=person)
+        if approval.status != ApprovalStatus.PENDING:
+            raise InvalidTransition(
+                f"This approval is already {approval.status}.",
+                code="already_decided",
+                extra={"approval_status": approval.status},
+            )
+        now = timezone.now()
+        if approval.expires_at <= now:
+            _expire_locked(approval=approval, now=now)
+            expired = True
+        elif ApprovalDecision.objects.filter(approval=approval, person=person).exists():
+            raise InvalidTransition(
+                "You have already decided this approval; a person counts once.",
+                code="already_decided",
+            )
+        else:
+            ApprovalDecision.objects.create(
+                approval=approval, person=person, decision=decision, comment=comment
+            )
+            audit_append(
+                event_type=f"approval.decision_{decision}",
+                actor=Actor.person(person),
+                resource=_subject_identifier(approval),
+                run_id=approval.run_id,
+                action_id=approval.action_id,
+                details={
+                    "approval": str(approval.pk),
+                    "subject": approval.subject,
+                    "comment": comment,
+                },
+            )
+            if decision == Decision.REJECT:
+                _reject_locked(approval=approval, person=person, comment=comment, now=now)
+            else:
+                approvals = ApprovalDecision.objects.filter(
+                    approval=approval, decision=Decision.APPROVE
+                ).count()
+                if approvals >= approval.quorum:
+                    _approve_locked(approval=approval, person=person, now=now)
+    if expired:
+        raise InvalidTransition("This approval has expired.", code="approval_expired")
+    approval.refresh_from_db()
+    return approval
+
+
+def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
+    Approval.objects.filter(pk=approval.pk).update(status=ApprovalStatus.APPROVED, decided_at=now)
+    actor = Actor.person(person)
+    if approval.subject == ApprovalSubject.RUN:
+        audit_append(
+            event_type="approval.approved",
+            actor=actor,
+            run_id=approval.run_id,
+            details={"approval": str(approval.pk), "subject": "run", "quorum": approval.quorum},
+        )
+        from approvals.services import runs
+
+        runs.run_activate(run=approval.run, actor=actor)
+        return
+    action = approval.action
+    assert action is not None
+    moved = action_transition(
+        action_id=action.pk,
+        from_statuses=(ActionStatus.PENDING_APPROVAL,),
+        to_status=ActionStatus.QUEUED,
+    )
+    audit_append(
+        event_type="approval.approved",
+        actor=actor,
+        resource=action.resource_identifier,
+        run_id=approval.run_id,
+        action_id=action.pk,
+        details={
+            "approval": str(approval.pk),
+            "subject": "action",
+            "quorum": approval.quorum,
+            "observed_version": approval.observed_version,
+            "queued": moved,
+        },
+    )
+    if moved:
+        from approvals.jobs import enqueue_action_execution
+
+        action_id = action.pk
+        transaction.on_commit(lambda: enqueue_action_execution(action_id))
+
+
+def _reject_locked(*, approval: Approval, person: Any, comment: str, now: datetime) -> None:
+    Approval.objects.filter(pk=approval.pk).update(status=ApprovalStatus.REJECTED, decided_at=now)
+    actor = Actor.person(person)
+    error = {"code": "rejected", "comment": comment, "by": person.get_username()}
+    if approval.subject == ApprovalSubject.RUN:
+        from approvals.services import runs
+
+        runs.run_reject(run=approval.run, actor=actor, reason=comment or "rejected")
+        audit_append(
+            event_type="approval.rejected",
+            actor=actor,
+            run_id=approval.run_id,
+            details={"approval": str(approval.pk), "subject": "run", "comment": comment},
+        )
+        return
+    action = approval.action
+    assert action is not None
+    action_transition(
+        action_id=action.pk,
+        from_statuses=(ActionStatus.PENDING_APPROVAL,),
+        to_status=ActionStatus.REJECTED,
+        error=error,
+    )
+    audit_append(
+        event_type="approval.rejected",
+        actor=actor,
+        resource=action.resource_identifier,
+        run_id=approval.run_id,
+        action_id=action.pk,
+        details={"approval": str(approval.pk), "subject": "action", "comment": comment},
+    )
+
+
+def _expire_locked(*, approval: Approval, now: datetime) -> None:
+    Approval.objects.filter(pk=approval.pk, status=ApprovalStatus.PENDING).update(
+        status=ApprovalStatus.EXPIRED, decided_at=now
+    )
+    resource = ""
+    if approval.subject == ApprovalSubject.ACTION:
+        assert approval.action is not None
+        resource = approval.action.resource_identifier
+        action_transition(
+            action_id=approval.action_id,  # type: ignore[arg-type]
+            from_statuses=(ActionStatus.PENDING_APPROVAL,),
+            to_status=ActionStatus.EXPIRED,
+            error={"code": "approval_expired", "expired_at": now.isoformat()},
+        )
+    else:
+        updated = Run.objects.filter(pk=approval.run_id, status=RunStatus.PENDING_APPROVAL).update(
+            status=RunStatus.EXPIRED, status_reason="approval expired", ended_at=now
+        )
+        if updated:
+            OwnershipRecord.objects.filter(run_id=approval.run_id, active=True).update(
+                active=False, released_at=now
+            )
+    audit_append(
+        event_type="approval.expired",
+        actor=Actor.system(),
+        resource=resource,
+        run_id=approval.run_id,
+        action_id=approval.action_id,
+        details={"approval": str(approval.pk), "subject": approval.subject},
+    )
+
+
+def approval_cancel_for_action(*, action_id: uuid.UUID, reason: str) -> int:
+    """Cancel the pending approval of an action that was cancelled (caller's transaction)."""
+    return Approval.objects.filter(action_id=action_id, status=ApprovalStatus.PENDING).update(
+        status=ApprovalStatus.CANCELLED, decided_at=timezone.now()
+    )
+
+
+def approval_expire_due(*, now: datetime | None = None) -> dict[str, int]:
+    """Expire pending approvals past their deadline; escalate those past escalate_at.
+
+    Each approval is handled in its own short transaction with a row lock
+    (skip_locked), so concurrent housekeepers never double-expire.
+    """
+    now = now or timezone.now()
+    expired = escalated = 0
+    due_ids = list(
+        Approval.objects.filter(status=ApprovalStatus.PENDING, expires_at__lte=now)
+        .order_by("expires_at")
+        .values_list("pk", flat=True)[:500]
+    )
+    for approval_id in due_ids:
+        with transaction.atomic():
+            approval = (
+                Approval.objects.select_for_update(skip_locked=True, of=("self",))
+                .select_related("action__kind")
+                .filter(pk=approval_id, status=ApprovalStatus.PENDING)
+                .first()
+            )
+            if approval is None:
+                continue
+            _expire_locked(approval=approval, now=now)
+            expired += 1
+    escalate_ids = list(
+        Approval.objects.filter(
+            status=ApprovalStatus.PENDING, escalate_at__lte=now, escalated_at__isnull=True
+        ).values_list("pk", flat=True)[:500]
+    )
+    for approval_id in escalate_ids:
+        with transaction.atomic():
+            approval = (
+                Approval.objects.select_for_update(skip_locked=True, of=("self",))
+                .select_related("action__conflict_class", "action__kind")
+                .filter(pk=approval_id, status=ApprovalStatus.PENDING, escalated_at__isnull=True)
+                .first()
+            )
+            if approval is None:
+                continue
+            group = ""
+            if approval.action is not None:
+                group = approval.action.conflict_class.escalation_group
+            Approval.objects.filter(pk=approval.pk).update(escalated_at=now)
+            audit_append(
+                event_type="approval.escalated",
+                actor=Actor.system(),
+                resource=_subject_identifier(approval),
+                run_id=approval.run_id,
+                action_id=approval.action_id,
+                details={"approval": str(approval.pk), "escalation_group": group},
+            )
+            escalation_log.warning(
+                "approval %s pending past its escalation time; notifying group %r",
+                approval.pk,
+                group or "operators",
+            )
+            escalated += 1
+    return {"expired": expired, "escalated": escalated}
+
+
+def approval_mode_for(action: Action) -> str:
+    return str(action.conflict_class.approval_mode or ApprovalMode.PER_RUN)

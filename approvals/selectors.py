@@ -1,0 +1,132 @@
+"""Read-side queries for approvals, actions and runs, filtered to what the actor may see.
+
+Used by the API and the console pages alike; views never build permission
+filters by hand. An "actor" here is a person (User), an Agent or a Run.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db.models import Count, Q, QuerySet
+
+from approvals.models import (
+    Action,
+    Agent,
+    Approval,
+    ApprovalDecision,
+    ApprovalStatus,
+    Decision,
+    Operation,
+    Run,
+)
+from console.core.errors import NotFound
+from console.permissions import can_decide_approvals, can_read_everything, user_groups
+
+
+def _as_uuid(value: Any) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None
+
+
+def approval_list_for_person(person: Any, *, status: str | None = "pending") -> QuerySet[Approval]:
+    """Approvals the person may decide (operators), oldest first; escalated ones
+    are also listed for members of their class's escalation group."""
+    qs = Approval.objects.select_related(
+        "run__agent", "action__kind", "action__conflict_class", "action__resource"
+    ).annotate(approvals_so_far=Count("decisions", filter=Q(decisions__decision=Decision.APPROVE)))
+    if status:
+        qs = qs.filter(status=status)
+    if can_decide_approvals(person):
+        return qs.order_by("created_at")
+    groups = user_groups(person)
+    if not groups:
+        return qs.none()
+    return qs.filter(
+        escalated_at__isnull=False, action__conflict_class__escalation_group__in=groups
+    ).order_by("created_at")
+
+
+def approval_get_for_person(person: Any, approval_id: Any) -> Approval:
+    approval_uuid = _as_uuid(approval_id)
+    approval = (
+        approval_list_for_person(person, status=None).filter(pk=approval_uuid).first()
+        if approval_uuid
+        else None
+    )
+    if approval is None:
+        raise NotFound("No such approval.")
+    return approval
+
+
+def approval_decisions(approval: Approval) -> QuerySet[ApprovalDecision]:
+    return approval.decisions.select_related("person").order_by("created_at")
+
+
+def approval_for_action(action: Action) -> Approval | None:
+    """The latest approval of an action (pending, decided, or the resolution's)."""
+    return action.approvals.order_by("-created_at").first()
+
+
+def action_list_for_actor(actor: Any) -> QuerySet[Action]:
+    qs = Action.objects.select_related("run", "agent", "kind", "conflict_class", "resource")
+    if isinstance(actor, Run):
+        return qs.filter(run=actor)
+    if isinstance(actor, Agent):
+        return qs.filter(agent=actor)
+    if can_read_everything(actor):
+        return qs
+    groups = user_groups(actor)
+    if not groups:
+        return qs.none()
+    return qs.filter(Q(resource__owner_group__in=groups) | Q(kind__owner_group__in=groups))
+
+
+def action_get_for_actor(actor: Any, action_id: Any) -> Action:
+    """The action if the actor may see it; NotFound otherwise (never 403: no leak)."""
+    action_uuid = _as_uuid(action_id)
+    action = action_list_for_actor(actor).filter(pk=action_uuid).first() if action_uuid else None
+    if action is None:
+        raise NotFound("No such action.")
+    return action
+
+
+def action_execution(action: Action) -> Operation | None:
+    """The operation that applied the action (or the latest attempt)."""
+    ops = Operation.objects.filter(action=action, undo_of__isnull=True)
+    return ops.filter(status__in=("done", "undone")).first() or ops.order_by("-started_at").first()
+
+
+def action_conflict(action: Action) -> dict[str, Any] | None:
+    """The `conflict` member of the API's action body: the 412 members + conflict_id."""
+    if action.status != "conflict" or not isinstance(action.error, dict):
+        return None
+    if "conflict_id" not in action.error:
+        return None
+    return dict(action.error)
+
+
+def run_list_for_actor(actor: Any) -> QuerySet[Run]:
+    qs = Run.objects.select_related("agent")
+    if isinstance(actor, Run):
+        return qs.filter(pk=actor.pk)
+    if isinstance(actor, Agent):
+        return qs.filter(agent=actor)
+    if can_read_everything(actor):
+        return qs
+    return qs.filter(agent__owner=actor) if getattr(actor, "pk", None) else qs.none()
+
+
+def run_get_for_actor(actor: Any, run_id: Any) -> Run:
+    run_uuid = _as_uuid(run_id)
+    run = run_list_for_actor(actor).filter(pk=run_uuid).first() if run_uuid else None
+    if run is None:
+        raise NotFound("No such run.")
+    return run
+
+
+def pending_approval_count(person: Any) -> int:
+    return approval_list_for_person(person, status=ApprovalStatus.PENDING).count()

@@ -1,0 +1,140 @@
+"""Kill switch: engage and release (shared by the API and the console pages).
+
+Engaging pauses queued work in the scope at once (`paused` with the reason);
+jobs that are already past their check are stopped by the barrier's own
+re-check inside its transaction. Releasing re-queues paused actions that no
+other engaged switch still covers, oldest first, and enqueues their jobs in
+that order after commit.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from approvals.models import Action, ActionStatus
+from audit.services import Actor, audit_append
+from console.core.errors import Forbidden, ValidationFailed
+from console.models import KillSwitch
+from console.permissions import is_operator
+
+_SCOPE = re.compile(r"^(\*|[a-z0-9][a-z0-9_-]*/[A-Za-z0-9._:/-]*\*?)$")
+MAX_REASON = 1000
+
+
+def _covered(action: Action, switches: list[KillSwitch]) -> KillSwitch | None:
+    identifier = action.resource_identifier
+    for switch in switches:
+        if switch.covers(identifier):
+            return switch
+    return None
+
+
+def kill_switch_set(*, scope: str, engaged: bool, reason: str, actor: Any) -> KillSwitch:
+    """Engage or release one scope (`*`, `kind/prefix*` or `kind/name`).
+
+    `actor` is a person with the operator role (or admin), or an audit Actor
+    of type system (management commands). Raises Forbidden, ValidationFailed.
+    Setting a scope to the state it is already in changes nothing and writes
+    no audit row.
+    """
+    person = None
+    if isinstance(actor, Actor):
+        if actor.type != "system":
+            raise Forbidden("Only operators may use the kill switch.", code="forbidden")
+        audit_actor = actor
+    else:
+        if not getattr(actor, "is_active", False) or not is_operator(actor):
+            raise Forbidden("Only operators may use the kill switch.", code="forbidden")
+        person = actor
+        audit_actor = Actor.person(actor)
+    scope = (scope or "").strip()
+    if not _SCOPE.match(scope) or len(scope) > 300:
+        raise ValidationFailed(
+            "scope must be '*' or 'kind/prefix*'",
+            extra={"errors": [{"field": "scope", "message": "'*' or 'kind/prefix*'"}]},
+        )
+    reason = (reason or "").strip()
+    if len(reason) > MAX_REASON:
+        raise ValidationFailed(
+            "reason too long", extra={"errors": [{"field": "reason", "message": "too long"}]}
+        )
+    if engaged and not reason:
+        raise ValidationFailed(
+            "say why you engage the kill switch",
+            extra={"errors": [{"field": "reason", "message": "required when engaging"}]},
+        )
+    now = timezone.now()
+    with transaction.atomic():
+        switch, _ = KillSwitch.objects.select_for_update().get_or_create(scope=scope)
+        if switch.engaged == engaged and (not engaged or switch.reason == reason):
+            return switch
+        switch.engaged = engaged
+        switch.reason = reason if engaged else (reason or switch.reason)
+        switch.changed_by = person
+        switch.save()
+        affected: list[Any] = []
+        if engaged:
+            queued = [
+                a
+                for a in Action.objects.filter(status=ActionStatus.QUEUED).select_related("kind")
+                if switch.covers(a.resource_identifier)
+            ]
+            affected = [a.pk for a in queued]
+            if affected:
+                Action.objects.filter(pk__in=affected, status=ActionStatus.QUEUED).update(
+                    status=ActionStatus.PAUSED,
+                    paused_reason=reason,
+                    revision=F("revision") + 1,
+                    updated_at=now,
+                )
+        else:
+            still_engaged = list(KillSwitch.objects.filter(engaged=True))
+            paused = [
+                a
+                for a in Action.objects.filter(status=ActionStatus.PAUSED).order_by("created_at")
+                if switch.covers(a.resource_identifier) and _covered(a, still_engaged) is None
+            ]
+            affected = [a.pk for a in paused]
+            if affected:
+                Action.objects.filter(pk__in=affected, status=ActionStatus.PAUSED).update(
+                    status=ActionStatus.QUEUED,
+                    paused_reason="",
+                    not_before=None,
+                    revision=F("revision") + 1,
+                    updated_at=now,
+                )
+        audit_append(
+            event_type="kill_switch.engaged" if engaged else "kill_switch.released",
+            actor=audit_actor,
+            resource=scope,
+            details={
+                "scope": scope,
+                "reason": reason,
+                ("paused" if engaged else "resumed"): [str(a) for a in affected],
+            },
+        )
+        from approvals.services.decisions import notify_action_on_commit
+
+        for action_id in affected:
+            notify_action_on_commit(action_id)
+        if not engaged and affected:
+            from approvals.jobs import enqueue_action_execution
+
+            ordered = list(affected)
+
+            def _enqueue_in_order() -> None:
+                for action_id in ordered:
+                    enqueue_action_execution(action_id)
+
+            transaction.on_commit(_enqueue_in_order)
+    switch.refresh_from_db()
+    return switch
+
+
+def kill_switch_list() -> list[KillSwitch]:
+    return list(KillSwitch.objects.select_related("changed_by").order_by("scope"))

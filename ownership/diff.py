@@ -1,0 +1,171 @@
+"""JSON documents: RFC 7396 merge patch, field-level three-way diff, per-field merge.
+
+Fields are addressed by JSON pointer (RFC 6901). Objects are compared member by
+member; arrays and scalars are leaves (a list is one field: merging two edits of
+one list is a person's decision, not a guess). An absent member is reported as
+`None` together with the `*_present` flags so a page can tell "absent" from
+"null".
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+Change = Literal["agent_only", "other_only", "both"]
+Side = Literal["current", "proposed"]
+
+_ABSENT = object()
+
+
+def escape_pointer_token(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def unescape_pointer_token(token: str) -> str:
+    return token.replace("~1", "/").replace("~0", "~")
+
+
+def pointer_tokens(pointer: str) -> list[str]:
+    if pointer == "":
+        return []
+    if not pointer.startswith("/"):
+        raise ValueError(f"not a JSON pointer: {pointer!r}")
+    return [unescape_pointer_token(token) for token in pointer[1:].split("/")]
+
+
+def apply_merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7396: a null member deletes, an object merges recursively, anything else replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result: dict[str, Any] = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = apply_merge_patch(result.get(key), value)
+    return result
+
+
+def _leaves(document: Any, prefix: str, into: dict[str, Any]) -> None:
+    if isinstance(document, dict) and document:
+        for key, value in document.items():
+            _leaves(value, f"{prefix}/{escape_pointer_token(str(key))}", into)
+    else:
+        into[prefix] = document
+
+
+def _value_at(document: Any, tokens: list[str]) -> Any:
+    node = document
+    for token in tokens:
+        if not isinstance(node, dict) or token not in node:
+            return _ABSENT
+        node = node[token]
+    return node
+
+
+def _aligned_paths(*documents: Any) -> list[str]:
+    """Pointers at which to compare the documents: the deepest object members any
+    of them has, but never below a point where one side is a non-object."""
+    flat: dict[str, Any] = {}
+    for document in documents:
+        if isinstance(document, dict):
+            _leaves(document, "", flat)
+    paths = set(flat)
+    # Collapse a path to its nearest ancestor where some document holds a
+    # non-object value (e.g. base {"a": {"b": 1}} vs current {"a": 5}).
+    collapsed: set[str] = set()
+    for path in paths:
+        tokens = pointer_tokens(path)
+        chosen = path
+        for depth in range(1, len(tokens)):
+            ancestor = tokens[:depth]
+            if any(
+                (value := _value_at(document, ancestor)) is not _ABSENT
+                and not isinstance(value, dict)
+                for document in documents
+                if isinstance(document, dict)
+            ):
+                chosen = "".join(f"/{escape_pointer_token(t)}" for t in ancestor)
+                break
+        collapsed.add(chosen)
+    return sorted(collapsed)
+
+
+def three_way_diff(base: Any, current: Any, proposed: Any) -> list[dict[str, Any]]:
+    """Fields that differ between base and current and/or base and proposed.
+
+    change: `agent_only` (only the proposal changed it), `other_only` (someone
+    else changed it since the agent read it), `both` (both changed it, to
+    different values — or to the same value, which is still reported so a
+    person sees it).
+    """
+    documents = [d if isinstance(d, dict) else {} for d in (base, current, proposed)]
+    rows: list[dict[str, Any]] = []
+    for path in _aligned_paths(*documents):
+        tokens = pointer_tokens(path)
+        b, c, p = (_value_at(d, tokens) for d in documents)
+        agent_changed = p != b
+        other_changed = c != b
+        if not agent_changed and not other_changed:
+            continue
+        change: Change = (
+            "both"
+            if agent_changed and other_changed
+            else "agent_only"
+            if agent_changed
+            else "other_only"
+        )
+        rows.append(
+            {
+                "path": path,
+                "base": None if b is _ABSENT else b,
+                "current": None if c is _ABSENT else c,
+                "proposed": None if p is _ABSENT else p,
+                "base_present": b is not _ABSENT,
+                "current_present": c is not _ABSENT,
+                "proposed_present": p is not _ABSENT,
+                "change": change,
+            }
+        )
+    return rows
+
+
+def _set_at(document: dict[str, Any], tokens: list[str], value: Any) -> None:
+    node = document
+    for token in tokens[:-1]:
+        child = node.get(token)
+        if not isinstance(child, dict):
+            child = {}
+            node[token] = child
+        node = child
+    if value is _ABSENT:
+        node.pop(tokens[-1], None)
+    else:
+        node[tokens[-1]] = copy.deepcopy(value)
+
+
+def default_choice(change: str) -> Side:
+    """What a merge takes for a field the person did not choose explicitly."""
+    return "proposed" if change == "agent_only" else "current"
+
+
+def merge_documents(
+    *, current: Any, proposed: Any, fields: list[dict[str, Any]], choices: dict[str, Side]
+) -> dict[str, Any]:
+    """The current document with the chosen fields taken from the proposal.
+
+    `fields` is a three_way_diff result; fields not in `choices` take
+    default_choice(change).
+    """
+    result: dict[str, Any] = copy.deepcopy(current) if isinstance(current, dict) else {}
+    proposed_doc = proposed if isinstance(proposed, dict) else {}
+    for row in fields:
+        side = choices.get(row["path"], default_choice(row["change"]))
+        if side != "proposed":
+            continue
+        tokens = pointer_tokens(row["path"])
+        if not tokens:
+            return copy.deepcopy(proposed_doc)
+        _set_at(result, tokens, _value_at(proposed_doc, tokens))
+    return result

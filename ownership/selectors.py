@@ -1,0 +1,63 @@
+"""Read-side queries for conflicts and resources, filtered to what the person may see."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db.models import Q, QuerySet
+
+from console.core.errors import NotFound
+from console.permissions import can_read_everything, user_groups
+from ownership.models import Conflict, ConflictStatus, Resource
+
+
+def conflict_list_for_person(
+    person: Any, *, mine: bool = False, status: str | None = None
+) -> QuerySet[Conflict]:
+    """Conflicts the person may see; `mine=True`: only those they may resolve
+    (their group is the resolver group), newest first."""
+    qs = Conflict.objects.select_related(
+        "action__run__agent", "action__kind", "resource", "conflict_class", "resolved_by"
+    )
+    if status:
+        qs = qs.filter(status=status)
+    groups = user_groups(person)
+    if mine:
+        return qs.filter(resolver_group__in=groups).exclude(resolver_group="")
+    if can_read_everything(person):
+        return qs
+    if not groups:
+        return qs.none()
+    return qs.filter(Q(resolver_group__in=groups) | Q(resource__owner_group__in=groups))
+
+
+def conflict_get_for_person(person: Any, conflict_id: Any) -> Conflict:
+    try:
+        conflict_uuid = uuid.UUID(str(conflict_id))
+    except ValueError as exc:
+        raise NotFound("No such conflict.") from exc
+    conflict = conflict_list_for_person(person).filter(pk=conflict_uuid).first()
+    if conflict is None:
+        raise NotFound("No such conflict.")
+    return conflict
+
+
+def open_conflict_count(person: Any) -> int:
+    return conflict_list_for_person(person, mine=True, status=ConflictStatus.OPEN).count()
+
+
+def resource_list(*, kind: str | None = None, prefix: str | None = None) -> QuerySet[Resource]:
+    qs = Resource.objects.select_related("kind")
+    if kind:
+        qs = qs.filter(kind_id=kind)
+    if prefix:
+        qs = qs.filter(name__startswith=prefix)
+    return qs.order_by("kind_id", "name")
+
+
+def resource_get(*, kind: str, name: str) -> Resource:
+    resource = Resource.objects.select_related("kind").filter(kind_id=kind, name=name).first()
+    if resource is None:
+        raise NotFound("No such resource.")
+    return resource
