@@ -1,0 +1,289 @@
+"""The fenced lock: token-checked release and renew, fences from PostgreSQL that
+survive Redis losing everything, and a paused holder refused by the fence."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from approvals.models import Operation, OperationStatus
+from audit.models import AuditEvent
+from audit.selectors import verify_chain
+from console.core.errors import LockBusy, LockLost
+from console.core.fence import current_fence, ensure_fence_floor, fence_floor, next_fence
+from console.core.lock import FencedLock, lock_key
+from ownership.models import Resource
+from tests.conftest import ROOT, PrivateRedis, subprocess_env
+from tests.fixtures.core import execute, make_action, make_resource, make_run
+
+
+def unique_key() -> str:
+    return f"notification-policy/lock-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.mark.django_db
+def test_fences_rise_strictly_and_come_from_postgresql() -> None:
+    fences = [next_fence() for _ in range(20)]
+    assert fences == sorted(set(fences))
+    assert current_fence() == fences[-1]
+
+
+@pytest.mark.django_db
+def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release(
+    redis_client: redis.Redis,
+) -> None:
+    key = unique_key()
+    first = FencedLock(redis_client, key=key, ttl_ms=5_000)
+    fence = first.acquire()
+    assert first.fence == fence and first.held()
+    assert redis_client.get(lock_key(key)) == first.token.encode()
+
+    second = FencedLock(redis_client, key=key, ttl_ms=5_000)
+    with pytest.raises(LockBusy):
+        second.acquire(wait_seconds=0.05)
+    with pytest.raises(LockLost):
+        second.renew()
+    assert second.release() is False
+    assert first.held()  # untouched by the impostor
+
+    first.renew()
+    assert first.release() is True
+    assert not first.held()
+    assert first.release() is False
+
+    # Now free: the second takes it with a larger fence.
+    assert second.acquire() > fence
+    second.release()
+
+
+@pytest.mark.django_db
+def test_an_expired_lock_cannot_be_renewed_and_its_successor_has_a_larger_fence(
+    redis_client: redis.Redis,
+) -> None:
+    key = unique_key()
+    first = FencedLock(redis_client, key=key, ttl_ms=100)
+    old_fence = first.acquire()
+    time.sleep(0.2)
+    successor = FencedLock(redis_client, key=key, ttl_ms=5_000)
+    new_fence = successor.acquire()
+    assert new_fence > old_fence
+    with pytest.raises(LockLost):
+        first.renew()
+    assert first.lost
+    with pytest.raises(LockLost):
+        first.check()
+    assert first.release() is False
+    assert successor.held()
+    successor.release()
+
+
+@pytest.mark.django_db
+def test_waiting_acquire_gets_the_lock_when_the_holder_releases(redis_client: redis.Redis) -> None:
+    key = unique_key()
+    with FencedLock(redis_client, key=key, ttl_ms=300) as holder:
+        assert holder.held()
+        waiter = FencedLock(redis_client, key=key, ttl_ms=1_000)
+        started = time.monotonic()
+        fence = waiter.acquire(wait_seconds=3)  # the holder's TTL runs out
+        assert time.monotonic() - started < 2
+        assert fence > (holder.fence or 0)
+    assert waiter.held()  # the holder's exit did not release the waiter's lock
+    waiter.release()
+
+
+@pytest.mark.django_db
+def test_the_heartbeat_keeps_the_lock_past_its_ttl(redis_client: redis.Redis) -> None:
+    lock = FencedLock(redis_client, key=unique_key(), ttl_ms=200)
+    lock.acquire()
+    lock.start_heartbeat(interval_ms=50)
+    time.sleep(0.6)
+    assert lock.held() and not lock.lost
+    lock.check()
+    assert lock.release() is True
+
+
+@pytest.mark.django_db
+def test_flushall_and_a_restart_of_redis_never_send_the_fence_backwards(
+    private_redis: PrivateRedis,
+) -> None:
+    resource = make_resource("notification-policy/flush", {"v": 0}, version=1)
+    run = make_run()
+    key = "notification-policy/flush"
+
+    def write_once(value: int, observed: int) -> Any:
+        client = private_redis.client()
+        with FencedLock(client, key=key, ttl_ms=5_000) as lock:
+            assert lock.fence is not None
+            action = make_action(
+                run=run, identifier=key, payload={"v": value}, observed_version=observed
+            )
+            outcome = execute(action, fence=lock.fence)
+        client.close()
+        return outcome
+
+    first = write_once(1, 1)
+    assert first.applied
+    accepted_max = Resource.objects.get(pk=resource.pk).last_fence
+
+    private_redis.client().flushall()
+    second = write_once(2, 2)
+    assert second.applied and second.fence > accepted_max
+    accepted_max = Resource.objects.get(pk=resource.pk).last_fence
+
+    private_redis.restart()  # no persistence: the new server starts empty
+    assert private_redis.client().dbsize() == 0
+    third = write_once(3, 3)
+    assert third.applied and third.fence > accepted_max
+    assert first.fence < second.fence < third.fence
+    assert next_fence() > fence_floor()
+
+    # A holder from before the flush still carries its old fence: refused.
+    stale = make_action(run=run, identifier=key, payload={"v": -1}, observed_version=4)
+    refused = execute(stale, fence=first.fence)
+    assert not refused.applied and refused.reason == "stale_fence"
+    assert Resource.objects.get(pk=resource.pk).document == {"v": 3}
+
+
+@pytest.mark.django_db
+def test_ensure_fence_floor_lifts_a_sequence_left_behind_by_a_restore() -> None:
+    resource = make_resource("notification-policy/restored", {}, version=1)
+    far_ahead = current_fence() + 10_000
+    Resource.objects.filter(pk=resource.pk).update(last_fence=far_ahead)
+    assert next_fence() < far_ahead  # what a restored, older sequence would do
+    assert ensure_fence_floor() == far_ahead
+    assert next_fence() > far_ahead
+    before = current_fence()
+    ensure_fence_floor()  # never moves it down
+    assert current_fence() == before
+
+
+# -- the paused holder: real processes, SIGSTOP past the TTL -------------------------
+
+
+def _spawn(action_id: Any, key: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.fixtures.core", "write", "--action", str(action_id),
+         "--key", key, "--ttl-ms", "500", *extra],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def _read_event(process: subprocess.Popen[str]) -> dict[str, Any]:
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        assert process.stderr is not None
+        raise AssertionError(f"worker exited: {process.wait()} {process.stderr.read()[-2000:]}")
+    return dict(json.loads(line))
+
+
+def _wait_until(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _paused_holder_scenario(redis_client: redis.Redis, *, renew: bool) -> dict[str, Any]:
+    name = f"paused-{uuid.uuid4().hex[:8]}"
+    key = f"notification-policy/{name}"
+    resource = make_resource(key, {"owner": "nobody"}, version=5)
+    run_a, run_b = make_run("paused-a"), make_run("paused-b")
+    action_a = make_action(run=run_a, identifier=key, payload={"owner": "a"}, observed_version=5)
+    action_b = make_action(run=run_b, identifier=key, payload={"owner": "b"}, observed_version=5)
+
+    holder = _spawn(action_a.pk, key, "--pause", *([] if renew else ["--no-renew"]))
+    try:
+        locked = _read_event(holder)
+        assert locked["event"] == "locked"
+        # The heartbeat keeps the 500 ms lock alive while the holder runs...
+        time.sleep(0.8)
+        assert redis_client.get(lock_key(key)) is not None
+        # ...until the process is stopped: no heartbeat, the TTL runs out.
+        os.kill(holder.pid, signal.SIGSTOP)
+        assert _wait_until(lambda: redis_client.get(lock_key(key)) is None, timeout=5)
+
+        successor = _spawn(action_b.pk, key)
+        successor_locked = _read_event(successor)
+        assert successor_locked["fence"] > locked["fence"]
+        written = _read_event(successor)
+        assert written == {
+            "event": "outcome",
+            "applied": True,
+            "reason": None,
+            "fence": successor_locked["fence"],
+            "result_version": 6,
+        }
+        assert successor.wait(timeout=30) == 0
+
+        if not renew:
+            # Make the version precondition pass, so only the fence can stop it.
+            type(action_a).objects.filter(pk=action_a.pk).update(observed_version=6)
+
+        os.kill(holder.pid, signal.SIGCONT)
+        assert holder.stdin is not None
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        result = _read_event(holder)
+        assert holder.wait(timeout=30) == 0
+    finally:
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.kill()
+            holder.wait()
+
+    resource.refresh_from_db()
+    assert resource.document == {"owner": "b"}
+    assert resource.version == 6
+    assert resource.last_fence == successor_locked["fence"]
+    return {
+        "result": result,
+        "locked": locked,
+        "action_a": action_a,
+        "operation": locked["operation"],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_paused_holder_that_skips_renew_is_refused_by_the_fence(
+    redis_client: redis.Redis,
+) -> None:
+    scenario = _paused_holder_scenario(redis_client, renew=False)
+    result = scenario["result"]
+    assert result["event"] == "outcome"
+    assert result["applied"] is False
+    assert result["reason"] == "stale_fence"
+    operation = Operation.objects.get(pk=scenario["operation"])
+    assert operation.status == OperationStatus.FAILED
+    assert operation.outcome["reason"] == "stale_fence"
+    refused = AuditEvent.objects.get(event_type="write.refused", action_id=scenario["action_a"].pk)
+    assert refused.details["fence"] == scenario["locked"]["fence"]
+    assert refused.details["current_fence"] > refused.details["fence"]
+    assert verify_chain().ok
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_paused_holder_that_renews_stops_before_writing(redis_client: redis.Redis) -> None:
+    scenario = _paused_holder_scenario(redis_client, renew=True)
+    assert scenario["result"]["event"] == "lock_lost"
+    # It never reached the barrier: its operation is still pending for the reconciler.
+    assert Operation.objects.get(pk=scenario["operation"]).status == OperationStatus.PENDING
+    assert not AuditEvent.objects.filter(action_id=scenario["action_a"].pk).exists()
