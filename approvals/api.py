@@ -1,0 +1,886 @@
+"""API: runs, actions (with long-poll), approvals and undo.
+
+Handlers are thin: parse, authorise, call one service, render.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import connection
+from django.db.models import Q
+from django.http import HttpRequest, HttpResponse
+from ninja import Field, Query, Router, Schema
+from pydantic import ConfigDict
+
+from approvals.models import (
+    Action,
+    Approval,
+    ApprovalStatus,
+    ApprovalSubject,
+    Decision,
+    Operation,
+    Run,
+    RunStatus,
+)
+from approvals.notify import action_waiters
+from approvals.services import actions as action_services
+from approvals.services import runs as run_services
+from approvals.services.idempotency import key_check
+from approvals.services.tokens import Principal
+from console.api_support import (
+    cursor_decode,
+    cursor_encode,
+    iso,
+    json_bytes,
+    json_response,
+    rate_limit_writes,
+)
+from console.auth import (
+    agent_or_run_token,
+    agent_token,
+    any_token,
+    person_token,
+    principal_of,
+    run_or_person_token,
+)
+from console.core.errors import NotFound
+from console.permissions import can_decide_approvals, can_read_everything
+from console.problems import ApiError, Problem
+
+router = Router()
+
+MAX_WAIT_SECONDS = 60
+# While subscribed, a waiter still re-reads this often in case a wake-up was lost.
+SAFETY_RECHECK_SECONDS = 15.0
+RESOURCE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}/([A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254})?\*?$"
+
+
+def errors(*statuses: int) -> dict[int, type[Problem]]:
+    return dict.fromkeys(statuses, Problem)
+
+
+# --- Schemas -------------------------------------------------------------------
+
+
+class WriteSetEntryIn(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    resource: str = Field(
+        ...,
+        description="`kind/name`, or `kind/prefix*` for every name starting with prefix",
+        pattern=RESOURCE_PATTERN,
+        examples=["notification-policy/prod-alerts"],
+    )
+    operations: list[Literal["create", "update", "delete"]] = Field(..., min_length=1)
+
+
+class RunCreateIn(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(..., min_length=1, max_length=2000)
+    write_set: list[WriteSetEntryIn] = Field(..., min_length=1, max_length=100)
+    ttl_seconds: int | None = Field(
+        None, ge=run_services.MIN_TTL_SECONDS, le=settings.AIRLOCK_RUN_MAX_TTL_SECONDS
+    )
+
+
+class WriteSetEntryOut(Schema):
+    resource: str
+    operations: list[str]
+
+
+class RunOut(Schema):
+    id: uuid.UUID
+    status: Literal["pending_approval", "active", "rejected", "finished", "expired", "revoked"]
+    agent: str
+    task: str
+    write_set: list[WriteSetEntryOut]
+    ttl_seconds: int
+    expires_at: datetime
+    max_expires_at: datetime
+    auto_approved: bool
+    status_reason: str
+    created_at: datetime
+    activated_at: datetime | None
+    ended_at: datetime | None
+    url: str
+
+
+class RunCreatedOut(RunOut):
+    token: str = Field(..., description="The run token (rt_…); shown once")
+
+
+class RunPage(Schema):
+    items: list[RunOut]
+    next: str | None
+
+
+class ApprovalInfo(Schema):
+    mode: Literal["per_run", "per_call"]
+    decision: Literal["pending", "approved", "rejected", "expired", "cancelled"]
+    by: str | None
+    at: datetime | None
+    approval_id: uuid.UUID | None = None
+    approvals_so_far: int = 0
+    quorum: int = 1
+
+
+class ExecutionInfo(Schema):
+    fence: int
+    status: str
+    result_etag: str | None
+    finished_at: datetime | None
+    undo_deadline: datetime | None
+
+
+class ConflictInfo(Schema):
+    model_config = ConfigDict(extra="allow")
+
+    conflict_id: uuid.UUID
+    resource: str
+    expected_etag: str | None
+    current_etag: str | None
+    conflict_class: str
+    resolver: str
+    retryable_by_agent: bool
+    status: str
+
+
+class UndoInfo(Schema):
+    model_config = ConfigDict(extra="allow")
+
+    status: str
+    conflict_id: str | None = None
+
+
+class ActionOut(Schema):
+    id: uuid.UUID
+    run: uuid.UUID
+    agent: str
+    resource: str
+    operation: Literal["create", "update", "delete"]
+    status: Literal[
+        "pending_approval",
+        "queued",
+        "executing",
+        "applied",
+        "conflict",
+        "rejected",
+        "failed",
+        "expired",
+        "cancelled",
+        "paused",
+        "undone",
+    ]
+    etag: str
+    observed_etag: str | None
+    conflict_class: str
+    reason: str
+    paused_reason: str
+    approval: ApprovalInfo | None
+    execution: ExecutionInfo | None
+    conflict: ConflictInfo | None
+    resolution: str | None
+    resolution_action: uuid.UUID | None
+    parent: uuid.UUID | None
+    undo: UndoInfo | None
+    error: dict[str, Any] | None
+    url: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class ActionPage(Schema):
+    items: list[ActionOut]
+    next: str | None
+
+
+class DiffRow(Schema):
+    path: str
+    current: Any = None
+    proposed: Any = None
+
+
+class ApprovalItem(Schema):
+    id: uuid.UUID
+    subject: Literal["run", "action"]
+    run: uuid.UUID
+    action: uuid.UUID | None
+    agent: str
+    task: str
+    write_set: list[WriteSetEntryOut] | None
+    resource: str | None
+    operation: str | None
+    conflict_class: str | None
+    diff: list[DiffRow] | None
+    observed_etag: str | None
+    current_etag: str | None
+    approvals_so_far: int
+    quorum: int
+    expires_at: datetime
+    status: Literal["pending", "approved", "rejected", "expired", "cancelled"]
+    created_at: datetime
+
+
+class ApprovalPage(Schema):
+    items: list[ApprovalItem]
+    next: str | None
+
+
+class DecisionIn(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    decision: Literal["approve", "reject"]
+    comment: str = Field("", max_length=2000)
+
+
+# --- Serialisation ---------------------------------------------------------------
+
+
+def run_json(run: Run) -> dict[str, Any]:
+    return {
+        "id": str(run.pk),
+        "status": run_services.run_effective_status(run),
+        "agent": run.agent.name,
+        "task": run.task,
+        "write_set": run.write_set,
+        "ttl_seconds": run.ttl_seconds,
+        "expires_at": iso(run.expires_at),
+        "max_expires_at": iso(run.max_expires_at),
+        "auto_approved": run.auto_approved,
+        "status_reason": run.status_reason,
+        "created_at": iso(run.created_at),
+        "activated_at": iso(run.activated_at),
+        "ended_at": iso(run.ended_at),
+        "url": f"/api/v1/runs/{run.pk}",
+    }
+
+
+def _approval_info(action: Action) -> dict[str, Any]:
+    approval = Approval.objects.filter(action=action).order_by("-created_at").first()
+    if approval is None:
+        run = action.run
+        return {
+            "mode": "per_run",
+            "decision": "approved" if run.activated_at else "pending",
+            "by": "auto-approve" if run.auto_approved else _run_approver(run),
+            "at": iso(run.activated_at),
+            "approval_id": None,
+            "approvals_so_far": 1 if run.activated_at else 0,
+            "quorum": 1,
+        }
+    votes = list(
+        approval.decisions.select_related("person").order_by("created_at")  # type: ignore[attr-defined]
+    )
+    approvers = [v.person.get_username() for v in votes if v.decision == Decision.APPROVE]
+    rejecter = next((v.person.get_username() for v in votes if v.decision == Decision.REJECT), None)
+    by: str | None = rejecter if approval.status == ApprovalStatus.REJECTED else None
+    if by is None and approvers:
+        by = ", ".join(approvers)
+    if by is None and approval.from_conflict_id is not None:
+        conflict = approval.from_conflict
+        by = conflict.resolved_by.get_username() if conflict and conflict.resolved_by else None
+    return {
+        "mode": "per_call",
+        "decision": approval.status,
+        "by": by,
+        "at": iso(approval.decided_at),
+        "approval_id": str(approval.pk),
+        "approvals_so_far": len(approvers),
+        "quorum": approval.quorum,
+    }
+
+
+def _run_approver(run: Run) -> str | None:
+    approval = (
+        Approval.objects.filter(
+            run=run, subject=ApprovalSubject.RUN, status=ApprovalStatus.APPROVED
+        )
+        .order_by("-decided_at")
+        .first()
+    )
+    if approval is None:
+        return None
+    names = [
+        d.person.get_username()
+        for d in approval.decisions.select_related("person").filter(decision=Decision.APPROVE)  # type: ignore[attr-defined]
+    ]
+    return ", ".join(names) or None
+
+
+def _execution_info(action: Action) -> dict[str, Any] | None:
+    operation = (
+        Operation.objects.filter(action=action, undo_of__isnull=True)
+        .order_by("-started_at")
+        .first()
+    )
+    if operation is None:
+        return None
+    return {
+        "fence": operation.fence,
+        "status": operation.status,
+        "result_etag": (
+            f'"{operation.result_version}"' if operation.result_version is not None else None
+        ),
+        "finished_at": iso(operation.finished_at),
+        "undo_deadline": iso(operation.undo_deadline),
+    }
+
+
+def action_json(action: Action) -> dict[str, Any]:
+    from ownership.models import Conflict
+
+    conflict = (
+        Conflict.objects.filter(action=action, origin="write")
+        .select_related("conflict_class")
+        .first()
+    )
+    conflict_info = None
+    if conflict is not None:
+        conflict_info = {
+            "conflict_id": str(conflict.pk),
+            "resource": action.resource_identifier,
+            "expected_etag": f'"{conflict.base_version}"',
+            "current_etag": f'"{conflict.current_version}"',
+            "conflict_class": conflict.conflict_class_id,
+            "resolver": conflict.resolver,
+            "retryable_by_agent": conflict.conflict_class.retryable_by_agent,
+            "status": conflict.status,
+        }
+    undo = None
+    try:
+        from approvals.services.undo import undo_status
+
+        undo = undo_status(action)
+    except (ImportError, NotImplementedError):
+        undo = None
+    return {
+        "id": str(action.pk),
+        "run": str(action.run_id),
+        "agent": action.run.agent.name,
+        "resource": action.resource_identifier,
+        "operation": action.operation,
+        "status": action.status,
+        "etag": action.etag,
+        "observed_etag": action.observed_etag,
+        "conflict_class": action.conflict_class_id,
+        "reason": action.reason,
+        "paused_reason": action.paused_reason,
+        "approval": _approval_info(action),
+        "execution": _execution_info(action),
+        "conflict": conflict_info,
+        "resolution": (conflict.resolution or None) if conflict else None,
+        "resolution_action": (
+            str(conflict.resolution_action_id)
+            if conflict and conflict.resolution_action_id
+            else None
+        ),
+        "parent": str(action.parent_id) if action.parent_id else None,
+        "undo": undo,
+        "error": action.error if isinstance(action.error, dict) else None,
+        "url": f"/api/v1/actions/{action.pk}",
+        "created_at": iso(action.created_at),
+        "updated_at": iso(action.updated_at),
+    }
+
+
+def action_body(action: Action) -> bytes:
+    return json_bytes(action_json(action))
+
+
+def _load_action(action_id: uuid.UUID) -> Action:
+    return Action.objects.select_related("kind", "conflict_class", "run__agent").get(pk=action_id)
+
+
+# --- Runs ----------------------------------------------------------------------
+
+
+def _run_for(principal: Principal, run_id: uuid.UUID) -> Run:
+    run = Run.objects.select_related("agent").filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"Run {run_id} not found.")
+    if principal.kind == "run":
+        assert principal.run is not None
+        if principal.run.pk != run.pk:
+            raise NotFound(f"Run {run_id} not found.")
+    elif principal.kind == "agent":
+        assert principal.agent is not None
+        if principal.agent.pk != run.agent_id:
+            raise NotFound(f"Run {run_id} not found.")
+    elif not (can_read_everything(principal.user) or run.agent.owner_id == principal.user.pk):
+        raise NotFound(f"Run {run_id} not found.")
+    return run
+
+
+@router.post(
+    "/runs",
+    auth=agent_token,
+    response={201: RunCreatedOut, **errors(400, 401, 403, 409, 413, 422, 429)},
+    summary="Create a run with a declared write set",
+    tags=["runs"],
+)
+def run_create(request: HttpRequest, payload: RunCreateIn) -> HttpResponse:
+    principal = principal_of(request)
+    rate_limit_writes(principal)
+    assert principal.agent is not None
+    run, token = run_services.run_create(
+        agent=principal.agent,
+        task=payload.task,
+        write_set=[entry.model_dump() for entry in payload.write_set],
+        ttl_seconds=payload.ttl_seconds,
+        actor=principal.actor,
+    )
+    body = run_json(run) | {"token": token}
+    return json_response(body, status=201, headers={"Location": body["url"]})
+
+
+@router.get(
+    "/runs",
+    auth=any_token,
+    response={200: RunPage, **errors(400, 401, 422)},
+    summary="List runs visible to the caller",
+    tags=["runs"],
+)
+def run_list(
+    request: HttpRequest,
+    status: Literal["pending_approval", "active", "rejected", "finished", "expired", "revoked"]
+    | None = None,
+    limit: int = Query(50, ge=1, le=200),
+    cursor: str | None = Query(None, max_length=500),
+) -> HttpResponse:
+    principal = principal_of(request)
+    runs = Run.objects.select_related("agent")
+    if principal.kind == "run":
+        assert principal.run is not None
+        runs = runs.filter(pk=principal.run.pk)
+    elif principal.kind == "agent":
+        runs = runs.filter(agent=principal.agent)
+    elif not can_read_everything(principal.user):
+        runs = runs.filter(agent__owner=principal.user)
+    if status:
+        runs = runs.filter(status=status)
+    after = cursor_decode(cursor, size=2)
+    if after is not None:
+        runs = runs.filter(Q(created_at__lt=after[0]) | Q(created_at=after[0], id__lt=after[1]))
+    page = list(runs.order_by("-created_at", "-id")[: limit + 1])
+    next_cursor = None
+    if len(page) > limit:
+        page = page[:limit]
+        next_cursor = cursor_encode([page[-1].created_at.isoformat(), str(page[-1].pk)])
+    return json_response({"items": [run_json(run) for run in page], "next": next_cursor})
+
+
+@router.get(
+    "/runs/{run_id}",
+    auth=any_token,
+    response={200: RunOut, **errors(401, 403, 404, 422)},
+    summary="Read a run",
+    tags=["runs"],
+)
+def run_get(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    return json_response(run_json(_run_for(principal_of(request), run_id)))
+
+
+@router.post(
+    "/runs/{run_id}/heartbeat",
+    auth=agent_or_run_token,
+    response={200: RunOut, **errors(401, 403, 404, 409, 422, 429)},
+    summary="Extend the run's expiry (never past its approved maximum)",
+    tags=["runs"],
+)
+def run_heartbeat(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    run = _run_for(principal, run_id)
+    rate_limit_writes(principal)
+    run = run_services.run_heartbeat(run=run, actor=principal.actor)
+    return json_response(run_json(run))
+
+
+@router.post(
+    "/runs/{run_id}/finish",
+    auth=agent_or_run_token,
+    response={200: RunOut, **errors(401, 403, 404, 409, 422, 429)},
+    summary="End the run and free its ownership records",
+    tags=["runs"],
+)
+def run_finish(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    run = _run_for(principal, run_id)
+    rate_limit_writes(principal)
+    run = run_services.run_finish(run=run, actor=principal.actor)
+    return json_response(run_json(run))
+
+
+# --- Actions -------------------------------------------------------------------
+
+_WAIT = re.compile(r"^\s*wait\s*=\s*(\d{1,6})\s*$", re.I)
+
+
+def parse_prefer_wait(raw: str | None) -> int | None:
+    """`Prefer: wait=N` (RFC 7240); other preferences are ignored. N over 60 is
+    honoured as 60 (Preference-Applied says so). A malformed wait is a 400."""
+    if not raw:
+        return None
+    wait: int | None = None
+    for preference in raw.split(","):
+        token = preference.split(";", 1)[0]
+        if token.strip().lower().startswith("wait"):
+            match = _WAIT.match(token)
+            if match is None:
+                raise ApiError(
+                    "Prefer: wait must be a whole number of seconds, e.g. wait=30.",
+                    code="bad_header",
+                    extra={"header": "Prefer"},
+                )
+            wait = min(int(match.group(1)), MAX_WAIT_SECONDS)
+    return wait
+
+
+@dataclass(frozen=True)
+class ActionState:
+    etag: str
+    final: bool
+    body: bytes
+
+
+def _action_state(principal: Principal, action_id: uuid.UUID, close: bool) -> ActionState:
+    try:
+        action = action_services.action_get_for(principal, action_id)
+        action = _load_action(action.pk)
+        return ActionState(etag=action.etag, final=action.is_final, body=action_body(action))
+    finally:
+        if close:
+            # Hand the connection back (to the pool) before the request waits.
+            connection.close()
+
+
+def _should_hold(state: ActionState, condition: action_services.TagCondition | None) -> bool:
+    if condition is not None:
+        return condition.weak_match(state.etag)
+    return not state.final
+
+
+def _action_response(
+    state: ActionState,
+    condition: action_services.TagCondition | None,
+    wait: int | None,
+) -> HttpResponse:
+    headers = {"ETag": state.etag, "Cache-Control": "no-cache"}
+    if wait is not None:
+        headers["Preference-Applied"] = f"wait={wait}"
+        headers["Vary"] = "Prefer"
+    if condition is not None and condition.weak_match(state.etag):
+        response = HttpResponse(status=304)
+        for name, value in headers.items():
+            response[name] = value
+        return response
+    response = HttpResponse(state.body, status=200, content_type="application/json")
+    for name, value in headers.items():
+        response[name] = value
+    return response
+
+
+_PREFER_DOC = {
+    "in": "header",
+    "name": "Prefer",
+    "required": False,
+    "schema": {"type": "string"},
+    "description": "`wait=N` (N ≤ 60): hold the request until the action changes (see "
+    "If-None-Match) or N seconds pass. Answered with `Preference-Applied: wait=N`.",
+}
+_IF_NONE_MATCH_DOC = {
+    "in": "header",
+    "name": "If-None-Match",
+    "required": False,
+    "schema": {"type": "string"},
+    "description": "The action ETag you hold: 304 while unchanged; with Prefer: wait, held "
+    "while unchanged.",
+}
+
+
+@router.get(
+    "/actions/{action_id}",
+    auth=any_token,
+    response={200: ActionOut, 304: None, **errors(400, 401, 403, 404, 422)},
+    summary="Read an action (long-poll with Prefer: wait=N)",
+    tags=["actions"],
+    openapi_extra={
+        "parameters": [_PREFER_DOC, _IF_NONE_MATCH_DOC],
+        "responses": {
+            "200": {
+                "description": "The action",
+                "headers": {
+                    "ETag": {"schema": {"type": "string"}},
+                    "Preference-Applied": {"schema": {"type": "string"}},
+                },
+            },
+            "304": {"description": "Not modified (ETag still matches If-None-Match)"},
+        },
+    },
+)
+async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    wait = parse_prefer_wait(request.headers.get("Prefer"))
+    condition = action_services.parse_tag_condition(
+        request.headers.get("If-None-Match"), header="If-None-Match"
+    )
+    if not wait:
+        state = await sync_to_async(_action_state)(principal, action_id, False)
+        return _action_response(state, condition, wait)
+    event, live = await action_waiters.register(action_id)
+    try:
+        state = await sync_to_async(_action_state)(principal, action_id, True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while _should_hold(state, condition):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            recheck = SAFETY_RECHECK_SECONDS if live else 1.0
+            try:
+                await asyncio.wait_for(event.wait(), timeout=min(remaining, recheck))
+            except TimeoutError:
+                if remaining <= recheck:
+                    break
+            event.clear()
+            state = await sync_to_async(_action_state)(principal, action_id, True)
+    finally:
+        action_waiters.unregister(action_id, event)
+    return _action_response(state, condition, wait)
+
+
+@router.get(
+    "/actions",
+    auth=any_token,
+    response={200: ActionPage, **errors(400, 401, 422)},
+    summary="List actions visible to the caller, newest first",
+    tags=["actions"],
+)
+def action_list(
+    request: HttpRequest,
+    run: uuid.UUID | None = None,
+    status: str | None = Query(None, max_length=20),
+    limit: int = Query(50, ge=1, le=200),
+    cursor: str | None = Query(None, max_length=500),
+) -> HttpResponse:
+    principal = principal_of(request)
+    actions = Action.objects.select_related("kind", "conflict_class", "run__agent")
+    if principal.kind in ("agent", "run"):
+        actions = actions.filter(agent=principal.agent)
+    else:
+        actions = actions.filter(action_services.actions_for_person_q(principal.user))
+    if run is not None:
+        actions = actions.filter(run_id=run)
+    if status:
+        actions = actions.filter(status=status)
+    after = cursor_decode(cursor, size=2)
+    if after is not None:
+        actions = actions.filter(
+            Q(created_at__lt=after[0]) | Q(created_at=after[0], id__lt=after[1])
+        )
+    page = list(actions.order_by("-created_at", "-id")[: limit + 1])
+    next_cursor = None
+    if len(page) > limit:
+        page = page[:limit]
+        next_cursor = cursor_encode([page[-1].created_at.isoformat(), str(page[-1].pk)])
+    return json_response({"items": [action_json(a) for a in page], "next": next_cursor})
+
+
+@router.post(
+    "/actions/{action_id}/cancel",
+    auth=any_token,
+    response={200: ActionOut, **errors(401, 403, 404, 409, 422, 429)},
+    summary="Cancel an action before its execution starts",
+    tags=["actions"],
+)
+def action_cancel(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    action = action_services.action_get_for(principal, action_id)
+    if principal.kind == "person" and not can_decide_approvals(principal.user):
+        raise ApiError("Cancelling needs the operator role.", code="forbidden")
+    if principal.kind == "run" and principal.run is not None and principal.run.pk != action.run_id:
+        raise NotFound(f"Action {action_id} not found.")
+    rate_limit_writes(principal)
+    action = action_services.action_cancel(action=action, actor=principal.actor)
+    action = _load_action(action.pk)
+    return json_response(action_json(action), headers={"ETag": action.etag})
+
+
+@router.post(
+    "/actions/{action_id}/undo",
+    auth=run_or_person_token,
+    response={202: ActionOut, **errors(400, 401, 403, 404, 409, 422, 429)},
+    summary="Undo an applied action inside its undo window",
+    tags=["actions"],
+    openapi_extra={
+        "parameters": [
+            {
+                "in": "header",
+                "name": "Idempotency-Key",
+                "required": True,
+                "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:-]{8,255}$"},
+            }
+        ]
+    },
+)
+def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
+    from approvals.services.undo import action_undo_request
+
+    principal = principal_of(request)
+    rate_limit_writes(principal)
+    key = key_check(request.headers.get("Idempotency-Key"))
+    actor: Any = principal.run if principal.kind == "run" else principal.user
+    action_undo_request(action_id=action_id, actor=actor, idempotency_key=key)
+    action = _load_action(action_id)
+    return json_response(
+        action_json(action),
+        status=202,
+        headers={"Location": f"/api/v1/actions/{action.pk}", "ETag": action.etag},
+    )
+
+
+# --- Approvals -----------------------------------------------------------------
+
+
+def _approval_item(approval: Approval) -> dict[str, Any]:
+    from console.core.barrier import proposed_document
+    from ownership.diff import three_way_diff
+    from ownership.models import Resource
+
+    run = approval.run
+    approvers = approval.decisions.filter(decision=Decision.APPROVE).count()  # type: ignore[attr-defined]
+    item: dict[str, Any] = {
+        "id": str(approval.pk),
+        "subject": approval.subject,
+        "run": str(run.pk),
+        "action": str(approval.action_id) if approval.action_id else None,
+        "agent": run.agent.name,
+        "task": run.task,
+        "write_set": run.write_set if approval.subject == ApprovalSubject.RUN else None,
+        "resource": None,
+        "operation": None,
+        "conflict_class": None,
+        "diff": None,
+        "observed_etag": None,
+        "current_etag": None,
+        "approvals_so_far": approvers,
+        "quorum": approval.quorum,
+        "expires_at": iso(approval.expires_at),
+        "status": approval.status,
+        "created_at": iso(approval.created_at),
+    }
+    action = approval.action
+    if action is not None:
+        resource = Resource.objects.filter(kind_id=action.kind_id, name=action.name).first()
+        current = resource.document if resource is not None and not resource.deleted else {}
+        proposed = proposed_document(action, current) if action.operation != "delete" else {}
+        item.update(
+            {
+                "resource": action.resource_identifier,
+                "operation": action.operation,
+                "conflict_class": action.conflict_class_id,
+                "observed_etag": (
+                    f'"{approval.observed_version}"'
+                    if approval.observed_version is not None
+                    else None
+                ),
+                "current_etag": (
+                    resource.etag if resource is not None and not resource.deleted else None
+                ),
+                "diff": [
+                    {"path": row["path"], "current": row["current"], "proposed": row["proposed"]}
+                    for row in three_way_diff(current, current, proposed)
+                ],
+            }
+        )
+    return item
+
+
+@router.get(
+    "/approvals",
+    auth=person_token,
+    response={200: ApprovalPage, **errors(400, 401, 403, 422)},
+    summary="Run and call approvals the caller may decide, oldest first",
+    tags=["approvals"],
+)
+def approval_list(
+    request: HttpRequest,
+    status: Literal["pending", "approved", "rejected", "expired", "cancelled"] = "pending",
+    limit: int = Query(50, ge=1, le=200),
+    cursor: str | None = Query(None, max_length=500),
+) -> HttpResponse:
+    principal = principal_of(request)
+    approvals = Approval.objects.select_related(
+        "run__agent", "action__kind", "action__conflict_class"
+    ).filter(status=status)
+    if not can_decide_approvals(principal.user) and not can_read_everything(principal.user):
+        approvals = approvals.none()
+    after = cursor_decode(cursor, size=2)
+    if after is not None:
+        approvals = approvals.filter(
+            Q(created_at__gt=after[0]) | Q(created_at=after[0], id__gt=after[1])
+        )
+    page = list(approvals.order_by("created_at", "id")[: limit + 1])
+    next_cursor = None
+    if len(page) > limit:
+        page = page[:limit]
+        next_cursor = cursor_encode([page[-1].created_at.isoformat(), str(page[-1].pk)])
+    return json_response({"items": [_approval_item(a) for a in page], "next": next_cursor})
+
+
+@router.get(
+    "/approvals/{approval_id}",
+    auth=person_token,
+    response={200: ApprovalItem, **errors(401, 403, 404, 422)},
+    summary="Read one approval",
+    tags=["approvals"],
+)
+def approval_get(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    approval = (
+        Approval.objects.select_related("run__agent", "action__kind", "action__conflict_class")
+        .filter(pk=approval_id)
+        .first()
+    )
+    if approval is None or not (
+        can_decide_approvals(principal.user) or can_read_everything(principal.user)
+    ):
+        raise NotFound(f"Approval {approval_id} not found.")
+    return json_response(_approval_item(approval))
+
+
+@router.post(
+    "/approvals/{approval_id}/decision",
+    auth=person_token,
+    response={200: ApprovalItem, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
+    summary="Approve or reject (409 if already decided or expired)",
+    tags=["approvals"],
+)
+def approval_decision(
+    request: HttpRequest, approval_id: uuid.UUID, payload: DecisionIn
+) -> HttpResponse:
+    from approvals.services.decisions import approval_decide
+
+    principal = principal_of(request)
+    rate_limit_writes(principal)
+    approval = approval_decide(
+        approval_id=approval_id,
+        person=principal.user,
+        decision=payload.decision,
+        comment=payload.comment,
+    )
+    approval = Approval.objects.select_related(
+        "run__agent", "action__kind", "action__conflict_class"
+    ).get(pk=approval.pk)
+    return json_response(_approval_item(approval))
+
+
+__all__ = ["RunStatus", "action_json", "router"]

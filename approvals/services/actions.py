@@ -1,0 +1,464 @@
+"""Proposing, reading and cancelling actions (one proposed write by a run).
+
+The API checks, in this order: authentication -> run active -> write set ->
+key format -> idempotency -> precondition -> record. `action_check_writable`
+is the run/write-set part, `action_propose` the precondition and record part;
+the idempotency layer sits between them in the API handler because it stores
+HTTP responses.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from approvals.models import (
+    Action,
+    ActionStatus,
+    Approval,
+    ApprovalStatus,
+    ApprovalSubject,
+    PayloadFormat,
+    Run,
+    RunStatus,
+)
+from approvals.notify import notify_action_changed
+from approvals.services.runs import RunNotActive, run_effective_status
+from audit.services import Actor, audit_append
+from console.core.errors import (
+    DomainError,
+    Forbidden,
+    InvalidTransition,
+    NotFound,
+    ValidationFailed,
+)
+from console.requestctx import current_request_id
+from ownership.models import ConflictClass, OwnershipRecord, Resource, ResourceKind
+
+logger = logging.getLogger("airlock.actions")
+
+CANCELLABLE = (ActionStatus.PENDING_APPROVAL, ActionStatus.QUEUED, ActionStatus.PAUSED)
+
+
+class HeaderSyntaxError(DomainError):
+    code = "bad_header"
+
+
+class PreconditionRequired(DomainError):
+    code = "precondition_required"
+
+
+class Leased(DomainError):
+    code = "leased"
+    retryable = True
+
+
+# --- Entity tags (RFC 9110 section 8.8.3) ----------------------------------
+
+_ETAG = re.compile(r'(W/)?"([\x21\x23-\x7e\x80-\xff]*)"')
+
+
+@dataclass(frozen=True)
+class EntityTag:
+    weak: bool
+    opaque: str
+
+    def __str__(self) -> str:
+        return f'{"W/" if self.weak else ""}"{self.opaque}"'
+
+
+@dataclass(frozen=True)
+class TagCondition:
+    """A parsed If-Match / If-None-Match: `*` or a list of entity tags."""
+
+    any: bool
+    tags: tuple[EntityTag, ...]
+
+    def strong_match(self, etag: str | None) -> bool:
+        """Strong comparison: weak tags never match (If-Match)."""
+        if etag is None:
+            return False
+        if self.any:
+            return True
+        return any(not tag.weak and str(tag) == etag for tag in self.tags)
+
+    def weak_match(self, etag: str | None) -> bool:
+        """Weak comparison (If-None-Match on reads)."""
+        if etag is None:
+            return False
+        if self.any:
+            return True
+        bare = etag.removeprefix("W/")
+        return any(f'"{tag.opaque}"' == bare for tag in self.tags)
+
+    def describe(self) -> str:
+        return "*" if self.any else ", ".join(str(tag) for tag in self.tags)
+
+
+def parse_tag_condition(raw: str | None, *, header: str) -> TagCondition | None:
+    """Parse `*` or `#entity-tag`. None when absent. Raises HeaderSyntaxError (400)."""
+    if raw is None:
+        return None
+    value = raw.strip()
+    if value == "*":
+        return TagCondition(any=True, tags=())
+    tags: list[EntityTag] = []
+    position = 0
+    saw_star = False
+    while position < len(value):
+        # Skip OWS and empty list elements (RFC 9110 section 5.6.1).
+        while position < len(value) and value[position] in " \t,":
+            position += 1
+        if position >= len(value):
+            break
+        if value[position] == "*":
+            saw_star = True
+            position += 1
+        else:
+            match = _ETAG.match(value, position)
+            if match is None:
+                raise HeaderSyntaxError(
+                    f"{header} is not '*' or a list of entity tags like \"41\".",
+                    extra={"header": header},
+                )
+            tags.append(EntityTag(weak=bool(match.group(1)), opaque=match.group(2)))
+            position = match.end()
+        while position < len(value) and value[position] in " \t":
+            position += 1
+        if position < len(value) and value[position] != ",":
+            raise HeaderSyntaxError(
+                f"{header} entity tags must be separated by commas.", extra={"header": header}
+            )
+    if saw_star:
+        raise HeaderSyntaxError(
+            f"{header}: '*' cannot be combined with entity tags.", extra={"header": header}
+        )
+    if not tags:
+        raise HeaderSyntaxError(f"{header} is empty.", extra={"header": header})
+    return TagCondition(any=False, tags=tuple(tags))
+
+
+# --- Checks before the idempotency layer ---------------------------------
+
+
+def _covering_records(run: Run, kind: str, name: str, operation: str) -> bool:
+    now = timezone.now()
+    for record in OwnershipRecord.objects.filter(
+        run=run, kind_id=kind, active=True, expires_at__gt=now
+    ):
+        matches = name.startswith(record.name) if record.is_prefix else name == record.name
+        if matches and operation in (record.operations or []):
+            return True
+    return False
+
+
+def action_check_writable(*, run: Run, kind: str, name: str, operation: str) -> ResourceKind:
+    """Run active, kind exists, the run's ownership covers (kind/name, operation),
+    and no other run holds an exclusive lease over it.
+
+    Raises RunNotActive (409), ValidationFailed (422, unknown kind),
+    Forbidden code=not_in_write_set (403), Leased (423).
+    """
+    status = run_effective_status(run)
+    if status != RunStatus.ACTIVE:
+        raise RunNotActive(
+            f"Run {run.pk} is {status}; only active runs write.",
+            extra={"run": str(run.pk), "run_status": status},
+        )
+    resource_kind = (
+        ResourceKind.objects.filter(slug=kind)
+        .select_related("class_create", "class_update", "class_delete")
+        .first()
+    )
+    if resource_kind is None:
+        raise ValidationFailed(
+            f"Resource kind {kind!r} does not exist.",
+            extra={"errors": [{"field": "kind", "message": f"unknown resource kind {kind!r}"}]},
+        )
+    if not _covering_records(run, kind, name, operation):
+        raise Forbidden(
+            f"The run's write set does not cover {operation} on {kind}/{name}.",
+            code="not_in_write_set",
+            extra={"resource": f"{kind}/{name}", "operation": operation},
+        )
+    now = timezone.now()
+    for lease in OwnershipRecord.objects.filter(
+        kind_id=kind,
+        active=True,
+        exclusive=True,
+        expires_at__gt=now,
+        run__status=RunStatus.ACTIVE,
+    ).exclude(run=run):
+        if name.startswith(lease.name) if lease.is_prefix else name == lease.name:
+            raise Leased(
+                f"Run {lease.run_id} holds an exclusive lease on {lease.pattern}.",
+                extra={
+                    "lease": {"run": str(lease.run_id), "expires_at": lease.expires_at.isoformat()}
+                },
+            )
+    return resource_kind
+
+
+# --- Proposal -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Proposal:
+    kind: ResourceKind
+    name: str
+    operation: str  # create | update | delete
+    payload_format: str
+    payload: Any
+    if_match: TagCondition | None
+    create_if_absent: bool  # If-None-Match: *
+    idempotency_key: str
+    reason: str
+
+
+def stale_extra(
+    *, resource: str, expected: str | None, current: str | None, conflict_class: ConflictClass
+) -> dict[str, Any]:
+    return {
+        "resource": resource,
+        "expected_etag": expected,
+        "current_etag": current,
+        "conflict_class": conflict_class.slug,
+        "resolver": conflict_class.resolver,
+        "retryable_by_agent": conflict_class.retryable_by_agent,
+    }
+
+
+def _enqueue(action_id: uuid.UUID) -> None:
+    # PostgreSQL is the outbox: if enqueueing fails, the reconciler re-enqueues
+    # queued actions, so a Redis hiccup never loses the write.
+    try:
+        from approvals.jobs import enqueue_action_execution
+
+        enqueue_action_execution(action_id)
+    except Exception:
+        logger.warning(
+            "could not enqueue action %s; reconciler will retry", action_id, exc_info=True
+        )
+
+
+def _open_action_approval(action: Action) -> Approval:
+    from approvals.services import decisions
+
+    opener = getattr(decisions, "approval_open_for_action", None)
+    if opener is not None:
+        try:
+            approval: Approval = opener(action=action)
+            return approval
+        except NotImplementedError:
+            pass
+    # FALLBACK until the engine's approval_open_for_action lands.
+    klass = action.conflict_class
+    return Approval.objects.create(
+        subject=ApprovalSubject.ACTION,
+        run=action.run,
+        action=action,
+        status=ApprovalStatus.PENDING,
+        quorum=klass.quorum,
+        observed_version=action.observed_version,
+        expires_at=timezone.now() + timedelta(seconds=klass.approval_ttl_seconds),
+    )
+
+
+def action_propose(
+    *,
+    run: Run,
+    proposal: Proposal,
+    on_recorded: Callable[[Action], None] | None = None,
+    on_refused: Callable[[DomainError], None] | None = None,
+) -> Action:
+    """Check the precondition and record the action, in one transaction.
+
+    Raises PreconditionRequired (428) when neither If-Match nor (for a create)
+    If-None-Match: * was sent, NotFound when updating or deleting a resource
+    that does not exist, StaleVersion-coded DomainError (412) when the tag no
+    longer matches; the refused stale write is audited with the run's identity
+    and `on_refused` runs inside that audit transaction. On success the action
+    is `pending_approval` (per-call class: an approval is opened) or `queued`
+    (enqueued after commit), and `on_recorded` runs inside the transaction.
+    """
+    kind = proposal.kind
+    identifier = f"{kind.slug}/{proposal.name}"
+    conflict_class = kind.class_for(proposal.operation)
+    if proposal.operation == "create":
+        if not proposal.create_if_absent:
+            raise PreconditionRequired(
+                "Creating needs If-None-Match: *.", extra={"resource": identifier}
+            )
+    elif proposal.if_match is None:
+        raise PreconditionRequired(
+            "Writes need If-Match with the ETag you read (or If-None-Match: * to create).",
+            extra={"resource": identifier},
+        )
+    refused: DomainError | None = None
+    with transaction.atomic():
+        resource = Resource.objects.filter(kind=kind, name=proposal.name).first()
+        exists = resource is not None and not resource.deleted
+        current_etag = resource.etag if resource is not None and exists else None
+        observed_version: int | None = None
+        if proposal.operation == "create":
+            if exists:
+                refused = DomainError(
+                    f"{identifier} already exists (If-None-Match: * failed).",
+                    code="stale_version",
+                    extra=stale_extra(
+                        resource=identifier,
+                        expected=None,
+                        current=current_etag,
+                        conflict_class=conflict_class,
+                    ),
+                )
+        else:
+            if not exists:
+                raise NotFound(f"{identifier} does not exist.")
+            assert resource is not None and proposal.if_match is not None
+            if proposal.if_match.strong_match(current_etag):
+                observed_version = resource.version
+            else:
+                refused = DomainError(
+                    f"{identifier} is at {current_etag}, not {proposal.if_match.describe()}.",
+                    code="stale_version",
+                    extra=stale_extra(
+                        resource=identifier,
+                        expected=proposal.if_match.describe(),
+                        current=current_etag,
+                        conflict_class=conflict_class,
+                    ),
+                )
+        if refused is not None:
+            audit_append(
+                event_type="action.refused_stale",
+                actor=Actor.run(run),
+                resource=identifier,
+                run_id=run.pk,
+                details={
+                    "operation": proposal.operation,
+                    "expected_etag": refused.extra["expected_etag"],
+                    "current_etag": refused.extra["current_etag"],
+                    "conflict_class": conflict_class.slug,
+                    "idempotency_key": proposal.idempotency_key,
+                    "reason": proposal.reason,
+                },
+            )
+            if on_refused is not None:
+                on_refused(refused)
+        else:
+            per_call = conflict_class.approval_mode == "per_call"
+            action = Action.objects.create(
+                run=run,
+                agent_id=run.agent_id,
+                kind=kind,
+                name=proposal.name,
+                resource=resource,
+                operation=proposal.operation,
+                payload_format=proposal.payload_format,
+                payload=proposal.payload,
+                observed_version=observed_version,
+                conflict_class=conflict_class,
+                status=ActionStatus.PENDING_APPROVAL if per_call else ActionStatus.QUEUED,
+                reason=proposal.reason,
+                idempotency_key=proposal.idempotency_key,
+                request_id=current_request_id()[:128],
+            )
+            audit_append(
+                event_type="action.proposed",
+                actor=Actor.run(run),
+                resource=identifier,
+                run_id=run.pk,
+                action_id=action.id,
+                details={
+                    "operation": proposal.operation,
+                    "observed_etag": action.observed_etag,
+                    "conflict_class": conflict_class.slug,
+                    "approval": "per_call" if per_call else "per_run",
+                    "idempotency_key": proposal.idempotency_key,
+                    "reason": proposal.reason,
+                },
+            )
+            if per_call:
+                _open_action_approval(action)
+            else:
+                transaction.on_commit(lambda: _enqueue(action.id))
+            if on_recorded is not None:
+                on_recorded(action)
+            return action
+    assert refused is not None
+    raise refused
+
+
+def action_cancel(*, action: Action, actor: Actor) -> Action:
+    """Cancel an action before execution starts; 409 invalid_transition after.
+    Cancelling a cancelled action is a no-op (no second audit row)."""
+    with transaction.atomic():
+        changed = Action.objects.filter(pk=action.pk, status__in=CANCELLABLE).update(
+            status=ActionStatus.CANCELLED, revision=F("revision") + 1
+        )
+        if changed:
+            Approval.objects.filter(action=action, status=ApprovalStatus.PENDING).update(
+                status=ApprovalStatus.CANCELLED, decided_at=timezone.now()
+            )
+            audit_append(
+                event_type="action.cancelled",
+                actor=actor,
+                resource=action.resource_identifier,
+                run_id=action.run_id,
+                action_id=action.pk,
+                details={},
+            )
+            transaction.on_commit(lambda: notify_action_changed(action.pk))
+    action.refresh_from_db()
+    if not changed and action.status != ActionStatus.CANCELLED:
+        raise InvalidTransition(
+            f"Action {action.pk} is {action.status}; only actions not yet executing can be "
+            "cancelled.",
+            extra={"action_status": action.status},
+        )
+    return action
+
+
+def action_readable_by(action: Action, principal: Any) -> bool:
+    """Agents and runs read their agent's actions; people who may read everything,
+    or who own the resource's group, read any."""
+    from console.permissions import can_read_everything, user_groups
+
+    if principal.kind in ("agent", "run"):
+        return bool(principal.agent is not None and action.agent_id == principal.agent.pk)
+    user = principal.user
+    return can_read_everything(user) or action.kind.owner_group in user_groups(user)
+
+
+def action_get_for(principal: Any, action_id: uuid.UUID) -> Action:
+    action = (
+        Action.objects.select_related("kind", "conflict_class", "run").filter(pk=action_id).first()
+    )
+    if action is None or not action_readable_by(action, principal):
+        raise NotFound(f"Action {action_id} not found.")
+    return action
+
+
+def actions_for_person_q(user: Any) -> Q:
+    from console.permissions import can_read_everything, user_groups
+
+    if can_read_everything(user):
+        return Q()
+    return Q(kind__owner_group__in=list(user_groups(user)))
+
+
+PAYLOAD_FORMATS = {
+    "PUT": PayloadFormat.REPLACE,
+    "PATCH": PayloadFormat.MERGE_PATCH,
+    "DELETE": PayloadFormat.DELETE,
+}

@@ -1,0 +1,178 @@
+"""Idempotency keys: one record per agent + key, bound to a request fingerprint.
+
+The first request with a key inserts an `in_flight` record in its own short
+transaction; the unique constraint (agent, key) decides races, so of N
+concurrent identical requests exactly one goes on to record an action. The
+winner completes the record with the response it sent, in the same
+transaction as the action, and later requests replay it byte for byte.
+
+Only answers that are the decision about the write are stored (202 accepted,
+412 refused stale); anything else releases the key. 409/429/503 are never
+stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from approvals.models import Agent, IdempotencyRecord, IdempotencyStatus
+from console.core.errors import DomainError
+
+KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{8,255}$")
+# An in-flight record older than this belongs to a request that died mid-way;
+# a new request may take the key over.
+IN_FLIGHT_ABANDONED_AFTER = timedelta(seconds=60)
+IN_FLIGHT_RETRY_AFTER_SECONDS = 1
+NEVER_STORED = frozenset({409, 429, 503})
+
+
+class IdempotencyKeyError(DomainError):
+    pass
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Either a fresh in-flight record to complete, or a response to replay."""
+
+    record_id: int | None
+    replay: StoredResponse | None
+
+
+def key_check(raw: str | None) -> str:
+    if raw is None or raw == "":
+        raise IdempotencyKeyError(
+            "Writes need an Idempotency-Key header.", code="idempotency_key_missing"
+        )
+    if not KEY_PATTERN.match(raw):
+        raise IdempotencyKeyError(
+            "Idempotency-Key must match [A-Za-z0-9._:-]{8,255}.", code="idempotency_key_invalid"
+        )
+    return raw
+
+
+def canonical_body_hash(body: bytes) -> str:
+    """Hash of the body's canonical JSON (key order and spacing do not matter)."""
+    if not body:
+        return hashlib.sha256(b"").hexdigest()
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return hashlib.sha256(body).hexdigest()
+    canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def request_fingerprint(*, method: str, path: str, body: bytes) -> str:
+    material = f"{method.upper()}\n{path}\n{canonical_body_hash(body)}"
+    return hashlib.sha256(material.encode("utf-8")).hexdigest()
+
+
+def idempotency_begin(*, agent: Agent, key: str, method: str, path: str, fingerprint: str) -> Begin:
+    """Claim `key` for this request or find what it already produced.
+
+    Raises idempotency_key_reused (422) when the key was used for a different
+    request, idempotency_key_in_flight (409, retryable) while the first
+    request with it is still being processed.
+    """
+    now = timezone.now()
+    retention = timedelta(seconds=settings.AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS)
+    for _attempt in range(3):
+        try:
+            with transaction.atomic():
+                record = IdempotencyRecord.objects.create(
+                    agent=agent,
+                    key=key,
+                    fingerprint=fingerprint,
+                    method=method.upper(),
+                    path=path[:1024],
+                    status=IdempotencyStatus.IN_FLIGHT,
+                    expires_at=now + retention,
+                )
+            return Begin(record_id=record.pk, replay=None)
+        except IntegrityError:
+            pass
+        existing = IdempotencyRecord.objects.filter(agent=agent, key=key).first()
+        if existing is None:
+            continue  # released or pruned between our insert and read: try again
+        if existing.expires_at <= now:
+            # Past retention but not pruned yet: the key is free again.
+            IdempotencyRecord.objects.filter(pk=existing.pk, expires_at__lte=now).delete()
+            continue
+        if existing.fingerprint != fingerprint:
+            raise IdempotencyKeyError(
+                "This Idempotency-Key was already used for a different request "
+                "(method, path or body differ).",
+                code="idempotency_key_reused",
+            )
+        if existing.status == IdempotencyStatus.DONE:
+            return Begin(
+                record_id=None,
+                replay=StoredResponse(
+                    status=int(existing.response_status or 200),
+                    headers=dict(existing.response_headers or {}),
+                    body=bytes(existing.response_body or b""),
+                ),
+            )
+        if existing.created_at < now - IN_FLIGHT_ABANDONED_AFTER:
+            IdempotencyRecord.objects.filter(
+                pk=existing.pk, status=IdempotencyStatus.IN_FLIGHT, created_at=existing.created_at
+            ).delete()
+            continue
+        raise IdempotencyKeyError(
+            "A request with this Idempotency-Key is still being processed.",
+            code="idempotency_key_in_flight",
+            retryable=True,
+            extra={"retry_after": IN_FLIGHT_RETRY_AFTER_SECONDS},
+        )
+    raise IdempotencyKeyError(
+        "A request with this Idempotency-Key is still being processed.",
+        code="idempotency_key_in_flight",
+        retryable=True,
+        extra={"retry_after": IN_FLIGHT_RETRY_AFTER_SECONDS},
+    )
+
+
+def idempotency_complete(
+    *, record_id: int, response: StoredResponse, action_id: Any = None
+) -> bool:
+    """Store the response for replay (call inside the transaction that made it)."""
+    if response.status in NEVER_STORED or response.status >= 500:
+        idempotency_release(record_id=record_id)
+        return False
+    updated = IdempotencyRecord.objects.filter(
+        pk=record_id, status=IdempotencyStatus.IN_FLIGHT
+    ).update(
+        status=IdempotencyStatus.DONE,
+        response_status=response.status,
+        response_headers=response.headers,
+        response_body=response.body,
+        action_id=action_id,
+    )
+    return bool(updated)
+
+
+def idempotency_release(*, record_id: int) -> None:
+    """Free the key: the request ended without a decision worth replaying."""
+    IdempotencyRecord.objects.filter(pk=record_id, status=IdempotencyStatus.IN_FLIGHT).delete()
+
+
+def idempotency_prune(*, now: datetime | None = None) -> int:
+    """Delete records past their retention (>= 24 h). Scheduled by housekeeping."""
+    deleted, _ = IdempotencyRecord.objects.filter(expires_at__lte=now or timezone.now()).delete()
+    return int(deleted)

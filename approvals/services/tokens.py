@@ -1,0 +1,227 @@
+"""API tokens: agent (`ak_`), run (`rt_`) and personal (`pt_`).
+
+A token is `<kind>_<random>`; only its SHA-256 is stored, next to a short
+readable prefix used to find candidate rows. The hash comparison is constant
+time. Identity comes from the token alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from approvals.models import Agent, AgentToken, PersonalToken, Run
+from audit.services import Actor, audit_append
+
+AGENT_PREFIX = "ak_"
+RUN_PREFIX = "rt_"
+PERSONAL_PREFIX = "pt_"
+LOOKUP_PREFIX_LENGTH = 12  # "ak_" + 9 characters of the secret
+_LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+@dataclass(frozen=True)
+class NewToken:
+    secret: str
+    prefix: str
+    hash: str
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: an agent, one of an agent's runs, or a person."""
+
+    kind: str  # "agent" | "run" | "person"
+    token_prefix: str
+    agent: Agent | None = None
+    run: Run | None = None
+    user: Any = None
+
+    @property
+    def actor(self) -> Actor:
+        if self.kind == "run" and self.run is not None:
+            return Actor.run(self.run)
+        if self.kind == "agent" and self.agent is not None:
+            return Actor.agent(self.agent)
+        return Actor.person(self.user)
+
+    @property
+    def label(self) -> str:
+        return self.actor.label
+
+
+def hash_token(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def token_generate(kind_prefix: str) -> NewToken:
+    secret = kind_prefix + secrets.token_urlsafe(32)
+    return NewToken(secret=secret, prefix=secret[:LOOKUP_PREFIX_LENGTH], hash=hash_token(secret))
+
+
+def _live(now: datetime) -> Q:
+    return Q(revoked_at__isnull=True) & (Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+
+
+def _matching(rows: list[Any], digest: str, attr: str = "token_hash") -> Any:
+    found = None
+    for row in rows:
+        # Compare every candidate so timing does not depend on which matched.
+        if hmac.compare_digest(getattr(row, attr), digest):
+            found = row
+    return found
+
+
+def principal_for_token(raw: str) -> Principal | None:
+    """Resolve a bearer token to a Principal, or None when unknown, expired or revoked.
+
+    A run token keeps identifying its run after the run ends (writes then
+    answer 409 run_not_active), but its agent must still be active.
+    """
+    if len(raw) < LOOKUP_PREFIX_LENGTH + 8 or len(raw) > 200 or not raw.isascii():
+        return None
+    now = timezone.now()
+    prefix = raw[:LOOKUP_PREFIX_LENGTH]
+    digest = hash_token(raw)
+    if raw.startswith(AGENT_PREFIX):
+        tokens = list(
+            AgentToken.objects.select_related("agent")
+            .filter(_live(now), prefix=prefix, agent__is_active=True)
+            .only("id", "token_hash", "last_used_at", "agent")
+        )
+        token = _matching(tokens, digest)
+        if token is None:
+            return None
+        _touch(AgentToken, token.pk, token.last_used_at, now)
+        return Principal(kind="agent", token_prefix=prefix, agent=token.agent)
+    if raw.startswith(RUN_PREFIX):
+        runs = list(
+            Run.objects.select_related("agent").filter(token_prefix=prefix, agent__is_active=True)
+        )
+        run = _matching(runs, digest)
+        if run is None:
+            return None
+        return Principal(kind="run", token_prefix=prefix, agent=run.agent, run=run)
+    if raw.startswith(PERSONAL_PREFIX):
+        tokens = list(
+            PersonalToken.objects.select_related("user").filter(
+                _live(now), prefix=prefix, user__is_active=True
+            )
+        )
+        token = _matching(tokens, digest)
+        if token is None:
+            return None
+        _touch(PersonalToken, token.pk, token.last_used_at, now)
+        return Principal(kind="person", token_prefix=prefix, user=token.user)
+    return None
+
+
+def _touch(model: Any, pk: int, last_used_at: datetime | None, now: datetime) -> None:
+    # At most one write per token per minute: the hot read path stays read-only.
+    if last_used_at is None or now - last_used_at > _LAST_USED_RESOLUTION:
+        model.objects.filter(pk=pk).filter(
+            Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - _LAST_USED_RESOLUTION)
+        ).update(last_used_at=now)
+
+
+def agent_token_create(
+    *,
+    agent: Agent,
+    actor: Actor,
+    label: str = "",
+    expires_at: datetime | None = None,
+) -> tuple[AgentToken, str]:
+    """Issue an agent token; the secret is returned once and never stored."""
+    new = token_generate(AGENT_PREFIX)
+    with transaction.atomic():
+        token = AgentToken.objects.create(
+            agent=agent,
+            prefix=new.prefix,
+            token_hash=new.hash,
+            label=label,
+            expires_at=expires_at,
+        )
+        audit_append(
+            event_type="token.created",
+            actor=actor,
+            details={"kind": "agent", "agent": agent.name, "prefix": new.prefix, "label": label},
+        )
+    return token, new.secret
+
+
+def personal_token_create(
+    *,
+    user: Any,
+    actor: Actor,
+    label: str = "",
+    expires_at: datetime | None = None,
+) -> tuple[PersonalToken, str]:
+    """Issue a personal token carrying `user`'s permissions."""
+    new = token_generate(PERSONAL_PREFIX)
+    with transaction.atomic():
+        token = PersonalToken.objects.create(
+            user=user,
+            prefix=new.prefix,
+            token_hash=new.hash,
+            label=label,
+            expires_at=expires_at,
+        )
+        audit_append(
+            event_type="token.created",
+            actor=actor,
+            details={
+                "kind": "personal",
+                "user": user.get_username(),
+                "prefix": new.prefix,
+                "label": label,
+            },
+        )
+    return token, new.secret
+
+
+def token_revoke(*, token: AgentToken | PersonalToken, actor: Actor) -> bool:
+    """Revoke a token; returns False when it was already revoked (no second audit row)."""
+    with transaction.atomic():
+        changed = (
+            type(token)
+            .objects.filter(pk=token.pk, revoked_at__isnull=True)
+            .update(revoked_at=timezone.now())
+        )
+        if changed:
+            audit_append(
+                event_type="token.revoked",
+                actor=actor,
+                details={
+                    "kind": "agent" if isinstance(token, AgentToken) else "personal",
+                    "prefix": token.prefix,
+                },
+            )
+    return bool(changed)
+
+
+def agent_create(
+    *, name: str, actor: Actor, owner: Any = None, description: str = ""
+) -> tuple[Agent, str]:
+    """Register an agent and issue its first token."""
+    with transaction.atomic():
+        agent = Agent.objects.create(name=name, owner=owner, description=description)
+        audit_append(
+            event_type="agent.created",
+            actor=actor,
+            details={"agent": name, "owner": owner.get_username() if owner else None},
+        )
+        _, secret = agent_token_create(agent=agent, actor=actor, label="initial")
+    return agent, secret
+
+
+def user_model() -> Any:
+    return get_user_model()

@@ -1,0 +1,292 @@
+"""The assembled REST API under /api/v1: routers, auth, problem+json errors,
+OpenAPI 3.1 document and an offline docs page.
+
+Every error leaves as application/problem+json: DomainErrors through one
+code -> status table (console/problems.py), ninja's own validation and parse
+errors, and Django's 404/405/500 for anything under /api/v1 (wrapped in
+console/urls_api.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from django.core.exceptions import RequestDataTooBig
+from django.http import Http404, HttpRequest, HttpResponse
+from django.utils.html import escape
+from ninja import Field, NinjaAPI, Router, Schema
+from ninja.errors import AuthenticationError, HttpError
+from ninja.errors import ValidationError as NinjaValidationError
+from ninja.openapi.docs import DocsBase
+from pydantic import ConfigDict
+
+from approvals.api import errors
+from approvals.api import router as approvals_router
+from audit.api import router as audit_router
+from console.api_support import iso, json_response, rate_limit_writes
+from console.auth import any_token, person_token, principal_of
+from console.core.errors import DomainError
+from console.problems import (
+    PROBLEM_CONTENT_TYPE,
+    problem_from_error,
+    problem_response,
+    unexpected_error_response,
+    validation_errors_from_ninja,
+)
+from ownership.api import router as ownership_router
+
+API_TITLE = "Airlock API"
+API_VERSION = "1.0.0"
+API_DESCRIPTION = (
+    "Agents declare a write set, read resources with ETags, send conditional writes "
+    "with idempotency keys and poll (or long-poll) for results; people approve, resolve "
+    "conflicts and hold the kill switch. Every error is application/problem+json with "
+    "`code` and `retryable`."
+)
+
+
+class OfflineSwagger(DocsBase):
+    """Swagger UI from assets vendored in django-ninja, served by this app: no CDN,
+    no inline script (works under the strict CSP)."""
+
+    def render_page(self, request: HttpRequest, api: NinjaAPI, **kwargs: Any) -> HttpResponse:
+        settings_json = json.dumps(
+            {"url": "/api/v1/openapi.json", "layout": "BaseLayout", "deepLinking": True}
+        )
+        html = f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>{escape(api.title)}</title>
+<link rel="stylesheet" href="/api/v1/docs/assets/swagger-ui.css">
+</head>
+<body data-csrf-token="" data-api-csrf="">
+<script type="application/json" id="swagger-settings">{escape(settings_json)}</script>
+<div id="swagger-ui"></div>
+<script src="/api/v1/docs/assets/swagger-ui-bundle.js"></script>
+<script src="/api/v1/docs/assets/swagger-ui-init.js"></script>
+</body>
+</html>"""
+        # escape() turned the JSON's quotes into entities, which JSON.parse would
+        # reject: the settings contain no '<', so plain JSON is safe here.
+        html = html.replace(escape(settings_json), settings_json)
+        return HttpResponse(html, content_type="text/html; charset=utf-8")
+
+
+class AirlockAPI(NinjaAPI):
+    def get_openapi_schema(self, *args: Any, **kwargs: Any) -> Any:
+        schema = super().get_openapi_schema(*args, **kwargs)
+        return _finish_openapi(schema)
+
+
+def _finish_openapi(schema: Any) -> Any:
+    """Error responses are application/problem+json; 304s have no body."""
+    for path_item in schema.get("paths", {}).values():
+        for operation in path_item.values():
+            if not isinstance(operation, dict) or "responses" not in operation:
+                continue
+            responses = operation["responses"]
+            for raw_status, response in list(responses.items()):
+                status = str(raw_status)
+                if status == "304":
+                    response.pop("content", None)
+                    continue
+                if status.isdigit() and int(status) >= 400:
+                    content = response.get("content") or {}
+                    body = content.get("application/json") or next(iter(content.values()), None)
+                    if body is not None:
+                        response["content"] = {PROBLEM_CONTENT_TYPE: body}
+                    if "Retry-After" not in response.get("headers", {}) and status in (
+                        "429",
+                        "503",
+                    ):
+                        response.setdefault("headers", {})["Retry-After"] = {
+                            "schema": {"type": "string"}
+                        }
+            # Ninja merges openapi_extra parameters after its own; keep one per name.
+            seen: set[tuple[str, str]] = set()
+            unique = []
+            for parameter in operation.get("parameters", []):
+                key = (parameter.get("in", ""), parameter.get("name", "").lower())
+                if key in seen:
+                    continue
+                seen.add(key)
+                unique.append(parameter)
+            if unique:
+                operation["parameters"] = unique
+    return schema
+
+
+api = AirlockAPI(
+    title=API_TITLE,
+    version=API_VERSION,
+    description=API_DESCRIPTION,
+    urls_namespace="api-v1",
+    docs=OfflineSwagger(),
+    docs_url="/docs",
+    openapi_url="/openapi.json",
+)
+
+
+# --- Error handlers ----------------------------------------------------------------
+
+
+@api.exception_handler(DomainError)
+def _domain_error(request: HttpRequest, exc: DomainError) -> HttpResponse:
+    return problem_from_error(exc)
+
+
+@api.exception_handler(NinjaValidationError)
+def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
+    field_errors = validation_errors_from_ninja(list(exc.errors))
+    detail = "; ".join(f"{e['field']}: {e['message']}" for e in field_errors[:5])
+    return problem_response(
+        code="validation_error",
+        detail=detail or "The request is invalid.",
+        status=422,
+        extra={"errors": field_errors},
+    )
+
+
+@api.exception_handler(AuthenticationError)
+def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
+    return problem_response(
+        code="unauthenticated",
+        detail="Send Authorization: Bearer <token> with a valid, unexpired, unrevoked token.",
+        headers={"WWW-Authenticate": 'Bearer realm="airlock"'},
+    )
+
+
+@api.exception_handler(HttpError)
+def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    if isinstance(exc.__cause__, RequestDataTooBig):
+        return problem_response(code="payload_too_large", detail="The body is too large.")
+    if exc.status_code == 400:
+        return problem_response(
+            code="validation_error",
+            status=400,
+            detail="The body is not valid JSON.",
+        )
+    code = {401: "unauthenticated", 403: "forbidden", 404: "not_found", 429: "rate_limited"}.get(
+        exc.status_code, "bad_request"
+    )
+    return problem_response(code=code, detail=str(exc.message), status=exc.status_code)
+
+
+@api.exception_handler(Http404)
+def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
+    return problem_response(code="not_found", detail="Not found.")
+
+
+@api.exception_handler(RequestDataTooBig)
+def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
+    return problem_response(code="payload_too_large", detail="The body is too large.")
+
+
+@api.exception_handler(Exception)
+def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
+    return unexpected_error_response(request, exc)
+
+
+# --- Kill switch ---------------------------------------------------------------
+
+kill_switch_router = Router()
+
+
+class KillSwitchOut(Schema):
+    scope: str
+    engaged: bool
+    reason: str
+    by: str | None
+    at: str | None
+
+
+class KillSwitchList(Schema):
+    switches: list[KillSwitchOut]
+
+
+class KillSwitchIn(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    engaged: bool
+    scope: str = Field(
+        "*",
+        max_length=300,
+        pattern=r"^(\*|[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9._:@+=,-]{0,254}\*?)$",
+        description="`*` (everything), `kind/prefix*` or `kind/name`",
+    )
+    reason: str = Field("", max_length=2000)
+
+
+def _switch_json(switch: Any) -> dict[str, Any]:
+    return {
+        "scope": switch.scope,
+        "engaged": switch.engaged,
+        "reason": switch.reason,
+        "by": switch.changed_by.get_username() if switch.changed_by else None,
+        "at": iso(switch.changed_at),
+    }
+
+
+def _switches() -> dict[str, Any]:
+    from console.models import KillSwitch
+
+    return {
+        "switches": [_switch_json(s) for s in KillSwitch.objects.select_related("changed_by").all()]
+    }
+
+
+@kill_switch_router.get(
+    "/kill-switch",
+    auth=any_token,
+    response={200: KillSwitchList, **errors(401)},
+    summary="Kill-switch scopes and their state",
+    tags=["kill switch"],
+)
+def kill_switch_get(request: HttpRequest) -> HttpResponse:
+    return json_response(_switches())
+
+
+@kill_switch_router.post(
+    "/kill-switch",
+    auth=person_token,
+    response={200: KillSwitchList, **errors(400, 401, 403, 413, 422, 429)},
+    summary="Engage or release one scope (operators and admins)",
+    tags=["kill switch"],
+)
+def kill_switch_post(request: HttpRequest, payload: KillSwitchIn) -> HttpResponse:
+    from console.services import kill_switch_set
+
+    principal = principal_of(request)
+    rate_limit_writes(principal)
+    kill_switch_set(
+        scope=payload.scope,
+        engaged=payload.engaged,
+        reason=payload.reason,
+        actor=principal.user,
+    )
+    return json_response(_switches())
+
+
+class PingOut(Schema):
+    principal: Literal["agent", "run", "person"]
+    name: str
+
+
+@kill_switch_router.get(
+    "/whoami",
+    auth=any_token,
+    response={200: PingOut, **errors(401)},
+    summary="Who the token identifies",
+    tags=["identity"],
+)
+def whoami(request: HttpRequest) -> HttpResponse:
+    principal = principal_of(request)
+    return json_response({"principal": principal.kind, "name": principal.label})
+
+
+api.add_router("", approvals_router)
+api.add_router("", ownership_router)
+api.add_router("", audit_router)
+api.add_router("", kill_switch_router)

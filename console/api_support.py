@@ -1,0 +1,189 @@
+"""Small HTTP helpers shared by the API routers: JSON responses, body reading,
+cursors, write rate limiting. (API area; kept apart from console/api.py so the
+routers can import it without importing the assembled API.)"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from datetime import datetime
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse
+
+from approvals.services.tokens import Principal
+from console.problems import ApiError
+
+logger = logging.getLogger("airlock.api")
+
+JSON_CONTENT_TYPE = "application/json"
+
+
+def iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def json_bytes(data: Any) -> bytes:
+    return json.dumps(data, default=str, separators=(",", ":")).encode("utf-8")
+
+
+def json_response(
+    data: Any, *, status: int = 200, headers: dict[str, str] | None = None
+) -> HttpResponse:
+    response = HttpResponse(json_bytes(data), status=status, content_type=JSON_CONTENT_TYPE)
+    for name, value in (headers or {}).items():
+        response[name] = value
+    return response
+
+
+def read_body(request: HttpRequest) -> bytes:
+    """The raw body, refusing anything over AIRLOCK_MAX_BODY_BYTES with 413."""
+    limit = int(settings.AIRLOCK_MAX_BODY_BYTES)
+    declared = request.META.get("CONTENT_LENGTH") or "0"
+    try:
+        declared_length = int(declared)
+    except ValueError as exc:
+        raise ApiError("Content-Length is not a number.", code="bad_header") from exc
+    if declared_length > limit:
+        raise ApiError(
+            f"The body is larger than {limit} bytes.",
+            code="payload_too_large",
+            extra={"limit_bytes": limit},
+        )
+    try:
+        body = request.body
+    except RequestDataTooBig as exc:
+        raise ApiError(
+            f"The body is larger than {limit} bytes.",
+            code="payload_too_large",
+            extra={"limit_bytes": limit},
+        ) from exc
+    if len(body) > limit:
+        raise ApiError(
+            f"The body is larger than {limit} bytes.",
+            code="payload_too_large",
+            extra={"limit_bytes": limit},
+        )
+    return body
+
+
+def _json_media_type(content_type: str, allowed: tuple[str, ...]) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media in allowed or (media.startswith("application/") and media.endswith("+json"))
+
+
+def parse_json_object(
+    body: bytes,
+    *,
+    content_type: str,
+    allowed_types: tuple[str, ...] = ("application/json",),
+    field: str = "body",
+) -> dict[str, Any]:
+    """Malformed JSON -> 400; well-formed but not an object -> 422; wrong media type -> 415."""
+    if content_type and not _json_media_type(content_type, allowed_types):
+        raise ApiError(
+            f"Send the body as {' or '.join(allowed_types)}.",
+            code="unsupported_media_type",
+        )
+    if not body:
+        raise ApiError(
+            "A JSON object body is required.",
+            code="validation_error",
+            status=422,
+            extra={"errors": [{"field": field, "message": "required"}]},
+        )
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(
+            f"The body is not valid JSON: {exc}", code="validation_error", status=400
+        ) from exc
+    if not isinstance(value, dict):
+        raise ApiError(
+            "The body must be a JSON object.",
+            code="validation_error",
+            status=422,
+            extra={"errors": [{"field": field, "message": "must be a JSON object"}]},
+        )
+    return value
+
+
+# --- Cursors ---------------------------------------------------------------
+
+
+def cursor_encode(values: list[Any]) -> str:
+    raw = json.dumps(values, default=str, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def cursor_decode(cursor: str | None, *, size: int) -> list[Any] | None:
+    if not cursor:
+        return None
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        values = json.loads(base64.urlsafe_b64decode(padded.encode()))
+    except (ValueError, UnicodeDecodeError, TypeError) as exc:
+        raise ApiError(
+            "The cursor is not one this API issued.",
+            code="validation_error",
+            status=422,
+            extra={"errors": [{"field": "cursor", "message": "invalid cursor"}]},
+        ) from exc
+    if not isinstance(values, list) or len(values) != size:
+        raise ApiError(
+            "The cursor is not one this API issued.",
+            code="validation_error",
+            status=422,
+            extra={"errors": [{"field": "cursor", "message": "invalid cursor"}]},
+        )
+    return values
+
+
+# --- Write rate limiting -----------------------------------------------------
+
+_rate_client: redis.Redis | None = None
+_rate_client_url = ""
+
+
+def _rate_redis() -> redis.Redis:
+    global _rate_client, _rate_client_url
+    if _rate_client is None or _rate_client_url != settings.REDIS_URL:
+        _rate_client = redis.Redis.from_url(
+            settings.REDIS_URL, socket_timeout=1, socket_connect_timeout=1
+        )
+        _rate_client_url = settings.REDIS_URL
+    return _rate_client
+
+
+def rate_limit_writes(principal: Principal) -> None:
+    """A fixed one-minute window per token in Redis; 429 with Retry-After when full.
+
+    Fails open when Redis is unreachable: refusing every write because the
+    counter store is down would turn a Redis blip into an outage.
+    """
+    limit = int(settings.AIRLOCK_WRITE_RATE_PER_MINUTE)
+    now = time.time()
+    window = int(now // 60)
+    key = f"airlock:ratelimit:{principal.token_prefix}:{window}"
+    try:
+        pipe = _rate_redis().pipeline()
+        pipe.incr(key)
+        pipe.expire(key, 61)
+        count = int(pipe.execute()[0])
+    except redis.RedisError:
+        logger.warning("rate limiter unavailable; allowing the write", exc_info=True)
+        return
+    if count > limit:
+        retry_after = max(1, int((window + 1) * 60 - now) + 1)
+        raise ApiError(
+            f"More than {limit} writes per minute with this token.",
+            code="rate_limited",
+            retryable=True,
+            extra={"retry_after": retry_after, "limit_per_minute": limit},
+            headers={"Retry-After": str(retry_after)},
+        )

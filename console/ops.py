@@ -1,0 +1,199 @@
+"""Operational endpoints at the site root: /healthz and /metrics (Prometheus text).
+
+Request latency is measured in-process by the API URL wrapper (each web
+process exposes its own histogram, as Prometheus expects from a scrape per
+process); domain gauges (actions by status, pauses by reason, conflicts by
+class, approval and execution latency) are read from PostgreSQL, so every
+process reports the same values.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+from collections import defaultdict
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.db import connection
+from django.db.models import Count, F, Sum
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.views.decorators.http import require_GET
+
+from console.problems import problem_response
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+_lock = threading.Lock()
+_latency_counts: dict[tuple[str, str, str], list[int]] = defaultdict(
+    lambda: [0] * (len(LATENCY_BUCKETS) + 1)
+)
+_latency_sums: dict[tuple[str, str, str], float] = defaultdict(float)
+
+
+def observe_request(*, method: str, route: str, status: int, seconds: float) -> None:
+    key = (method, route, f"{status // 100}xx")
+    with _lock:
+        counts = _latency_counts[key]
+        for index, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                counts[index] += 1
+        counts[-1] += 1
+        _latency_sums[key] += seconds
+
+
+def _check_database() -> str:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+    except Exception as exc:
+        return f"down: {type(exc).__name__}"
+    return "ok"
+
+
+def _check_redis() -> str:
+    try:
+        client = redis.Redis.from_url(
+            settings.REDIS_URL, socket_timeout=1, socket_connect_timeout=1
+        )
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except Exception as exc:
+        return f"down: {type(exc).__name__}"
+    return "ok"
+
+
+@require_GET
+def healthz(request: HttpRequest) -> HttpResponse:
+    """200 {"database": "ok", "redis": "ok"}, or 503 problem+json naming what is down."""
+    status = {"database": _check_database(), "redis": _check_redis()}
+    down = [name for name, value in status.items() if value != "ok"]
+    if down:
+        return problem_response(
+            code="unavailable",
+            detail=f"Down: {', '.join(down)}.",
+            extra=status,
+            headers={"Retry-After": "5", "Cache-Control": "no-store"},
+        )
+    response = HttpResponse(
+        f'{{"database": "{status["database"]}", "redis": "{status["redis"]}"}}',
+        content_type="application/json",
+    )
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+def _escape(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _domain_metrics() -> list[str]:
+    from approvals.models import Action, ActionStatus, Approval, Operation
+    from ownership.models import Conflict
+
+    lines = [
+        "# HELP airlock_actions Actions by status.",
+        "# TYPE airlock_actions gauge",
+    ]
+    counts = dict(Action.objects.values_list("status").annotate(n=Count("id")).order_by())
+    for status in ActionStatus.values:
+        lines.append(f'airlock_actions{{status="{status}"}} {counts.get(status, 0)}')
+    lines += [
+        "# HELP airlock_paused_actions Paused actions by reason.",
+        "# TYPE airlock_paused_actions gauge",
+    ]
+    for reason, n in (
+        Action.objects.filter(status=ActionStatus.PAUSED)
+        .values_list("paused_reason")
+        .annotate(n=Count("id"))
+        .order_by()
+    ):
+        lines.append(f'airlock_paused_actions{{reason="{_escape(reason[:100])}"}} {n}')
+    lines += [
+        "# HELP airlock_conflicts Conflicts by class and status.",
+        "# TYPE airlock_conflicts gauge",
+    ]
+    for klass, status, n in (
+        Conflict.objects.values_list("conflict_class_id", "status")
+        .annotate(n=Count("id"))
+        .order_by()
+    ):
+        lines.append(f'airlock_conflicts{{class="{_escape(klass)}",status="{status}"}} {n}')
+    decided = Approval.objects.filter(decided_at__isnull=False).aggregate(
+        n=Count("id"), total=Sum(F("decided_at") - F("created_at"))
+    )
+    lines += [
+        "# HELP airlock_approval_latency_seconds Time from request to decision.",
+        "# TYPE airlock_approval_latency_seconds summary",
+        f"airlock_approval_latency_seconds_sum {_seconds(decided['total']):.3f}",
+        f"airlock_approval_latency_seconds_count {decided['n']}",
+    ]
+    executed = Operation.objects.filter(finished_at__isnull=False).aggregate(
+        n=Count("id"), total=Sum(F("finished_at") - F("started_at"))
+    )
+    lines += [
+        "# HELP airlock_execution_latency_seconds Time an operation took on a worker.",
+        "# TYPE airlock_execution_latency_seconds summary",
+        f"airlock_execution_latency_seconds_sum {_seconds(executed['total']):.3f}",
+        f"airlock_execution_latency_seconds_count {executed['n']}",
+    ]
+    return lines
+
+
+def _seconds(value: Any) -> float:
+    if value is None:
+        return 0.0
+    return float(value.total_seconds())
+
+
+def _request_metrics() -> list[str]:
+    lines = [
+        "# HELP airlock_http_request_duration_seconds API request latency (this process).",
+        "# TYPE airlock_http_request_duration_seconds histogram",
+    ]
+    with _lock:
+        snapshot = {key: list(counts) for key, counts in _latency_counts.items()}
+        sums = dict(_latency_sums)
+    for (method, route, status), counts in sorted(snapshot.items()):
+        labels = f'method="{method}",route="{_escape(route)}",status="{status}"'
+        for index, bound in enumerate(LATENCY_BUCKETS):
+            lines.append(
+                f'airlock_http_request_duration_seconds_bucket{{{labels},le="{bound}"}} '
+                f"{counts[index]}"
+            )
+        lines.append(
+            f'airlock_http_request_duration_seconds_bucket{{{labels},le="+Inf"}} {counts[-1]}'
+        )
+        lines.append(
+            f"airlock_http_request_duration_seconds_sum{{{labels}}} "
+            f"{sums[(method, route, status)]:.6f}"
+        )
+        lines.append(f"airlock_http_request_duration_seconds_count{{{labels}}} {counts[-1]}")
+    return lines
+
+
+@require_GET
+def metrics(request: HttpRequest) -> HttpResponse:
+    """Prometheus text; open unless METRICS_TOKEN is set (then Bearer METRICS_TOKEN)."""
+    expected = settings.METRICS_TOKEN
+    if expected:
+        sent = request.headers.get("Authorization", "")
+        scheme, _, token = sent.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), expected.encode()
+        ):
+            return problem_response(
+                code="unauthenticated",
+                detail="Send Authorization: Bearer <METRICS_TOKEN>.",
+                headers={"WWW-Authenticate": 'Bearer realm="metrics"'},
+            )
+    lines = [*_domain_metrics(), *_request_metrics()]
+    lines.append(f"airlock_metrics_generated_at_seconds {timezone.now().timestamp():.3f}")
+    return HttpResponse(
+        "\n".join(lines) + "\n", content_type="text/plain; version=0.0.4; charset=utf-8"
+    )

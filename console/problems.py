@@ -1,0 +1,203 @@
+"""application/problem+json (RFC 9457) for every API error.
+
+One table maps a DomainError `code` to an HTTP status; every 4xx/5xx the API
+answers goes through `problem_response`, so the body always carries `type`,
+`title`, `status`, `detail`, `code` and `retryable`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from ninja import Schema
+from pydantic import ConfigDict, Field
+
+from console.core.errors import DomainError
+from console.requestctx import current_request_id
+
+logger = logging.getLogger("airlock.api")
+
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+PROBLEM_BASE = "/api/v1/problems/"
+
+# code -> (status, title, retryable by default)
+PROBLEMS: dict[str, tuple[int, str, bool]] = {
+    "bad_request": (400, "Bad request", False),
+    "validation_error": (422, "Validation failed", False),
+    "malformed_json": (400, "Malformed JSON", False),
+    "bad_header": (400, "Malformed header", False),
+    "idempotency_key_missing": (400, "Idempotency-Key required", False),
+    "idempotency_key_invalid": (400, "Idempotency-Key invalid", False),
+    "unauthenticated": (401, "Authentication required", False),
+    "forbidden": (403, "Forbidden", False),
+    "self_approval": (403, "Forbidden: self approval", False),
+    "not_in_write_set": (403, "Not in the run's write set", False),
+    "not_found": (404, "Not found", False),
+    "method_not_allowed": (405, "Method not allowed", False),
+    "not_acceptable": (406, "Not acceptable", False),
+    "run_not_active": (409, "Run not active", False),
+    "write_set_conflict": (409, "Write set conflict", False),
+    "idempotency_key_in_flight": (409, "Idempotency key in flight", True),
+    "invalid_transition": (409, "Invalid state transition", False),
+    "already_decided": (409, "Already decided", False),
+    "approval_expired": (409, "Approval expired", False),
+    "undo_window_expired": (409, "Undo window expired", False),
+    "undo_refused": (409, "Undo refused", False),
+    "already_undone": (409, "Already undone", False),
+    "stale_fence": (409, "Stale fence", False),
+    "lock_busy": (409, "Resource busy", True),
+    "lock_lost": (409, "Lock lost", True),
+    "conflict": (409, "Conflict", False),
+    "stale_version": (412, "Stale version", False),
+    "payload_too_large": (413, "Payload too large", False),
+    "unsupported_media_type": (415, "Unsupported media type", False),
+    "idempotency_key_reused": (422, "Idempotency key reused", False),
+    "leased": (423, "Leased by another run", True),
+    "precondition_required": (428, "Precondition required", False),
+    "rate_limited": (429, "Rate limited", True),
+    "internal_error": (500, "Internal error", True),
+    "not_implemented": (501, "Not implemented yet", False),
+    "kill_switch_engaged": (503, "Kill switch engaged", True),
+    "unavailable": (503, "Service unavailable", True),
+}
+
+
+def status_for_code(code: str) -> int:
+    entry = PROBLEMS.get(code)
+    return entry[0] if entry else 400
+
+
+class ApiError(DomainError):
+    """An error that only exists at the HTTP edge (headers, body syntax).
+
+    `status` overrides the table when one code is used with two statuses
+    (validation_error is 400 for malformed JSON, 422 otherwise).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str,
+        status: int | None = None,
+        retryable: bool | None = None,
+        extra: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, code=code, retryable=retryable, extra=extra)
+        self.status = status
+        self.headers = headers or {}
+
+
+class ProblemFieldError(Schema):
+    field: str
+    message: str
+
+
+class Problem(Schema):
+    """RFC 9457 problem details, with Airlock's `code` and `retryable` always present."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(description="/api/v1/problems/<code>")
+    title: str
+    status: int
+    detail: str
+    code: str = Field(description="Machine-readable error code")
+    retryable: bool = Field(description="May the same request be sent again unchanged?")
+    request_id: str | None = None
+    errors: list[ProblemFieldError] | None = None
+
+
+def problem_body(
+    *,
+    code: str,
+    detail: str,
+    status: int | None = None,
+    retryable: bool | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    default_status, title, default_retryable = PROBLEMS.get(code, (400, "Error", False))
+    body: dict[str, Any] = {
+        "type": f"{PROBLEM_BASE}{code}",
+        "title": title,
+        "status": status or default_status,
+        "detail": detail,
+        "code": code,
+        "retryable": default_retryable if retryable is None else retryable,
+    }
+    request_id = current_request_id()
+    if request_id:
+        body["request_id"] = request_id
+    for key, value in (extra or {}).items():
+        if key not in body:
+            body[key] = value
+    return body
+
+
+def problem_response(
+    *,
+    code: str,
+    detail: str,
+    status: int | None = None,
+    retryable: bool | None = None,
+    extra: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> HttpResponse:
+    body = problem_body(code=code, detail=detail, status=status, retryable=retryable, extra=extra)
+    response = HttpResponse(
+        json.dumps(body, default=str).encode(),
+        status=body["status"],
+        content_type=PROBLEM_CONTENT_TYPE,
+    )
+    for name, value in (headers or {}).items():
+        response[name] = value
+    return response
+
+
+def problem_from_error(error: DomainError) -> HttpResponse:
+    status = getattr(error, "status", None) or status_for_code(error.code)
+    # A DomainError subclass may carry the class default retryable; the table
+    # wins only when the error did not set its own.
+    retryable = error.retryable if "retryable" in vars(error) else None
+    if retryable is None and error.code not in PROBLEMS:
+        retryable = error.retryable
+    headers = dict(getattr(error, "headers", {}) or {})
+    if error.code == "rate_limited" and "Retry-After" not in headers:
+        headers["Retry-After"] = str(error.extra.get("retry_after", 1))
+    return problem_response(
+        code=error.code,
+        detail=error.message,
+        status=status,
+        retryable=retryable,
+        extra=error.extra,
+        headers=headers,
+    )
+
+
+def is_problem(response: Any) -> bool:
+    return str(response.get("Content-Type", "")).startswith(PROBLEM_CONTENT_TYPE)
+
+
+def _field_name(loc: Any) -> str:
+    parts = [str(part) for part in loc]
+    # ninja prefixes the parameter source ("body", "query", "path", "header").
+    return ".".join(parts) if parts else ""
+
+
+def validation_errors_from_ninja(errors: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [
+        {"field": _field_name(error.get("loc", ())), "message": str(error.get("msg", "invalid"))}
+        for error in errors
+    ]
+
+
+def unexpected_error_response(request: HttpRequest, exc: BaseException) -> HttpResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+    return problem_response(
+        code="internal_error",
+        detail="An unexpected error occurred; it has been logged with the request id.",
+    )

@@ -1,0 +1,200 @@
+"""The conflict-class table and resource kinds: admin-only edits, audited.
+
+The API (`PUT /conflict-classes/{slug}`, `PUT /resource-kinds/{kind}`) and the
+console call these same functions.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.db import transaction
+
+from audit.services import Actor, audit_append
+from console.core.errors import Forbidden, ValidationFailed
+from console.permissions import is_admin
+from ownership.models import ApprovalMode, ConflictClass, OnConflict, ResourceKind, TargetType
+
+SLUG_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+RESOLVER_PATTERN = re.compile(r"^(agent|owner|group:[A-Za-z0-9._-]{1,140})$")
+GROUP_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,150}$")
+
+CLASS_FIELDS = (
+    "name",
+    "description",
+    "approval_mode",
+    "on_conflict",
+    "resolver",
+    "quorum",
+    "undo_window_seconds",
+    "approval_ttl_seconds",
+    "escalation_seconds",
+    "escalation_group",
+    "forbid_agent_owner_approval",
+)
+
+
+def _require_admin(user: Any) -> None:
+    if not getattr(user, "is_active", False) or not is_admin(user):
+        raise Forbidden("Only admins edit the conflict-class table and resource kinds.")
+
+
+def _invalid(errors: list[dict[str, str]]) -> ValidationFailed:
+    return ValidationFailed(
+        "; ".join(f"{e['field']}: {e['message']}" for e in errors), extra={"errors": errors}
+    )
+
+
+def conflict_class_as_dict(klass: ConflictClass) -> dict[str, Any]:
+    return {
+        "slug": klass.slug,
+        "name": klass.name,
+        "description": klass.description,
+        "approval_mode": klass.approval_mode,
+        "on_conflict": klass.on_conflict,
+        "resolver": klass.resolver,
+        "retryable_by_agent": klass.retryable_by_agent,
+        "quorum": klass.quorum,
+        "undo_window_seconds": klass.undo_window_seconds,
+        "approval_ttl_seconds": klass.approval_ttl_seconds,
+        "escalation_seconds": klass.escalation_seconds,
+        "escalation_group": klass.escalation_group,
+        "forbid_agent_owner_approval": klass.forbid_agent_owner_approval,
+        "updated_at": klass.updated_at.isoformat(),
+    }
+
+
+def resource_kind_as_dict(kind: ResourceKind) -> dict[str, Any]:
+    return {
+        "kind": kind.slug,
+        "description": kind.description,
+        "classes": {
+            "create": kind.class_create_id,
+            "update": kind.class_update_id,
+            "delete": kind.class_delete_id,
+        },
+        "owner_group": kind.owner_group,
+        "undo_window_seconds": kind.undo_window_seconds,
+        "target": kind.target,
+        "target_url": kind.target_url,
+        "updated_at": kind.updated_at.isoformat(),
+    }
+
+
+def conflict_class_put(*, slug: str, data: dict[str, Any], user: Any) -> tuple[ConflictClass, bool]:
+    """Create or replace a conflict class (admins only). Returns (class, created).
+
+    Raises Forbidden, ValidationFailed (422 with per-field errors).
+    """
+    _require_admin(user)
+    errors: list[dict[str, str]] = []
+    if not SLUG_PATTERN.match(slug):
+        errors.append({"field": "slug", "message": "must be a lowercase slug"})
+    if data.get("approval_mode") not in ApprovalMode.values:
+        errors.append({"field": "approval_mode", "message": "must be per_run or per_call"})
+    if data.get("on_conflict") not in OnConflict.values:
+        errors.append(
+            {"field": "on_conflict", "message": f"must be one of {', '.join(OnConflict.values)}"}
+        )
+    if not isinstance(data.get("resolver"), str) or not RESOLVER_PATTERN.match(data["resolver"]):
+        errors.append({"field": "resolver", "message": "must be agent, owner or group:<name>"})
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip() or len(name) > 200:
+        errors.append({"field": "name", "message": "required, at most 200 characters"})
+    for field, low, high in (
+        ("quorum", 1, 20),
+        ("undo_window_seconds", 0, 30 * 86400),
+        ("approval_ttl_seconds", 60, 30 * 86400),
+        ("escalation_seconds", 0, 30 * 86400),
+    ):
+        value = data.get(field)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high
+        ):
+            errors.append({"field": field, "message": f"must be an integer in [{low}, {high}]"})
+    if errors:
+        raise _invalid(errors)
+    values = {
+        "name": name,
+        "description": data.get("description") or "",
+        "approval_mode": data["approval_mode"],
+        "on_conflict": data["on_conflict"],
+        "resolver": data["resolver"],
+        "quorum": data.get("quorum") or 1,
+        "undo_window_seconds": data.get("undo_window_seconds", 600),
+        "approval_ttl_seconds": data.get("approval_ttl_seconds") or 172_800,
+        "escalation_seconds": data.get("escalation_seconds") or 0,
+        "escalation_group": data.get("escalation_group") or "",
+        "forbid_agent_owner_approval": bool(data.get("forbid_agent_owner_approval", True)),
+    }
+    with transaction.atomic():
+        klass, created = ConflictClass.objects.update_or_create(slug=slug, defaults=values)
+        audit_append(
+            event_type="conflict_class.created" if created else "conflict_class.replaced",
+            actor=Actor.person(user),
+            details={"slug": slug, **{k: values[k] for k in CLASS_FIELDS}},
+        )
+    return klass, created
+
+
+def resource_kind_put(*, slug: str, data: dict[str, Any], user: Any) -> tuple[ResourceKind, bool]:
+    """Create or replace a resource kind (admins only). Returns (kind, created)."""
+    _require_admin(user)
+    errors: list[dict[str, str]] = []
+    if not SLUG_PATTERN.match(slug):
+        errors.append({"field": "kind", "message": "must be a lowercase slug"})
+    classes = data.get("classes")
+    existing = set(ConflictClass.objects.values_list("slug", flat=True))
+    if not isinstance(classes, dict):
+        errors.append({"field": "classes", "message": "must map create, update, delete to classes"})
+        classes = {}
+    for operation in ("create", "update", "delete"):
+        value = classes.get(operation)
+        if value not in existing:
+            errors.append(
+                {"field": f"classes.{operation}", "message": "must name an existing conflict class"}
+            )
+    extra_ops = set(classes) - {"create", "update", "delete"}
+    if extra_ops:
+        errors.append({"field": "classes", "message": f"unknown operations {sorted(extra_ops)}"})
+    owner_group = data.get("owner_group")
+    if not isinstance(owner_group, str) or not GROUP_PATTERN.match(owner_group):
+        errors.append({"field": "owner_group", "message": "required, a group name"})
+    window = data.get("undo_window_seconds")
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or not 0 <= window <= 30 * 86400
+    ):
+        errors.append({"field": "undo_window_seconds", "message": "null or 0..2592000"})
+    target = data.get("target") or TargetType.MANAGED
+    target_url = data.get("target_url") or ""
+    if target not in TargetType.values:
+        errors.append({"field": "target", "message": "must be managed or http"})
+    elif target == TargetType.HTTP and not str(target_url).startswith(("http://", "https://")):
+        errors.append({"field": "target_url", "message": "required for http targets"})
+    if errors:
+        raise _invalid(errors)
+    values = {
+        "description": data.get("description") or "",
+        "class_create_id": classes["create"],
+        "class_update_id": classes["update"],
+        "class_delete_id": classes["delete"],
+        "owner_group": owner_group,
+        "undo_window_seconds": window,
+        "target": target,
+        "target_url": target_url,
+    }
+    with transaction.atomic():
+        kind, created = ResourceKind.objects.update_or_create(slug=slug, defaults=values)
+        audit_append(
+            event_type="resource_kind.created" if created else "resource_kind.replaced",
+            actor=Actor.person(user),
+            details={
+                "kind": slug,
+                "classes": dict(classes),
+                "owner_group": owner_group,
+                "undo_window_seconds": window,
+                "target": target,
+            },
+        )
+    return kind, created
