@@ -1,0 +1,1 @@
+"""`make bench`: Airlock's speed and scale as ratios against baselines measured in the same run."""

@@ -1,0 +1,247 @@
+"""In-process measurements that need Django, each run in its own process:
+
+    python -m bench.measure '<json spec>'  → prints one JSON result
+
+- `core_write`: the core path (fenced lock + fence + operation + barrier write + version row +
+  audit, one transaction) against a bare `UPDATE … WHERE version = …`, interleaved one-for-one
+  so drift on a shared machine hits both alike.
+- `audit_append`: appends for a bounded time/count (several processes run it at once).
+- `seed_scale`: bulk data for the scale figures (COPY, not the API), with a valid audit chain.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+
+def _setup() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+    import django
+
+    django.setup()
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def core_write(spec: dict[str, Any]) -> dict[str, Any]:
+    import redis as redis_lib
+    from django.conf import settings
+    from django.db import connection
+
+    from approvals.models import Action, ActionStatus, PayloadFormat, Run
+    from audit.services import Actor
+    from console.core.barrier import apply_action, open_operation
+    from console.core.lock import FencedLock
+    from ownership.models import Resource
+
+    run = Run.objects.select_related("agent").get(pk=spec["run_id"])
+    target = Resource.objects.get(pk=spec["core_resource_id"])
+    bare = Resource.objects.get(pk=spec["bare_resource_id"])
+    client = redis_lib.Redis.from_url(settings.REDIS_URL)
+    actor = Actor.run(run)
+    n = int(spec["n"])
+    deadline = time.perf_counter() + float(spec.get("max_seconds", 60))
+    core_times: list[float] = []
+    bare_times: list[float] = []
+    refused = 0
+    for i in range(n):
+        if time.perf_counter() > deadline:
+            break
+        target.refresh_from_db(fields=["version"])
+        action = Action.objects.create(
+            run=run,
+            agent=run.agent,
+            kind_id=target.kind_id,
+            name=target.name,
+            resource=target,
+            operation="update",
+            payload_format=PayloadFormat.MERGE_PATCH,
+            payload={"n": i},
+            observed_version=target.version,
+            conflict_class_id=spec["conflict_class"],
+            status=ActionStatus.QUEUED,
+        )
+        # --- the core path
+        t0 = time.perf_counter()
+        lock = FencedLock(client, key=f"{target.kind_id}/{target.name}", ttl_ms=30_000)
+        fence = lock.acquire(wait_seconds=1.0)
+        try:
+            operation = open_operation(
+                action_id=action.pk, fence=fence, worker="bench", lease_seconds=60
+            )
+            outcome = apply_action(
+                action_id=action.pk, operation_id=operation.pk, fence=fence, actor=actor
+            )
+        finally:
+            lock.release()
+        core_times.append(time.perf_counter() - t0)
+        if not outcome.applied:
+            refused += 1
+        # --- the bare baseline: one conditional single-row UPDATE, autocommit
+        t0 = time.perf_counter()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE ownership_resource SET document = %s, version = version + 1 "
+                "WHERE id = %s AND version = %s",
+                [json.dumps({"n": i}), bare.pk, bare.version],
+            )
+            assert cursor.rowcount == 1
+        bare.version += 1
+        bare_times.append(time.perf_counter() - t0)
+    core_p50 = _pct(core_times, 0.5)
+    bare_p50 = _pct(bare_times, 0.5)
+    return {
+        "writes": len(core_times),
+        "refused": refused,
+        "core_write_p50_ms": _ms(core_p50),
+        "core_write_p99_ms": _ms(_pct(core_times, 0.99)),
+        "bare_update_p50_ms": _ms(bare_p50),
+        "bare_update_p99_ms": _ms(_pct(bare_times, 0.99)),
+        "core_write_vs_bare_update": (
+            round(core_p50 / bare_p50, 2) if core_p50 and bare_p50 else None
+        ),
+    }
+
+
+def audit_append(spec: dict[str, Any]) -> dict[str, Any]:
+    from audit.services import Actor
+    from audit.services import audit_append as append
+
+    actor = Actor.system("bench")
+    start_at = float(spec.get("start_at", 0))
+    while time.time() < start_at:
+        time.sleep(0.001)
+    count = 0
+    t0 = time.perf_counter()
+    deadline = t0 + float(spec["seconds"])
+    max_events = int(spec.get("max_events", 10**9))
+    while time.perf_counter() < deadline and count < max_events:
+        append(event_type="bench.append", actor=actor, details={"n": count})
+        count += 1
+    elapsed = time.perf_counter() - t0
+    return {"events": count, "seconds": round(elapsed, 3)}
+
+
+def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
+    """Bring the database up to the given totals with COPY; keep the audit chain valid."""
+    from django.db import connection, transaction
+
+    from audit.chain import event_hash, hashed_fields
+    from audit.models import AuditEvent, AuditHead
+
+    t0 = time.perf_counter()
+    want_events = int(spec["audit_events"])
+    want_resources = int(spec["resources"])
+    want_actions = int(spec["actions"])
+    kind = spec["kind"]
+    with transaction.atomic():
+        head = AuditHead.objects.select_for_update().get(pk=1)
+        seq, prev = head.seq, head.hash
+        missing = max(0, want_events - AuditEvent.objects.count())
+        now = datetime.now(UTC)
+        with connection.cursor() as cursor:
+            batch = 50_000
+            done = 0
+            while done < missing:
+                buf = io.StringIO()
+                for _ in range(min(batch, missing - done)):
+                    seq += 1
+                    details = {"n": seq}
+                    fields = hashed_fields(
+                        seq=seq,
+                        created_at=now,
+                        actor_type="system",
+                        actor_id="",
+                        actor_label="bench-seed",
+                        request_id="",
+                        event_type="bench.seed",
+                        resource="",
+                        run_id=None,
+                        action_id=None,
+                        details=details,
+                    )
+                    digest = event_hash(fields, prev)
+                    buf.write(
+                        f"{seq}\t{now.isoformat()}\tsystem\t\tbench-seed\t\tbench.seed\t\t\\N\t\\N"
+                        f"\t{json.dumps(details)}\t{prev}\t{digest}\n"
+                    )
+                    prev = digest
+                    done += 1
+                buf.seek(0)
+                with cursor.copy(
+                    "COPY audit_auditevent (seq, created_at, actor_type, actor_id, actor_label, "
+                    "request_id, event_type, resource, run_id, action_id, details, prev_hash, "
+                    "hash) FROM STDIN"
+                ) as copy:
+                    copy.write(buf.getvalue())
+        AuditHead.objects.filter(pk=1).update(seq=seq, hash=prev)
+
+    from approvals.models import Action
+    from ownership.models import Resource
+
+    have_resources = Resource.objects.count()
+    with connection.cursor() as cursor:
+        if want_resources > have_resources:
+            cursor.execute(
+                "INSERT INTO ownership_resource (kind_id, name, document, version, last_fence, "
+                "deleted, owner_group, created_at, updated_at) "
+                "SELECT %s, 'scale-' || g, '{\"n\": 0}'::jsonb, 1, 0, false, 'platform', now(), "
+                "now() FROM generate_series(%s, %s) g",
+                [kind, have_resources + 1, want_resources],
+            )
+        have_actions = Action.objects.count()
+        if want_actions > have_actions:
+            cursor.execute(
+                "INSERT INTO approvals_action (id, run_id, agent_id, kind_id, name, operation, "
+                "payload_format, payload, observed_version, conflict_class_id, status, revision, "
+                "reason, idempotency_key, request_id, paused_reason, attempts, created_at, "
+                "updated_at) "
+                "SELECT gen_random_uuid(), %s, %s, %s, 'scale-' || g, 'update', 'merge_patch', "
+                "'{\"n\": 1}'::jsonb, 1, %s, 'applied', 3, '', '', '', '', 1, now(), now() "
+                "FROM generate_series(%s, %s) g",
+                [
+                    spec["run_id"],
+                    spec["agent_id"],
+                    kind,
+                    spec["conflict_class"],
+                    have_actions + 1,
+                    want_actions,
+                ],
+            )
+        cursor.execute("ANALYZE")
+    return {
+        "audit_events": AuditEvent.objects.count(),
+        "resources": Resource.objects.count(),
+        "actions": Action.objects.count(),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+TASKS = {"core_write": core_write, "audit_append": audit_append, "seed_scale": seed_scale}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    _setup()
+    result = TASKS[spec["task"]](spec)
+    print(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
