@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
@@ -91,7 +91,17 @@ def job_is_pending(kind: str, object_id: Any, *, connection: redis.Redis | None 
         job = Job.fetch(raw.decode(), connection=conn)
     except NoSuchJobError:
         return False
-    return job.get_status(refresh=True) in PENDING_JOB_STATUSES
+    status = job.get_status(refresh=True)
+    if status == JobStatus.STARTED and job.started_at is not None:
+        # A job "started" by a worker that died (SIGKILL, OOM) stays so until RQ's
+        # maintenance runs; past its timeout it is certainly not running any more.
+        started = job.started_at
+        if started.tzinfo is None:
+            started = started.replace(tzinfo=UTC)
+        timeout = job.timeout if isinstance(job.timeout, int | float) else 120
+        if datetime.now(UTC) - started > timedelta(seconds=timeout + 5):
+            return False
+    return status in PENDING_JOB_STATUSES
 
 
 def enqueue_action_execution(
