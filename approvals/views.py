@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, Prefetch, Q
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.utils import timezone
@@ -35,7 +36,7 @@ from approvals.models import (
 )
 from audit.services import Actor
 from console import permissions
-from console.core.errors import DomainError
+from console.core.errors import DomainError, NotFound
 from console.views import (
     EVENT_COUNTS,
     after_post,
@@ -52,30 +53,22 @@ from console.views import (
 from ownership.models import OwnershipRecord
 
 EVENT_APPROVALS = "approvals-changed"
+INBOX_PAGE = 25
 
 
-# --- who may see what ----------------------------------------------------------
+# --- who may see what: the engine's selectors -------------------------------------------
 
 
 def runs_visible_to(user: Any) -> Any:
-    """Runs a person may look at: everything for operators/admins/auditors; for a
-    resource owner, the runs that acted on a resource of their groups."""
-    runs = Run.objects.all()
-    if permissions.can_read_everything(user):
-        return runs
-    groups = list(permissions.user_groups(user))
-    touching = Action.objects.filter(run=OuterRef("pk"), resource__owner_group__in=groups)
-    return runs.filter(Exists(touching))
+    from approvals.selectors import run_list_for_actor
+
+    return run_list_for_actor(user)
 
 
 def actions_visible_to(user: Any) -> Any:
-    actions = Action.objects.all()
-    if permissions.can_read_everything(user):
-        return actions
-    groups = list(permissions.user_groups(user))
-    return actions.filter(
-        Q(resource__owner_group__in=groups) | Q(conflicts__resolver_group__in=groups)
-    ).distinct()
+    from approvals.selectors import action_list_for_actor
+
+    return action_list_for_actor(user)
 
 
 # --- approvals inbox ----------------------------------------------------------------
@@ -84,7 +77,12 @@ def actions_visible_to(user: Any) -> Any:
 def _approval_rows(approvals: list[Approval]) -> list[dict[str, Any]]:
     rows = []
     for approval in approvals:
-        row: dict[str, Any] = {"approval": approval, "decisions": list(approval.decisions.all())}
+        decisions = list(approval.decisions.all())
+        row: dict[str, Any] = {
+            "approval": approval,
+            "decisions": decisions,
+            "approvals_so_far": sum(1 for d in decisions if d.decision == "approve"),
+        }
         action = approval.action
         if action is not None:
             current = action.resource
@@ -100,15 +98,13 @@ def _approval_rows(approvals: list[Approval]) -> list[dict[str, Any]]:
     return rows
 
 
-def _pending_approvals() -> Any:
+def _approvals_for(user: Any, *, status: str | None = ApprovalStatus.PENDING) -> Any:
+    """The engine's selector: approvals this person may decide, oldest first."""
+    from approvals.selectors import approval_list_for_person
+
     return (
-        Approval.objects.filter(status=ApprovalStatus.PENDING)
-        .select_related(
-            "run__agent",
-            "action__resource",
-            "action__conflict_class",
-            "action__agent",
-        )
+        approval_list_for_person(user, status=status)
+        .select_related("action__agent")
         .prefetch_related(
             Prefetch("decisions", queryset=ApprovalDecision.objects.select_related("person"))
         )
@@ -119,56 +115,54 @@ def _pending_approvals() -> Any:
 @require_GET
 def approvals_inbox(request: HttpRequest) -> HttpResponse:
     user = request.user
-    may_decide = permissions.can_decide_approvals(user)
-    may_read = may_decide or permissions.is_auditor(user)
-    rows: list[dict[str, Any]] = []
+    # Oldest first: the one waiting longest is decided first.
+    qs = _approvals_for(user).order_by("created_at", "id")
+    cursor = request.GET.get("after")
+    if cursor:
+        pivot = Approval.objects.only("created_at").filter(pk=_uuid_or_none(cursor)).first()
+        if pivot is not None:
+            qs = qs.filter(
+                Q(created_at__gt=pivot.created_at) | Q(created_at=pivot.created_at, id__gt=pivot.id)
+            )
+    approvals = list(qs[: INBOX_PAGE + 1])
     next_cursor = None
-    if may_read:
-        # Oldest first: the one waiting longest is decided first.
-        qs = _pending_approvals().order_by("created_at", "id")
-        cursor = request.GET.get("after")
-        if cursor:
-            try:
-                pivot = Approval.objects.only("created_at").get(pk=uuid.UUID(cursor))
-                qs = qs.filter(
-                    Q(created_at__gt=pivot.created_at)
-                    | Q(created_at=pivot.created_at, id__gt=pivot.id)
-                )
-            except (ValueError, Approval.DoesNotExist):
-                pass
-        approvals = list(qs[:26])
-        if len(approvals) > 25:
-            approvals = approvals[:25]
-            next_cursor = str(approvals[-1].id)
-        rows = _approval_rows(approvals)
+    if len(approvals) > INBOX_PAGE:
+        approvals = approvals[:INBOX_PAGE]
+        next_cursor = str(approvals[-1].id)
     context = {
         "nav": "approvals",
-        "rows": rows,
-        "may_decide": may_decide,
-        "may_read": may_read,
+        "rows": _approval_rows(approvals),
+        "may_decide": True,
+        "is_operator": permissions.can_decide_approvals(user),
         "next_cursor": next_cursor,
-        "now": timezone.now(),
         "form": DecisionForm(),
     }
     return render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
+
+
+def _uuid_or_none(value: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        return None
 
 
 @console_page
 @require_POST
 def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
     """One decision on one approval; there is deliberately no bulk variant."""
+    from approvals.selectors import approval_get_for_person
+    from approvals.services.decisions import approval_decide
+
     user = request.user
-    approval = get_object_or_404(_pending_approvals().model.objects, pk=approval_id)
-    forbid_unless(
-        permissions.can_decide_approvals(user),
-        "Deciding approvals needs the operator role.",
-    )
+    try:
+        approval = approval_get_for_person(user, approval_id)
+    except NotFound as exc:
+        raise Http404(exc.message) from exc
     form = DecisionForm(request.POST)
     error: str | None = None
     status = 200
     if form.is_valid():
-        from approvals.services.decisions import approval_decide
-
         try:
             approval_decide(
                 approval_id=approval.id,
@@ -183,39 +177,21 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
         error = "; ".join(str(e) for errors in form.errors.values() for e in errors)
         status = 422
 
-    if error is None and not is_htmx(request):
-        messages.success(request, "Decision recorded.")
-    elif error is not None and not is_htmx(request):
-        messages.error(request, error)
-
     def fragment() -> HttpResponse:
-        fresh = (
-            _pending_approvals()
-            .model.objects.select_related(
-                "run__agent", "action__resource", "action__conflict_class", "action__agent"
-            )
-            .prefetch_related(
-                Prefetch("decisions", queryset=ApprovalDecision.objects.select_related("person"))
-            )
-            .get(pk=approval.pk)
-        )
-        context = {
-            "row": _approval_rows([fresh])[0],
-            "may_decide": True,
-            "error": error,
-            "form": form if error else DecisionForm(),
-            "now": timezone.now(),
-        }
+        fresh = _approvals_for(user, status=None).get(pk=approval.pk)
+        context = {"row": _approval_rows([fresh])[0], "may_decide": True, "error": error}
         return render(request, "approvals/inbox.html#approval", context, status=status)
 
-    if error is not None and is_htmx(request):
-        return fragment()
-    return after_post(
-        request,
-        redirect_to=reverse("approvals"),
-        fragment=fragment,
-        trigger=(EVENT_COUNTS, EVENT_APPROVALS) if error is None else (),
-    )
+    if is_htmx(request):
+        response = fragment()
+        if error is None:
+            response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True, EVENT_APPROVALS: True})
+        return response
+    if error is None:
+        messages.success(request, "Decision recorded.")
+    else:
+        messages.error(request, error)
+    return HttpResponseRedirect(reverse("approvals"))
 
 
 # --- actions ---------------------------------------------------------------------------
@@ -351,9 +327,7 @@ def run_revoke_view(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     from approvals.services.runs import run_revoke
 
     try:
-        run_revoke(
-            run_id=run.id, actor=Actor.person(request.user), reason=form.cleaned_data["reason"]
-        )
+        run_revoke(run=run, actor=Actor.person(request.user), reason=form.cleaned_data["reason"])
     except DomainError as exc:
         messages.error(request, exc.message)
         context = _run_context(request, run)
@@ -441,9 +415,9 @@ def personal_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
     token = PersonalToken.objects.filter(pk=token_id, user=request.user).first()
     if token is None:
         raise Http404("No such token")
-    from approvals.services.tokens import personal_token_revoke as revoke
+    from approvals.services.tokens import token_revoke
 
-    revoke(token_id=token.pk, actor=Actor.person(request.user))
+    token_revoke(token=token, actor=Actor.person(request.user))
     messages.success(request, f"Token {token.prefix}… revoked.")
     return after_post(request, redirect_to=reverse("tokens"), trigger=())
 
@@ -486,7 +460,7 @@ def agent_token_create(request: HttpRequest, agent_id: uuid.UUID) -> HttpRespons
         return render(request, "approvals/tokens.html", _tokens_context(request), status=422)
     from approvals.services.tokens import agent_token_create as create
 
-    token, secret = create(
+    _token, secret = create(
         agent=agent, label=form.cleaned_data["label"], actor=Actor.person(request.user)
     )
     return _show_secret(request, what=f"agent token for {agent.name}", secret=secret)
@@ -498,8 +472,8 @@ def agent_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
     if not permissions.is_admin(request.user):
         raise PermissionDenied("Only admins revoke agent tokens.")
     token = get_object_or_404(AgentToken, pk=token_id)
-    from approvals.services.tokens import agent_token_revoke as revoke
+    from approvals.services.tokens import token_revoke
 
-    revoke(token_id=token.pk, actor=Actor.person(request.user))
+    token_revoke(token=token, actor=Actor.person(request.user))
     messages.success(request, f"Agent token {token.prefix}… revoked.")
     return after_post(request, redirect_to=reverse("tokens"), trigger=())

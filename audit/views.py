@@ -6,56 +6,47 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from django.db.models import CharField, Q, Value
-from django.db.models.functions import Concat
+from django.contrib.auth.models import User
+from django.db.models import Q
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from approvals.models import Run
+from approvals.models import Agent, Run
 from audit.forms import AuditFilterForm
 from audit.models import AuditEvent
 from console import permissions
-from console.views import console_page, query_without, render_fragment_or_page
-from ownership.models import Resource
+from console.views import console_page, forbid_unless, query_without, render_fragment_or_page
 
 PAGE = 50
 
 
-def events_visible_to(user: Any) -> Any:
-    """Everything for operators, admins and auditors; for a resource owner, the
-    events about resources of their groups."""
-    events = AuditEvent.objects.all()
-    if permissions.can_read_everything(user):
-        return events
-    owned = (
-        Resource.objects.filter(owner_group__in=list(permissions.user_groups(user)))
-        .annotate(identifier=Concat("kind_id", Value("/"), "name", output_field=CharField()))
-        .values("identifier")
-    )
-    return events.filter(resource__in=owned)
-
-
 def _filtered(request: HttpRequest, form: AuditFilterForm) -> Any:
-    events = events_visible_to(request.user)
+    """The core's audit_queryset for the structured filters, plus agent/person/time."""
+    from audit.selectors import audit_queryset
+
     if not form.is_valid():
-        return events
+        return audit_queryset({})
     data = form.cleaned_data
-    if data.get("resource"):
-        events = events.filter(resource=data["resource"])
-    if data.get("run"):
-        events = events.filter(run_id=data["run"])
-    if data.get("action"):
-        events = events.filter(action_id=data["action"])
+    events = audit_queryset(
+        {
+            "resource": data.get("resource"),
+            "run": data.get("run"),
+            "action": data.get("action"),
+            "event_type": data.get("type"),
+        }
+    )
     if data.get("agent"):
-        runs = Run.objects.filter(agent__name=data["agent"]).values("id")
-        events = events.filter(
-            Q(actor_type="agent", actor_label=data["agent"]) | Q(run_id__in=runs)
-        )
+        agent = Agent.objects.filter(name=data["agent"]).first()
+        if agent is None:
+            return events.none()
+        runs = Run.objects.filter(agent=agent).values("id")
+        events = events.filter(Q(actor_type="agent", actor_id=str(agent.pk)) | Q(run_id__in=runs))
     if data.get("person"):
-        events = events.filter(actor_type="person", actor_label=data["person"])
-    if data.get("type"):
-        events = events.filter(event_type=data["type"])
+        person = User.objects.filter(username=data["person"]).first()
+        if person is None:
+            return events.none()
+        events = events.filter(actor_type="person", actor_id=str(person.pk))
     if data.get("since"):
         events = events.filter(created_at__gte=data["since"])
     if data.get("until"):
@@ -63,9 +54,17 @@ def _filtered(request: HttpRequest, form: AuditFilterForm) -> Any:
     return events
 
 
+def _require_reader(request: HttpRequest) -> None:
+    forbid_unless(
+        permissions.can_read_everything(request.user),
+        "The audit trail is for operators, admins and auditors.",
+    )
+
+
 @console_page
 @require_GET
 def audit_list(request: HttpRequest) -> HttpResponse:
+    _require_reader(request)
     form = AuditFilterForm(request.GET or None)
     events = _filtered(request, form).order_by("-seq")
     before = request.GET.get("before", "")
@@ -83,16 +82,14 @@ def audit_list(request: HttpRequest) -> HttpResponse:
         "next_before": next_before,
         "query": query_without(request, "before"),
         "export_query": query_without(request, "before"),
-        "is_reader": permissions.can_read_everything(request.user),
     }
     return render_fragment_or_page(request, "audit/audit.html", context, partial="list")
 
 
 def _verify() -> dict[str, Any]:
-    from audit.chain import verify_rows
+    from audit.selectors import verify_chain
 
-    rows = AuditEvent.objects.order_by("seq").iterator(chunk_size=5000)
-    result = verify_rows(rows)
+    result = verify_chain()
     return {
         "ok": result.ok,
         "events": result.events,
@@ -106,8 +103,7 @@ def _verify() -> dict[str, Any]:
 @require_GET
 def audit_verify_badge(request: HttpRequest) -> HttpResponse:
     """The chain-verification badge: head hash and count, or the first bad seq."""
-    if not permissions.can_read_everything(request.user):
-        return render(request, "audit/partials/_verify.html", {"verify": None})
+    _require_reader(request)
     return render(request, "audit/partials/_verify.html", {"verify": _verify()})
 
 
@@ -137,6 +133,7 @@ def _event_json(event: AuditEvent) -> str:
 @require_GET
 def audit_export(request: HttpRequest) -> StreamingHttpResponse:
     """The filtered events as JSON Lines, oldest first, streamed (no full load in memory)."""
+    _require_reader(request)
     form = AuditFilterForm(request.GET or None)
     events = _filtered(request, form).order_by("seq")
 

@@ -26,13 +26,13 @@ from django.utils import timezone
 from django.utils.cache import patch_vary_headers
 from django.views.decorators.http import require_GET, require_POST
 
-from approvals.models import Action, ActionStatus, Approval, ApprovalStatus
+from approvals.models import Action, ActionStatus
 from audit.models import AuditEvent
 from console import permissions
 from console.core.errors import DomainError
 from console.forms import KillSwitchForm
 from console.models import KillSwitch
-from ownership.models import Conflict, ConflictStatus
+from ownership.models import ConflictStatus
 
 V = TypeVar("V", bound=Callable[..., HttpResponseBase])
 
@@ -127,13 +127,6 @@ class LogoutView(auth_views.LogoutView):
     pass
 
 
-def locked_out(
-    request: HttpRequest, credentials: Any = None, *args: Any, **kwargs: Any
-) -> HttpResponse:
-    """django-axes lockout response (AXES_LOCKOUT_CALLABLE)."""
-    return render(request, "registration/locked_out.html", status=429)
-
-
 # --- dashboard -----------------------------------------------------------------
 
 
@@ -149,23 +142,17 @@ def dashboard_counts(user: Any) -> dict[str, Any]:
         paused=Count("id", filter=Q(status=ActionStatus.PAUSED)),
         failed_last_hour=Count("id", filter=Q(status=ActionStatus.FAILED)),
     )
-    groups = permissions.user_groups(user)
-    conflicts = Conflict.objects.filter(status=ConflictStatus.OPEN).aggregate(
-        all=Count("id"), mine=Count("id", filter=Q(resolver_group__in=list(groups)))
-    )
+    from approvals.selectors import pending_approval_count
+    from ownership.selectors import conflict_list_for_person, open_conflict_count
+
+    conflicts_all = conflict_list_for_person(user, status=ConflictStatus.OPEN).count()
+    pending = pending_approval_count(user)
     may_decide = permissions.can_decide_approvals(user)
-    pending = (
-        Approval.objects.filter(
-            status=ApprovalStatus.PENDING, expires_at__gt=timezone.now()
-        ).count()
-        if may_decide or permissions.is_auditor(user)
-        else None
-    )
     return {
         "pending_approvals": pending,
         "may_decide": may_decide,
-        "conflicts_mine": conflicts["mine"],
-        "conflicts_all": conflicts["all"],
+        "conflicts_mine": open_conflict_count(user),
+        "conflicts_all": conflicts_all,
         **actions,
     }
 
@@ -224,7 +211,6 @@ def killswitch_set(request: HttpRequest) -> HttpResponse:
         return render_fragment_or_page(
             request, "console/dashboard.html", context, partial="killswitch", status=422
         )
-    from audit.services import Actor
     from console.services import kill_switch_set
 
     data = form.cleaned_data
@@ -234,7 +220,7 @@ def killswitch_set(request: HttpRequest) -> HttpResponse:
             scope=data["scope"],
             engaged=engaged,
             reason=data["reason"],
-            actor=Actor.person(request.user),
+            actor=request.user,
         )
     except DomainError as error:
         form.add_error(None, error.message)
@@ -363,24 +349,13 @@ def pretty(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
 
 
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7396 JSON merge patch (to show the result of a PATCH before it runs)."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
 def proposed_document(action: Any) -> Any:
-    """What the resource would hold if `action` were applied to the current document."""
-    current = action.resource.document if action.resource_id and action.resource else {}
-    if action.payload_format == "merge_patch":
-        return merge_patch(current, action.payload)
+    """What the resource would hold if `action` were applied to the current document
+    (None for a delete), computed by the engine's own function."""
+    from ownership.services import proposed_document as engine_proposed
+
     if action.payload_format == "delete" or action.operation == "delete":
         return None
-    return action.payload
+    resource = action.resource if action.resource_id else None
+    current = resource.document if resource is not None and not resource.deleted else {}
+    return engine_proposed(action, current)

@@ -43,6 +43,9 @@ class ConflictClassForm(forms.Form):
     quorum = forms.IntegerField(min_value=1, max_value=20, initial=1)
     undo_window_seconds = forms.IntegerField(min_value=0, max_value=30 * 86400, initial=600)
     approval_ttl_seconds = forms.IntegerField(min_value=60, max_value=30 * 86400, initial=172_800)
+    escalation_seconds = forms.IntegerField(min_value=0, max_value=30 * 86400, initial=0)
+    escalation_group = forms.CharField(max_length=150, required=False)
+    forbid_agent_owner_approval = forms.BooleanField(required=False, initial=True)
 
     def clean_resolver(self) -> str:
         resolver: str = self.cleaned_data["resolver"].strip()
@@ -70,7 +73,7 @@ class ResourceKindForm(forms.Form):
     owner_group = forms.CharField(max_length=150)
     undo_window_seconds = forms.IntegerField(min_value=0, max_value=30 * 86400, required=False)
     target = forms.ChoiceField(choices=TargetType.choices, initial=TargetType.MANAGED)
-    target_url = forms.URLField(required=False)
+    target_url = forms.URLField(required=False, assume_scheme="https")
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}

@@ -14,16 +14,14 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from approvals.models import Operation, OperationStatus
-from audit.services import Actor
 from console import permissions
-from console.core.errors import DomainError
+from console.core.errors import DomainError, NotFound
 from console.views import (
     EVENT_COUNTS,
     after_post,
     console_page,
     document_diff,
     domain_error_status,
-    flatten,
     forbid_unless,
     is_htmx,
     keyset_page,
@@ -55,111 +53,52 @@ _MISSING = object()
 # --- conflicts ---------------------------------------------------------------------------
 
 
-def conflicts_visible_to(user: Any) -> Any:
-    conflicts = Conflict.objects.all()
-    if permissions.can_read_everything(user):
-        return conflicts
-    groups = list(permissions.user_groups(user))
-    return conflicts.filter(Q(resolver_group__in=groups) | Q(resource__owner_group__in=groups))
-
-
-def _unescape(token: str) -> str:
-    return token.replace("~1", "/").replace("~0", "~")
-
-
-def three_way(base: Any, current: Any, proposed: Any) -> list[dict[str, Any]]:
-    """Field by field: which side changed it since the base (what the agent saw)."""
-    b, c, p = flatten(base or {}), flatten(current or {}), flatten(proposed or {})
-    rows = []
-    for path in sorted(set(b) | set(c) | set(p)):
-        vb, vc, vp = b.get(path, _MISSING), c.get(path, _MISSING), p.get(path, _MISSING)
-        agent_changed, other_changed = vp != vb, vc != vb
-        if not (agent_changed or other_changed):
-            continue
-        change = (
-            "both"
-            if agent_changed and other_changed
-            else "agent_only"
-            if agent_changed
-            else "other_only"
-        )
-        rows.append(
-            {
-                "path": path,
-                "base": vb,
-                "current": vc,
-                "proposed": vp,
-                "change": change,
-            }
-        )
-    return rows
-
-
-def _show(value: Any) -> str:
-    return "(absent)" if value is _MISSING else pretty(value)
+def _show(row: dict[str, Any], side: str) -> str:
+    return pretty(row[side]) if row.get(f"{side}_present", True) else "(absent)"
 
 
 def _field_rows(conflict: Conflict) -> list[dict[str, Any]]:
-    rows = three_way(conflict.base_document, conflict.current_document, conflict.proposed_document)
-    for row in rows:
-        row["base_text"] = _show(row["base"])
-        row["current_text"] = _show(row["current"])
-        row["proposed_text"] = _show(row["proposed"])
-        # Default choice: keep what only the agent changed, keep others' edits.
-        row["default"] = "proposed" if row["change"] == "agent_only" else "current"
-        row["slug"] = row["path"].strip("/").replace("/", "__") or "root"
+    """The engine's field-level three-way diff, with display text and default choice."""
+    from ownership.diff import default_choice, three_way_diff
+
+    fields = conflict.fields or three_way_diff(
+        conflict.base_document, conflict.current_document, conflict.proposed_document
+    )
+    rows = []
+    for field in fields:
+        row = dict(field)
+        row["base_text"] = _show(row, "base")
+        row["current_text"] = _show(row, "current")
+        row["proposed_text"] = _show(row, "proposed")
+        row["default"] = default_choice(row["change"])
+        rows.append(row)
     return rows
 
 
-def _set_pointer(document: Any, path: str, value: Any) -> Any:
-    if path == "/":
-        return None if value is _MISSING else value
-    parts = [_unescape(p) for p in path.lstrip("/").split("/")]
-    root = dict(document) if isinstance(document, dict) else {}
-    node = root
-    for part in parts[:-1]:
-        child = node.get(part)
-        child = dict(child) if isinstance(child, dict) else {}
-        node[part] = child
-        node = child
-    if value is _MISSING:
-        node.pop(parts[-1], None)
-    else:
-        node[parts[-1]] = value
-    return root
-
-
-def merged_document(conflict: Conflict, choices: dict[str, str]) -> Any:
-    """Current document with the fields chosen as "proposed" taken from the proposal."""
-    document: Any = conflict.current_document
-    for row in three_way(
-        conflict.base_document, conflict.current_document, conflict.proposed_document
-    ):
-        if choices.get(row["path"]) == "proposed":
-            document = _set_pointer(document, row["path"], row["proposed"])
-    return document
-
-
 def _conflict_for(user: Any, conflict_id: uuid.UUID) -> Conflict:
-    conflict = (
-        conflicts_visible_to(user)
-        .select_related(
-            "resource", "conflict_class", "action__run__agent", "resolved_by", "resolution_action"
-        )
-        .filter(pk=conflict_id)
-        .first()
-    )
-    if conflict is None:
-        raise Http404("No such conflict")
-    return conflict
+    from ownership.selectors import conflict_get_for_person
+
+    try:
+        return conflict_get_for_person(user, conflict_id)
+    except NotFound as exc:
+        raise Http404(exc.message) from exc
+
+
+def _may_resolve(user: Any, conflict: Conflict) -> bool:
+    from ownership.services import conflict_may_resolve
+
+    return conflict_may_resolve(conflict=conflict, person=user)
+
+
+def _preview(conflict: Conflict, choices: dict[str, str] | None) -> str:
+    from ownership.services import conflict_merge_preview
+
+    return pretty(conflict_merge_preview(conflict=conflict, fields=choices))
 
 
 def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) -> dict[str, Any]:
     rows = _field_rows(conflict)
-    may_resolve = permissions.can_resolve(
-        request.user, resolver=conflict.resolver, owner_group=conflict.resource.owner_group
-    )
-    choices = {row["path"]: row["default"] for row in rows}
+    may_resolve = _may_resolve(request.user, conflict)
     # Who wrote the current version, from which run.
     current_writer = (
         ResourceVersion.objects.select_related("run__agent", "person", "action")
@@ -171,11 +110,9 @@ def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) ->
         "conflict": conflict,
         "rows": rows,
         "may_resolve": may_resolve,
-        "resolver_group": permissions.resolver_group(
-            conflict.resolver, conflict.resource.owner_group
-        ),
+        "resolver_group": conflict.resolver_group,
         "current_writer": current_writer,
-        "preview": pretty(merged_document(conflict, choices)),
+        "preview": _preview(conflict, None),
         "form": ResolutionForm(),
     }
     context.update(extra)
@@ -188,13 +125,13 @@ def conflicts_list(request: HttpRequest) -> HttpResponse:
     user = request.user
     scope = request.GET.get("scope", "mine")
     status = request.GET.get("status", "open")
-    conflicts = conflicts_visible_to(user).select_related(
-        "resource", "conflict_class", "action__run__agent"
+    from ownership.selectors import conflict_list_for_person
+
+    conflicts = conflict_list_for_person(
+        user,
+        mine=scope != "all",
+        status=status if status in ConflictStatus.values else None,
     )
-    if scope != "all":
-        conflicts = conflicts.filter(resolver_group__in=list(permissions.user_groups(user)))
-    if status in ConflictStatus.values:
-        conflicts = conflicts.filter(status=status)
     rows, next_cursor = keyset_page(conflicts, cursor=request.GET.get("cursor"))
     context = {
         "nav": "conflicts",
@@ -233,12 +170,12 @@ def conflict_preview(request: HttpRequest, conflict_id: uuid.UUID) -> HttpRespon
     elif choice == "take_proposed":
         document = conflict.proposed_document
     else:
-        document = merged_document(conflict, _choices_from(request, conflict))
-    return render(
-        request,
-        "ownership/conflict.html#preview",
-        {"preview": pretty(document), "conflict": conflict},
-    )
+        return render(
+            request,
+            "ownership/conflict.html#preview",
+            {"preview": _preview(conflict, _choices_from(request, conflict))},
+        )
+    return render(request, "ownership/conflict.html#preview", {"preview": pretty(document)})
 
 
 @console_page
@@ -246,9 +183,7 @@ def conflict_preview(request: HttpRequest, conflict_id: uuid.UUID) -> HttpRespon
 def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpResponse:
     conflict = _conflict_for(request.user, conflict_id)
     forbid_unless(
-        permissions.can_resolve(
-            request.user, resolver=conflict.resolver, owner_group=conflict.resource.owner_group
-        ),
+        _may_resolve(request.user, conflict),
         "Only the resolver group of this conflict may resolve it.",
     )
     form = ResolutionForm(request.POST)
@@ -299,10 +234,10 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
 
 
 def resources_visible_to(user: Any) -> Any:
-    resources = Resource.objects.all()
-    if permissions.can_read_everything(user):
-        return resources
-    return resources.filter(owner_group__in=list(permissions.user_groups(user)))
+    """Every signed-in person reads resources (as with a personal token in the API)."""
+    from ownership.selectors import resource_list
+
+    return resource_list()
 
 
 @console_page
@@ -424,7 +359,7 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
     from approvals.services.undo import action_undo_request
 
     try:
-        action_undo_request(action_id=operation.action_id, actor=Actor.person(request.user))
+        action_undo_request(action_id=operation.action_id, actor=request.user)
     except DomainError as exc:
         messages.error(request, exc.message)
         return after_post(
@@ -488,7 +423,7 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
     data = dict(form.cleaned_data)
     slug = data.pop("slug")
     try:
-        conflict_class_put(slug=slug, data=data, actor=Actor.person(request.user))
+        conflict_class_put(slug=slug, data=data, user=request.user)
     except DomainError as exc:
         form.add_error(None, exc.message)
         return render(
@@ -514,8 +449,9 @@ def resource_kind_save(request: HttpRequest) -> HttpResponse:
 
     data = dict(form.cleaned_data)
     slug = data.pop("slug")
+    data["classes"] = {op: data.pop(f"class_{op}").slug for op in ("create", "update", "delete")}
     try:
-        resource_kind_put(slug=slug, data=data, actor=Actor.person(request.user))
+        resource_kind_put(slug=slug, data=data, user=request.user)
     except DomainError as exc:
         form.add_error(None, exc.message)
         return render(

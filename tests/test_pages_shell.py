@@ -1,0 +1,92 @@
+"""Sign-in, lockout, CSP, Vary and the layout shared by every page."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from django.test import Client
+
+from tests.fixtures.console import PASSWORD, People, World, client_for
+
+pytestmark = pytest.mark.django_db
+
+MAIN_PAGES = ["/", "/approvals/", "/conflicts/", "/runs/", "/resources/", "/catalog/", "/tokens/"]
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+
+@pytest.mark.parametrize("path", [*MAIN_PAGES, "/audit/"])
+def test_every_page_asks_an_anonymous_visitor_to_sign_in(path: str) -> None:
+    response = Client().get(path)
+    assert response.status_code == 302
+    assert response["Location"].startswith("/login/?next=")
+
+
+def test_a_person_signs_in_with_a_password_and_lands_on_the_dashboard(people: People) -> None:
+    client = Client()
+    page = client.get("/login/")
+    assert page.status_code == 200 and b'name="csrfmiddlewaretoken"' in page.content
+    response = client.post("/login/", {"username": "olivia", "password": PASSWORD})
+    assert response.status_code == 302 and response["Location"] == "/"
+    assert client.get("/").status_code == 200
+
+
+def test_repeated_failures_lock_the_username_out_even_for_the_right_password(
+    people: People, settings: object
+) -> None:
+    client = Client()
+    for _ in range(5):
+        response = client.post("/login/", {"username": "olivia", "password": "wrong"})
+    assert response.status_code == 429
+    assert b"Too many failed sign-ins" in response.content
+    locked = client.post("/login/", {"username": "olivia", "password": PASSWORD})
+    assert locked.status_code == 429
+    assert "_auth_user_id" not in client.session
+
+
+def test_sign_out_is_a_post_that_ends_the_session(people: People) -> None:
+    client = client_for(people.operator)
+    assert client.get("/logout/").status_code == 405
+    response = client.post("/logout/")
+    assert response.status_code == 302
+    assert client.get("/").status_code == 302
+
+
+@pytest.mark.parametrize("path", MAIN_PAGES)
+def test_pages_carry_a_strict_csp_and_vary_on_hx_request(
+    people: People, world: World, path: str
+) -> None:
+    response = client_for(people.admin).get(path)
+    assert response.status_code == 200
+    csp = response["Content-Security-Policy"]
+    assert "script-src 'self'" in csp and "style-src 'self'" in csp
+    assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    assert "HX-Request" in response["Vary"]
+    html = response.content.decode()
+    assert 'hx-headers=\'{"X-CSRFToken"' in html
+    assert '"allowEval": false' in html and '"includeIndicatorStyles": false' in html
+
+
+def test_templates_hold_no_inline_script_style_or_event_handler() -> None:
+    for template in TEMPLATES.rglob("*.html"):
+        text = template.read_text()
+        for match in re.finditer(r"<script\b[^>]*>", text):
+            assert "src=" in match.group(0), f"inline <script> in {template}"
+        assert "<style" not in text, template
+        assert not re.search(r"\sstyle=", text), f"inline style attribute in {template}"
+        assert not re.search(r"\son[a-z]+=", text), f"inline event handler in {template}"
+        assert "hx-on" not in text, f"hx-on needs eval: {template}"
+        assert "js:" not in text and "javascript:" not in text, template
+
+
+def test_htmx_is_vendored_and_served_locally(people: People) -> None:
+    html = client_for(people.operator).get("/").content.decode()
+    assert '<script src="/static/vendor/htmx.min.js"' in html
+    assert "unpkg" not in html and "cdn" not in html.lower()
+    assert (TEMPLATES.parent / "static" / "vendor" / "htmx.min.js").stat().st_size > 40_000
+
+
+def test_the_nav_shows_the_person_and_their_roles(people: People) -> None:
+    html = client_for(people.owner).get("/").content.decode()
+    assert "pat" in html and "platform" in html
