@@ -1,0 +1,306 @@
+"""The audit chain: tamper evidence, the append-only trigger, concurrent appenders
+in separate processes, the audit_verify command and the list selector."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import pytest
+from django.db import DatabaseError, connection, transaction
+
+from audit.chain import GENESIS_HASH, event_hash, hashed_fields
+from audit.models import AuditEvent, AuditHead
+from audit.selectors import audit_list, verify_chain
+from audit.services import Actor, audit_append
+from console.core.errors import ValidationFailed
+from tests.conftest import ROOT, subprocess_env
+
+
+def _append(count: int, **kwargs: Any) -> list[AuditEvent]:
+    return [
+        audit_append(
+            event_type=kwargs.get("event_type", "test.event"),
+            actor=kwargs.get("actor", Actor.system("test")),
+            resource=kwargs.get("resource", "notification-policy/prod-alerts"),
+            run_id=kwargs.get("run_id"),
+            details={"index": index},
+        )
+        for index in range(count)
+    ]
+
+
+def _sql(statement: str, params: list[Any] | None = None) -> None:
+    # The test connection has airlock.audit_maintenance on (conftest): tampering is possible.
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params or [])
+
+
+@pytest.mark.django_db
+def test_an_untouched_chain_verifies_and_links_every_event() -> None:
+    events = _append(10)
+    result = verify_chain()
+    assert result.ok and result.events == 10 and result.first_bad_seq is None
+    assert [e.seq for e in events] == list(range(1, 11))
+    assert events[0].prev_hash == GENESIS_HASH
+    assert all(b.prev_hash == a.hash for a, b in itertools.pairwise(events))
+    assert result.head_hash == events[-1].hash == AuditHead.objects.get().hash
+    stored = AuditEvent.objects.get(seq=5)
+    assert stored.hash == events[4].hash and stored.details == {"index": 4}
+
+
+@pytest.mark.django_db
+def test_the_hash_covers_exactly_what_jsonb_gives_back() -> None:
+    audit_append(
+        event_type="test.odd",
+        actor=Actor("agent", str(uuid.uuid4()), "bot ünïcode"),
+        run_id=str(uuid.uuid4()).upper(),
+        details={
+            "big": 1e16,
+            "huge": 1.5e300,
+            "tiny": 1.5e-10,
+            "float": 0.1 + 0.2,
+            "nan": float("nan"),
+            "nul": "a\x00b",
+            "nested": {"z": [1, 2.0, None], "a": True},
+            "token": "rt_secretsecretsecret",
+            "note": "called with ak_abcdefghijkl",
+        },
+    )
+    assert verify_chain().ok
+    details = AuditEvent.objects.get().details
+    assert details["token"] == "[redacted]"
+    assert "ak_abcdefghijkl" not in details["note"]
+
+
+@pytest.mark.django_db
+def test_an_edited_row_is_detected_at_its_seq() -> None:
+    _append(10)
+    _sql("UPDATE audit_auditevent SET details = '{\"index\": 99}' WHERE seq = 4")
+    result = verify_chain()
+    assert not result.ok and result.first_bad_seq == 4 and result.problem == "hash mismatch"
+
+
+@pytest.mark.django_db
+def test_a_deleted_row_is_detected_at_its_seq() -> None:
+    _append(10)
+    _sql("DELETE FROM audit_auditevent WHERE seq = 4")
+    result = verify_chain()
+    assert not result.ok and result.first_bad_seq == 4
+
+
+@pytest.mark.django_db
+def test_a_deleted_tail_is_detected_against_the_head_row() -> None:
+    _append(10)
+    _sql("DELETE FROM audit_auditevent WHERE seq >= 9")
+    result = verify_chain()
+    assert not result.ok and result.first_bad_seq == 9
+
+
+@pytest.mark.django_db
+def test_two_swapped_rows_are_detected_at_the_first() -> None:
+    _append(10)
+    _sql("UPDATE audit_auditevent SET seq = -4 WHERE seq = 4")
+    _sql("UPDATE audit_auditevent SET seq = 4 WHERE seq = 5")
+    _sql("UPDATE audit_auditevent SET seq = 5 WHERE seq = -4")
+    result = verify_chain()
+    assert not result.ok and result.first_bad_seq == 4
+
+
+def _forged_row(seq: int, prev_hash: str, *, valid_hash: bool) -> list[Any]:
+    from django.utils import timezone
+
+    now = timezone.now()
+    fields = hashed_fields(
+        seq=seq,
+        created_at=now,
+        actor_type="system",
+        actor_id="",
+        actor_label="forger",
+        request_id="",
+        event_type="write.applied",
+        resource="notification-policy/prod-alerts",
+        run_id=None,
+        action_id=None,
+        details={"forged": True},
+    )
+    digest = event_hash(fields, prev_hash) if valid_hash else "f" * 64
+    return [seq, now, "system", "", "forger", "", "write.applied",
+            "notification-policy/prod-alerts", '{"forged": true}', prev_hash, digest]  # fmt: skip
+
+
+_INSERT = (
+    "INSERT INTO audit_auditevent (seq, created_at, actor_type, actor_id, actor_label, "
+    "request_id, event_type, resource, details, prev_hash, hash) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s, %s)"
+)
+
+
+def _shift_up_from(seq: int, last: int) -> None:
+    for moving in range(last, seq - 1, -1):
+        _sql("UPDATE audit_auditevent SET seq = seq + 1 WHERE seq = %s", [moving])
+
+
+@pytest.mark.django_db
+def test_a_naively_inserted_row_is_detected_at_its_seq() -> None:
+    events = _append(10)
+    _shift_up_from(6, 10)
+    _sql(_INSERT, _forged_row(6, events[4].hash, valid_hash=False))
+    result = verify_chain()
+    assert not result.ok and result.first_bad_seq == 6
+
+
+@pytest.mark.django_db
+def test_a_row_inserted_with_a_valid_hash_breaks_the_next_link() -> None:
+    events = _append(10)
+    _shift_up_from(6, 10)
+    _sql(_INSERT, _forged_row(6, events[4].hash, valid_hash=True))
+    result = verify_chain()
+    # The forged row itself is well formed; the chain breaks where the real
+    # event 6 (now at 7) no longer hashes.
+    assert not result.ok and result.first_bad_seq == 7
+
+
+@pytest.mark.django_db
+def test_a_row_appended_behind_the_heads_back_is_detected() -> None:
+    events = _append(10)
+    _sql(_INSERT, _forged_row(11, events[-1].hash, valid_hash=True))
+    result = verify_chain()
+    assert not result.ok and result.first_bad_seq == 11
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE audit_auditevent SET event_type = 'x' WHERE seq = 1",
+        "DELETE FROM audit_auditevent WHERE seq = 1",
+        "TRUNCATE audit_auditevent",
+    ],
+)
+def test_the_trigger_refuses_changes_outside_maintenance(statement: str) -> None:
+    _append(2)
+    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic():
+        _sql("SET LOCAL airlock.audit_maintenance = 'off'")
+        _sql(statement)
+    assert AuditEvent.objects.count() == 2
+    assert verify_chain().ok
+
+
+@pytest.mark.django_db
+def test_a_rolled_back_append_leaves_no_gap() -> None:
+    _append(3)
+    with pytest.raises(RuntimeError), transaction.atomic():
+        _append(2)
+        raise RuntimeError("the service failed after auditing")
+    _append(1)
+    assert list(AuditEvent.objects.values_list("seq", flat=True)) == [1, 2, 3, 4]
+    assert verify_chain().ok
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_four_processes_appending_concurrently_leave_one_contiguous_chain() -> None:
+    per_process = 100
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.fixtures.core",
+                "append",
+                "--count",
+                str(per_process),
+                "--label",
+                f"writer-{index}",
+            ],
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for index in range(4)
+    ]
+    kept = 0
+    for process in processes:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-2000:]
+        kept += json.loads(out.strip().splitlines()[-1])["kept"]
+    assert kept == 4 * (per_process - per_process // 10)
+    seqs = list(AuditEvent.objects.order_by("seq").values_list("seq", flat=True))
+    assert seqs == list(range(1, kept + 1))
+    result = verify_chain()
+    assert result.ok and result.events == kept
+    writers = set(AuditEvent.objects.values_list("actor_label", flat=True))
+    assert sorted(writers) == [f"writer-{i}" for i in range(4)]
+    # The writers really interleaved (not one after the other).
+    labels = list(AuditEvent.objects.order_by("seq").values_list("actor_label", flat=True))
+    switches = sum(1 for a, b in itertools.pairwise(labels) if a != b)
+    assert switches > 3
+
+
+def _verify_command() -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "manage.py", "audit_verify"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_audit_verify_prints_the_head_and_exits_non_zero_naming_the_first_bad_seq() -> None:
+    events = _append(6)
+    ok = _verify_command()
+    assert ok.returncode == 0, ok.stderr
+    assert "events: 6" in ok.stdout
+    assert f"head: {events[-1].hash}" in ok.stdout
+
+    _sql("UPDATE audit_auditevent SET actor_label = 'someone else' WHERE seq = 3")
+    bad = _verify_command()
+    assert bad.returncode == 1
+    assert "first bad seq 3" in bad.stderr
+    assert "head: " in bad.stdout and "events: 2" in bad.stdout
+
+
+@pytest.mark.django_db
+def test_audit_verify_checks_an_anchored_hash() -> None:
+    from django.core.management import CommandError, call_command
+
+    events = _append(3)
+    call_command("audit_verify", anchor=events[1].hash, stdout=open("/dev/null", "w"))  # noqa: SIM115
+    with pytest.raises(CommandError, match="no longer in the chain"):
+        call_command("audit_verify", anchor="0" * 63 + "1", stdout=open("/dev/null", "w"))  # noqa: SIM115
+
+
+@pytest.mark.django_db
+def test_audit_list_filters_and_pages_newest_first() -> None:
+    run_id = uuid.uuid4()
+    _append(5, resource="notification-policy/a", run_id=run_id, event_type="write.applied")
+    _append(3, resource="dns-record/b", event_type="write.refused")
+    page = audit_list(filters={"resource": "notification-policy/a"}, limit=2)
+    assert [e.seq for e in page.items] == [5, 4]
+    assert page.next is not None
+    second = audit_list(filters={"resource": "notification-policy/a"}, cursor=page.next, limit=2)
+    assert [e.seq for e in second.items] == [3, 2]
+    third = audit_list(filters={"resource": "notification-policy/a"}, cursor=second.next, limit=2)
+    assert [e.seq for e in third.items] == [1] and third.next is None
+    assert len(audit_list(filters={"run": str(run_id)}).items) == 5
+    assert len(audit_list(filters={"resource": "dns-record/*"}).items) == 3
+    assert len(audit_list(filters={"event_type": "write.*"}).items) == 8
+    oldest = audit_list(filters={}, limit=3, newest_first=False)
+    assert [e.seq for e in oldest.items] == [1, 2, 3]
+    with pytest.raises(ValidationFailed):
+        audit_list(filters={"run": "not-a-uuid"})
+    with pytest.raises(ValidationFailed):
+        audit_list(cursor="garbage")
+    with pytest.raises(ValidationFailed):
+        audit_list(limit=500)
