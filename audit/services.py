@@ -163,7 +163,7 @@ def audit_append(
     template = canonical_json({"event": fields, "prev_hash": ""})
     if not template.endswith(_HASH_SUFFIX):  # the field set changed: fix _APPEND
         raise RuntimeError("audit hash layout is not <prefix><seq>},prev_hash")
-    params = [
+    params: list[Any] = [
         template[: -len(_HASH_SUFFIX)],
         created_at,
         actor.type,

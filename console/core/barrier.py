@@ -26,6 +26,7 @@ This module never touches Redis: publishing wake-ups after commit is the caller'
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -439,7 +440,7 @@ def _classify_miss(resource_id: int, *, expected: int, fence: int) -> Refusal:
     )
 
 
-def _stale_fence(fresh: dict[str, Any], *, expected: int | None, fence: int) -> Refusal:
+def _stale_fence(fresh: Mapping[str, Any], *, expected: int | None, fence: int) -> Refusal:
     return Refusal(
         STALE_FENCE,
         f"fence {fence} is stale: fence {fresh['last_fence']} has already written",
@@ -450,7 +451,7 @@ def _stale_fence(fresh: dict[str, Any], *, expected: int | None, fence: int) -> 
     )
 
 
-def _already_exists(existing: dict[str, Any], fence: int) -> Refusal:
+def _already_exists(existing: Mapping[str, Any], fence: int) -> Refusal:
     return Refusal(
         ALREADY_EXISTS,
         "a resource with this name already exists",

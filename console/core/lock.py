@@ -12,6 +12,7 @@ import secrets
 import threading
 import time
 from types import TracebackType
+from typing import Any
 
 from redis import Redis
 
@@ -118,7 +119,7 @@ class FencedLock:
         return bool(self._release_script(keys=[self.redis_key], args=[self.token]))
 
     def held(self) -> bool:
-        value = self.redis.get(self.redis_key)
+        value: Any = self.redis.get(self.redis_key)
         return value is not None and value.decode() == self.token
 
     def check(self) -> None:

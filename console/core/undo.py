@@ -89,7 +89,7 @@ def apply_undo(
             .select_related("kind", "run")
             .get(pk=original.action_id)
         )
-        base = {
+        base: dict[str, Any] = {
             "operation_id": original.pk,
             "undo_operation_id": undo_op.pk,
             "action_id": action.pk,
@@ -190,7 +190,7 @@ def apply_undo(
             fence=fence,
             run_id=action.run_id,
             action_id=action.pk,
-            person_id=int(actor.id) if actor.type == ActorType.PERSON and actor.id else None,
+            person_id=_person_id(actor),
         )
         Operation.objects.filter(pk=original.pk, status=OperationStatus.DONE).update(
             status=OperationStatus.UNDONE
@@ -254,3 +254,12 @@ def _refuse(
         details={k: v for k, v in recorded.items() if k != "action_id"},
     )
     return outcome
+
+
+def _person_id(actor: Actor) -> int | None:
+    if actor.type != ActorType.PERSON:
+        return None
+    try:
+        return int(actor.id)
+    except ValueError:
+        return None
