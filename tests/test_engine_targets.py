@@ -1,0 +1,155 @@
+"""The HTTP target adapter against tests/targetserver.py (a real HTTP server)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from approvals.models import Action, Approval, Operation
+from approvals.services.decisions import approval_decide
+from approvals.services.execution import action_execute
+from audit.models import AuditEvent
+from ownership.models import Conflict
+from tests.targetserver import TargetServer
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def target() -> Iterator[TargetServer]:
+    server = TargetServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def http_kind(engine_world: Any, engine_redis: Any, target: TargetServer, settings: Any) -> Any:
+    settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 0.5
+    return engine_world.kind(
+        "ext-policy", update="recompute_field", create="add_unique", target_url=target.url
+    )
+
+
+def _wait_until_due(action: Action) -> None:
+    action.refresh_from_db()
+    if action.not_before:
+        delay = (action.not_before - timezone.now()).total_seconds()
+        if delay > 0:
+            time.sleep(delay + 0.01)
+
+
+def test_a_write_to_an_http_target_sends_if_match_key_and_fence(
+    engine_world: Any, http_kind: Any, target: TargetServer
+) -> None:
+    target.seed("prod", {"severity": "high"}, version=4)
+    action = engine_world.propose(
+        http_kind, "prod", payload={"severity": "low"}, observed_version=4
+    )
+    assert action_execute(action_id=action.pk) == "applied"
+    action.refresh_from_db()
+    assert action.status == "applied"
+    assert target.documents["prod"] == {
+        "version": 5,
+        "document": {"severity": "low"},
+        "deleted": False,
+    }
+    [request] = target.requests
+    assert request["if_match"] == '"4"' and request["key"] == f"airlock-action-{action.pk}"
+    assert request["fence"] == Operation.objects.get(action=action).fence
+    assert Operation.objects.get(action=action).result_version == 5
+
+
+def test_a_412_from_the_target_becomes_a_conflict(
+    engine_world: Any, http_kind: Any, target: TargetServer
+) -> None:
+    http_kind.class_update_id = "replace_shared_document"
+    http_kind.save()
+    engine_world.resource(http_kind, "prod", {"severity": "high"}, version=1)  # what the agent read
+    target.seed("prod", {"severity": "critical"}, version=2)  # someone wrote at the target
+    action = engine_world.propose(
+        http_kind, "prod", payload={"severity": "low"}, observed_version=1
+    )
+    approval_decide(
+        approval_id=Approval.objects.get(action=action).pk,
+        person=engine_world.operator,
+        decision="approve",
+    )
+    assert action_execute(action_id=action.pk) == "conflict"
+    action.refresh_from_db()
+    assert action.error["current_etag"] == '"2"' and action.error["retryable_by_agent"] is False
+    conflict = Conflict.objects.get(pk=action.error["conflict_id"])
+    assert conflict.current_document == {"severity": "critical"}
+    assert conflict.base_document == {"severity": "high"}
+    assert [r["change"] for r in conflict.fields] == ["both"]
+    assert target.effects == 0
+
+
+def test_429_then_success_applies_once_with_the_same_key(
+    engine_world: Any, http_kind: Any, target: TargetServer
+) -> None:
+    target.seed("prod", {"n": 1})
+    target.fail_next(429, 503)
+    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
+    assert action_execute(action_id=action.pk) == "retry"
+    action.refresh_from_db()
+    assert action.status == "queued" and action.attempts == 1 and action.not_before is not None
+    _wait_until_due(action)
+    assert action_execute(action_id=action.pk) == "retry"
+    _wait_until_due(action)
+    assert action_execute(action_id=action.pk) == "applied"
+    assert target.effects == 1
+    assert len({r["key"] for r in target.requests}) == 1 and len(target.requests) == 3
+    assert (
+        AuditEvent.objects.filter(event_type="action.retry_scheduled", action_id=action.pk).count()
+        == 2
+    )
+
+
+def test_a_timeout_after_sending_leaves_the_operation_unknown_until_a_replay_settles_it(
+    engine_world: Any, http_kind: Any, target: TargetServer
+) -> None:
+    target.seed("prod", {"n": 1})
+    target.hang_after_apply(1.5)
+    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
+    assert action_execute(action_id=action.pk) == "unknown"
+    assert target.effects == 1
+    first = Operation.objects.get(action=action)
+    assert first.status == "unknown"
+    action.refresh_from_db()
+    assert action.status == "queued"
+
+    _wait_until_due(action)
+    assert action_execute(action_id=action.pk) == "applied"
+    assert target.effects == 1  # the replay applied nothing new
+    first.refresh_from_db()
+    assert first.status == "done" and first.outcome["replayed"] is True
+    assert Operation.objects.filter(action=action, status="done").count() == 1
+    assert len({r["key"] for r in target.requests}) == 1 and len(target.requests) == 2
+    assert AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk).count() == 1
+
+
+def test_a_failing_target_fails_the_action_after_bounded_attempts(
+    engine_world: Any, http_kind: Any, target: TargetServer, monkeypatch: Any
+) -> None:
+    import approvals.services.execution as execution
+
+    monkeypatch.setattr(execution, "MAX_ATTEMPTS", 2)
+    monkeypatch.setattr(execution, "BACKOFF_BASE_SECONDS", 0.05)
+    target.seed("prod", {"n": 1})
+    target.fail_next(502, 502, 502)
+    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
+    assert action_execute(action_id=action.pk) == "retry"
+    _wait_until_due(action)
+    action_execute(action_id=action.pk)
+    action.refresh_from_db()
+    assert action.status == "failed"
+    assert action.error == {
+        "code": "attempts_exhausted",
+        "reason": "target_status_502",
+        "attempts": 2,
+    }
+    assert target.effects == 0
