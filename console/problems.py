@@ -166,7 +166,9 @@ def problem_from_error(error: DomainError) -> HttpResponse:
     if retryable is None and error.code not in PROBLEMS:
         retryable = error.retryable
     headers = dict(getattr(error, "headers", {}) or {})
-    if error.code == "rate_limited" and "Retry-After" not in headers:
+    if "Retry-After" not in headers and (
+        "retry_after" in error.extra or error.code == "rate_limited"
+    ):
         headers["Retry-After"] = str(error.extra.get("retry_after", 1))
     return problem_response(
         code=error.code,

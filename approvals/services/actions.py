@@ -41,6 +41,7 @@ from console.core.errors import (
     NotFound,
     ValidationFailed,
 )
+from console.core.killswitch import engaged_switch_for
 from console.requestctx import current_request_id
 from ownership.models import ConflictClass, OwnershipRecord, Resource, ResourceKind
 
@@ -357,6 +358,15 @@ def action_propose(
                 on_refused(refused)
         else:
             per_call = conflict_class.approval_mode == "per_call"
+            # Under an engaged kill switch a write that needs no approval is
+            # recorded `paused` (resumed in order on release), never refused.
+            switch = None if per_call else engaged_switch_for(identifier)
+            if per_call:
+                initial_status = ActionStatus.PENDING_APPROVAL
+            elif switch is not None:
+                initial_status = ActionStatus.PAUSED
+            else:
+                initial_status = ActionStatus.QUEUED
             action = Action.objects.create(
                 run=run,
                 agent_id=run.agent_id,
@@ -368,7 +378,8 @@ def action_propose(
                 payload=proposal.payload,
                 observed_version=observed_version,
                 conflict_class=conflict_class,
-                status=ActionStatus.PENDING_APPROVAL if per_call else ActionStatus.QUEUED,
+                status=initial_status,
+                paused_reason=switch.reason if switch is not None else "",
                 reason=proposal.reason,
                 idempotency_key=proposal.idempotency_key,
                 request_id=current_request_id()[:128],
@@ -390,7 +401,7 @@ def action_propose(
             )
             if per_call:
                 _open_action_approval(action)
-            else:
+            elif switch is None:
                 transaction.on_commit(lambda: _enqueue(action.id))
             if on_recorded is not None:
                 on_recorded(action)
@@ -404,7 +415,7 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
     Cancelling a cancelled action is a no-op (no second audit row)."""
     with transaction.atomic():
         changed = Action.objects.filter(pk=action.pk, status__in=CANCELLABLE).update(
-            status=ActionStatus.CANCELLED, revision=F("revision") + 1
+            status=ActionStatus.CANCELLED, revision=F("revision") + 1, updated_at=timezone.now()
         )
         if changed:
             Approval.objects.filter(action=action, status=ApprovalStatus.PENDING).update(

@@ -447,6 +447,7 @@ def _end(
         Action.objects.filter(id__in=open_ids, status__in=_OPEN_ACTION_STATUSES).update(
             status=action_status,
             revision=F("revision") + 1,
+            updated_at=now,
             error={"code": "run_not_active", "detail": f"the run was {status}"},
         )
         for action_id in open_ids:
