@@ -67,6 +67,23 @@ def _enqueue(
     conn = connection or engine_redis()
     queue = engine_queue(conn)
     job_id = f"airlock-{kind}-{object_id}-{uuid.uuid4().hex[:12]}"
+    try:
+        _send(queue, conn, kind, object_id, func, job_id, delay_seconds)
+    except redis.RedisError:
+        # PostgreSQL is the outbox: the reconciler sends it once Redis is back.
+        log.warning("could not enqueue %s %s; the reconciler will resend it", kind, object_id)
+    return job_id
+
+
+def _send(
+    queue: Queue,
+    conn: redis.Redis,
+    kind: str,
+    object_id: Any,
+    func: Any,
+    job_id: str,
+    delay_seconds: float,
+) -> None:
     kwargs: dict[str, Any] = {
         "job_id": job_id,
         "result_ttl": 600,
@@ -78,7 +95,6 @@ def _enqueue(
     else:
         queue.enqueue(func, str(object_id), **kwargs)
     conn.set(marker_key(kind, object_id), job_id, ex=MARKER_TTL_SECONDS)
-    return job_id
 
 
 def job_is_pending(kind: str, object_id: Any, *, connection: redis.Redis | None = None) -> bool:

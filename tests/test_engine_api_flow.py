@@ -1,0 +1,101 @@
+"""End to end through the REST API with a real worker: propose -> approve -> applied,
+reject -> the agent reads the comment, expiry, conflict resolution and undo."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from approvals.models import Action
+from approvals.services.housekeeping import housekeeping_run
+from tests.fixtures.engine import wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+POLICY = "/api/v1/resources/notification-policy/prod-alerts"
+
+
+def _propose(api: Any, run: Any, patch: dict[str, Any], key: str, etag: str = '"41"') -> Any:
+    response = api.patch(
+        POLICY, token=run.token, body=patch, headers={"If-Match": etag, "Idempotency-Key": key}
+    )
+    assert response.status_code == 202, response.content
+    return response.json()
+
+
+def _action(api: Any, token: str, action_id: str) -> dict[str, Any]:
+    response = api.get(f"/api/v1/actions/{action_id}", token=token)
+    assert response.status_code == 200, response.content
+    return response.json()
+
+
+def _pending_item(api: Any, person: Any, action_id: str) -> dict[str, Any]:
+    listing = api.get("/api/v1/approvals?status=pending", token=person.token)
+    assert listing.status_code == 200, listing.content
+    [item] = [i for i in listing.json()["items"] if i.get("action") == action_id]
+    return item
+
+
+def test_propose_approve_apply_through_the_api(
+    api: Any, run: Any, operator: Any, prod_alerts: Any, rq_worker: Any
+) -> None:
+    worker = rq_worker()
+    assert api.get(POLICY, token=run.token)["ETag"] == '"41"'
+    action = _propose(api, run, {"channels": ["email", "pager"]}, "key-approve-0001")
+    assert action["status"] == "pending_approval"
+
+    item = _pending_item(api, operator, action["id"])
+    decided = api.post(
+        f"/api/v1/approvals/{item['id']}/decision",
+        token=operator.token,
+        body={"decision": "approve", "comment": "looks right"},
+    )
+    assert decided.status_code == 200, decided.content
+    again = api.post(
+        f"/api/v1/approvals/{item['id']}/decision",
+        token=operator.token,
+        body={"decision": "approve"},
+    )
+    assert again.status_code == 409 and again["Content-Type"] == "application/problem+json"
+
+    wait_for(lambda: _action(api, run.token, action["id"])["status"] == "applied", timeout=20)
+    body = _action(api, run.token, action["id"])
+    assert body["execution"]["result_etag"] == '"42"', worker.output()
+    assert api.get(POLICY, token=run.token).json()["document"]["channels"] == ["email", "pager"]
+
+
+def test_a_rejection_comment_reaches_the_agent_and_expiry_expires(
+    api: Any, run: Any, operator: Any, prod_alerts: Any, engine_redis: Any
+) -> None:
+    rejected = _propose(api, run, {"severity": "info"}, "key-reject-00001")
+    item = _pending_item(api, operator, rejected["id"])
+    response = api.post(
+        f"/api/v1/approvals/{item['id']}/decision",
+        token=operator.token,
+        body={"decision": "reject", "comment": "info would hide pages"},
+    )
+    assert response.status_code == 200, response.content
+    body = _action(api, run.token, rejected["id"])
+    assert body["status"] == "rejected"
+    assert body["error"]["comment"] == "info would hide pages"
+
+    expiring = _propose(api, run, {"severity": "error"}, "key-expire-00001")
+    housekeeping_run(now=timezone.now() + timedelta(hours=49))
+    assert _action(api, run.token, expiring["id"])["status"] == "expired"
+
+
+def test_a_person_cannot_decide_without_the_role_and_the_agent_cannot_at_all(
+    api: Any, run: Any, operator: Any, outsider: Any, prod_alerts: Any, engine_redis: Any
+) -> None:
+    action = _propose(api, run, {"severity": "error"}, "key-forbid-00001")
+    item = _pending_item(api, operator, action["id"])
+    path = f"/api/v1/approvals/{item['id']}/decision"
+    assert api.post(path, token=outsider.token, body={"decision": "approve"}).status_code in (
+        403,
+        404,
+    )
+    assert api.post(path, token=run.token, body={"decision": "approve"}).status_code in (401, 403)
+    assert Action.objects.get(pk=action["id"]).status == "pending_approval"
