@@ -11,6 +11,7 @@ import logging
 from datetime import datetime
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from approvals.models import Operation, OperationStatus
@@ -33,18 +34,17 @@ def undo_windows_finalise(*, now: datetime | None = None) -> int:
     and audit it once per operation, so the trail says when undo stopped being possible."""
     now = now or timezone.now()
     count = 0
+    not_closed = Q(outcome__isnull=True) | ~Q(outcome__has_key="undo_window_closed")
     due = Operation.objects.filter(
-        status=OperationStatus.DONE, undo_of__isnull=True, undo_deadline__lte=now
-    ).exclude(outcome__undo_window_closed=True)
+        not_closed, status=OperationStatus.DONE, undo_of__isnull=True, undo_deadline__lte=now
+    )
     for operation in due.select_related("action__kind")[:1000]:
         with transaction.atomic():
             outcome = dict(operation.outcome or {})
             outcome["undo_window_closed"] = True
-            updated = (
-                Operation.objects.filter(pk=operation.pk, status=OperationStatus.DONE)
-                .exclude(outcome__undo_window_closed=True)
-                .update(outcome=outcome)
-            )
+            updated = Operation.objects.filter(
+                not_closed, pk=operation.pk, status=OperationStatus.DONE
+            ).update(outcome=outcome)
             if not updated:
                 continue
             audit_append(

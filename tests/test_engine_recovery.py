@@ -1,0 +1,143 @@
+"""Duplicate deliveries across workers, a busy lock, the reconcile command, housekeeping."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from approvals.jobs import engine_redis, enqueue_action_execution
+from approvals.models import Action, Operation
+from approvals.services.execution import action_execute, reconcile
+from approvals.services.housekeeping import housekeeping_run
+from audit.models import AuditEvent
+from console.core.lock import FencedLock
+from ownership.models import OwnershipRecord, Resource, ResourceVersion
+from tests.fixtures.engine import wait_for
+
+
+def _status(action: Action) -> str:
+    return Action.objects.values_list("status", flat=True).get(pk=action.pk)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_every_job_delivered_three_times_to_two_workers_applies_once(
+    engine_world: Any, rq_worker: Any
+) -> None:
+    kind = engine_world.kind("cfg", update="recompute_field")
+    actions = []
+    for i in range(8):
+        engine_world.resource(kind, f"r{i}", {"n": 0})
+        actions.append(engine_world.propose(kind, f"r{i}", payload={"n": i}, observed_version=1))
+    for _ in range(2):
+        for action in actions:
+            enqueue_action_execution(action.pk)
+    workers = [rq_worker(), rq_worker()]
+    wait_for(lambda: all(_status(a) == "applied" for a in actions), timeout=40)
+    wait_for(lambda: engine_redis().llen("rq:queue:default") == 0, timeout=20)
+    assert (
+        ResourceVersion.objects.filter(resource__kind=kind).count() == 16
+    )  # seed + one write each
+    assert AuditEvent.objects.filter(event_type="write.applied").count() == 8
+    assert AuditEvent.objects.filter(event_type="conflict.opened").count() == 0, workers[0].output()
+    assert Operation.objects.filter(status="done").count() == 8
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_busy_lock_keeps_the_action_queued_and_a_scheduled_retry_applies_it(
+    engine_world: Any, rq_worker: Any
+) -> None:
+    kind = engine_world.kind("cfg", update="recompute_field")
+    engine_world.resource(kind, "busy", {"n": 0})
+    holder = FencedLock(engine_redis(), key="cfg/busy", ttl_ms=10_000)
+    holder.acquire()
+    action = engine_world.propose(kind, "busy", payload={"n": 1}, observed_version=1)
+    # no worker yet: run the delivery here, against the held lock
+    assert action_execute(action_id=action.pk) == "lock_busy"
+    action.refresh_from_db()
+    assert action.status == "queued" and action.attempts == 1 and action.not_before is not None
+    holder.release()
+    worker = rq_worker()
+    wait_for(lambda: _status(action) == "applied", timeout=20)
+    assert ResourceVersion.objects.filter(resource__name="busy").count() == 2, worker.output()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_reconcile_command_resends_a_lost_job(engine_world: Any, engine_redis: Any) -> None:
+    kind = engine_world.kind("dns-record", create="add_unique")
+    action = engine_world.propose(kind, "lost", operation="create", payload={"ip": "10.9.9.9"})
+    engine_redis.client().flushall()
+    Action.objects.filter(pk=action.pk).update(updated_at=timezone.now() - timedelta(seconds=10))
+    out = io.StringIO()
+    call_command("reconcile", stdout=out)
+    assert json.loads(out.getvalue())["reconcile"]["requeued"] == 1
+    assert engine_redis.client().llen("rq:queue:default") == 1
+    out = io.StringIO()
+    call_command("reconcile", "--housekeeping", stdout=out)
+    result = json.loads(out.getvalue())
+    assert result["reconcile"]["requeued"] == 0 and "housekeeping" in result
+
+
+@pytest.mark.django_db
+def test_housekeeping_expires_leases_and_closes_undo_windows_once(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    kind = engine_world.kind("cfg", update="recompute_field")
+    engine_world.resource(kind, "a", {"n": 0})
+    action = engine_world.propose(kind, "a", payload={"n": 1}, observed_version=1)
+    assert action_execute(action_id=action.pk) == "applied"
+    lease = OwnershipRecord.objects.create(
+        run=engine_world.run,
+        kind=kind,
+        name="a",
+        operations=["update"],
+        exclusive=True,
+        fence=1,
+        expires_at=timezone.now() + timedelta(minutes=5),
+    )
+    later = timezone.now() + timedelta(hours=2)
+    counts = housekeeping_run(now=later)
+    assert counts["undo_windows_closed"] == 1
+    assert counts["runs_expired"] >= 1
+    lease.refresh_from_db()
+    assert lease.active is False
+    assert housekeeping_run(now=later)["undo_windows_closed"] == 0
+    assert AuditEvent.objects.filter(event_type="undo.window_closed").count() == 1
+    assert Resource.objects.get(name="a").document == {"n": 1}
+
+
+@pytest.mark.django_db
+def test_reconcile_takes_back_an_operation_whose_lease_expired(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    from console.core.barrier import open_operation
+    from console.core.fence import next_fence
+
+    kind = engine_world.kind("cfg", update="recompute_field")
+    engine_world.resource(kind, "a", {"n": 0})
+    action = engine_world.propose(kind, "a", payload={"n": 1}, observed_version=1)
+    operation = open_operation(
+        action_id=action.pk, fence=next_fence(), worker="ghost", lease_seconds=5
+    )
+    assert reconcile()["abandoned"] == 0  # the lease is still running
+    assert reconcile(now=timezone.now() + timedelta(seconds=6))["abandoned"] == 1
+    operation.refresh_from_db()
+    assert operation.status == "failed" and operation.outcome["abandoned"] is True
+    assert _status(action) == "queued"
+    # the ghost wakes up and tries to write with its old operation: refused, nothing written
+    from audit.services import Actor
+    from console.core.barrier import apply_action
+
+    outcome = apply_action(
+        action_id=action.pk, operation_id=operation.pk, fence=operation.fence, actor=Actor.system()
+    )
+    assert outcome.applied is False
+    assert action_execute(action_id=action.pk) == "applied"
+    assert ResourceVersion.objects.filter(resource__name="a").count() == 2
