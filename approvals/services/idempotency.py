@@ -91,7 +91,9 @@ def idempotency_begin(*, agent: Agent, key: str, method: str, path: str, fingerp
     request with it is still being processed.
     """
     now = timezone.now()
-    retention = timedelta(seconds=settings.AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS)
+    # +1 s so `expires_at - created_at` (created_at is stamped a moment later) is
+    # never under the configured retention.
+    retention = timedelta(seconds=settings.AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS + 1)
     for _attempt in range(3):
         try:
             with transaction.atomic():
