@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django import forms
 
-from approvals.models import ActionStatus, RunStatus
+from approvals.models import ActionStatus, Agent, RunStatus
 
 
 class DecisionForm(forms.Form):
@@ -38,6 +38,12 @@ class PersonalTokenCreateForm(forms.Form):
 class AgentCreateForm(forms.Form):
     name = forms.SlugField(max_length=100)
     description = forms.CharField(max_length=1000, required=False)
+
+    def clean_name(self) -> str:
+        name: str = self.cleaned_data["name"]
+        if Agent.objects.filter(name=name).exists():
+            raise forms.ValidationError(f"An agent named {name} already exists.")
+        return name
 
 
 class AgentTokenCreateForm(forms.Form):

@@ -8,6 +8,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
+from django.db import IntegrityError
 from django.db.models import Exists, OuterRef, Prefetch, Q
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
@@ -438,6 +439,12 @@ def agent_create(request: HttpRequest) -> HttpResponse:
             name=form.cleaned_data["name"],
             description=form.cleaned_data["description"],
             actor=Actor.person(request.user),
+        )
+    except IntegrityError:
+        # Two admins racing for the same name: the unique constraint decides.
+        form.add_error("name", "An agent with this name already exists.")
+        return render(
+            request, "approvals/tokens.html", _tokens_context(request, agent_form=form), status=422
         )
     except DomainError as exc:
         form.add_error("name", exc.message)
