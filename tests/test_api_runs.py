@@ -1,0 +1,320 @@
+"""Runs: creation, the write-set overlap matrix, race-free activation, heartbeat,
+finish and expiry."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from approvals.models import Action, AutoApproveRule, Run
+from approvals.services.runs import names_overlap, run_expire_due
+from audit.models import AuditEvent
+from ownership.models import OwnershipRecord
+from tests.fixtures.api import ApiClient, ensure_api_kinds, make_active_run, make_agent_with_token
+
+
+def create_run(api: Any, token: str, write_set: list[dict[str, Any]], **extra: Any) -> Any:
+    return api.post(
+        "/api/v1/runs", token=token, body={"task": "test", "write_set": write_set, **extra}
+    )
+
+
+@pytest.mark.django_db
+def test_a_run_is_created_pending_with_a_token_and_a_run_approval(api: Any, agent: Any) -> None:
+    response = create_run(
+        api,
+        agent.token,
+        [{"resource": "notification-policy/prod-alerts", "operations": ["update"]}],
+        ttl_seconds=600,
+    )
+    assert response.status_code == 201, response.content
+    body = json.loads(response.content)
+    assert body["status"] == "pending_approval"
+    assert body["token"].startswith("rt_")
+    assert body["url"] == f"/api/v1/runs/{body['id']}"
+    assert response["Location"] == body["url"]
+    run = Run.objects.get(pk=body["id"])
+    assert run.token_hash != body["token"] and body["token"] not in json.dumps(run.write_set)
+    assert run.approvals.filter(subject="run", status="pending").count() == 1
+    assert not OwnershipRecord.objects.filter(run=run).exists()
+    # the token identifies the run even before it is active
+    me = api.get("/api/v1/whoami", token=body["token"])
+    assert json.loads(me.content)["principal"] == "run"
+    assert not AuditEvent.objects.filter(details__icontains=body["token"]).exists()
+
+
+@pytest.mark.django_db
+def test_a_run_covered_by_auto_approve_rules_is_active_at_once(api: Any, agent: Any) -> None:
+    AutoApproveRule.objects.create(
+        kind_id="dns-record", name_prefix="sandbox-", operations=["create", "update"]
+    )
+    response = create_run(
+        api, agent.token, [{"resource": "dns-record/sandbox-*", "operations": ["create"]}]
+    )
+    body = json.loads(response.content)
+    assert body["status"] == "active"
+    assert OwnershipRecord.objects.filter(run_id=body["id"], active=True).count() == 1
+    assert AuditEvent.objects.filter(event_type="run.auto_approved", run_id=body["id"]).exists()
+    # not every entry covered -> pending
+    response = create_run(
+        api,
+        agent.token,
+        [
+            {"resource": "dns-record/sandbox-b", "operations": ["delete"]},
+        ],
+    )
+    assert json.loads(response.content)["status"] == "pending_approval"
+
+
+@pytest.mark.parametrize(
+    ("held", "requested", "overlaps"),
+    [
+        ("prod-alerts", "prod-alerts", True),
+        ("prod-alerts", "prod-alerts-2", False),
+        ("staging-*", "staging-eu", True),
+        ("staging-eu", "staging-*", True),
+        ("staging-*", "stag*", True),
+        ("stag*", "staging-*", True),
+        ("staging-*", "prod-*", False),
+        ("*", "anything", True),
+        ("staging-eu", "staging-e", False),
+    ],
+)
+def test_names_overlap_matrix(held: str, requested: str, overlaps: bool) -> None:
+    a_prefix, b_prefix = held.endswith("*"), requested.endswith("*")
+    assert names_overlap(held.rstrip("*"), a_prefix, requested.rstrip("*"), b_prefix) is overlaps
+    assert names_overlap(requested.rstrip("*"), b_prefix, held.rstrip("*"), a_prefix) is overlaps
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("held", "requested", "conflict"),
+    [
+        (
+            ("notification-policy/prod-alerts", ["update"]),
+            ("notification-policy/prod-alerts", ["update"]),
+            True,
+        ),
+        (
+            ("notification-policy/prod-alerts", ["update"]),
+            ("notification-policy/prod-alerts", ["delete"]),
+            False,
+        ),
+        (
+            ("notification-policy/staging-*", ["create"]),
+            ("notification-policy/staging-eu", ["create", "update"]),
+            True,
+        ),
+        (
+            ("notification-policy/staging-*", ["create"]),
+            ("notification-policy/staging-eu", ["update"]),
+            False,
+        ),
+        (
+            ("notification-policy/staging-eu", ["delete"]),
+            ("notification-policy/staging-*", ["delete"]),
+            True,
+        ),
+        (
+            ("notification-policy/staging-*", ["update"]),
+            ("notification-policy/st*", ["update"]),
+            True,
+        ),
+        (
+            ("notification-policy/staging-*", ["update"]),
+            ("notification-policy/prod-*", ["update"]),
+            False,
+        ),
+        (
+            ("notification-policy/staging-*", ["update"]),
+            ("dns-record/staging-*", ["update"]),
+            False,
+        ),
+    ],
+    ids=[
+        "exact-same-op",
+        "exact-other-op",
+        "prefix-vs-exact",
+        "prefix-vs-exact-other-op",
+        "exact-vs-prefix",
+        "prefix-vs-prefix",
+        "disjoint-prefixes",
+        "other-kind",
+    ],
+)
+def test_write_set_overlap_matrix(
+    api: Any,
+    agent: Any,
+    held: tuple[str, list[str]],
+    requested: tuple[str, list[str]],
+    conflict: bool,
+) -> None:
+    make_active_run(agent.agent, [{"resource": held[0], "operations": held[1]}])
+    response = create_run(
+        api, agent.token, [{"resource": requested[0], "operations": requested[1]}]
+    )
+    if conflict:
+        assert response.status_code == 409, response.content
+        assert json.loads(response.content)["overlaps"][0]["resource"] == held[0]
+    else:
+        assert response.status_code == 201, response.content
+
+
+@pytest.mark.django_db
+def test_expired_and_finished_runs_hold_no_authority(api: Any, agent: Any) -> None:
+    write_set = [{"resource": "notification-policy/prod-alerts", "operations": ["update"]}]
+    expired = make_active_run(agent.agent, write_set)
+    Run.objects.filter(pk=expired.run.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    # Not yet marked by housekeeping, already powerless.
+    assert create_run(api, agent.token, write_set).status_code == 201
+    finished_agent = make_agent_with_token("finisher")
+    other_set = [{"resource": "notification-policy/other", "operations": ["update"]}]
+    finished = make_active_run(finished_agent.agent, other_set)
+    assert (
+        api.post(f"/api/v1/runs/{finished.run.pk}/finish", token=finished.token).status_code == 200
+    )
+    assert create_run(api, agent.token, other_set).status_code == 201
+
+
+@pytest.mark.django_db
+def test_activation_rechecks_overlaps(agent: Any) -> None:
+    from approvals.services.runs import WriteSetConflict, run_activate, run_create
+    from audit.services import Actor
+
+    write_set = [{"resource": "notification-policy/prod-alerts", "operations": ["update"]}]
+    pending, _ = run_create(
+        agent=agent.agent,
+        task="a",
+        write_set=write_set,
+        ttl_seconds=600,
+        actor=Actor.agent(agent.agent),
+    )
+    make_active_run(make_agent_with_token("quick-bot").agent, write_set)
+    with pytest.raises(WriteSetConflict):
+        run_activate(run=pending, actor=Actor.system("tests"))
+    pending.refresh_from_db()
+    assert pending.status == "pending_approval"
+    assert not OwnershipRecord.objects.filter(run=pending).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_overlapping_creations_never_both_become_active() -> None:
+    ensure_api_kinds()
+    AutoApproveRule.objects.create(
+        kind_id="dns-record", name_prefix="", operations=["create", "update", "delete"]
+    )
+    agents = [make_agent_with_token(f"bot-{n}") for n in range(8)]
+    barrier = threading.Barrier(len(agents))
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def create(token: str) -> None:
+        try:
+            barrier.wait(timeout=10)
+            response = create_run(
+                ApiClient(), token, [{"resource": "dns-record/app-*", "operations": ["update"]}]
+            )
+            with lock:
+                statuses.append(response.status_code)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=create, args=(a.token,)) for a in agents]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(statuses) == [201] + [409] * 7
+    assert Run.objects.filter(status="active").count() == 1
+    assert OwnershipRecord.objects.filter(active=True).count() == 1
+
+
+@pytest.mark.django_db
+def test_heartbeat_extends_but_never_past_the_maximum(api: Any, agent: Any, settings: Any) -> None:
+    run = make_active_run(agent.agent, ttl_seconds=600)
+    Run.objects.filter(pk=run.run.pk).update(
+        expires_at=timezone.now() + timedelta(seconds=60),
+        max_expires_at=timezone.now() + timedelta(seconds=300),
+    )
+    response = api.post(f"/api/v1/runs/{run.run.pk}/heartbeat", token=run.token)
+    assert response.status_code == 200, response.content
+    run.run.refresh_from_db()
+    assert run.run.expires_at == run.run.max_expires_at
+    record = OwnershipRecord.objects.filter(run=run.run).first()
+    assert record is not None and record.expires_at == run.run.expires_at
+    # the agent's token may heartbeat too; another agent's may not see the run
+    assert api.post(f"/api/v1/runs/{run.run.pk}/heartbeat", token=agent.token).status_code == 200
+    other = make_agent_with_token("nosy-bot")
+    assert api.post(f"/api/v1/runs/{run.run.pk}/heartbeat", token=other.token).status_code == 404
+
+
+@pytest.mark.django_db
+def test_finish_frees_ownership_cancels_open_actions_and_is_idempotent(
+    api: Any, run: Any, prod_alerts: Any
+) -> None:
+    response = api.patch(
+        "/api/v1/resources/notification-policy/prod-alerts",
+        token=run.token,
+        body={"a": 1},
+        headers={"If-Match": '"41"', "Idempotency-Key": "key-finish-01"},
+    )
+    action_id = json.loads(response.content)["id"]
+    assert api.post(f"/api/v1/runs/{run.run.pk}/finish", token=run.token).status_code == 200
+    assert not OwnershipRecord.objects.filter(run=run.run, active=True).exists()
+    assert Action.objects.get(pk=action_id).status == "cancelled"
+    events = AuditEvent.objects.filter(event_type="run.finished").count()
+    again = api.post(f"/api/v1/runs/{run.run.pk}/finish", token=run.token)
+    assert again.status_code == 200
+    assert json.loads(again.content)["status"] == "finished"
+    assert AuditEvent.objects.filter(event_type="run.finished").count() == events == 1
+
+
+@pytest.mark.django_db
+def test_expiry_ends_the_run_and_its_unexecuted_actions(
+    api: Any, run: Any, prod_alerts: Any
+) -> None:
+    response = api.patch(
+        "/api/v1/resources/notification-policy/prod-alerts",
+        token=run.token,
+        body={"a": 1},
+        headers={"If-Match": '"41"', "Idempotency-Key": "key-expire-01"},
+    )
+    action_id = json.loads(response.content)["id"]
+    Run.objects.filter(pk=run.run.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    # an expired run writes nothing, even before housekeeping runs
+    refused = api.patch(
+        "/api/v1/resources/notification-policy/prod-alerts",
+        token=run.token,
+        body={"a": 2},
+        headers={"If-Match": '"41"', "Idempotency-Key": "key-expire-02"},
+    )
+    assert refused.status_code == 409
+    assert json.loads(refused.content)["run_status"] == "expired"
+    assert run_expire_due() == 1
+    assert run_expire_due() == 0
+    assert Run.objects.get(pk=run.run.pk).status == "expired"
+    assert Action.objects.get(pk=action_id).status == "expired"
+    assert not OwnershipRecord.objects.filter(run=run.run, active=True).exists()
+
+
+@pytest.mark.django_db
+def test_runs_are_listed_per_principal_with_cursor_pagination(
+    api: Any, agent: Any, operator: Any, outsider: Any
+) -> None:
+    for n in range(5):
+        make_active_run(agent.agent, [{"resource": f"dns-record/x{n}", "operations": ["create"]}])
+    seen: list[str] = []
+    url = "/api/v1/runs?limit=2"
+    while url:
+        page = json.loads(api.get(url, token=agent.token).content)
+        seen += [item["id"] for item in page["items"]]
+        url = f"/api/v1/runs?limit=2&cursor={page['next']}" if page["next"] else ""
+    assert len(seen) == len(set(seen)) == 5
+    assert len(json.loads(api.get("/api/v1/runs", token=operator.token).content)["items"]) == 5
+    assert json.loads(api.get("/api/v1/runs", token=outsider.token).content)["items"] == []
