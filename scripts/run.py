@@ -221,6 +221,9 @@ def main() -> int:
     code = 0
     try:
         login_line, _ = prepare_database(data_dir)
+        # (re-installed: code run in-process, such as an RQ burst worker, may have replaced them)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
         if interrupted:
             return 130
         env = dict(os.environ)

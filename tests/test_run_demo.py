@@ -1,0 +1,74 @@
+"""`manage.py demo` drives the real API and leaves each page something to show."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from approvals.models import Action, Approval, Operation
+from audit.chain import verify_rows
+from audit.models import AuditEvent
+from ownership.models import Conflict, Resource
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def demo_redis(private_redis, settings):  # type: ignore[no-untyped-def]
+    # The demo's burst worker drains the real queue: give it a Redis of its own.
+    settings.REDIS_URL = private_redis.url
+    settings.RQ_QUEUES = {"default": {"URL": private_redis.url, "DEFAULT_TIMEOUT": 120}}
+    return private_redis
+
+
+def run_demo() -> str:
+    out = StringIO()
+    call_command("demo", stdout=out)
+    return out.getvalue()
+
+
+def test_the_demo_plays_the_design_collision_through_the_api(demo_redis) -> None:  # type: ignore[no-untyped-def]
+    output = run_demo()
+
+    policy = Resource.objects.get(kind_id="notification-policy", name="prod-alerts")
+    # B's change won; A's stale full replace changed nothing.
+    assert policy.version == 42
+    assert policy.document == {"destinations": ["oncall@example.test"], "severity": "critical"}
+    assert 'refused: current is "42"' in output
+
+    # B's write is applied and still inside its undo window.
+    applied = Action.objects.get(
+        kind_id="notification-policy", name="prod-alerts", status="applied"
+    )
+    operation = Operation.objects.get(action=applied, undo_of__isnull=True, status="done")
+    assert operation.result_version == 42
+    assert operation.undo_deadline is not None and operation.undo_deadline > timezone.now()
+
+    # A's re-planned change waits for an operator (per-call approval).
+    waiting = Action.objects.get(
+        kind_id="notification-policy", name="prod-alerts", status="pending_approval"
+    )
+    assert waiting.observed_version == 42
+    assert Approval.objects.filter(action=waiting, status="pending").exists()
+
+    # The second release candidate met version 8 at execution: a conflict for release owners.
+    pointer = Resource.objects.get(kind_id="release-pointer", name="prod-eu")
+    assert pointer.version == 8 and pointer.document["release"] == "2026.11.3"
+    conflict = Conflict.objects.get(action__name="prod-eu", action__status="conflict")
+    assert conflict.status == "open"
+    assert conflict.conflict_class_id == "advance_pointer"
+
+    # Both attempts on prod-alerts are in a chain that verifies.
+    events = AuditEvent.objects.filter(resource="notification-policy/prod-alerts")
+    assert events.count() >= 3
+    assert verify_rows(AuditEvent.objects.order_by("seq")).ok
+
+
+def test_running_the_demo_twice_changes_nothing(demo_redis) -> None:  # type: ignore[no-untyped-def]
+    run_demo()
+    actions, events = Action.objects.count(), AuditEvent.objects.count()
+    assert "already loaded" in run_demo()
+    assert (Action.objects.count(), AuditEvent.objects.count()) == (actions, events)
