@@ -1,16 +1,31 @@
 """RQ cron configuration: `python manage.py rqcron approvals.cron`.
 
-Run one such process next to the workers (`rqworker --with-scheduler`, the
-scheduler is needed for the engine's backoff retries, which use enqueue_in).
-The cron process keeps its schedule in memory, so a Redis FLUSHALL or
-restart does not stop the outbox reconciler.
+Run one such process next to the workers (`rqworker --with-scheduler`; the
+worker's scheduler is what runs the engine's backoff retries, which use
+enqueue_in). The cron process keeps its schedule in memory, so a Redis
+FLUSHALL or restart does not stop the outbox reconciler.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from rq import cron
 
 from approvals.jobs import QUEUE_NAME, housekeeping_job, reconcile_job
 
-cron.register(reconcile_job, QUEUE_NAME, interval=5, job_timeout=60, result_ttl=60)
-cron.register(housekeeping_job, QUEUE_NAME, interval=30, job_timeout=120, result_ttl=60)
+RECONCILE_EVERY_SECONDS = 5
+HOUSEKEEPING_EVERY_SECONDS = 30
+
+
+def _register(func: Callable[..., Any], **options: Any) -> None:
+    entry = cron.register(func, QUEUE_NAME, **options)
+    # django-rq 3.2's DjangoCronScheduler.register() does not accept the
+    # `webhooks` and `name` keys rq 2.12 puts in every entry; drop them (unused).
+    entry.pop("webhooks", None)
+    entry.pop("name", None)
+
+
+_register(reconcile_job, interval=RECONCILE_EVERY_SECONDS, job_timeout=60, result_ttl=60)
+_register(housekeeping_job, interval=HOUSEKEEPING_EVERY_SECONDS, job_timeout=120, result_ttl=60)

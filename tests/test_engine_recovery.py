@@ -141,3 +141,34 @@ def test_reconcile_takes_back_an_operation_whose_lease_expired(
     assert outcome.applied is False
     assert action_execute(action_id=action.pk) == "applied"
     assert ResourceVersion.objects.filter(resource__name="a").count() == 2
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_cron_process_reconciles_on_its_own_after_a_flushall(
+    engine_world: Any, engine_redis: Any, rq_worker: Any, tmp_path: Any
+) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+
+    kind = engine_world.kind("dns-record", create="add_unique")
+    action = engine_world.propose(kind, "orphan", operation="create", payload={"ip": "10.7.7.7"})
+    engine_redis.client().flushall()
+    worker = rq_worker()
+    log = (tmp_path / "cron.log").open("wb")
+    cron = subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "rqcron", "approvals.cron"],
+        env=subprocess_env(REDIS_URL=engine_redis.url),
+        cwd=str(ROOT),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: _status(action) == "applied", timeout=30)
+    finally:
+        cron.terminate()
+        cron.wait(timeout=10)
+        log.close()
+    assert ResourceVersion.objects.filter(resource__name="orphan").count() == 1, worker.output()
