@@ -105,8 +105,30 @@ def audit_head() -> tuple[int, str]:
     return (int(head[0]), str(head[1])) if head else (0, "0" * 64)
 
 
+_CHAIN_FIELDS = (
+    "seq",
+    "created_at",
+    "actor_type",
+    "actor_id",
+    "actor_label",
+    "request_id",
+    "event_type",
+    "resource",
+    "run_id",
+    "action_id",
+    "details",
+    "prev_hash",
+    "hash",
+)
+
+
 def _stream(chunk_size: int) -> Iterator[Any]:
-    return AuditEvent.objects.order_by("seq").iterator(chunk_size=chunk_size)
+    # Named tuples, not model instances: the walk is about twice as fast.
+    return (
+        AuditEvent.objects.order_by("seq")
+        .values_list(*_CHAIN_FIELDS, named=True)
+        .iterator(chunk_size=chunk_size)
+    )
 
 
 def verify_chain(*, chunk_size: int = 2000) -> VerifyResult:

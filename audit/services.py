@@ -146,6 +146,10 @@ def audit_append(
     run_uuid = _as_uuid(run_id)
     action_uuid = _as_uuid(action_id)
     rid = (request_id if request_id is not None else current_request_id())[:128]
+    # Column limits applied before hashing, so the hash covers what is stored.
+    actor = Actor(actor.type, actor.id[:64], actor.label[:200])
+    event_type = event_type[:64]
+    resource = resource[:320]
     created_at = timezone.now()
     fields = hashed_fields(
         seq=0,
