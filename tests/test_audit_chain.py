@@ -304,3 +304,16 @@ def test_audit_list_filters_and_pages_newest_first() -> None:
         audit_list(cursor="garbage")
     with pytest.raises(ValidationFailed):
         audit_list(limit=500)
+
+
+@pytest.mark.django_db
+def test_overlong_fields_are_clipped_before_hashing() -> None:
+    audit_append(
+        event_type="test." + "e" * 100,
+        actor=Actor("agent", "i" * 100, "l" * 300),
+        resource="kind/" + "n" * 400,
+        request_id="r" * 300,
+    )
+    event = AuditEvent.objects.get()
+    assert len(event.resource) == 320 and len(event.actor_label) == 200
+    assert verify_chain().ok

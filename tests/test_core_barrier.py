@@ -366,3 +366,32 @@ def test_two_concurrent_creates_of_one_name_leave_one_row() -> None:
         assert loser.reason in {"already_exists", "stale_fence"}
         assert Resource.objects.filter(kind_id="dns-record", name=name.split("/")[1]).count() == 1
     assert verify_chain().ok
+
+
+@pytest.mark.django_db
+def test_open_operation_claims_only_executable_actions(prod_alerts: Any) -> None:
+    import uuid
+
+    from console.core.errors import NotFound
+
+    run = make_run()
+    waiting = make_action(
+        run=run,
+        identifier=PROD_ALERTS,
+        payload={},
+        observed_version=41,
+        status="pending_approval",
+    )
+    with pytest.raises(InvalidTransition):
+        open_operation(action_id=waiting.pk, fence=next_fence(), worker="w", lease_seconds=60)
+    with pytest.raises(NotFound):
+        open_operation(action_id=uuid.uuid4(), fence=next_fence(), worker="w", lease_seconds=60)
+    paused = make_action(
+        run=run, identifier=PROD_ALERTS, payload={}, observed_version=41, status="paused"
+    )
+    operation = open_operation(
+        action_id=paused.pk, fence=next_fence(), worker="w", lease_seconds=60
+    )
+    assert operation.status == OperationStatus.PENDING and operation.lease_expires_at
+    paused.refresh_from_db()
+    assert paused.status == ActionStatus.EXECUTING and paused.revision == 2

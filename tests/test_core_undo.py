@@ -204,3 +204,15 @@ def test_two_concurrent_undos_apply_exactly_once() -> None:
             == 1
         )
     assert verify_chain().ok
+
+
+@pytest.mark.django_db
+def test_undo_of_a_refused_write_is_refused_as_not_applied(prod_alerts: Any) -> None:
+    run = make_run()
+    _apply_patch(run, {"severity": "critical"}, 41)
+    stale = make_action(run=run, identifier=PROD_ALERTS, payload={}, observed_version=41)
+    refused = execute(stale)
+    assert not refused.applied
+    outcome = undo(refused.operation_id)
+    assert not outcome.applied and outcome.reason == "not_applied"
+    assert Resource.objects.get(pk=prod_alerts.pk).version == 42
