@@ -395,3 +395,21 @@ def test_open_operation_claims_only_executable_actions(prod_alerts: Any) -> None
     assert operation.status == OperationStatus.PENDING and operation.lease_expires_at
     paused.refresh_from_db()
     assert paused.status == ActionStatus.EXECUTING and paused.revision == 2
+
+
+@pytest.mark.django_db
+def test_a_write_executed_by_a_worker_is_attributed_to_its_run(prod_alerts: Any) -> None:
+    run = make_run("deploy-bot")
+    action = make_action(run=run, identifier=PROD_ALERTS, payload={}, observed_version=41)
+    fence = next_fence()
+    operation = open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=60)
+    apply_action(
+        action_id=action.pk,
+        operation_id=operation.pk,
+        fence=fence,
+        actor=Actor.system("worker"),
+    )
+    event = AuditEvent.objects.get(event_type="write.applied")
+    assert (event.actor_type, event.actor_id, event.run_id) == ("run", str(run.pk), run.pk)
+    assert event.actor_label.startswith("deploy-bot/")
+    assert event.details["executor"] == {"type": "system", "id": "", "label": "worker"}

@@ -210,6 +210,9 @@ def apply_action(
     Raises NotFound (no such action/operation) and KillSwitchEngaged (nothing is
     written, the operation stays pending: the caller pauses the action). Every
     other outcome, accepted or refused, is recorded and returned.
+
+    The audit event is attributed to the action's run (Actor.run); `actor` — who
+    carried it out, e.g. the worker — is kept in the details as `executor`.
     """
     with transaction.atomic():
         operation = (
@@ -221,7 +224,7 @@ def apply_action(
             raise NotFound("no such operation for this action", extra={"operation": operation_id})
         action = (
             Action.objects.select_for_update(of=("self",))
-            .select_related("kind", "conflict_class", "run")
+            .select_related("kind", "conflict_class", "run__agent")
             .get(pk=action_id)
         )
         if operation.status != OperationStatus.PENDING:
@@ -279,7 +282,7 @@ def apply_action(
         )
         audit_append(
             event_type="write.applied",
-            actor=actor,
+            actor=_write_actor(action),
             resource=identifier,
             run_id=action.run_id,
             action_id=action.pk,
@@ -289,6 +292,7 @@ def apply_action(
                 "fence": fence,
                 "from_version": result.base_version,
                 "to_version": result.result_version,
+                **_executor(actor, action),
             },
         )
     return WriteOutcome(
@@ -478,11 +482,16 @@ def _refuse(
     )
     audit_append(
         event_type="write.refused",
-        actor=actor,
+        actor=_write_actor(action),
         resource=action.resource_identifier,
         run_id=action.run_id,
         action_id=action.pk,
-        details={"operation": action.operation, "operation_id": operation.pk, **refusal.as_dict()},
+        details={
+            "operation": action.operation,
+            "operation_id": operation.pk,
+            **refusal.as_dict(),
+            **_executor(actor, action),
+        },
     )
     return WriteOutcome(
         applied=False,
@@ -492,6 +501,18 @@ def _refuse(
         resource_id=resource_id,
         refusal=refusal,
     )
+
+
+def _write_actor(action: Action) -> Actor:
+    """A write (and its refusal) is the run's: the run is the accountable principal."""
+    return Actor.run(action.run)
+
+
+def _executor(actor: Actor, action: Action) -> dict[str, Any]:
+    """Who carried the write out (e.g. the worker), when that is not the run itself."""
+    if actor == _write_actor(action):
+        return {}
+    return {"executor": {"type": actor.type, "id": actor.id, "label": actor.label}}
 
 
 def _finished_outcome(action: Action, operation: Operation) -> WriteOutcome:
