@@ -67,6 +67,7 @@ def test_propose_approve_apply_through_the_api(
     assert api.get(POLICY, token=run.token).json()["document"]["channels"] == ["email", "pager"]
 
 
+@pytest.mark.django_db
 def test_a_rejection_comment_reaches_the_agent_and_expiry_expires(
     api: Any, run: Any, operator: Any, prod_alerts: Any, engine_redis: Any
 ) -> None:
@@ -87,6 +88,7 @@ def test_a_rejection_comment_reaches_the_agent_and_expiry_expires(
     assert _action(api, run.token, expiring["id"])["status"] == "expired"
 
 
+@pytest.mark.django_db
 def test_a_person_cannot_decide_without_the_role_and_the_agent_cannot_at_all(
     api: Any, run: Any, operator: Any, outsider: Any, prod_alerts: Any, engine_redis: Any
 ) -> None:
