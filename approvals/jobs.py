@@ -100,11 +100,11 @@ def _send(
 def job_is_pending(kind: str, object_id: Any, *, connection: redis.Redis | None = None) -> bool:
     """Does RQ still hold a queued/scheduled/running job for this object?"""
     conn = connection or engine_redis()
-    raw = conn.get(marker_key(kind, object_id))
+    raw: Any = conn.get(marker_key(kind, object_id))
     if raw is None:
         return False
     try:
-        job = Job.fetch(raw.decode(), connection=conn)
+        job = Job.fetch(bytes(raw).decode(), connection=conn)
     except NoSuchJobError:
         return False
     status = job.get_status(refresh=True)

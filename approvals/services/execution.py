@@ -563,9 +563,12 @@ def route_refusal(*, action_id: uuid.UUID, operation_id: int | None, refusal: st
         action = Action.objects.get(pk=action_id)
         switch = engaged_switch_for(action.resource_identifier)
         reason = switch.reason if switch is not None else "kill switch engaged"
-        Operation.objects.filter(pk=operation_id, status=OperationStatus.PENDING).update(
-            status=OperationStatus.FAILED, finished_at=timezone.now(), outcome={"refused": refusal}
-        )
+        if operation_id is not None:
+            Operation.objects.filter(pk=operation_id, status=OperationStatus.PENDING).update(
+                status=OperationStatus.FAILED,
+                finished_at=timezone.now(),
+                outcome={"refused": refusal},
+            )
         action_pause(action_id=action_id, reason=reason, scope=switch.scope if switch else "")
         return "paused"
     if refusal in ("operation_not_pending", "action_not_executable"):

@@ -241,8 +241,8 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
             return _retry_undo(undo_op, STALE_FENCE, connection)
         if outcome.reason == RESOURCE_MOVED:
             with transaction.atomic():
-                resource = Resource.objects.get(pk=action.resource_id)
-                original = Operation.objects.get(pk=undo_op.undo_of_id)
+                resource = Resource.objects.get(pk=int(action.resource_id or 0))
+                original = Operation.objects.get(pk=int(undo_op.undo_of_id or 0))
                 conflict_open_for_undo(
                     action=action,
                     resource=resource,
