@@ -554,7 +554,6 @@ class ActionState:
 def _action_state(principal: Principal, action_id: uuid.UUID, close: bool) -> ActionState:
     try:
         action = action_services.action_get_for(principal, action_id)
-        action = _load_action(action.pk)
         return ActionState(etag=action.etag, final=action.is_final, body=action_body(action))
     finally:
         if close:

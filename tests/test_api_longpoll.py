@@ -1,0 +1,157 @@
+"""Long-poll on a real uvicorn server: woken through Redis pub/sub within 100 ms
+of a change made by another process, holding no database connection while
+waiting (the server's pool has 4 connections for 200 waiters)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from approvals.models import Action
+from approvals.services.actions import action_cancel
+from audit.services import Actor
+from tests.fixtures.api import make_active_run, make_agent_with_token
+from tests.fixtures.core import make_action
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+def queued_actions(count: int) -> tuple[Any, list[Action]]:
+    run = make_active_run(
+        make_agent_with_token("poll-bot").agent,
+        [{"resource": "dns-record/app-*", "operations": ["create", "update", "delete"]}],
+    )
+    actions = [
+        make_action(
+            run=run.run,
+            identifier=f"dns-record/app-{n}",
+            operation="create",
+            payload={"n": n},
+            status="queued",
+        )
+        for n in range(count)
+    ]
+    return run, actions
+
+
+def test_a_waiting_client_is_answered_within_100ms_of_a_change(api_server: Any) -> None:
+    run, (action,) = queued_actions(1)
+    url = f"{api_server.url}/api/v1/actions/{action.pk}"
+    headers = {"Authorization": f"Bearer {run.token}"}
+    first = httpx.get(url, headers=headers, timeout=5)
+    assert first.status_code == 200
+    etag = first.headers["ETag"]
+    result: dict[str, Any] = {}
+
+    def wait() -> None:
+        started = time.monotonic()
+        response = httpx.get(
+            url,
+            headers={**headers, "Prefer": "wait=30", "If-None-Match": etag},
+            timeout=40,
+        )
+        result["response"] = response
+        result["answered_at"] = time.monotonic()
+        result["held"] = result["answered_at"] - started
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(1.0)  # the request is now held on the server
+    assert "response" not in result
+    from django.db import transaction
+
+    committed: list[float] = []
+    with transaction.atomic():
+        # Runs first among the on-commit callbacks: the moment the change is durable.
+        transaction.on_commit(lambda: committed.append(time.monotonic()))
+        action_cancel(action=action, actor=Actor.system("another process"))
+    thread.join(timeout=40)
+    response = result["response"]
+    assert response.status_code == 200
+    assert response.json()["status"] == "cancelled"
+    assert response.headers["ETag"] != etag
+    assert response.headers["Preference-Applied"] == "wait=30"
+    latency = result["answered_at"] - committed[0]
+    print(f"long-poll wake latency: {latency * 1000:.1f} ms (held {result['held']:.2f} s)")
+    assert latency < 0.1
+
+
+def test_an_unchanged_action_answers_304_when_the_wait_ends(api_server: Any) -> None:
+    run, (action,) = queued_actions(1)
+    url = f"{api_server.url}/api/v1/actions/{action.pk}"
+    headers = {"Authorization": f"Bearer {run.token}"}
+    etag = httpx.get(url, headers=headers, timeout=5).headers["ETag"]
+    started = time.monotonic()
+    response = httpx.get(
+        url, headers={**headers, "Prefer": "wait=1", "If-None-Match": etag}, timeout=10
+    )
+    held = time.monotonic() - started
+    assert response.status_code == 304
+    assert response.headers["Preference-Applied"] == "wait=1"
+    assert response.headers["ETag"] == etag
+    assert 0.9 <= held < 3.0
+    # Without If-None-Match: held while not final; a final action answers at once.
+    action_cancel(action=action, actor=Actor.system("tests"))
+    started = time.monotonic()
+    response = httpx.get(url, headers={**headers, "Prefer": "wait=30"}, timeout=10)
+    assert response.status_code == 200 and time.monotonic() - started < 1.0
+
+
+def test_two_hundred_concurrent_waiters_are_held_and_all_answered(api_server: Any) -> None:
+    run, actions = queued_actions(50)
+    headers = {"Authorization": f"Bearer {run.token}"}
+
+    async def scenario() -> list[tuple[int, str, float]]:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+            etags = {}
+            for action in actions:
+                response = await client.get(
+                    f"{api_server.url}/api/v1/actions/{action.pk}", headers=headers
+                )
+                etags[action.pk] = response.headers["ETag"]
+
+            async def wait(action: Action) -> tuple[int, str, float]:
+                response = await client.get(
+                    f"{api_server.url}/api/v1/actions/{action.pk}",
+                    headers={**headers, "Prefer": "wait=45", "If-None-Match": etags[action.pk]},
+                )
+                status = response.json()["status"] if response.status_code == 200 else ""
+                return response.status_code, status, time.monotonic()
+
+            waiters = [asyncio.create_task(wait(actions[n % 50])) for n in range(200)]
+            await asyncio.sleep(3.0)
+            assert not any(task.done() for task in waiters), "waiters answered before a change"
+            # While 200 requests are held, the server still answers others at once
+            # (its 4 pooled connections are not held by the waiters).
+            started = time.monotonic()
+            probe = await client.get(
+                f"{api_server.url}/api/v1/actions/{actions[0].pk}", headers=headers
+            )
+            assert probe.status_code == 200 and time.monotonic() - started < 2.0
+            changed_at = time.monotonic()
+            await asyncio.to_thread(cancel_all, actions)
+            results = await asyncio.gather(*waiters)
+            return [(s, st, t - changed_at) for s, st, t in results]
+
+    results = asyncio.run(scenario())
+    assert len(results) == 200
+    assert {(status, state) for status, state, _ in results} == {(200, "cancelled")}
+    slowest = max(delay for _, _, delay in results)
+    print(f"200 waiters answered; slowest {slowest * 1000:.0f} ms after the changes began")
+    assert slowest < 10.0
+
+
+def cancel_all(actions: list[Action]) -> None:
+    from django.db import connection
+
+    try:
+        for action in actions:
+            action_cancel(action=action, actor=Actor.system("tests"))
+    finally:
+        connection.close()
