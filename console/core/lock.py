@@ -101,7 +101,13 @@ class FencedLock:
             raise
         # A pause between SET and nextval could let a successor take the lock
         # and a *smaller* fence; confirm we still hold it now that ours is drawn.
-        self.renew()
+        try:
+            self.renew()
+        except LockLost as exc:
+            raise LockBusy(
+                f"{self.key} was taken by another worker while the fence was drawn",
+                extra={"resource": self.key},
+            ) from exc
         return self.fence
 
     def renew(self) -> None:
