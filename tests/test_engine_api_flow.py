@@ -101,3 +101,74 @@ def test_a_person_cannot_decide_without_the_role_and_the_agent_cannot_at_all(
     )
     assert api.post(path, token=run.token, body={"decision": "approve"}).status_code in (401, 403)
     assert Action.objects.get(pk=action["id"]).status == "pending_approval"
+
+
+def test_a_collision_is_resolved_by_merge_and_a_later_undo_becomes_a_conflict(
+    api: Any, run: Any, operator: Any, owner: Any, prod_alerts: Any, rq_worker: Any
+) -> None:
+    from tests.fixtures.api import make_person_with_token
+
+    second_operator = make_person_with_token("bruno", "operators")
+    worker = rq_worker()
+    # The same run sends two full-document writes, both read at version 41.
+    first = _propose(api, run, {"severity": "critical"}, "key-collide-0001")
+    second = _propose(
+        api, run, {"channels": ["email", "pager"], "severity": "warning"}, "key-collide-0002"
+    )
+    for action in (first, second):
+        item = _pending_item(api, operator, action["id"])
+        response = api.post(
+            f"/api/v1/approvals/{item['id']}/decision",
+            token=operator.token,
+            body={"decision": "approve"},
+        )
+        assert response.status_code == 200, response.content
+    wait_for(
+        lambda: (
+            _action(api, run.token, second["id"])["status"] in {"applied", "conflict"}
+            and _action(api, run.token, first["id"])["status"] in {"applied", "conflict"}
+        ),
+        timeout=20,
+    )
+    statuses = {a["id"]: _action(api, run.token, a["id"])["status"] for a in (first, second)}
+    assert sorted(statuses.values()) == ["applied", "conflict"], worker.output()
+    loser = next(i for i, s in statuses.items() if s == "conflict")
+    body = _action(api, run.token, loser)
+    conflict_id = body["conflict"]["conflict_id"]
+    assert body["conflict"]["retryable_by_agent"] is False
+
+    listing = api.get("/api/v1/conflicts?status=open&mine=true", token=second_operator.token)
+    assert [c["id"] for c in listing.json()["items"]] == [conflict_id]
+    conflict = api.get(f"/api/v1/conflicts/{conflict_id}", token=second_operator.token).json()
+    fields = {f["path"]: "proposed" for f in conflict["fields"] if f["change"] != "other_only"}
+    forbidden = api.post(
+        f"/api/v1/conflicts/{conflict_id}/resolution",
+        token=owner.token,
+        body={"choice": "merge", "fields": fields},
+    )
+    assert forbidden.status_code in (403, 404)
+    resolved = api.post(
+        f"/api/v1/conflicts/{conflict_id}/resolution",
+        token=second_operator.token,
+        body={"choice": "merge", "fields": fields, "comment": "both"},
+    )
+    assert resolved.status_code == 200, resolved.content
+    new_id = _action(api, run.token, loser)["resolution_action"]
+    assert new_id
+    wait_for(lambda: _action(api, run.token, new_id)["status"] == "applied", timeout=20)
+    assert api.get(POLICY, token=run.token)["ETag"] == '"43"'
+
+    # Undo of the first applied write now finds a later version: a conflict for a person.
+    winner = next(i for i, s in statuses.items() if s == "applied")
+    undo = api.post(
+        f"/api/v1/actions/{winner}/undo",
+        token=run.token,
+        headers={"Idempotency-Key": "key-undo-000001"},
+    )
+    assert undo.status_code == 202, undo.content
+    wait_for(
+        lambda: (_action(api, run.token, winner).get("undo") or {}).get("conflict_id") is not None,
+        timeout=20,
+    )
+    assert _action(api, run.token, winner)["status"] == "applied"
+    assert api.get(POLICY, token=run.token)["ETag"] == '"43"'
