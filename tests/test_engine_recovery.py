@@ -172,3 +172,21 @@ def test_the_cron_process_reconciles_on_its_own_after_a_flushall(
         cron.wait(timeout=10)
         log.close()
     assert ResourceVersion.objects.filter(resource__name="orphan").count() == 1, worker.output()
+
+
+@pytest.mark.django_db
+def test_an_action_that_keeps_losing_its_worker_fails_instead_of_looping(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    from approvals.services import execution
+    from console.core.barrier import open_operation
+    from console.core.fence import next_fence
+
+    kind = engine_world.kind("cfg", update="recompute_field")
+    engine_world.resource(kind, "poison", {"n": 0})
+    action = engine_world.propose(kind, "poison", payload={"n": 1}, observed_version=1)
+    Action.objects.filter(pk=action.pk).update(attempts=execution.MAX_ATTEMPTS - 1)
+    open_operation(action_id=action.pk, fence=next_fence(), worker="ghost", lease_seconds=1)
+    assert reconcile(now=timezone.now() + timedelta(seconds=5))["abandoned"] == 0
+    action.refresh_from_db()
+    assert action.status == "failed" and action.error["code"] == "worker_lost"

@@ -153,3 +153,16 @@ def test_a_failing_target_fails_the_action_after_bounded_attempts(
         "attempts": 2,
     }
     assert target.effects == 0
+
+
+def test_undo_is_refused_for_an_http_target(
+    engine_world: Any, http_kind: Any, target: TargetServer
+) -> None:
+    from approvals.services.undo import action_undo_request
+    from console.core.errors import UndoRefused
+
+    target.seed("prod", {"n": 1})
+    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
+    assert action_execute(action_id=action.pk) == "applied"
+    with pytest.raises(UndoRefused):
+        action_undo_request(action_id=action.pk, actor=engine_world.run)

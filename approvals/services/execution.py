@@ -628,20 +628,33 @@ def reconcile(
             )
             if not closed:
                 continue
-            moved = action_transition(
-                action_id=action_id,
-                from_statuses=(ActionStatus.EXECUTING,),
-                to_status=ActionStatus.QUEUED,
-                not_before=None,
-            )
-            action = Action.objects.get(pk=action_id)
+            action = Action.objects.select_for_update(of=("self",)).get(pk=action_id)
+            attempts = action.attempts + 1
+            if attempts >= MAX_ATTEMPTS:
+                # A delivery that keeps killing its worker is not retried forever.
+                action_transition(
+                    action_id=action_id,
+                    from_statuses=(ActionStatus.EXECUTING,),
+                    to_status=ActionStatus.FAILED,
+                    attempts=attempts,
+                    error={"code": "worker_lost", "attempts": attempts},
+                )
+                moved = False
+            else:
+                moved = action_transition(
+                    action_id=action_id,
+                    from_statuses=(ActionStatus.EXECUTING,),
+                    to_status=ActionStatus.QUEUED,
+                    attempts=attempts,
+                    not_before=None,
+                )
             audit_append(
                 event_type="operation.abandoned",
                 actor=Actor.system("reconciler"),
                 resource=action.resource_identifier,
                 run_id=action.run_id,
                 action_id=action_id,
-                details={"operation": operation_id, "requeued": moved},
+                details={"operation": operation_id, "requeued": moved, "attempts": attempts},
             )
             if moved:
                 _enqueue_on_commit(action_id)

@@ -26,10 +26,11 @@ from console.core.errors import (
     KillSwitchEngaged,
     LockBusy,
     NotFound,
+    UndoRefused,
     UndoWindowExpired,
 )
 from console.permissions import can_undo_as_person
-from ownership.models import Resource
+from ownership.models import Resource, TargetType
 
 log = logging.getLogger("airlock.undo")
 
@@ -91,6 +92,11 @@ def action_undo_request(
         raise Forbidden(
             "Undo needs the operator role or membership of the resource's owner group.",
             code="forbidden",
+        )
+    if action.kind.target == TargetType.HTTP:
+        raise UndoRefused(
+            "Undo is not available for resources of an external HTTP target.",
+            extra={"resource": action.resource_identifier},
         )
     with transaction.atomic():
         locked = Action.objects.select_for_update(of=("self",)).get(pk=action.pk)
