@@ -1,0 +1,95 @@
+"""Smaller service contracts: kill switch, stale fence routing, selectors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from approvals.models import Action
+from approvals.selectors import action_get_for_actor, approval_list_for_person
+from approvals.services.execution import action_execute, route_refusal
+from audit.models import AuditEvent
+from audit.services import Actor
+from console.core.barrier import apply_action, open_operation
+from console.core.errors import Forbidden, NotFound, ValidationFailed
+from console.core.fence import next_fence
+from console.models import KillSwitch
+from console.services import kill_switch_set
+from ownership.models import Resource
+from ownership.selectors import conflict_get_for_person
+
+pytestmark = pytest.mark.django_db
+
+
+def test_only_operators_use_the_kill_switch_and_bad_scopes_are_refused(engine_world: Any) -> None:
+    with pytest.raises(Forbidden):
+        kill_switch_set(scope="*", engaged=True, reason="x", actor=engine_world.outsider)
+    with pytest.raises(ValidationFailed):
+        kill_switch_set(
+            scope="no spaces allowed", engaged=True, reason="x", actor=engine_world.operator
+        )
+    with pytest.raises(ValidationFailed):
+        kill_switch_set(scope="*", engaged=True, reason="", actor=engine_world.operator)
+    assert not KillSwitch.objects.exists()
+
+
+def test_engaging_twice_is_a_no_op_and_release_resumes_only_uncovered_work(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    kind = engine_world.kind("dns-record", create="add_unique")
+    action = engine_world.propose(kind, "app-1", operation="create", payload={"ip": "1"})
+    kill_switch_set(scope="*", engaged=True, reason="freeze", actor=engine_world.operator)
+    kill_switch_set(scope="*", engaged=True, reason="freeze", actor=engine_world.operator)
+    assert AuditEvent.objects.filter(event_type="kill_switch.engaged").count() == 1
+    kill_switch_set(
+        scope="dns-record/app-*", engaged=True, reason="dns", actor=engine_world.operator
+    )
+    kill_switch_set(scope="*", engaged=False, reason="", actor=engine_world.operator)
+    action.refresh_from_db()
+    assert action.status == "paused"  # still covered by dns-record/app-*
+    kill_switch_set(scope="dns-record/app-*", engaged=False, reason="", actor=engine_world.operator)
+    action.refresh_from_db()
+    assert action.status == "queued" and action.paused_reason == ""
+    assert action_execute(action_id=action.pk) == "applied"
+
+
+def test_a_stale_fence_is_recorded_and_retried_with_a_new_fence(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    kind = engine_world.kind("cfg", update="recompute_field")
+    engine_world.resource(kind, "a", {"n": 0})
+    action = engine_world.propose(kind, "a", payload={"n": 1}, observed_version=1)
+    fence = next_fence()
+    operation = open_operation(action_id=action.pk, fence=fence, worker="zombie", lease_seconds=30)
+    Resource.objects.filter(kind=kind, name="a").update(last_fence=fence)  # a newer holder's mark
+    outcome = apply_action(
+        action_id=action.pk, operation_id=operation.pk, fence=fence, actor=Actor.system()
+    )
+    assert outcome.refusal is not None and outcome.refusal.reason == "stale_fence"
+    assert (
+        route_refusal(action_id=action.pk, operation_id=operation.pk, refusal="stale_fence")
+        == "retry"
+    )
+    action.refresh_from_db()
+    assert action.status == "queued" and action.attempts == 1
+    Action.objects.filter(pk=action.pk).update(not_before=None)
+    assert action_execute(action_id=action.pk) == "applied"
+    assert AuditEvent.objects.filter(event_type="write.refused", action_id=action.pk).count() == 1
+
+
+def test_selectors_hide_what_the_actor_may_not_see(engine_world: Any, engine_redis: Any) -> None:
+    kind = engine_world.kind("policy", update="replace_shared_document", owner_group="platform")
+    engine_world.resource(kind, "p", {"n": 0})
+    action = engine_world.propose(kind, "p", payload={"n": 1}, observed_version=1)
+    assert action_get_for_actor(engine_world.run, action.pk) == action
+    assert action_get_for_actor(engine_world.operator, action.pk) == action
+    platform_member = engine_world.person("pat", "platform")
+    assert action_get_for_actor(platform_member, action.pk) == action
+    for stranger in (engine_world.other_run, engine_world.outsider):
+        with pytest.raises(NotFound):
+            action_get_for_actor(stranger, action.pk)
+    assert [a.action_id for a in approval_list_for_person(engine_world.operator)] == [action.pk]
+    assert not approval_list_for_person(platform_member).exists()
+    with pytest.raises(NotFound):
+        conflict_get_for_person(engine_world.outsider, "not-a-uuid")
