@@ -147,9 +147,10 @@ def audit_append(
     action_uuid = _as_uuid(action_id)
     rid = (request_id if request_id is not None else current_request_id())[:128]
     # Column limits applied before hashing, so the hash covers what is stored.
-    actor = Actor(actor.type, actor.id[:64], actor.label[:200])
-    event_type = event_type[:64]
-    resource = resource[:320]
+    actor = Actor(actor.type, _storable(actor.id)[:64], _storable(actor.label)[:200])
+    event_type = _storable(event_type)[:64]
+    resource = _storable(resource)[:320]
+    rid = _storable(rid)
     created_at = timezone.now()
     fields = hashed_fields(
         seq=0,

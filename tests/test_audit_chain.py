@@ -312,7 +312,7 @@ def test_overlong_fields_are_clipped_before_hashing() -> None:
         event_type="test." + "e" * 100,
         actor=Actor("agent", "i" * 100, "l" * 300),
         resource="kind/" + "n" * 400,
-        request_id="r" * 300,
+        request_id="r\x00" * 300,
     )
     event = AuditEvent.objects.get()
     assert len(event.resource) == 320 and len(event.actor_label) == 200
