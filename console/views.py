@@ -337,12 +337,16 @@ def document_diff(before: Any, after: Any) -> list[dict[str, Any]]:
         rows.append(
             {
                 "path": path,
-                "old": None if old is _MISSING else pretty(old),
-                "new": None if new is _MISSING else pretty(new),
+                "old": None if old is _MISSING else compact(old),
+                "new": None if new is _MISSING else compact(new),
                 "kind": kind,
             }
         )
     return rows
+
+
+def compact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def pretty(value: Any) -> str:
