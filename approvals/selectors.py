@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Count, Exists, OuterRef, Q, QuerySet
 
 from approvals.models import (
     Action,
@@ -82,7 +82,17 @@ def action_list_for_actor(actor: Any) -> QuerySet[Action]:
     groups = user_groups(actor)
     if not groups:
         return qs.none()
-    return qs.filter(Q(resource__owner_group__in=groups) | Q(kind__owner_group__in=groups))
+    # Resolvers also see the refused action of a conflict assigned to their group
+    # and the action their resolution created (console: live status after resolving).
+    from ownership.models import Conflict
+
+    resolvable = Conflict.objects.filter(resolver_group__in=groups)
+    return qs.filter(
+        Q(resource__owner_group__in=groups)
+        | Q(kind__owner_group__in=groups)
+        | Exists(resolvable.filter(action=OuterRef("pk")))
+        | Exists(resolvable.filter(resolution_action=OuterRef("pk")))
+    )
 
 
 def action_get_for_actor(actor: Any, action_id: Any) -> Action:
