@@ -187,6 +187,7 @@ AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = 0.25  # hours
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 
 # Strict CSP: only our own scripts and styles, nothing inline, no eval.
 CONTENT_SECURITY_POLICY = {
