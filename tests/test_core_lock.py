@@ -290,7 +290,7 @@ def test_a_paused_holder_that_renews_stops_before_writing(redis_client: redis.Re
 
 
 def _increment_in_processes(
-    *, lock: bool, processes: int = 4, count: int = 8
+    *, lock: bool, processes: int = 4, count: int = 6
 ) -> list[dict[str, Any]]:
     key = f"notification-policy/counter-{uuid.uuid4().hex[:8]}"
     make_resource(key, {"n": 0}, version=1)
