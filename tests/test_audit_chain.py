@@ -268,7 +268,8 @@ def test_audit_verify_prints_the_head_and_exits_non_zero_naming_the_first_bad_se
     bad = _verify_command()
     assert bad.returncode == 1
     assert "first bad seq 3" in bad.stderr
-    assert "head: " in bad.stdout and "events: 2" in bad.stdout
+    assert f"head: {events[-1].hash}" in bad.stdout and "events: 6" in bad.stdout
+    assert "verified: 2 events" in bad.stdout
 
 
 @pytest.mark.django_db

@@ -7,13 +7,13 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from audit.models import AuditEvent
-from audit.selectors import verify_chain
+from audit.selectors import audit_head, verify_chain
 
 
 class Command(BaseCommand):
     help = (
-        "Verify the hash-chained audit trail. Prints the event count and the head hash "
-        "(anchor it outside the database); exits 1 naming the first bad seq."
+        "Verify the hash-chained audit trail. Always prints the event count and the head "
+        "hash (anchor it outside the database); exits 1 naming the first bad seq."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -27,9 +27,16 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         result = verify_chain(chunk_size=options["chunk_size"])
-        self.stdout.write(f"events: {result.events}")
-        self.stdout.write(f"head: {result.head_hash}")
-        if not result.ok:
+        if result.ok:
+            self.stdout.write(f"events: {result.events}")
+            self.stdout.write(f"head: {result.head_hash}")
+        else:
+            head_seq, head_hash = audit_head()
+            self.stdout.write(f"events: {AuditEvent.objects.count()} (head row at #{head_seq})")
+            self.stdout.write(f"head: {head_hash}")
+            self.stdout.write(
+                f"verified: {result.events} events, last good hash {result.head_hash}"
+            )
             raise CommandError(
                 f"audit chain broken: first bad seq {result.first_bad_seq} ({result.problem})",
                 returncode=1,
