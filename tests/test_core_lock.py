@@ -172,7 +172,7 @@ def test_ensure_fence_floor_lifts_a_sequence_left_behind_by_a_restore() -> None:
 def _spawn(action_id: Any, key: str, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.fixtures.core", "write", "--action", str(action_id),
-         "--key", key, "--ttl-ms", "500", *extra],
+         "--key", key, "--ttl-ms", "1000", *extra],
         cwd=ROOT,
         env=subprocess_env(),
         stdin=subprocess.PIPE,
@@ -212,8 +212,8 @@ def _paused_holder_scenario(redis_client: redis.Redis, *, renew: bool) -> dict[s
     try:
         locked = _read_event(holder)
         assert locked["event"] == "locked"
-        # The heartbeat keeps the 500 ms lock alive while the holder runs...
-        time.sleep(0.8)
+        # The heartbeat keeps the 1 s lock alive past its TTL while the holder runs...
+        time.sleep(1.3)
         assert redis_client.get(lock_key(key)) is not None
         # ...until the process is stopped: no heartbeat, the TTL runs out.
         os.kill(holder.pid, signal.SIGSTOP)
