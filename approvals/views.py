@@ -308,9 +308,12 @@ def _run_context(request: HttpRequest, run: Run) -> dict[str, Any]:
 @require_GET
 def run_detail(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     run = _run_for(request.user, run_id)
-    return render_fragment_or_page(
-        request, "approvals/run.html", _run_context(request, run), partial="timeline"
-    )
+    context = _run_context(request, run)
+    response = render_fragment_or_page(request, "approvals/run.html", context, partial="timeline")
+    ended = run.status not in (RunStatus.ACTIVE, RunStatus.PENDING_APPROVAL)
+    if is_htmx(request) and ended and all(a.is_final for a in context["actions"]):
+        response.status_code = 286  # htmx: nothing will change any more, stop polling
+    return response
 
 
 @console_page

@@ -19,7 +19,7 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
@@ -190,6 +190,26 @@ def dashboard_counts_fragment(request: HttpRequest) -> HttpResponse:
         request,
         "console/dashboard.html#counts",
         {"counts": dashboard_counts(request.user)},
+    )
+
+
+@console_page
+@require_GET
+def nav_count(request: HttpRequest, what: str) -> HttpResponse:
+    """A badge in the navigation: approvals waiting for me, or conflicts I may resolve."""
+    from approvals.selectors import pending_approval_count
+    from ownership.selectors import open_conflict_count
+
+    if what == "approvals":
+        count, label = pending_approval_count(request.user), "waiting for you"
+    elif what == "conflicts":
+        count, label = open_conflict_count(request.user), "for you to resolve"
+    else:
+        raise Http404("No such counter")
+    return render(
+        request,
+        "console/partials/_nav_count.html",
+        {"what": what, "count": count, "label": label},
     )
 
 

@@ -36,13 +36,17 @@ class UndoForm(forms.Form):
 class ConflictClassForm(forms.Form):
     slug = forms.SlugField(max_length=64)
     name = forms.CharField(max_length=200)
-    description = forms.CharField(required=False, widget=forms.Textarea)
+    description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
     approval_mode = forms.ChoiceField(choices=ApprovalMode.choices)
     on_conflict = forms.ChoiceField(choices=OnConflict.choices)
     resolver = forms.CharField(max_length=150, help_text="agent, owner or group:<name>")
     quorum = forms.IntegerField(min_value=1, max_value=20, initial=1)
-    undo_window_seconds = forms.IntegerField(min_value=0, max_value=30 * 86400, initial=600)
-    approval_ttl_seconds = forms.IntegerField(min_value=60, max_value=30 * 86400, initial=172_800)
+    undo_window_seconds = forms.IntegerField(
+        min_value=0, max_value=30 * 86400, initial=600, label="Undo window (seconds)"
+    )
+    approval_ttl_seconds = forms.IntegerField(
+        min_value=60, max_value=30 * 86400, initial=172_800, label="Approval TTL (seconds)"
+    )
     escalation_seconds = forms.IntegerField(min_value=0, max_value=30 * 86400, initial=0)
     escalation_group = forms.CharField(max_length=150, required=False)
     forbid_agent_owner_approval = forms.BooleanField(required=False, initial=True)

@@ -112,3 +112,15 @@ def test_hx_trigger_is_json(people: People, world: World) -> None:
         HTTP_HX_REQUEST="true",
     )
     assert "counts-changed" in json.loads(response["HX-Trigger"])
+
+
+def test_the_timeline_stops_polling_once_the_run_ended_and_its_actions_are_final(
+    people: People, world: World
+) -> None:
+    client = client_for(people.operator)
+    Run.objects.filter(pk=world.run.pk).update(status="finished")
+    url = f"/runs/{world.run.id}/"
+    assert client.get(url, HTTP_HX_REQUEST="true").status_code == 200  # one action still pending
+    world.action.status = "cancelled"
+    world.action.save(update_fields=["status"])
+    assert client.get(url, HTTP_HX_REQUEST="true").status_code == 286

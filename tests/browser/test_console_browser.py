@@ -32,7 +32,8 @@ def test_an_operator_approves_a_call_and_watches_it_reach_applied(
     card = page.locator(f"#approval-{world.approval.id}")
     expect(card).to_contain_text("Call approval: update notification-policy/prod-alerts")
     expect(card.locator(".diff")).to_contain_text("pager")
-    expect(page.locator("#count-pending")).to_have_count(0)  # counters live on the dashboard
+    badge = page.locator("#nav-count-approvals .badge")
+    expect(badge).to_have_attribute("data-count", "2")
     # Keyboard only: focus the comment, type, tab to Approve, press Enter.
     card.get_by_label("Comment (required to reject)").fill("pager channel is right")
     card.get_by_label("Comment (required to reject)").press("Tab")
@@ -42,6 +43,7 @@ def test_an_operator_approves_a_call_and_watches_it_reach_applied(
     status = page.locator(f"#action-status-{world.action.id}")
     expect(status).to_have_attribute("data-status", "applied", timeout=30_000)
     expect(page.locator(f"#approval-{world.approval.id}")).to_contain_text("Decided at")
+    expect(badge).to_have_attribute("data-count", "1")  # HX-Trigger refreshed the counter
     assert page.url.endswith("/approvals/")  # no reload, no navigation
     resource = Resource.objects.get(pk=world.resource.pk)
     assert resource.version == 3 and resource.document["channels"] == ["email", "pager"]
