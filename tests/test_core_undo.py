@@ -216,3 +216,21 @@ def test_undo_of_a_refused_write_is_refused_as_not_applied(prod_alerts: Any) -> 
     outcome = undo(refused.operation_id)
     assert not outcome.applied and outcome.reason == "not_applied"
     assert Resource.objects.get(pk=prod_alerts.pk).version == 42
+
+
+@pytest.mark.django_db
+def test_undo_without_a_recorded_previous_version_is_refused_cleanly() -> None:
+    from tests.fixtures.core import make_kind
+
+    make_kind("dns-record")
+    kind_resource = Resource.objects.create(
+        kind_id="dns-record", name="bare", document={"ip": "1"}, version=3, owner_group="x"
+    )
+    action = make_action(
+        run=make_run(), identifier="dns-record/bare", payload={"ip": "2"}, observed_version=3
+    )
+    written = execute(action)
+    assert written.applied
+    outcome = undo(written.operation_id)
+    assert not outcome.applied and outcome.reason == "no_previous_version"
+    assert Resource.objects.get(pk=kind_resource.pk).document == {"ip": "2"}

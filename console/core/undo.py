@@ -12,7 +12,8 @@ time) answers "already_undone" and writes nothing.
 
 Refusal reasons: "window_expired", "resource_moved" (the caller opens a conflict),
 "already_undone", "not_applied" (the operation never wrote), "stale_fence" (a newer
-lock holder wrote first: take a new fence and ask again).
+lock holder wrote first: take a new fence and ask again), "no_previous_version" (the
+resource was seeded without a ResourceVersion row for the version to restore).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ RESOURCE_MOVED = "resource_moved"
 ALREADY_UNDONE = "already_undone"
 NOT_APPLIED = "not_applied"
 STALE_FENCE = "stale_fence"
+NO_PREVIOUS_VERSION = "no_previous_version"
 
 
 @dataclass(frozen=True)
@@ -144,9 +146,19 @@ def apply_undo(
             restored_document: Any = {}
             restored_deleted = True
         else:
-            previous = ResourceVersion.objects.get(
+            previous = ResourceVersion.objects.filter(
                 resource_id=resource_id, version=original.base_version
-            )
+            ).first()
+            if previous is None:
+                # A resource seeded without its history row: nothing to restore from.
+                return _refuse(
+                    undo_op,
+                    action,
+                    actor,
+                    NO_PREVIOUS_VERSION,
+                    f"version {original.base_version} was never recorded; it cannot be restored",
+                    base,
+                )
             restored_document, restored_deleted = previous.document, previous.deleted
 
         rows = Resource.objects.filter(
