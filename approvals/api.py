@@ -36,12 +36,14 @@ from approvals.services import runs as run_services
 from approvals.services.idempotency import key_check
 from approvals.services.tokens import Principal
 from console.api_support import (
-    cursor_decode,
-    cursor_encode,
+    TIME_CURSOR_PATTERN,
+    JsonInt,
     iso,
     json_bytes,
     json_response,
+    parse_time_cursor,
     rate_limit_writes,
+    time_cursor,
 )
 from console.auth import (
     agent_or_run_token,
@@ -60,7 +62,10 @@ router = Router()
 MAX_WAIT_SECONDS = 60
 # While subscribed, a waiter still re-reads this often in case a wake-up was lost.
 SAFETY_RECHECK_SECONDS = 15.0
-RESOURCE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}/([A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254})?\*?$"
+RESOURCE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}/([A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254}\*?|\*)$"
+# RFC 9110: "*" or a comma-separated list of (possibly weak) entity tags.
+ETAG_LIST_PATTERN = r'^[ \t]*(\*|(W/)?"[!#-~]*"([ \t]*,[ \t]*(W/)?"[!#-~]*")*)[ \t]*$'
+PREFER_PATTERN = r"^[ \t]*[Ww][Aa][Ii][Tt][ \t]*=[ \t]*[0-9]{1,6}[ \t]*$"
 
 
 def errors(*statuses: int) -> dict[int, type[Problem]]:
@@ -71,7 +76,7 @@ def errors(*statuses: int) -> dict[int, type[Problem]]:
 
 
 class WriteSetEntryIn(Schema):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     resource: str = Field(
         ...,
@@ -83,11 +88,11 @@ class WriteSetEntryIn(Schema):
 
 
 class RunCreateIn(Schema):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     task: str = Field(..., min_length=1, max_length=2000)
     write_set: list[WriteSetEntryIn] = Field(..., min_length=1, max_length=100)
-    ttl_seconds: int | None = Field(
+    ttl_seconds: JsonInt | None = Field(
         None, ge=run_services.MIN_TTL_SECONDS, le=settings.AIRLOCK_RUN_MAX_TTL_SECONDS
     )
 
@@ -236,7 +241,7 @@ class ApprovalPage(Schema):
 
 
 class DecisionIn(Schema):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     decision: Literal["approve", "reject"]
     comment: str = Field("", max_length=2000)
@@ -454,7 +459,7 @@ def run_list(
     status: Literal["pending_approval", "active", "rejected", "finished", "expired", "revoked"]
     | None = None,
     limit: int = Query(50, ge=1, le=200),
-    cursor: str | None = Query(None, max_length=500),
+    cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
 ) -> HttpResponse:
     principal = principal_of(request)
     runs = Run.objects.select_related("agent")
@@ -467,14 +472,14 @@ def run_list(
         runs = runs.filter(agent__owner=principal.user)
     if status:
         runs = runs.filter(status=status)
-    after = cursor_decode(cursor, size=2)
+    after = parse_time_cursor(cursor)
     if after is not None:
         runs = runs.filter(Q(created_at__lt=after[0]) | Q(created_at=after[0], id__lt=after[1]))
     page = list(runs.order_by("-created_at", "-id")[: limit + 1])
     next_cursor = None
     if len(page) > limit:
         page = page[:limit]
-        next_cursor = cursor_encode([page[-1].created_at.isoformat(), str(page[-1].pk)])
+        next_cursor = time_cursor(page[-1].created_at, page[-1].pk)
     return json_response({"items": [run_json(run) for run in page], "next": next_cursor})
 
 
@@ -532,7 +537,7 @@ def parse_prefer_wait(raw: str | None) -> int | None:
     wait: int | None = None
     for preference in raw.split(","):
         token = preference.split(";", 1)[0]
-        if token.strip().lower().startswith("wait"):
+        if token.split("=", 1)[0].strip().lower() == "wait":
             match = _WAIT.match(token)
             if match is None:
                 raise ApiError(
@@ -601,7 +606,7 @@ _IF_NONE_MATCH_DOC = {
     "required": False,
     "schema": {"type": "string"},
     "description": "The action ETag you hold: 304 while unchanged; with Prefer: wait, held "
-    "while unchanged.",
+    "while unchanged. A malformed value is ignored.",
 }
 
 
@@ -628,9 +633,7 @@ _IF_NONE_MATCH_DOC = {
 async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     principal = principal_of(request)
     wait = parse_prefer_wait(request.headers.get("Prefer"))
-    condition = action_services.parse_tag_condition(
-        request.headers.get("If-None-Match"), header="If-None-Match"
-    )
+    condition = action_services.read_condition(request.headers.get("If-None-Match"))
     if not wait:
         state = await sync_to_async(_action_state)(principal, action_id, False)
         return _action_response(state, condition, wait)
@@ -668,7 +671,7 @@ def action_list(
     run: uuid.UUID | None = None,
     status: str | None = Query(None, max_length=20),
     limit: int = Query(50, ge=1, le=200),
-    cursor: str | None = Query(None, max_length=500),
+    cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
 ) -> HttpResponse:
     principal = principal_of(request)
     actions = Action.objects.select_related("kind", "conflict_class", "run__agent")
@@ -680,7 +683,7 @@ def action_list(
         actions = actions.filter(run_id=run)
     if status:
         actions = actions.filter(status=status)
-    after = cursor_decode(cursor, size=2)
+    after = parse_time_cursor(cursor)
     if after is not None:
         actions = actions.filter(
             Q(created_at__lt=after[0]) | Q(created_at=after[0], id__lt=after[1])
@@ -689,7 +692,7 @@ def action_list(
     next_cursor = None
     if len(page) > limit:
         page = page[:limit]
-        next_cursor = cursor_encode([page[-1].created_at.isoformat(), str(page[-1].pk)])
+        next_cursor = time_cursor(page[-1].created_at, page[-1].pk)
     return json_response({"items": [action_json(a) for a in page], "next": next_cursor})
 
 
@@ -814,7 +817,7 @@ def approval_list(
     request: HttpRequest,
     status: Literal["pending", "approved", "rejected", "expired", "cancelled"] = "pending",
     limit: int = Query(50, ge=1, le=200),
-    cursor: str | None = Query(None, max_length=500),
+    cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
 ) -> HttpResponse:
     principal = principal_of(request)
     approvals = Approval.objects.select_related(
@@ -822,7 +825,7 @@ def approval_list(
     ).filter(status=status)
     if not can_decide_approvals(principal.user) and not can_read_everything(principal.user):
         approvals = approvals.none()
-    after = cursor_decode(cursor, size=2)
+    after = parse_time_cursor(cursor)
     if after is not None:
         approvals = approvals.filter(
             Q(created_at__gt=after[0]) | Q(created_at=after[0], id__gt=after[1])
@@ -831,7 +834,7 @@ def approval_list(
     next_cursor = None
     if len(page) > limit:
         page = page[:limit]
-        next_cursor = cursor_encode([page[-1].created_at.isoformat(), str(page[-1].pk)])
+        next_cursor = time_cursor(page[-1].created_at, page[-1].pk)
     return json_response({"items": [_approval_item(a) for a in page], "next": next_cursor})
 
 

@@ -81,10 +81,10 @@ def _require_reader(request: HttpRequest) -> None:
 )
 def audit_events(
     request: HttpRequest,
-    resource: str | None = Query(None, max_length=320),
+    resource: str | None = Query(None, pattern=r"^[A-Za-z0-9._:@+=,/*-]{0,320}$"),
     run: uuid.UUID | None = None,
     action: uuid.UUID | None = None,
-    event_type: str | None = Query(None, max_length=64),
+    event_type: str | None = Query(None, pattern=r"^[a-z0-9_.*-]{0,64}$"),
     limit: int = Query(50, ge=1, le=200),
     cursor: str | None = Query(None, max_length=40, pattern=r"^s\d{1,18}$"),
 ) -> HttpResponse:

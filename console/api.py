@@ -10,21 +10,22 @@ console/urls_api.py).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from django.core.exceptions import RequestDataTooBig
+from django.db import DataError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.utils.html import escape
 from ninja import Field, NinjaAPI, Router, Schema
 from ninja.errors import AuthenticationError, HttpError
 from ninja.errors import ValidationError as NinjaValidationError
 from ninja.openapi.docs import DocsBase
-from pydantic import ConfigDict
+from pydantic import BeforeValidator, ConfigDict
 
 from approvals.api import errors
 from approvals.api import router as approvals_router
 from audit.api import router as audit_router
-from console.api_support import iso, json_response, rate_limit_writes
+from console.api_support import iso, json_bool, json_response, rate_limit_writes
 from console.auth import any_token, person_token, principal_of
 from console.core.errors import DomainError
 from console.problems import (
@@ -104,6 +105,16 @@ def _finish_openapi(schema: Any) -> Any:
                         response.setdefault("headers", {})["Retry-After"] = {
                             "schema": {"type": "string"}
                         }
+            # Any operation with parameters or a body can fail validation.
+            if (operation.get("parameters") or operation.get("requestBody")) and (
+                "422" not in {str(key) for key in responses}
+            ):
+                responses["422"] = {
+                    "description": "Validation failed",
+                    "content": {
+                        PROBLEM_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}
+                    },
+                }
             # Ninja merges openapi_extra parameters after its own; keep one per name.
             seen: set[tuple[str, str]] = set()
             unique = []
@@ -184,6 +195,14 @@ def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
     return problem_response(code="payload_too_large", detail="The body is too large.")
 
 
+@api.exception_handler(DataError)
+def _data_error(request: HttpRequest, exc: DataError) -> HttpResponse:
+    # e.g. a NUL byte PostgreSQL cannot store: the input was bad, not the server.
+    return problem_response(
+        code="bad_request", detail="The request contains characters that cannot be stored."
+    )
+
+
 @api.exception_handler(Exception)
 def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
     return unexpected_error_response(request, exc)
@@ -206,17 +225,28 @@ class KillSwitchList(Schema):
     switches: list[KillSwitchOut]
 
 
-class KillSwitchIn(Schema):
-    model_config = ConfigDict(extra="forbid")
+_SCOPE_FIELD = Field(
+    "*",
+    max_length=300,
+    pattern=r"^(\*|[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9._:@+=,-]{0,254}\*?)$",
+    description="`*` (everything), `kind/prefix*` or `kind/name`",
+)
 
-    engaged: bool
-    scope: str = Field(
-        "*",
-        max_length=300,
-        pattern=r"^(\*|[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9._:@+=,-]{0,254}\*?)$",
-        description="`*` (everything), `kind/prefix*` or `kind/name`",
-    )
-    reason: str = Field("", max_length=2000)
+
+class KillSwitchEngageIn(Schema):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    engaged: Annotated[Literal[True], BeforeValidator(json_bool)]
+    scope: str = _SCOPE_FIELD
+    reason: str = Field(..., min_length=1, max_length=1000, pattern=r"\S")
+
+
+class KillSwitchReleaseIn(Schema):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    engaged: Annotated[Literal[False], BeforeValidator(json_bool)]
+    scope: str = _SCOPE_FIELD
+    reason: str = Field("", max_length=1000)
 
 
 def _switch_json(switch: Any) -> dict[str, Any]:
@@ -255,7 +285,9 @@ def kill_switch_get(request: HttpRequest) -> HttpResponse:
     summary="Engage or release one scope (operators and admins)",
     tags=["kill switch"],
 )
-def kill_switch_post(request: HttpRequest, payload: KillSwitchIn) -> HttpResponse:
+def kill_switch_post(
+    request: HttpRequest, payload: KillSwitchEngageIn | KillSwitchReleaseIn
+) -> HttpResponse:
     from console.services import kill_switch_set
 
     principal = principal_of(request)

@@ -8,13 +8,15 @@ import base64
 import json
 import logging
 import time
-from datetime import datetime
-from typing import Any
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any
 
 import redis
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
+from pydantic import BeforeValidator
 
 from approvals.services.tokens import Principal
 from console.problems import ApiError
@@ -22,6 +24,27 @@ from console.problems import ApiError
 logger = logging.getLogger("airlock.api")
 
 JSON_CONTENT_TYPE = "application/json"
+
+
+def _json_int(value: Any) -> Any:
+    """JSON Schema integers: 5 and 5.0 are integers; "5" and true are not."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be an integer")
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_int)]
+
+
+def json_bool(value: Any) -> Any:
+    """true/false only (a Literal[False] would otherwise accept 0)."""
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
 
 
 def iso(moment: datetime | None) -> str | None:
@@ -114,6 +137,33 @@ def parse_json_object(
 
 
 # --- Cursors ---------------------------------------------------------------
+
+# Keyset cursors whose every pattern-valid value is a valid position:
+# "<microseconds since epoch>.<uuid hex>" for time-ordered lists, and the
+# last `kind/name` for resources.
+TIME_CURSOR_PATTERN = r"^[0-9]{1,16}\.[0-9a-f]{32}$"
+RESOURCE_CURSOR_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254}$"
+
+
+def time_cursor(moment: datetime, row_id: Any) -> str:
+    micros = int(moment.timestamp() * 1_000_000)
+    return f"{micros}.{uuid.UUID(str(row_id)).hex}"
+
+
+def parse_time_cursor(cursor: str | None) -> tuple[datetime, uuid.UUID] | None:
+    if not cursor:
+        return None
+    try:
+        micros, _, hex_id = cursor.partition(".")
+        moment = datetime.fromtimestamp(int(micros) / 1_000_000, tz=UTC)
+        return moment, uuid.UUID(hex=hex_id)
+    except (ValueError, OverflowError, OSError) as exc:
+        raise ApiError(
+            "The cursor is not one this API issued.",
+            code="validation_error",
+            status=422,
+            extra={"errors": [{"field": "cursor", "message": "invalid cursor"}]},
+        ) from exc
 
 
 def cursor_encode(values: list[Any]) -> str:

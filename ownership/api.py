@@ -9,21 +9,24 @@ from typing import Any, Literal
 
 from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
-from ninja import Field, Query, Router, Schema
+from ninja import Field, Path, Query, Router, Schema
 from pydantic import ConfigDict
 
-from approvals.api import ActionOut, action_body, errors
+from approvals.api import ETAG_LIST_PATTERN, ActionOut, action_body, errors
 from approvals.models import Action
 from approvals.services import actions as action_services
 from approvals.services import idempotency
 from console.api_support import (
-    cursor_decode,
-    cursor_encode,
+    RESOURCE_CURSOR_PATTERN,
+    TIME_CURSOR_PATTERN,
+    JsonInt,
     iso,
     json_response,
     parse_json_object,
+    parse_time_cursor,
     rate_limit_writes,
     read_body,
+    time_cursor,
 )
 from console.auth import any_token, person_token, principal_of, run_token
 from console.core.errors import DomainError, Forbidden, NotFound
@@ -36,6 +39,9 @@ router = Router()
 
 KIND_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254}$"
+PREFIX_PATTERN = r"^[A-Za-z0-9._:@+=,-]{0,255}$"
+KindPath = Path(..., pattern=KIND_PATTERN)
+NamePath = Path(..., pattern=NAME_PATTERN)
 
 
 # --- Schemas -------------------------------------------------------------------
@@ -78,7 +84,7 @@ class ConflictClassList(Schema):
 
 
 class ConflictClassIn(Schema):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(..., min_length=1, max_length=200)
     description: str = Field("", max_length=5000)
@@ -87,16 +93,16 @@ class ConflictClassIn(Schema):
         "retry", "recompute", "present_candidates", "request_review", "stop_unless_lease"
     ]
     resolver: str = Field(..., pattern=r"^(agent|owner|group:[A-Za-z0-9._-]{1,140})$")
-    quorum: int = Field(1, ge=1, le=20)
-    undo_window_seconds: int = Field(600, ge=0, le=2_592_000)
-    approval_ttl_seconds: int = Field(172_800, ge=60, le=2_592_000)
-    escalation_seconds: int = Field(0, ge=0, le=2_592_000)
+    quorum: JsonInt = Field(1, ge=1, le=20)
+    undo_window_seconds: JsonInt = Field(600, ge=0, le=2_592_000)
+    approval_ttl_seconds: JsonInt = Field(172_800, ge=60, le=2_592_000)
+    escalation_seconds: JsonInt = Field(0, ge=0, le=2_592_000)
     escalation_group: str = Field("", max_length=150)
     forbid_agent_owner_approval: bool = True
 
 
 class KindClasses(Schema):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     create: str = Field(..., max_length=64)
     update: str = Field(..., max_length=64)
@@ -104,11 +110,11 @@ class KindClasses(Schema):
 
 
 class ResourceKindIn(Schema):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     classes: KindClasses
     owner_group: str = Field(..., pattern=r"^[A-Za-z0-9._-]{1,150}$")
-    undo_window_seconds: int | None = Field(None, ge=0, le=2_592_000)
+    undo_window_seconds: JsonInt | None = Field(None, ge=0, le=2_592_000)
     description: str = Field("", max_length=5000)
     target: Literal["managed", "http"] = "managed"
     target_url: str = Field("", max_length=200)
@@ -171,7 +177,7 @@ class ConflictPage(Schema):
 
 
 class ResolutionIn(Schema):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     choice: Literal["keep_current", "take_proposed", "merge"]
     fields: dict[str, Literal["current", "proposed"]] = Field(default_factory=dict)
@@ -199,7 +205,8 @@ _READ_HEADERS = [
         "name": "If-None-Match",
         "required": False,
         "schema": {"type": "string"},
-        "description": "An ETag you hold: 304 when it is still current.",
+        "description": "ETags you hold: 304 when one is still current (weak comparison). "
+        "A malformed value is ignored.",
     }
 ]
 
@@ -221,13 +228,11 @@ _READ_HEADERS = [
         },
     },
 )
-def resource_get(request: HttpRequest, kind: str, name: str) -> HttpResponse:
+def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePath) -> HttpResponse:
     resource = Resource.objects.filter(kind_id=kind, name=name, deleted=False).first()
     if resource is None:
         raise NotFound(f"{kind}/{name} does not exist.")
-    condition = action_services.parse_tag_condition(
-        request.headers.get("If-None-Match"), header="If-None-Match"
-    )
+    condition = action_services.read_condition(request.headers.get("If-None-Match"))
     headers = {"ETag": resource.etag, "Cache-Control": "no-cache"}
     if condition is not None and condition.weak_match(resource.etag):
         response = HttpResponse(status=304)
@@ -246,26 +251,26 @@ def resource_get(request: HttpRequest, kind: str, name: str) -> HttpResponse:
 )
 def resource_list(
     request: HttpRequest,
-    kind: str | None = Query(None, max_length=64),
-    prefix: str | None = Query(None, max_length=255),
+    kind: str | None = Query(None, pattern=KIND_PATTERN),
+    prefix: str | None = Query(None, pattern=PREFIX_PATTERN),
     limit: int = Query(50, ge=1, le=200),
-    cursor: str | None = Query(None, max_length=500),
+    cursor: str | None = Query(None, pattern=RESOURCE_CURSOR_PATTERN),
 ) -> HttpResponse:
     resources = Resource.objects.filter(deleted=False)
     if kind:
         resources = resources.filter(kind_id=kind)
     if prefix:
         resources = resources.filter(name__startswith=prefix)
-    after = cursor_decode(cursor, size=2)
-    if after is not None:
+    if cursor:
+        after_kind, _, after_name = cursor.partition("/")
         resources = resources.filter(
-            Q(kind_id__gt=after[0]) | Q(kind_id=after[0], name__gt=after[1])
+            Q(kind_id__gt=after_kind) | Q(kind_id=after_kind, name__gt=after_name)
         )
     page = list(resources.order_by("kind_id", "name")[: limit + 1])
     next_cursor = None
     if len(page) > limit:
         page = page[:limit]
-        next_cursor = cursor_encode([page[-1].kind_id, page[-1].name])
+        next_cursor = f"{page[-1].kind_id}/{page[-1].name}"
     return json_response({"items": [resource_json(r) for r in page], "next": next_cursor})
 
 
@@ -284,7 +289,7 @@ _WRITE_HEADERS = [
         "in": "header",
         "name": "If-Match",
         "required": False,
-        "schema": {"type": "string"},
+        "schema": {"type": "string", "pattern": ETAG_LIST_PATTERN},
         "description": 'The ETag you read, e.g. "41" (strong comparison; weak tags never '
         "match). Required to update or delete.",
     },
@@ -300,7 +305,7 @@ _CREATE_HEADER = {
     "in": "header",
     "name": "If-None-Match",
     "required": False,
-    "schema": {"type": "string"},
+    "schema": {"type": "string", "pattern": r"^[ \t]*\*[ \t]*$"},
     "description": "`*` to create (the name must be free).",
 }
 _WRITE_RESPONSES = {
@@ -466,7 +471,7 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
         "responses": _WRITE_RESPONSES,
     },
 )
-def resource_put(request: HttpRequest, kind: str, name: str) -> HttpResponse:
+def resource_put(request: HttpRequest, kind: str = KindPath, name: str = NamePath) -> HttpResponse:
     return _write(request, kind, name, "PUT")
 
 
@@ -482,7 +487,9 @@ def resource_put(request: HttpRequest, kind: str, name: str) -> HttpResponse:
         "responses": _WRITE_RESPONSES,
     },
 )
-def resource_patch(request: HttpRequest, kind: str, name: str) -> HttpResponse:
+def resource_patch(
+    request: HttpRequest, kind: str = KindPath, name: str = NamePath
+) -> HttpResponse:
     return _write(request, kind, name, "PATCH")
 
 
@@ -494,7 +501,9 @@ def resource_patch(request: HttpRequest, kind: str, name: str) -> HttpResponse:
     tags=["resources"],
     openapi_extra={"parameters": _WRITE_HEADERS, "responses": _WRITE_RESPONSES},
 )
-def resource_delete(request: HttpRequest, kind: str, name: str) -> HttpResponse:
+def resource_delete(
+    request: HttpRequest, kind: str = KindPath, name: str = NamePath
+) -> HttpResponse:
     return _write(request, kind, name, "DELETE")
 
 
@@ -567,7 +576,7 @@ def conflict_list(
     status: Literal["open", "resolved"] | None = None,
     mine: bool = False,
     limit: int = Query(50, ge=1, le=200),
-    cursor: str | None = Query(None, max_length=500),
+    cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
 ) -> HttpResponse:
     user = principal_of(request).user
     conflicts = Conflict.objects.select_related("resource", "resolved_by").filter(
@@ -579,7 +588,7 @@ def conflict_list(
         )
     if status:
         conflicts = conflicts.filter(status=status)
-    after = cursor_decode(cursor, size=2)
+    after = parse_time_cursor(cursor)
     if after is not None:
         conflicts = conflicts.filter(
             Q(created_at__lt=after[0]) | Q(created_at=after[0], id__lt=after[1])
@@ -588,7 +597,7 @@ def conflict_list(
     next_cursor = None
     if len(page) > limit:
         page = page[:limit]
-        next_cursor = cursor_encode([page[-1].created_at.isoformat(), str(page[-1].pk)])
+        next_cursor = time_cursor(page[-1].created_at, page[-1].pk)
     return json_response({"items": [conflict_json(c) for c in page], "next": next_cursor})
 
 
@@ -661,7 +670,7 @@ def conflict_class_list(request: HttpRequest) -> HttpResponse:
     summary="One conflict class",
     tags=["catalog"],
 )
-def conflict_class_get(request: HttpRequest, slug: str) -> HttpResponse:
+def conflict_class_get(request: HttpRequest, slug: str = KindPath) -> HttpResponse:
     klass = ConflictClass.objects.filter(slug=slug).first()
     if klass is None:
         raise NotFound(f"Conflict class {slug!r} not found.")
@@ -675,7 +684,9 @@ def conflict_class_get(request: HttpRequest, slug: str) -> HttpResponse:
     summary="Create or replace a conflict class (admins)",
     tags=["catalog"],
 )
-def conflict_class_put(request: HttpRequest, slug: str, payload: ConflictClassIn) -> HttpResponse:
+def conflict_class_put(
+    request: HttpRequest, payload: ConflictClassIn, slug: str = KindPath
+) -> HttpResponse:
     principal = principal_of(request)
     if not _is_admin(principal.user):
         raise Forbidden("Only admins edit the conflict-class table.")
@@ -705,7 +716,7 @@ def resource_kind_list(request: HttpRequest) -> HttpResponse:
     summary="One resource kind",
     tags=["catalog"],
 )
-def resource_kind_get(request: HttpRequest, kind: str) -> HttpResponse:
+def resource_kind_get(request: HttpRequest, kind: str = KindPath) -> HttpResponse:
     found = ResourceKind.objects.filter(slug=kind).first()
     if found is None:
         raise NotFound(f"Resource kind {kind!r} not found.")
@@ -719,7 +730,9 @@ def resource_kind_get(request: HttpRequest, kind: str) -> HttpResponse:
     summary="Create or replace a resource kind (admins)",
     tags=["catalog"],
 )
-def resource_kind_put(request: HttpRequest, kind: str, payload: ResourceKindIn) -> HttpResponse:
+def resource_kind_put(
+    request: HttpRequest, payload: ResourceKindIn, kind: str = KindPath
+) -> HttpResponse:
     principal = principal_of(request)
     if not _is_admin(principal.user):
         raise Forbidden("Only admins edit resource kinds.")

@@ -65,7 +65,7 @@ class Leased(DomainError):
 
 # --- Entity tags (RFC 9110 section 8.8.3) ----------------------------------
 
-_ETAG = re.compile(r'(W/)?"([\x21\x23-\x7e\x80-\xff]*)"')
+_ETAG = re.compile(r'(W/)?"([\x21\x23-\x7e]*)"')
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,14 @@ def parse_tag_condition(raw: str | None, *, header: str) -> TagCondition | None:
     if not tags:
         raise HeaderSyntaxError(f"{header} is empty.", extra={"header": header})
     return TagCondition(any=False, tags=tuple(tags))
+
+
+def read_condition(raw: str | None) -> TagCondition | None:
+    """If-None-Match on a read: a malformed value is ignored (no condition)."""
+    try:
+        return parse_tag_condition(raw, header="If-None-Match")
+    except HeaderSyntaxError:
+        return None
 
 
 # --- Checks before the idempotency layer ---------------------------------
