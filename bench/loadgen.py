@@ -360,13 +360,18 @@ async def _hot_writer(spec: dict[str, Any], deadline: float, tally: list[int], i
             action = sent.json()
             status = action.get("status")
             etag_a = sent.headers.get("etag", "")
+            wait = int(spec.get("poll_wait", 5))
             while status not in {"applied", "conflict", "failed", "rejected", "cancelled"}:
-                if time.perf_counter() > deadline + 30:
+                if time.perf_counter() > deadline + wait:
                     break
                 polled = await conn.request(
                     "GET",
                     f"/api/v1/actions/{action['id']}",
-                    {**auth, "Prefer": "wait=10", **({"If-None-Match": etag_a} if etag_a else {})},
+                    {
+                        **auth,
+                        "Prefer": f"wait={wait}",
+                        **({"If-None-Match": etag_a} if etag_a else {}),
+                    },
                 )
                 if polled.status == 200:
                     status = polled.json().get("status")

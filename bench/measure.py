@@ -123,9 +123,14 @@ def audit_append(spec: dict[str, Any]) -> dict[str, Any]:
     from audit.services import audit_append as append
 
     actor = Actor.system("bench")
-    start_at = float(spec.get("start_at", 0))
-    while time.time() < start_at:
-        time.sleep(0.001)
+    # Start together: say "ready" (a file), then wait for the orchestrator's "go" file.
+    go_file = spec.get("go_file")
+    if go_file:
+        with open(f"{go_file}.ready.{os.getpid()}", "w"):
+            pass
+        deadline = time.monotonic() + 120
+        while not os.path.exists(go_file) and time.monotonic() < deadline:
+            time.sleep(0.002)
     count = 0
     t0 = time.perf_counter()
     deadline = t0 + float(spec["seconds"])

@@ -40,34 +40,38 @@ PY = sys.executable
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
-        "poll_seconds": 0.6,
-        "warmup": 0.2,
-        "concurrency": [8],
-        "longpoll": [20],
-        "approved": 10,
+        "poll_seconds": 0.3,
+        "warmup": 0.1,
+        "concurrency": [4],
+        "longpoll": [10],
+        "approved": 5,
+        "approved_max_seconds": 30,
         "hot_writers": 4,
-        "hot_seconds": 2.0,
-        "audit_seconds": 0.5,
-        "core_n": 20,
-        "scale_small": {"audit_events": 1_000, "resources": 1_000, "actions": 1_000},
-        "scale_big": {"audit_events": 2_000, "resources": 2_000, "actions": 2_000},
-        "scale_poll_seconds": 0.6,
-        "scale_core_n": 20,
+        "hot_seconds": 1.0,
+        "hot_poll_wait": 1,
+        "audit_seconds": 0.3,
+        "core_n": 10,
+        "scale_small": {"audit_events": 200, "resources": 200, "actions": 200},
+        "scale_big": {"audit_events": 400, "resources": 400, "actions": 400},
+        "scale_poll_seconds": 0.3,
+        "scale_core_n": 10,
     },
     "small": {
-        "poll_seconds": 2.0,
-        "warmup": 0.5,
+        "poll_seconds": 1.0,
+        "warmup": 0.3,
         "concurrency": [8, 32, 128],
-        "longpoll": [100, 200],
-        "approved": 100,
+        "longpoll": [100],
+        "approved": 50,
+        "approved_max_seconds": 30,
         "hot_writers": 32,
-        "hot_seconds": 5.0,
-        "audit_seconds": 2.0,
-        "core_n": 100,
+        "hot_seconds": 3.0,
+        "hot_poll_wait": 5,
+        "audit_seconds": 1.0,
+        "core_n": 50,
         "scale_small": {"audit_events": 1_000, "resources": 1_000, "actions": 1_000},
         "scale_big": {"audit_events": 20_000, "resources": 10_000, "actions": 10_000},
-        "scale_poll_seconds": 2.0,
-        "scale_core_n": 100,
+        "scale_poll_seconds": 1.0,
+        "scale_core_n": 30,
     },
     "default": {
         "poll_seconds": 8.0,
@@ -75,8 +79,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "concurrency": [8, 32, 128],
         "longpoll": [500, 1000, 2000],
         "approved": 1000,
+        "approved_max_seconds": 120,
         "hot_writers": 32,
         "hot_seconds": 15.0,
+        "hot_poll_wait": 10,
         "audit_seconds": 5.0,
         "core_n": 500,
         "scale_small": {"audit_events": 1_000, "resources": 1_000, "actions": 1_000},
@@ -518,6 +524,46 @@ def propose(
     return {"id": body["id"], "etag": headers.get("etag", "")}
 
 
+def propose_bulk(fx: Fixture, kind: str, names: list[str]) -> list[dict[str, Any]]:
+    """Pending per-call actions for set-up, in bulk (the measured part is what follows).
+
+    The same rows the API's propose path leaves: the action (pending approval, observing the
+    resource's current version) and its approval through the engine's own
+    `approval_open_for_action`.
+    """
+    from django.db import transaction
+
+    from approvals.models import Action, ActionStatus, PayloadFormat, Run
+    from approvals.services.decisions import approval_open_for_action
+    from ownership.models import Resource, ResourceKind
+
+    run = Run.objects.get(pk=fx.run_id)
+    kind_row = ResourceKind.objects.select_related("class_update").get(pk=kind)
+    resources = {r.name: r for r in Resource.objects.filter(kind_id=kind, name__in=names)}
+    actions = [
+        Action(
+            run=run,
+            agent_id=run.agent_id,
+            kind_id=kind,
+            name=name,
+            resource=resources[name],
+            operation="update",
+            payload_format=PayloadFormat.MERGE_PATCH,
+            payload={"touched": name},
+            observed_version=resources[name].version,
+            conflict_class=kind_row.class_update,
+            status=ActionStatus.PENDING_APPROVAL,
+            idempotency_key=f"bench-{uuid.uuid4().hex}",
+        )
+        for name in names
+    ]
+    with transaction.atomic():
+        Action.objects.bulk_create(actions, batch_size=1000)
+        for action in actions:
+            approval_open_for_action(action=action)
+    return [{"id": str(a.pk), "etag": a.etag} for a in actions]
+
+
 def propose_many(stack: Stack, fx: Fixture, kind: str, names: list[str]) -> list[dict[str, Any]]:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -579,6 +625,11 @@ def measure_poll(
             "warmup": size["warmup"],
         }
         # Interleave bare / poll / 304 so drift hits all three alike.
+        if os.environ.get("BENCH_PROFILE"):
+            profile_http(
+                stack, f"bare-c{concurrency}", {**common, "path": bare_path, "headers": auth}
+            )
+            profile_http(stack, f"poll-c{concurrency}", {**common, "path": path, "headers": auth})
         bare = run_json(
             "bench.loadgen", {**common, "path": bare_path, "headers": auth}, stack.env, 300
         )
@@ -617,12 +668,54 @@ def measure_poll(
     }
 
 
+def procfile_worker_class() -> str:
+    for line in (ROOT / "Procfile").read_text().splitlines():
+        if line.startswith("worker:") and "--worker-class" in line:
+            return line.split("--worker-class", 1)[1].split()[0]
+    return "rq.worker.Worker"
+
+
+def profile_http(stack: Stack, name: str, spec: dict[str, Any]) -> None:
+    """BENCH_PROFILE=DIR: py-spy the web server while the load generator runs `spec`."""
+    if stack.web is None:
+        return
+    out = Path(os.environ["BENCH_PROFILE"]) / f"{name}.collapsed"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    seconds = int(spec["duration"] + spec.get("warmup", 0)) + 1
+    spy = subprocess.Popen(
+        [
+            str(Path(PY).parent / "py-spy"),
+            "record",
+            "--pid",
+            str(stack.web.pid),
+            "--subprocesses",
+            "--idle",
+            "--format",
+            "raw",
+            "--duration",
+            str(seconds),
+            "--output",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    run_json("bench.loadgen", spec, stack.env, 300)
+    spy.wait(timeout=seconds + 30)
+
+
 def measure_longpoll(stack: Stack, fx: Fixture, size: dict[str, Any]) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     for n in size["longpoll"]:
         names = [f"lp-{n}-{i}" for i in range(n)]
         seed_resources("bench-call", names, {"touched": None})
-        actions = propose_many(stack, fx, "bench-call", names)
+        actions = propose_bulk(fx, "bench-call", names)
+        api_etag = http_json(
+            "GET", f"{stack.base}/api/v1/actions/{actions[0]['id']}", token=fx.run_token
+        )[2].get("etag", "")
+        if api_etag != actions[0]["etag"]:
+            for a in actions:
+                a["etag"] = ""
         etag_of: dict[str, str] = {}
         for a in actions:
             if not a["etag"]:  # the 202 carried no ETag: read it
@@ -638,6 +731,7 @@ def measure_longpoll(stack: Stack, fx: Fixture, size: dict[str, Any]) -> dict[st
             "wait": 60,
             "actions": [{"id": a["id"], "etag": etag_of[a["id"]]} for a in actions],
             "settle": 2.0,
+            "change_concurrency": 16,
         }
         rss_before = stack.web_rss_kb()
         peak = [rss_before]
@@ -708,7 +802,7 @@ def measure_approved(
     tag = uuid.uuid4().hex[:6]
     names = [f"aw-{tag}-{i}" for i in range(n)]
     seed_resources("bench-call", names, {"touched": None})
-    actions = propose_many(stack, fx, "bench-call", names)
+    actions = propose_bulk(fx, "bench-call", names)
     ids = [a["id"] for a in actions]
     approvals = list(
         Approval.objects.filter(action_id__in=ids, status="pending").values_list("id", flat=True)
@@ -734,15 +828,22 @@ def measure_approved(
         text=True,
     )
     finals = {"applied", "conflict", "failed", "rejected", "cancelled", "expired"}
-    deadline = t0 + max(60.0, n * 0.5)
+    deadline = t0 + float(size["approved_max_seconds"])
     done = 0
+    last_progress = t0
     while time.perf_counter() < deadline:
-        done = Action.objects.filter(id__in=ids, status__in=finals).count()
+        now_done = Action.objects.filter(id__in=ids, status__in=finals).count()
+        if now_done > done:
+            done, last_progress = now_done, time.perf_counter()
         if done >= n:
             break
         time.sleep(0.02)
-    elapsed = time.perf_counter() - t0
-    out, err = proc.communicate(timeout=120)
+    elapsed = last_progress - t0
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
     decided = (
         json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": err[-500:]}
     )
@@ -752,14 +853,17 @@ def measure_approved(
         "applied": applied,
         "finished": done,
         "seconds": round(elapsed, 3),
-        "approved_writes_per_s": round(applied / elapsed, 1) if done >= n else None,
+        # Bounded in time: a partial run still gives a rate (complete says which).
+        "approved_writes_per_s": round(applied / elapsed, 1) if elapsed > 0 else None,
+        "complete": done >= n,
         "approve_api_seconds": decided.get("seconds"),
         "approve_api_statuses": decided.get("statuses"),
-        "worker_class": worker_class or "rq.worker.Worker (fork per job)",
+        "worker_class": worker_class or "rq.worker.Worker",
     }
 
 
 def measure_hot(stack: Stack, fx: Fixture, size: dict[str, Any]) -> dict[str, Any]:
+    from approvals.models import Action
     from ownership.models import Resource
 
     tag = uuid.uuid4().hex[:6]
@@ -776,15 +880,29 @@ def measure_hot(stack: Stack, fx: Fixture, size: dict[str, Any]) -> dict[str, An
             "resource": f"bench-doc/{name}",
             "writers": writers,
             "duration": size["hot_seconds"],
+            "poll_wait": size["hot_poll_wait"],
         }
         result = run_json("bench.loadgen", spec, stack.env, size["hot_seconds"] + 120)
+        # Let every action the writers left behind reach a final state, then count.
+        finals = {"applied", "conflict", "failed", "rejected", "cancelled", "expired"}
+        actions = Action.objects.filter(kind_id="bench-doc", name=name)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and actions.exclude(status__in=finals).exists():
+            time.sleep(0.1)
         row = Resource.objects.get(kind_id="bench-doc", name=name)
+        db_applied = actions.filter(status="applied").count()
+        counter_gain = int(row.document.get("counter") or 0)
         result["final_version"] = row.version
-        result["final_counter"] = row.document.get("counter")
-        # Lost updates: what the writers were told was applied vs what the resource holds.
-        result["lost_updates"] = result["accepted"] - (row.version - 1)
-        result["lost_by_counter"] = result["accepted"] - int(row.document.get("counter") or 0)
-        result["accepted_per_s"] = round(result["accepted"] / result["seconds"], 2)
+        result["final_counter"] = counter_gain
+        result["db_applied"] = db_applied
+        result["unfinished"] = actions.exclude(status__in=finals).count()
+        # A lost update: an applied write whose increment is not in the document, or one a
+        # writer was told was applied that the database does not hold as applied.
+        result["lost_updates"] = (db_applied - counter_gain) + max(
+            0, result["accepted"] - db_applied
+        )
+        result["versions_match_applied"] = (row.version - 1) == db_applied
+        result["accepted_per_s"] = round(db_applied / result["seconds"], 2)
         return result
 
     solo_result = run_writers(solo, 1)
@@ -792,9 +910,7 @@ def measure_hot(stack: Stack, fx: Fixture, size: dict[str, Any]) -> dict[str, An
     return {
         "hot_resource": {
             "writers": size["hot_writers"],
-            "lost_updates": max(
-                abs(hot_result["lost_updates"]), abs(hot_result["lost_by_counter"])
-            ),
+            "lost_updates": hot_result["lost_updates"],
             "accepted_per_s": hot_result["accepted_per_s"],
             "single_writer_accepted_per_s": solo_result["accepted_per_s"],
             "vs_single_writer": ratio(hot_result["accepted_per_s"], solo_result["accepted_per_s"]),
@@ -810,7 +926,7 @@ def measure_audit(stack: Stack, size: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for writers in (1, 4):
-        start_at = time.time() + 2.0
+        go_file = stack.workdir / f"audit-go-{writers}-{uuid.uuid4().hex[:6]}"
         procs = [
             subprocess.Popen(
                 [
@@ -821,7 +937,7 @@ def measure_audit(stack: Stack, size: dict[str, Any]) -> dict[str, Any]:
                         {
                             "task": "audit_append",
                             "seconds": size["audit_seconds"],
-                            "start_at": start_at,
+                            "go_file": str(go_file),
                         }
                     ),
                 ],
@@ -833,6 +949,13 @@ def measure_audit(stack: Stack, size: dict[str, Any]) -> dict[str, Any]:
             )
             for _ in range(writers)
         ]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ready = list(stack.workdir.glob(f"{go_file.name}.ready.*"))
+            if len(ready) >= writers or any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.02)
+        go_file.touch()
         results = []
         for proc in procs:
             stdout, stderr = proc.communicate(timeout=size["audit_seconds"] + 120)
@@ -944,6 +1067,12 @@ def table(doc: dict[str, Any]) -> str:
         ),
         ("approved_writes_per_s", g("approved_writes_per_s"), GOALS["approved_writes_per_s"]),
         (
+            "  fork Worker / SimpleWorker (writes/s)",
+            f"{g('approved_writes_fork.approved_writes_per_s')} / "
+            f"{g('approved_writes_simple.approved_writes_per_s')}",
+            "",
+        ),
+        (
             "hot_resource.lost_updates",
             g("hot_resource.lost_updates"),
             GOALS["hot_resource.lost_updates"],
@@ -1039,6 +1168,10 @@ def main(argv: list[str] | None = None) -> int:
         import django
 
         django.setup()
+        import logging
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        logging.getLogger("django.request").setLevel(logging.ERROR)
         fx = setup_reference_data()
         seed_resources("bench-call", ["poll-1"], {"touched": None})
         web_workers = int(os.environ.get("BENCH_WEB_WORKERS", "2"))
@@ -1093,14 +1226,28 @@ def main(argv: list[str] | None = None) -> int:
                 ["longpoll_held", "longpoll_wake_p99_ms"],
             )
         if want("approved") and api_ok:
-            worker_class = os.environ.get("BENCH_WORKER_CLASS") or None
-            figures.section(
-                "approved_writes",
-                lambda: {"approved_writes": measure_approved(stack, fx, size, worker_class)},
-                ["approved_writes"],
-            )
-            aw = figures.data.get("approved_writes") or {}
+            # The Procfile's worker (RQ's default: fork per job) and the no-fork SimpleWorker,
+            # each on its own fresh set of actions; the headline is the Procfile's class.
+            classes = {
+                "fork": "rq.worker.Worker",
+                "simple": "rq.worker.SimpleWorker",
+            }
+            for label, worker_class in classes.items():
+                figures.section(
+                    f"approved_writes_{label}",
+                    lambda wc=worker_class, lb=label: {
+                        f"approved_writes_{lb}": measure_approved(stack, fx, size, wc)
+                    },
+                    [f"approved_writes_{label}"],
+                )
+            procfile_class = "simple" if "SimpleWorker" in procfile_worker_class() else "fork"
+            aw = figures.data.get(f"approved_writes_{procfile_class}") or {}
             figures.data["approved_writes_per_s"] = aw.get("approved_writes_per_s")
+            figures.data["approved_writes_worker_class"] = classes[procfile_class]
+            figures.data["approved_writes_simple_vs_fork"] = ratio(
+                (figures.data.get("approved_writes_simple") or {}).get("approved_writes_per_s"),
+                (figures.data.get("approved_writes_fork") or {}).get("approved_writes_per_s"),
+            )
         if want("hot") and api_ok:
             figures.section("hot_resource", lambda: measure_hot(stack, fx, size), ["hot_resource"])
         stack.stop_workers()
