@@ -12,5 +12,13 @@ class AuditFilterForm(forms.Form):
     agent = forms.SlugField(max_length=100, required=False)
     person = forms.CharField(max_length=150, required=False)
     type = forms.CharField(max_length=64, required=False, label="Event type")
-    since = forms.DateTimeField(required=False, label="From (UTC)")
-    until = forms.DateTimeField(required=False, label="Until (UTC)")
+    since = forms.DateTimeField(
+        required=False,
+        label="From (UTC)",
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}),
+    )
+    until = forms.DateTimeField(
+        required=False,
+        label="Until (UTC)",
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}),
+    )

@@ -38,6 +38,7 @@ def test_events_link_to_their_objects(people: People, events: list[AuditEvent]) 
     assert f'href="/resources/{events[0].resource}/"' in html
     assert f'href="/runs/{events[0].run_id}/"' in html
     assert f'href="/actions/{events[0].action_id}/"' in html
+    assert '{&quot;version&quot;: 2}' in html  # the details, as one line of JSON
 
 
 @pytest.mark.parametrize(
