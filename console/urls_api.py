@@ -68,7 +68,7 @@ def _wrap(view: Callable[..., Any], route: str) -> Callable[..., Any]:
 
         async def async_wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
-            response = _too_large(request)
+            response: HttpResponseBase | None = _too_large(request)
             if response is None:
                 try:
                     response = _as_problem(await view(request, *args, **kwargs))
@@ -87,7 +87,7 @@ def _wrap(view: Callable[..., Any], route: str) -> Callable[..., Any]:
 
     def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
-        response = _too_large(request)
+        response: HttpResponseBase | None = _too_large(request)
         if response is None:
             try:
                 response = _as_problem(view(request, *args, **kwargs))
@@ -132,6 +132,6 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("healthz", ops.healthz, name="healthz"),
     path("metrics", ops.metrics, name="metrics"),
     path("api/v1/docs/assets/<str:name>", docs_asset, name="api-docs-asset"),
-    path("api/v1/", (_wrapped, _api_app, _api_namespace)),  # type: ignore[arg-type]
+    path("api/v1/", (_wrapped, _api_app, _api_namespace)),
     re_path(r"^api/v1(?P<rest>/.*)?$", _wrap(api_not_found, "/api/v1/<unknown>")),
 ]

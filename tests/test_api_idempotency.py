@@ -78,7 +78,10 @@ def test_the_same_key_with_a_different_body_path_or_method_is_422(
     assert different_body.status_code == 422
     assert json.loads(different_body.content)["code"] == "idempotency_key_reused"
     different_path = patch(
-        api, run.token, path="/api/v1/resources/notification-policy/staging-eu", **{"If-Match": '"7"'}
+        api,
+        run.token,
+        path="/api/v1/resources/notification-policy/staging-eu",
+        **{"If-Match": '"7"'},
     )
     assert different_path.status_code == 422
     assert json.loads(different_path.content)["code"] == "idempotency_key_reused"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from functools import partial
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -451,7 +452,7 @@ def _end(
             error={"code": "run_not_active", "detail": f"the run was {status}"},
         )
         for action_id in open_ids:
-            transaction.on_commit(lambda a=action_id: notify_action_changed(a))
+            transaction.on_commit(partial(notify_action_changed, action_id))
     audit_append(
         event_type=event,
         actor=actor,

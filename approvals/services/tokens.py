@@ -112,12 +112,12 @@ def principal_for_token(raw: str) -> Principal | None:
             return None
         return Principal(kind="run", token_prefix=prefix, agent=run.agent, run=run)
     if raw.startswith(PERSONAL_PREFIX):
-        tokens = list(
+        personal: list[Any] = list(
             PersonalToken.objects.select_related("user").filter(
                 _live(now), prefix=prefix, user__is_active=True
             )
         )
-        token = _matching(tokens, digest)
+        token = _matching(personal, digest)
         if token is None:
             return None
         _touch(PersonalToken, token.pk, token.last_used_at, now)
