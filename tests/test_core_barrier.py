@@ -413,3 +413,23 @@ def test_a_write_executed_by_a_worker_is_attributed_to_its_run(prod_alerts: Any)
     assert (event.actor_type, event.actor_id, event.run_id) == ("run", str(run.pk), run.pk)
     assert event.actor_label.startswith("deploy-bot/")
     assert event.details["executor"] == {"type": "system", "id": "", "label": "worker"}
+
+
+@pytest.mark.django_db
+def test_an_operation_closed_by_the_reconciler_never_writes(prod_alerts: Any) -> None:
+    run = make_run()
+    action = make_action(
+        run=run, identifier=PROD_ALERTS, payload={"severity": "x"}, observed_version=41
+    )
+    fence = next_fence()
+    operation = open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=60)
+    # A reconciler gave up on the (apparently dead) worker and closed the operation.
+    Operation.objects.filter(pk=operation.pk).update(
+        status=OperationStatus.FAILED, outcome={"reason": "lease_expired"}
+    )
+    outcome = apply_action(
+        action_id=action.pk, operation_id=operation.pk, fence=fence, actor=Actor.run(run)
+    )
+    assert not outcome.applied and outcome.reason == "operation_not_pending"
+    assert Resource.objects.get(pk=prod_alerts.pk).version == 41
+    assert not AuditEvent.objects.filter(action_id=action.pk).exists()
