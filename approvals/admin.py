@@ -26,7 +26,7 @@ class AgentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 class TokenAdmin(ReadOnlyAdmin):
     """Tokens are created (and shown once) on the Tokens page; here only looked at."""
 
-    list_display = ("prefix", "label", "created_at", "last_used_at", "revoked_at")
+    list_display: tuple[str, ...] = ("prefix", "label", "created_at", "last_used_at", "revoked_at")
     exclude = ("token_hash",)
 
 

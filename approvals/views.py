@@ -50,6 +50,7 @@ from console.views import (
     proposed_document,
     query_without,
     render_fragment_or_page,
+    signed_in,
 )
 from ownership.models import OwnershipRecord
 
@@ -118,9 +119,9 @@ def approvals_inbox(request: HttpRequest) -> HttpResponse:
     user = request.user
     # Oldest first: the one waiting longest is decided first.
     qs = _approvals_for(user).order_by("created_at", "id")
-    cursor = request.GET.get("after")
-    if cursor:
-        pivot = Approval.objects.only("created_at").filter(pk=_uuid_or_none(cursor)).first()
+    cursor = _uuid_or_none(request.GET.get("after") or "")
+    if cursor is not None:
+        pivot = Approval.objects.only("created_at").filter(pk=cursor).first()
         if pivot is not None:
             qs = qs.filter(
                 Q(created_at__gt=pivot.created_at) | Q(created_at=pivot.created_at, id__gt=pivot.id)
@@ -207,7 +208,8 @@ def _action_for(user: Any, action_id: uuid.UUID) -> Action:
     )
     if action is None:
         raise Http404("No such action")
-    return action
+    found: Action = action
+    return found
 
 
 @console_page
@@ -277,7 +279,8 @@ def _run_for(user: Any, run_id: uuid.UUID) -> Run:
     run = runs_visible_to(user).select_related("agent").filter(pk=run_id).first()
     if run is None:
         raise Http404("No such run")
-    return run
+    found: Run = run
+    return found
 
 
 def _run_context(request: HttpRequest, run: Run) -> dict[str, Any]:
@@ -356,7 +359,7 @@ def _tokens_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
     context: dict[str, Any] = {
         "nav": "tokens",
         "personal_tokens": list(
-            PersonalToken.objects.filter(user=user).order_by("-created_at")[:100]
+            PersonalToken.objects.filter(user=signed_in(request)).order_by("-created_at")[:100]
         ),
         "personal_form": PersonalTokenCreateForm(),
         "is_admin": admin,
@@ -416,7 +419,7 @@ def personal_token_create(request: HttpRequest) -> HttpResponse:
 @console_page
 @require_POST
 def personal_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
-    token = PersonalToken.objects.filter(pk=token_id, user=request.user).first()
+    token = PersonalToken.objects.filter(pk=token_id, user=signed_in(request)).first()
     if token is None:
         raise Http404("No such token")
     from approvals.services.tokens import token_revoke

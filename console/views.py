@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
@@ -50,6 +51,14 @@ def console_page(view: V) -> V:
         return response
 
     return login_required(wrapper)  # type: ignore[return-value]
+
+
+def signed_in(request: HttpRequest) -> User:
+    """The signed-in person (console_page guarantees one)."""
+    user = request.user
+    if not isinstance(user, User):
+        raise PermissionDenied("Sign in first.")
+    return user
 
 
 def is_htmx(request: HttpRequest) -> bool:

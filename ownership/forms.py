@@ -26,7 +26,8 @@ class ResolutionForm(forms.Form):
 
 class ResourceFilterForm(forms.Form):
     kind = forms.SlugField(max_length=64, required=False)
-    prefix = forms.CharField(max_length=255, required=False)
+    # The form metaclass moves fields off the class, so Form.prefix stays None.
+    prefix = forms.CharField(max_length=255, required=False)  # type: ignore[assignment]
 
 
 class UndoForm(forms.Form):

@@ -274,7 +274,8 @@ def _resource_for(user: Any, identifier: str) -> Resource:
     )
     if resource is None:
         raise Http404("No such resource")
-    return resource
+    found: Resource = resource
+    return found
 
 
 def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) -> dict[str, Any]:
