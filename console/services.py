@@ -22,7 +22,8 @@ from console.core.errors import Forbidden, ValidationFailed
 from console.models import KillSwitch
 from console.permissions import is_operator
 
-_SCOPE = re.compile(r"^(\*|[a-z0-9][a-z0-9_-]*/[A-Za-z0-9._:/-]*\*?)$")
+# Same rule as the API schema (console/api.py _SCOPE_FIELD).
+_SCOPE = re.compile(r"^(\*|[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9._:@+=,-]{0,254}\*?)$")
 MAX_REASON = 1000
 
 
