@@ -97,8 +97,14 @@ def _send(
     conn.set(marker_key(kind, object_id), job_id, ex=MARKER_TTL_SECONDS)
 
 
-def job_is_pending(kind: str, object_id: Any, *, connection: redis.Redis | None = None) -> bool:
-    """Does RQ still hold a queued/scheduled/running job for this object?"""
+def job_is_pending(
+    kind: str, object_id: Any, *, connection: redis.Redis | None = None, overdue: bool = False
+) -> bool:
+    """Does RQ still hold a queued/scheduled/running job for this object?
+
+    `overdue`: the work was due a while ago, so a job still merely *scheduled*
+    is stuck (no worker runs RQ's scheduler) and counts as missing.
+    """
     conn = connection or engine_redis()
     raw: Any = conn.get(marker_key(kind, object_id))
     if raw is None:
@@ -108,6 +114,8 @@ def job_is_pending(kind: str, object_id: Any, *, connection: redis.Redis | None 
     except NoSuchJobError:
         return False
     status = job.get_status(refresh=True)
+    if overdue and status == JobStatus.SCHEDULED:
+        return False
     if status == JobStatus.STARTED and job.started_at is not None:
         # A job "started" by a worker that died (SIGKILL, OOM) stays so until RQ's
         # maintenance runs; past its timeout it is certainly not running any more.

@@ -190,3 +190,23 @@ def test_an_action_that_keeps_losing_its_worker_fails_instead_of_looping(
     assert reconcile(now=timezone.now() + timedelta(seconds=5))["abandoned"] == 0
     action.refresh_from_db()
     assert action.status == "failed" and action.error["code"] == "worker_lost"
+
+
+@pytest.mark.django_db
+def test_a_retry_stuck_in_rq_scheduling_is_resent_once_overdue(
+    engine_world: Any, engine_redis: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    from approvals.services.execution import action_retry_later
+
+    kind = engine_world.kind("cfg", update="recompute_field")
+    engine_world.resource(kind, "later", {"n": 0})
+    action = engine_world.propose(kind, "later", payload={"n": 1}, observed_version=1)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert action_retry_later(action_id=action.pk, reason="lock_busy") == "queued"
+    registry = engine_redis.client().zcard("rq:scheduled:default")
+    assert registry == 1
+    soon = timezone.now() + timedelta(seconds=5)
+    assert reconcile(now=soon)["requeued"] == 0  # the scheduled retry is still coming
+    much_later = timezone.now() + timedelta(seconds=120)
+    assert reconcile(now=much_later)["requeued"] == 1  # nobody ran the scheduler
+    assert engine_redis.client().llen("rq:queue:default") >= 1

@@ -50,6 +50,9 @@ BACKOFF_CAP_SECONDS = float(getattr(settings, "AIRLOCK_BACKOFF_CAP_SECONDS", 30.
 # How long after its last transition a queued action may lack a job before the
 # reconciler resends it (covers the gap between commit and on_commit enqueue).
 OUTBOX_GRACE_SECONDS = 2.0
+# A retry still only *scheduled* this long after it was due is stuck (no worker
+# runs RQ's scheduler): the reconciler enqueues it directly.
+SCHEDULED_OVERDUE_SECONDS = 30.0
 WORKER_ACTOR = Actor.system("worker")
 
 
@@ -684,12 +687,14 @@ def reconcile(
         )
         .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
         .order_by("created_at")
-        .values_list("pk", flat=True)
+        .values_list("pk", "not_before")
     )
     from approvals.jobs import enqueue_action_execution, enqueue_undo_execution
 
-    for action_id in due:
-        if not job_is_pending("action", action_id, connection=conn):
+    overdue_before = now - timedelta(seconds=SCHEDULED_OVERDUE_SECONDS)
+    for action_id, not_before in due:
+        overdue = not_before is not None and not_before < overdue_before
+        if not job_is_pending("action", action_id, connection=conn, overdue=overdue):
             enqueue_action_execution(action_id, connection=conn)
             counts["requeued"] += 1
 
