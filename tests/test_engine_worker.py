@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -31,7 +32,7 @@ def _final(*actions: Action) -> bool:
 
 
 def test_an_approved_per_call_action_is_applied_by_a_worker(
-    engine_world: Any, rq_worker: Any
+    engine_world: Any, engine_redis: Any, rq_worker: Any
 ) -> None:
     kind = engine_world.kind("notification-policy")
     engine_world.resource(kind, "prod-alerts", {"severity": "high"})
@@ -40,9 +41,22 @@ def test_an_approved_per_call_action_is_applied_by_a_worker(
         kind, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
     approval = Approval.objects.get(action=action)
+    from approvals.notify import action_channel
+
+    pubsub = engine_redis.client().pubsub()
+    pubsub.subscribe(action_channel(action.pk))
     approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
     wait_for(lambda: _final(action), timeout=20)
     assert _status(action) == "applied", worker.output()
+    # long-pollers were woken for queued, executing and applied
+    messages = []
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and len(messages) < 3:
+        message = pubsub.get_message(timeout=0.2)
+        if message and message["type"] == "message":
+            messages.append(message)
+    assert len(messages) >= 3
+    pubsub.close()
     assert Resource.objects.get(name="prod-alerts").document == {"severity": "critical"}
     op = Operation.objects.get(action=action)
     assert op.status == "done" and op.fence > 0 and op.undo_deadline is not None

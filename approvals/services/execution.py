@@ -36,7 +36,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
-from approvals.services.decisions import action_transition
+from approvals.services.decisions import action_transition, notify_action_on_commit
 from audit.services import Actor, audit_append
 from console.core.errors import DomainError, KillSwitchEngaged, LockBusy, LockLost
 from console.requestctx import reset_request_id, set_request_id
@@ -69,6 +69,12 @@ def crash_point(name: str) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------
+
+
+def notify_action_changed_now(action_id: uuid.UUID) -> None:
+    """Wake long-pollers after a transition the core committed on its own."""
+    with transaction.atomic():
+        notify_action_on_commit(action_id)
 
 
 def worker_name() -> str:
@@ -317,6 +323,7 @@ def _execute_managed(*, action: Action, lock: Any, fence: int) -> str:
         # The action moved on between our check and the claim.
         log.info("action %s not claimed: %s", action.pk, exc)
         return "not_claimed"
+    notify_action_changed_now(action.pk)  # now `executing`
     crash_point("after_open_operation")
     try:
         lock.check()
@@ -324,6 +331,8 @@ def _execute_managed(*, action: Action, lock: Any, fence: int) -> str:
             outcome = apply_action(
                 action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
             )
+            # The barrier leaves wake-ups to its caller.
+            notify_action_on_commit(action.pk)
             crash_point("inside_barrier_before_commit")
         crash_point("after_barrier_commit")
     except KillSwitchEngaged as exc:
@@ -399,6 +408,7 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
     except DomainError as exc:
         log.info("action %s not claimed: %s", action.pk, exc)
         return "not_claimed"
+    notify_action_changed_now(action.pk)
     target = targets.HttpTarget(action.kind.target_url)
     try:
         lock.check()
