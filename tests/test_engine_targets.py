@@ -166,3 +166,26 @@ def test_undo_is_refused_for_an_http_target(
     assert action_execute(action_id=action.pk) == "applied"
     with pytest.raises(UndoRefused):
         action_undo_request(action_id=action.pk, actor=engine_world.run)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_replays_a_timed_out_http_write_with_the_same_key_exactly_once(
+    engine_world: Any, engine_redis: Any, target: TargetServer, rq_worker: Any
+) -> None:
+    kind = engine_world.kind("ext-policy", update="recompute_field", target_url=target.url)
+    target.seed("prod", {"n": 1})
+    target.hang_after_apply(2.0)
+    worker = rq_worker(AIRLOCK_TARGET_TIMEOUT_SECONDS="0.5")
+    action = engine_world.propose(kind, "prod", payload={"n": 2}, observed_version=1)
+
+    def applied() -> bool:
+        return Action.objects.values_list("status", flat=True).get(pk=action.pk) == "applied"
+
+    from tests.fixtures.engine import wait_for
+
+    wait_for(applied, timeout=30)
+    assert target.effects == 1, worker.output()
+    assert len(target.requests) >= 2 and len({r["key"] for r in target.requests}) == 1
+    assert Operation.objects.filter(action=action, status="done").count() == 1
+    assert AuditEvent.objects.filter(event_type="write.unknown", action_id=action.pk).count() == 1
