@@ -93,3 +93,20 @@ def test_selectors_hide_what_the_actor_may_not_see(engine_world: Any, engine_red
     assert not approval_list_for_person(platform_member).exists()
     with pytest.raises(NotFound):
         conflict_get_for_person(engine_world.outsider, "not-a-uuid")
+
+
+def test_paused_work_whose_switch_disappeared_is_resumed_by_the_reconciler(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    from approvals.services.execution import reconcile
+
+    kind = engine_world.kind("dns-record", create="add_unique")
+    action = engine_world.propose(kind, "app-2", operation="create", payload={"ip": "2"})
+    kill_switch_set(
+        scope="dns-record/*", engaged=True, reason="freeze", actor=engine_world.operator
+    )
+    assert reconcile()["resumed"] == 0
+    KillSwitch.objects.all().delete()  # e.g. an admin removed the row
+    assert reconcile()["resumed"] == 1
+    action.refresh_from_db()
+    assert action.status == "queued"

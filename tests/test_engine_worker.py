@@ -171,4 +171,5 @@ def test_a_worker_killed_mid_job_leaves_the_action_applied_exactly_once(
         "abandoned": 0,
         "requeued": 0,
         "undo_requeued": 0,
+        "resumed": 0,
     }

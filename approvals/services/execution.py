@@ -621,7 +621,7 @@ def reconcile(
 
     now = now or timezone.now()
     conn = connection or engine_redis()
-    counts = {"abandoned": 0, "requeued": 0, "undo_requeued": 0}
+    counts = {"abandoned": 0, "requeued": 0, "undo_requeued": 0, "resumed": 0}
 
     stale_ops = list(
         Operation.objects.filter(
@@ -689,6 +689,30 @@ def reconcile(
             ):
                 _enqueue_on_commit(action_id)
                 counts["abandoned"] += 1
+
+    # Paused work whose switch is gone (released elsewhere, row deleted) resumes.
+    paused = list(
+        Action.objects.filter(status=ActionStatus.PAUSED)
+        .select_related("kind")
+        .order_by("created_at")[:1000]
+    )
+    if paused:
+        from console.models import KillSwitch
+
+        engaged = list(KillSwitch.objects.filter(engaged=True))
+        for action in paused:
+            if any(switch.covers(action.resource_identifier) for switch in engaged):
+                continue
+            with transaction.atomic():
+                if action_transition(
+                    action_id=action.pk,
+                    from_statuses=(ActionStatus.PAUSED,),
+                    to_status=ActionStatus.QUEUED,
+                    paused_reason="",
+                    not_before=None,
+                ):
+                    _enqueue_on_commit(action.pk)
+                    counts["resumed"] += 1
 
     due = (
         Action.objects.filter(
