@@ -67,9 +67,11 @@ class WatchedPages:
         self.problems: list[str] = []
         self.pages: list[Any] = []
 
-    def new(self) -> Any:
+    def new(self, *, javascript: bool = True) -> Any:
         context = self.browser.new_context(
-            base_url=self.base_url, viewport={"width": 1280, "height": 900}
+            base_url=self.base_url,
+            viewport={"width": 1280, "height": 900},
+            java_script_enabled=javascript,
         )
         self.contexts.append(context)
         page = context.new_page()
@@ -90,7 +92,9 @@ class WatchedPages:
     def csp_violations(self) -> list[str]:
         found: list[str] = []
         for page in self.pages:
-            if page.is_closed():
+            if page.is_closed() or not page.context.pages:
+                continue
+            if page.evaluate("typeof window") != "object":  # JavaScript disabled
                 continue
             try:
                 found += page.evaluate("window.__cspViolations || []")

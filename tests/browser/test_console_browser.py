@@ -164,3 +164,33 @@ def test_every_main_page_reads_well_and_has_no_serious_accessibility_violation(
         problems += check_accessibility(page, name)
         screenshot(page, name)
     assert not problems, problems
+
+
+@pytest.mark.slow
+def test_every_decision_works_without_javascript(
+    pages: WatchedPages, people: People, world: World, rq_worker: Any
+) -> None:
+    rq_worker()
+    page = pages.new(javascript=False)
+    sign_in(page, "olivia", PASSWORD)
+    page.goto("/approvals/")
+    card = page.locator(f"#approval-{world.approval.id}")
+    card.get_by_label("Comment (required to reject)").fill("fine")
+    card.get_by_role("button", name="Approve").click()
+    page.wait_for_url("**/approvals/")
+    expect(page.locator(".messages")).to_contain_text("Decision recorded.")
+    page.goto(f"/actions/{world.action.id}/")
+    for _ in range(30):  # no htmx: the person reloads
+        if page.locator("h1 .status").get_attribute("data-status") == "applied":
+            break
+        page.wait_for_timeout(500)
+        page.reload()
+    expect(page.locator("h1 .status")).to_have_attribute("data-status", "applied")
+
+    page.goto(f"/conflicts/{world.conflict.id}/")
+    expect(page.locator("#resolution")).to_contain_text("Only members of release-owners")
+    page.goto("/")
+    page.get_by_label("Reason (required to engage; shown on every page)").fill("maintenance")
+    page.get_by_label("I understand this stops or resumes writes in this scope").check()
+    page.get_by_role("button", name="Engage").click()
+    expect(page.locator(".banner")).to_contain_text("maintenance")
