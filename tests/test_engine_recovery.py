@@ -210,3 +210,43 @@ def test_a_retry_stuck_in_rq_scheduling_is_resent_once_overdue(
     much_later = timezone.now() + timedelta(seconds=120)
     assert reconcile(now=much_later)["requeued"] == 1  # nobody ran the scheduler
     assert engine_redis.client().llen("rq:queue:default") >= 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_undo_requests_share_one_undo(engine_world: Any, engine_redis: Any) -> None:
+    import threading
+
+    from django.db import connection
+
+    from approvals.services.undo import action_undo_request
+
+    kind = engine_world.kind("cfg", update="recompute_field")
+    engine_world.resource(kind, "u", {"n": 0})
+    action = engine_world.propose(kind, "u", payload={"n": 1}, observed_version=1)
+    assert action_execute(action_id=action.pk) == "applied"
+    results: list[int] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def request(i: int) -> None:
+        try:
+            barrier.wait()
+            actor = engine_world.run if i % 2 else engine_world.operator
+            results.append(
+                action_undo_request(
+                    action_id=action.pk, actor=actor, idempotency_key=f"k-{i:08d}"
+                ).pk
+            )
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors and len(results) == 6 and len(set(results)) == 1
+    assert Operation.objects.filter(action=action, undo_of__isnull=False).count() == 1
+    assert AuditEvent.objects.filter(event_type="undo.requested", action_id=action.pk).count() == 1

@@ -168,7 +168,10 @@ def action_retry_later(
                 outcome={"refused": reason, "retry": True},
             )
         attempts = action.attempts + (1 if count_attempt else 0)
-        if attempts >= MAX_ATTEMPTS:
+        # A busy lock means someone else is writing the resource, not that this
+        # write is failing: allow it a much longer wait before giving up.
+        limit = MAX_ATTEMPTS * 4 if reason == "lock_busy" else MAX_ATTEMPTS
+        if attempts >= limit:
             action_transition(
                 action_id=action_id,
                 from_statuses=from_statuses,
