@@ -189,3 +189,22 @@ def test_a_worker_replays_a_timed_out_http_write_with_the_same_key_exactly_once(
     assert len(target.requests) >= 2 and len({r["key"] for r in target.requests}) == 1
     assert Operation.objects.filter(action=action, status="done").count() == 1
     assert AuditEvent.objects.filter(event_type="write.unknown", action_id=action.pk).count() == 1
+
+
+def test_423_is_retried_and_409_becomes_a_conflict_routed_by_class(
+    engine_world: Any, http_kind: Any, target: TargetServer
+) -> None:
+    target.seed("locked", {"n": 1})
+    target.fail_next(423)
+    action = engine_world.propose(http_kind, "locked", payload={"n": 2}, observed_version=1)
+    assert action_execute(action_id=action.pk) == "retry"
+    _wait_until_due(action)
+    assert action_execute(action_id=action.pk) == "applied"
+
+    target.seed("busy", {"n": 1})
+    target.fail_next(409)
+    other = engine_world.propose(http_kind, "busy", payload={"n": 2}, observed_version=1)
+    assert action_execute(action_id=other.pk) == "conflict"
+    other.refresh_from_db()
+    assert other.error["retryable_by_agent"] is True  # recompute_field: back to the agent
+    assert target.effects == 1

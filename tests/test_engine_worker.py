@@ -112,11 +112,15 @@ def test_kill_switch_pauses_queued_work_and_release_applies_it_in_order_exactly_
 def test_flushall_with_twenty_approved_actions_loses_nothing_and_doubles_nothing(
     engine_world: Any, engine_redis: Any, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("dns-record", create="add_unique")
+    kind = engine_world.kind("group", create="access_change")  # per-call approval
     actions = [
-        engine_world.propose(kind, f"host-{i:02d}", operation="create", payload={"n": i})
+        engine_world.propose(kind, f"team-{i:02d}", operation="create", payload={"n": i})
         for i in range(20)
     ]
+    for action in actions:
+        approval = Approval.objects.get(action=action)
+        approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+    assert {_status(a) for a in actions} == {"queued"}
     assert engine_redis.client().llen("rq:queue:default") == 20
     engine_redis.client().flushall()
     assert engine_redis.client().llen("rq:queue:default") == 0
