@@ -110,14 +110,6 @@ def domain_error_status(error: DomainError) -> int:
     }.get(error.code, 409)
 
 
-def safe_next(request: HttpRequest, default: str) -> str:
-    """A same-site path to return to, never an absolute URL."""
-    target = request.POST.get("next") or request.GET.get("next") or ""
-    if target.startswith("/") and not target.startswith("//"):
-        return target
-    return default
-
-
 def engaged_switches() -> list[KillSwitch]:
     return list(KillSwitch.objects.filter(engaged=True).select_related("changed_by"))
 

@@ -90,3 +90,22 @@ def test_htmx_is_vendored_and_served_locally(people: People) -> None:
 def test_the_nav_shows_the_person_and_their_roles(people: People) -> None:
     html = client_for(people.owner).get("/").content.decode()
     assert "pat" in html and "platform" in html
+
+
+def test_a_refusal_says_why_as_a_page_or_as_a_fragment(people: People, world: World) -> None:
+    client = client_for(people.outsider)
+    page = client.post(f"/runs/{world.run.id}/revoke/", {"reason": "x"})
+    assert page.status_code == 404  # not even visible
+    refused = client.post("/catalog/classes/", {"slug": "x"})
+    html = refused.content.decode()
+    assert refused.status_code == 403 and "<html" in html
+    assert "Only admins edit conflict classes." in html
+    fragment = client.post("/catalog/classes/", {"slug": "x"}, HTTP_HX_REQUEST="true")
+    assert fragment.status_code == 403
+    assert "<html" not in fragment.content.decode()
+    assert "Only admins edit conflict classes." in fragment.content.decode()
+
+
+def test_htmx_swaps_the_explained_4xx_fragments(people: People) -> None:
+    html = client_for(people.operator).get("/").content.decode()
+    assert '{"code": "(403|409|422)", "swap": true, "error": false}' in html

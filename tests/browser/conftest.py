@@ -66,6 +66,14 @@ class WatchedPages:
         self.contexts: list[Any] = []
         self.problems: list[str] = []
         self.pages: list[Any] = []
+        self.allowed: list[str] = []
+
+    def allow(self, text: str) -> None:
+        """A console message the test provokes on purpose (e.g. a 422 it asserts on)."""
+        self.allowed.append(text)
+
+    def unexpected_problems(self) -> list[str]:
+        return [p for p in self.problems if not any(a in p for a in self.allowed)]
 
     def new(self, *, javascript: bool = True) -> Any:
         context = self.browser.new_context(
@@ -112,7 +120,7 @@ def pages(chromium: Any, live_server: Any) -> Iterator[WatchedPages]:
     watched = WatchedPages(chromium, live_server.url)
     yield watched
     violations = watched.csp_violations()
-    problems = list(watched.problems)
+    problems = watched.unexpected_problems()
     watched.close()
     assert not violations, f"CSP violations: {violations}"
     assert not problems, f"browser errors: {problems}"

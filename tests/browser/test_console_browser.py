@@ -100,6 +100,11 @@ def test_the_kill_switch_banner_appears_and_disappears_without_reload(
     expect(watcher.locator(".banner")).to_have_count(0)
 
     operator.goto("/")
+    # A mistake is explained in place (htmx swaps the 422 fragment).
+    pages.allow("the server responded with a status of 422")
+    operator.get_by_label("I understand this stops or resumes writes in this scope").check()
+    operator.get_by_role("button", name="Engage").click()
+    expect(operator.locator("#killswitch .error")).to_contain_text("Say why")
     operator.get_by_label("Scope", exact=True).fill("*")
     operator.get_by_label("Reason (required to engage; shown on every page)").fill("incident 42")
     operator.get_by_label("I understand this stops or resumes writes in this scope").check()
