@@ -43,6 +43,8 @@ from ownership.models import (
     ConflictClass,
     ConflictOrigin,
     ConflictStatus,
+    OnConflict,
+    OwnershipRecord,
     ResolutionChoice,
     Resource,
     ResourceVersion,
@@ -87,6 +89,21 @@ def conflict_payload(*, action: Action, conflict: Conflict, cls: ConflictClass) 
         "retryable_by_agent": cls.retryable_by_agent,
         "conflict_id": str(conflict.pk),
     }
+
+
+def run_holds_lease(*, action: Action, now: Any) -> bool:
+    """Does the action's run hold an active exclusive lease covering the resource?"""
+    leases = OwnershipRecord.objects.filter(
+        run_id=action.run_id,
+        kind_id=action.kind_id,
+        active=True,
+        exclusive=True,
+        expires_at__gt=now,
+    )
+    return any(
+        lease.name == action.name or (lease.is_prefix and action.name.startswith(lease.name))
+        for lease in leases
+    )
 
 
 def conflict_open_for_action(
@@ -145,6 +162,10 @@ def conflict_open_for_action(
             fields=three_way_diff(base, current, proposed),
         )
         payload = conflict_payload(action=action, conflict=conflict, cls=cls)
+        if cls.on_conflict == OnConflict.STOP_UNLESS_LEASE:
+            # Tell the resolver whether the run held an explicit lease: with one,
+            # nobody else could have written, so the later version is the run's own.
+            payload["lease_covered"] = run_holds_lease(action=action, now=now)
         action_transition(
             action_id=action.pk,
             from_statuses=(ActionStatus.QUEUED, ActionStatus.EXECUTING),
@@ -171,6 +192,7 @@ def conflict_open_for_action(
                 "base_version": base_version,
                 "current_version": resource.version,
                 "fields": [row["path"] for row in conflict.fields],
+                "lease_covered": payload.get("lease_covered"),
             },
         )
     return conflict

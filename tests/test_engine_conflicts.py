@@ -150,6 +150,9 @@ def test_person_classes_open_a_conflict_for_their_resolver_group(
         {"destinations": ["oncall"], "severity": "critical"},
     )
     assert action.error["retryable_by_agent"] is False
+    assert action.error.get("lease_covered") is (
+        False if slug == "replace_shared_document" else None
+    )
     conflict = Conflict.objects.get(pk=action.error["conflict_id"])
     assert conflict.status == "open" and conflict.resolver_group == group
     assert conflict.base_version == 1 and conflict.current_version == 2
