@@ -446,8 +446,19 @@ async def run_approve(spec: dict[str, Any]) -> dict[str, Any]:
 MODES = {"http": run_http, "longpoll": run_longpoll, "hot": run_hot, "approve": run_approve}
 
 
+def _load_spec(argv: list[str]) -> dict[str, Any]:
+    """The spec: JSON in argv[0], `@path` to a JSON file, or `-` for stdin."""
+    raw = argv[0] if argv else "-"
+    if raw == "-":
+        return dict(json.loads(sys.stdin.read()))
+    if raw.startswith("@"):
+        with open(raw[1:]) as handle:
+            return dict(json.load(handle))
+    return dict(json.loads(raw))
+
+
 def main(argv: list[str]) -> int:
-    spec = json.loads(argv[0] if argv and argv[0] != "-" else sys.stdin.read())
+    spec = _load_spec(argv)
     try:
         import uvloop
 

@@ -240,8 +240,19 @@ def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
 TASKS = {"core_write": core_write, "audit_append": audit_append, "seed_scale": seed_scale}
 
 
+def _load_spec(argv: list[str]) -> dict[str, Any]:
+    """The spec: JSON in argv[0], `@path` to a JSON file, or `-` for stdin."""
+    raw = argv[0] if argv else "-"
+    if raw == "-":
+        return dict(json.loads(sys.stdin.read()))
+    if raw.startswith("@"):
+        with open(raw[1:]) as handle:
+            return dict(json.load(handle))
+    return dict(json.loads(raw))
+
+
 def main(argv: list[str]) -> int:
-    spec = json.loads(argv[0])
+    spec = _load_spec(argv)
     _setup()
     result = TASKS[spec["task"]](spec)
     print(json.dumps(result, default=str))
