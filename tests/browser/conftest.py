@@ -13,9 +13,6 @@ from typing import Any
 
 import pytest
 
-# Playwright's sync API runs an event loop in this thread; the Django ORM calls
-# the tests make between browser steps are plain synchronous calls.
-os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -43,18 +40,30 @@ document.addEventListener('securitypolicyviolation', function (e) {
 """
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
+    """One browser per test module, closed afterwards: while Playwright's sync API
+    holds its event loop in this thread, Django would refuse ORM calls from the
+    tests, so the loop must not outlive the browser tests (and the escape hatch
+    below is scoped to them)."""
     if not os.path.exists(CHROMIUM):
         pytest.fail("Chromium is missing: run scripts/install-browser.sh")
     from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True
-        )
-        yield browser
-        browser.close()
+    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True
+            )
+            yield browser
+            browser.close()
+    finally:
+        if previous is None:
+            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        else:
+            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
 
 
 class WatchedPages:
