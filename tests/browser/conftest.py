@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 AXE = Path(__file__).resolve().parent / "vendor" / "axe.min.js"
