@@ -270,14 +270,36 @@ def test_a_redelivered_operation_writes_nothing_twice(prod_alerts: Any) -> None:
         open_operation(action_id=action.pk, fence=next_fence(), worker="w", lease_seconds=60)
 
 
+def _connect_patiently(seconds: float = 20.0) -> None:
+    """Open this thread's connection before the start line. Connection slots are an
+    environment precondition (a shared PostgreSQL may be briefly full), not the
+    invariant under test, so wait for one rather than fail."""
+    import time
+
+    from django.db import OperationalError
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            connection.ensure_connection()
+            return
+        except OperationalError:
+            connection.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _race(count: int, target: Any) -> list[Any]:
-    """Run `target(index)` in `count` threads released together; collect results."""
+    """Run `target(index)` in `count` threads released together (each already
+    connected, so they collide in the statement under test); collect results."""
     start = threading.Barrier(count)
     results: list[Any] = [None] * count
 
     def run(index: int) -> None:
         try:
-            start.wait()
+            _connect_patiently()
+            start.wait(timeout=60)
             results[index] = target(index)
         except BaseException as exc:
             results[index] = exc
