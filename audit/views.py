@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 from django.db.models import Q
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import render
+from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from approvals.models import Agent, Run
@@ -86,17 +87,34 @@ def audit_list(request: HttpRequest) -> HttpResponse:
     return render_fragment_or_page(request, "audit/audit.html", context, partial="list")
 
 
-def _verify() -> dict[str, Any]:
-    from audit.selectors import verify_chain
+# A full walk of a million-event chain takes seconds; the badge reuses the last
+# result while the head has not moved, for at most this long.
+VERIFY_CACHE_SECONDS = 300
+_VERIFY_CACHE_KEY = "airlock:console:audit-verify"
 
+
+def _verify(*, fresh: bool = False) -> dict[str, Any]:
+    """The core's verify_chain, cached per head (seq, hash) for VERIFY_CACHE_SECONDS."""
+    from django.core.cache import cache
+
+    from audit.selectors import audit_head, verify_chain
+
+    head = list(audit_head())
+    cached = None if fresh else cache.get(_VERIFY_CACHE_KEY)
+    if cached is not None and cached["head"] == head:
+        return dict(cached, cached=True)
     result = verify_chain()
-    return {
+    value = {
         "ok": result.ok,
         "events": result.events,
         "first_bad_seq": result.first_bad_seq,
         "head_hash": result.head_hash,
         "problem": result.problem,
+        "head": head,
+        "checked_at": timezone.now(),
     }
+    cache.set(_VERIFY_CACHE_KEY, value, VERIFY_CACHE_SECONDS)
+    return dict(value, cached=False)
 
 
 @console_page
@@ -104,7 +122,8 @@ def _verify() -> dict[str, Any]:
 def audit_verify_badge(request: HttpRequest) -> HttpResponse:
     """The chain-verification badge: head hash and count, or the first bad seq."""
     _require_reader(request)
-    return render(request, "audit/partials/_verify.html", {"verify": _verify()})
+    verify = _verify(fresh=request.GET.get("fresh") == "1")
+    return render(request, "audit/partials/_verify.html", {"verify": verify})
 
 
 def _event_json(event: AuditEvent) -> str:

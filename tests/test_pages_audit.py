@@ -38,7 +38,7 @@ def test_events_link_to_their_objects(people: People, events: list[AuditEvent]) 
     assert f'href="/resources/{events[0].resource}/"' in html
     assert f'href="/runs/{events[0].run_id}/"' in html
     assert f'href="/actions/{events[0].action_id}/"' in html
-    assert '{&quot;version&quot;: 2}' in html  # the details, as one line of JSON
+    assert "{&quot;version&quot;: 2}" in html  # the details, as one line of JSON
 
 
 @pytest.mark.parametrize(
@@ -111,3 +111,21 @@ def test_the_audit_page_paginates_with_bounded_queries(
     before = first.split("before=")[1].split('"')[0]
     second = client.get(f"/audit/?before={before}").content.decode()
     assert second.count("<code>test.event</code>") == 50
+
+
+def test_the_badge_reuses_its_result_until_the_head_moves(
+    people: People, events: list[AuditEvent]
+) -> None:
+    from django.core.cache import cache
+
+    cache.clear()
+    client = client_for(people.auditor)
+    first = client.get("/audit/verify/").content.decode()
+    assert "Chain verified</span>: 3 events" in first and "cached" not in first
+    again = client.get("/audit/verify/").content.decode()
+    assert "3 events" in again and "cached while the head is unchanged" in again
+    audit_append(event_type="test.event", actor=Actor.system())
+    moved = client.get("/audit/verify/").content.decode()
+    assert "4 events" in moved and "cached while" not in moved
+    fresh = client.get("/audit/verify/?fresh=1").content.decode()
+    assert "4 events" in fresh and "cached while" not in fresh
