@@ -62,7 +62,9 @@ def signed_in(request: HttpRequest) -> User:
 
 
 def is_htmx(request: HttpRequest) -> bool:
-    return bool(getattr(request, "htmx", False))
+    """An htmx request that wants a fragment (a history restore wants the whole page)."""
+    htmx = getattr(request, "htmx", None)
+    return bool(htmx) and not htmx.history_restore_request
 
 
 def render_fragment_or_page(

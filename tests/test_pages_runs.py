@@ -124,3 +124,10 @@ def test_the_timeline_stops_polling_once_the_run_ended_and_its_actions_are_final
     world.action.status = "cancelled"
     world.action.save(update_fields=["status"])
     assert client.get(url, HTTP_HX_REQUEST="true").status_code == 286
+
+
+def test_a_history_restore_gets_the_whole_page(people: People, world: World) -> None:
+    response = client_for(people.operator).get(
+        "/runs/?status=active", HTTP_HX_REQUEST="true", HTTP_HX_HISTORY_RESTORE_REQUEST="true"
+    )
+    assert "<html" in response.content.decode()
