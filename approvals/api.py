@@ -24,6 +24,7 @@ from ninja import Field, Query, Router, Schema
 from pydantic import ConfigDict
 
 from approvals.models import (
+    FINAL_ACTION_STATUSES,
     Action,
     Approval,
     ApprovalStatus,
@@ -39,6 +40,7 @@ from approvals.services import runs as run_services
 from approvals.services.idempotency import key_check
 from approvals.services.tokens import Principal
 from console.api_support import (
+    TEXT_PATTERN,
     TIME_CURSOR_PATTERN,
     JsonInt,
     iso,
@@ -93,7 +95,7 @@ class WriteSetEntryIn(Schema):
 class RunCreateIn(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    task: str = Field(..., min_length=1, max_length=2000)
+    task: str = Field(..., min_length=1, max_length=2000, pattern=TEXT_PATTERN)
     write_set: list[WriteSetEntryIn] = Field(..., min_length=1, max_length=100)
     ttl_seconds: JsonInt | None = Field(
         None, ge=run_services.MIN_TTL_SECONDS, le=settings.AIRLOCK_RUN_MAX_TTL_SECONDS
@@ -247,7 +249,7 @@ class DecisionIn(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     decision: Literal["approve", "reject"]
-    comment: str = Field("", max_length=2000)
+    comment: str = Field("", max_length=2000, pattern=TEXT_PATTERN)
 
 
 # --- Serialisation ---------------------------------------------------------------
@@ -554,15 +556,53 @@ def parse_prefer_wait(raw: str | None) -> int | None:
 class ActionState:
     etag: str
     final: bool
-    body: bytes
+    body: bytes  # empty when the answer will not need it (304, or still holding)
 
 
-def _action_state(principal: Principal, action_id: uuid.UUID, close: bool) -> ActionState:
+def _action_head(principal: Principal, action_id: uuid.UUID) -> tuple[str, bool]:
+    """One indexed read: the action's ETag and finality, after the read permission."""
+    row = (
+        Action.objects.filter(pk=action_id)
+        .values_list("agent_id", "kind__owner_group", "revision", "status")
+        .first()
+    )
+    if row is None:
+        raise NotFound(f"Action {action_id} not found.")
+    agent_id, owner_group, revision, status = row
+    if principal.kind in ("agent", "run"):
+        allowed = principal.agent is not None and principal.agent.pk == agent_id
+    else:
+        from console.permissions import user_groups
+
+        allowed = can_read_everything(principal.user) or owner_group in user_groups(principal.user)
+    if not allowed:
+        raise NotFound(f"Action {action_id} not found.")
+    return f'"a{revision}"', status in FINAL_ACTION_STATUSES
+
+
+def _action_state(
+    principal: Principal,
+    action_id: uuid.UUID,
+    condition: action_services.TagCondition | None,
+    hold: bool,
+    close: bool,
+) -> ActionState:
+    """Read the action; build the body only when the answer is a 200 now.
+
+    The hot poll path (If-None-Match still current, or a waiter re-checking
+    after a wake-up) costs one indexed read.
+    """
     try:
-        action = action_services.action_get_for(principal, action_id)
+        etag, final = _action_head(principal, action_id)
+        state = ActionState(etag=etag, final=final, body=b"")
+        if hold and _should_hold(state, condition):
+            return state
+        if condition is not None and condition.weak_match(etag):
+            return state
+        action = _load_action(action_id)
         return ActionState(etag=action.etag, final=action.is_final, body=action_body(action))
     finally:
-        if close:
+        if close and not connection.in_atomic_block:
             # Hand the connection back (to the pool) before the request waits.
             connection.close()
 
@@ -635,12 +675,14 @@ async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse
     principal = principal_of(request)
     wait = parse_prefer_wait(request.headers.get("Prefer"))
     condition = action_services.read_condition(request.headers.get("If-None-Match"))
+    read = sync_to_async(_action_state)
     if not wait:
-        state = await sync_to_async(_action_state)(principal, action_id, False)
+        state = await read(principal, action_id, condition, False, False)
         return _action_response(state, condition, wait)
+    # Subscribe before the first read, so a change committed in between still wakes us.
     event, live = await action_waiters.register(action_id)
     try:
-        state = await sync_to_async(_action_state)(principal, action_id, True)
+        state = await read(principal, action_id, condition, True, True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while _should_hold(state, condition):
@@ -654,9 +696,12 @@ async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse
                 if remaining <= recheck:
                     break
             event.clear()
-            state = await sync_to_async(_action_state)(principal, action_id, True)
+            state = await read(principal, action_id, condition, True, True)
     finally:
         action_waiters.unregister(action_id, event)
+    if not state.body and not (condition is not None and condition.weak_match(state.etag)):
+        # Timed out holding an unfinished action without If-None-Match: answer its state.
+        state = await read(principal, action_id, condition, False, False)
     return _action_response(state, condition, wait)
 
 

@@ -78,7 +78,8 @@ class ActionWaiters:
 
     @property
     def waiting(self) -> int:
-        return sum(len(events) for events in self._events.values())
+        # Read from other threads (/metrics): copy before iterating.
+        return sum(len(events) for events in list(self._events.values()))
 
     async def _ensure_listening(self) -> bool:
         loop = asyncio.get_running_loop()

@@ -238,7 +238,7 @@ class KillSwitchEngageIn(Schema):
 
     engaged: Annotated[Literal[True], BeforeValidator(json_bool)]
     scope: str = _SCOPE_FIELD
-    reason: str = Field(..., min_length=1, max_length=1000, pattern=r"\S")
+    reason: str = Field(..., min_length=1, max_length=1000, pattern=r"^[^\x00]*\S[^\x00]*$")
 
 
 class KillSwitchReleaseIn(Schema):
@@ -246,7 +246,7 @@ class KillSwitchReleaseIn(Schema):
 
     engaged: Annotated[Literal[False], BeforeValidator(json_bool)]
     scope: str = _SCOPE_FIELD
-    reason: str = Field("", max_length=1000)
+    reason: str = Field("", max_length=1000, pattern=r"^[^\x00]*$")
 
 
 def _switch_json(switch: Any) -> dict[str, Any]:

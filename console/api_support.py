@@ -24,6 +24,8 @@ from console.problems import ApiError
 logger = logging.getLogger("airlock.api")
 
 JSON_CONTENT_TYPE = "application/json"
+# PostgreSQL text and jsonb cannot hold NUL: free text is any string without it.
+TEXT_PATTERN = r"^[^\x00]*$"
 
 
 def _json_int(value: Any) -> Any:

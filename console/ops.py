@@ -192,7 +192,15 @@ def metrics(request: HttpRequest) -> HttpResponse:
                 detail="Send Authorization: Bearer <METRICS_TOKEN>.",
                 headers={"WWW-Authenticate": 'Bearer realm="metrics"'},
             )
-    lines = [*_domain_metrics(), *_request_metrics()]
+    from approvals.notify import action_waiters
+
+    lines = [
+        *_domain_metrics(),
+        *_request_metrics(),
+        "# HELP airlock_longpoll_waiters Long-poll requests held by this process.",
+        "# TYPE airlock_longpoll_waiters gauge",
+        f"airlock_longpoll_waiters {action_waiters.waiting}",
+    ]
     lines.append(f"airlock_metrics_generated_at_seconds {timezone.now().timestamp():.3f}")
     return HttpResponse(
         "\n".join(lines) + "\n", content_type="text/plain; version=0.0.4; charset=utf-8"

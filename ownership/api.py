@@ -21,6 +21,7 @@ from approvals.services import actions as action_services
 from approvals.services import idempotency
 from console.api_support import (
     RESOURCE_CURSOR_PATTERN,
+    TEXT_PATTERN,
     TIME_CURSOR_PATTERN,
     JsonInt,
     iso,
@@ -89,8 +90,8 @@ class ConflictClassList(Schema):
 class ConflictClassIn(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    name: str = Field(..., min_length=1, max_length=200)
-    description: str = Field("", max_length=5000)
+    name: str = Field(..., min_length=1, max_length=200, pattern=TEXT_PATTERN)
+    description: str = Field("", max_length=5000, pattern=TEXT_PATTERN)
     approval_mode: Literal["per_run", "per_call"]
     on_conflict: Literal[
         "retry", "recompute", "present_candidates", "request_review", "stop_unless_lease"
@@ -100,16 +101,16 @@ class ConflictClassIn(Schema):
     undo_window_seconds: JsonInt = Field(600, ge=0, le=2_592_000)
     approval_ttl_seconds: JsonInt = Field(172_800, ge=60, le=2_592_000)
     escalation_seconds: JsonInt = Field(0, ge=0, le=2_592_000)
-    escalation_group: str = Field("", max_length=150)
+    escalation_group: str = Field("", pattern=r"^[A-Za-z0-9._-]{0,150}$")
     forbid_agent_owner_approval: bool = True
 
 
 class KindClasses(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    create: str = Field(..., max_length=64)
-    update: str = Field(..., max_length=64)
-    delete: str = Field(..., max_length=64)
+    create: str = Field(..., pattern=KIND_PATTERN)
+    update: str = Field(..., pattern=KIND_PATTERN)
+    delete: str = Field(..., pattern=KIND_PATTERN)
 
 
 class ResourceKindIn(Schema):
@@ -118,9 +119,9 @@ class ResourceKindIn(Schema):
     classes: KindClasses
     owner_group: str = Field(..., pattern=r"^[A-Za-z0-9._-]{1,150}$")
     undo_window_seconds: JsonInt | None = Field(None, ge=0, le=2_592_000)
-    description: str = Field("", max_length=5000)
+    description: str = Field("", max_length=5000, pattern=TEXT_PATTERN)
     target: Literal["managed", "http"] = "managed"
-    target_url: str = Field("", max_length=200)
+    target_url: str = Field("", max_length=200, pattern=TEXT_PATTERN)
 
 
 class ResourceKindOut(Schema):
@@ -183,8 +184,9 @@ class ResolutionIn(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     choice: Literal["keep_current", "take_proposed", "merge"]
+    # Keys are JSON pointers of the conflict's fields (checked by the service).
     fields: dict[str, Literal["current", "proposed"]] = Field(default_factory=dict)
-    comment: str = Field("", max_length=2000)
+    comment: str = Field("", max_length=2000, pattern=TEXT_PATTERN)
 
 
 # --- Resources: reads ----------------------------------------------------------------

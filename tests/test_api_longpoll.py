@@ -125,7 +125,16 @@ def test_two_hundred_concurrent_waiters_are_held_and_all_answered(api_server: An
                 return response.status_code, status, time.monotonic()
 
             waiters = [asyncio.create_task(wait(actions[n % 50])) for n in range(200)]
-            await asyncio.sleep(3.0)
+            # Wait until the server holds all 200 (its own gauge says so).
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                metrics = (await client.get(f"{api_server.url}/metrics")).text
+                if "airlock_longpoll_waiters 200" in metrics:
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("the server never held 200 waiters")
+            await asyncio.sleep(0.5)
             assert not any(task.done() for task in waiters), "waiters answered before a change"
             # While 200 requests are held, the server still answers others at once
             # (its 4 pooled connections are not held by the waiters).
