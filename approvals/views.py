@@ -35,6 +35,16 @@ from approvals.models import (
     Run,
     RunStatus,
 )
+from approvals.selectors import (
+    action_list_for_actor,
+    approval_get_for_person,
+    approval_list_for_person,
+    run_list_for_actor,
+)
+from approvals.services import tokens as token_services
+from approvals.services.decisions import approval_decide
+from approvals.services.runs import run_revoke
+from approvals.services.tokens import token_revoke
 from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError, NotFound
@@ -62,13 +72,11 @@ INBOX_PAGE = 25
 
 
 def runs_visible_to(user: Any) -> Any:
-    from approvals.selectors import run_list_for_actor
 
     return run_list_for_actor(user)
 
 
 def actions_visible_to(user: Any) -> Any:
-    from approvals.selectors import action_list_for_actor
 
     return action_list_for_actor(user)
 
@@ -102,7 +110,6 @@ def _approval_rows(approvals: list[Approval]) -> list[dict[str, Any]]:
 
 def _approvals_for(user: Any, *, status: str | None = ApprovalStatus.PENDING) -> Any:
     """The engine's selector: approvals this person may decide, oldest first."""
-    from approvals.selectors import approval_list_for_person
 
     return (
         approval_list_for_person(user, status=status)
@@ -153,8 +160,6 @@ def _uuid_or_none(value: str) -> uuid.UUID | None:
 @require_POST
 def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
     """One decision on one approval; there is deliberately no bulk variant."""
-    from approvals.selectors import approval_get_for_person
-    from approvals.services.decisions import approval_decide
 
     user = request.user
     try:
@@ -331,7 +336,6 @@ def run_revoke_view(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
         return render_fragment_or_page(
             request, "approvals/run.html", context, partial="revoke", status=422
         )
-    from approvals.services.runs import run_revoke
 
     try:
         run_revoke(run=run, actor=Actor.person(request.user), reason=form.cleaned_data["reason"])
@@ -408,9 +412,7 @@ def personal_token_create(request: HttpRequest) -> HttpResponse:
             _tokens_context(request, personal_form=form),
             status=422,
         )
-    from approvals.services.tokens import personal_token_create as create
-
-    token, secret = create(
+    token, secret = token_services.personal_token_create(
         user=request.user, label=form.cleaned_data["label"], actor=Actor.person(request.user)
     )
     return _show_secret(request, what=f"personal token {token.prefix}…", secret=secret)
@@ -422,7 +424,6 @@ def personal_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
     token = PersonalToken.objects.filter(pk=token_id, user=signed_in(request)).first()
     if token is None:
         raise Http404("No such token")
-    from approvals.services.tokens import token_revoke
 
     token_revoke(token=token, actor=Actor.person(request.user))
     messages.success(request, f"Token {token.prefix}… revoked.")
@@ -438,10 +439,8 @@ def agent_create(request: HttpRequest) -> HttpResponse:
         return render(
             request, "approvals/tokens.html", _tokens_context(request, agent_form=form), status=422
         )
-    from approvals.services.tokens import agent_create as create
-
     try:
-        agent, secret = create(
+        agent, secret = token_services.agent_create(
             name=form.cleaned_data["name"],
             description=form.cleaned_data["description"],
             actor=Actor.person(request.user),
@@ -471,9 +470,7 @@ def agent_token_create(request: HttpRequest, agent_id: uuid.UUID) -> HttpRespons
     form = AgentTokenCreateForm(request.POST)
     if not form.is_valid():
         return render(request, "approvals/tokens.html", _tokens_context(request), status=422)
-    from approvals.services.tokens import agent_token_create as create
-
-    _token, secret = create(
+    _token, secret = token_services.agent_token_create(
         agent=agent, label=form.cleaned_data["label"], actor=Actor.person(request.user)
     )
     return _show_secret(request, what=f"agent token for {agent.name}", secret=secret)
@@ -485,7 +482,6 @@ def agent_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
     if not permissions.is_admin(request.user):
         raise PermissionDenied("Only admins revoke agent tokens.")
     token = get_object_or_404(AgentToken, pk=token_id)
-    from approvals.services.tokens import token_revoke
 
     token_revoke(token=token, actor=Actor.person(request.user))
     messages.success(request, f"Agent token {token.prefix}… revoked.")

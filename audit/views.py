@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from django.contrib.auth.models import User
+from django.core.cache import cache
 from django.db.models import Q
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import render
@@ -16,6 +17,7 @@ from django.views.decorators.http import require_GET
 from approvals.models import Agent, Run
 from audit.forms import AuditFilterForm
 from audit.models import AuditEvent
+from audit.selectors import audit_head, audit_queryset, verify_chain
 from console import permissions
 from console.views import console_page, forbid_unless, query_without, render_fragment_or_page
 
@@ -24,7 +26,6 @@ PAGE = 50
 
 def _filtered(request: HttpRequest, form: AuditFilterForm) -> Any:
     """The core's audit_queryset for the structured filters, plus agent/person/time."""
-    from audit.selectors import audit_queryset
 
     if not form.is_valid():
         return audit_queryset({})
@@ -95,9 +96,6 @@ _VERIFY_CACHE_KEY = "airlock:console:audit-verify"
 
 def _verify(*, fresh: bool = False) -> dict[str, Any]:
     """The core's verify_chain, cached per head (seq, hash) for VERIFY_CACHE_SECONDS."""
-    from django.core.cache import cache
-
-    from audit.selectors import audit_head, verify_chain
 
     head = list(audit_head())
     cached = None if fresh else cache.get(_VERIFY_CACHE_KEY)

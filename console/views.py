@@ -28,12 +28,15 @@ from django.utils.cache import patch_vary_headers
 from django.views.decorators.http import require_GET, require_POST
 
 from approvals.models import Action, ActionStatus
+from approvals.selectors import pending_approval_count
 from audit.models import AuditEvent
 from console import permissions
 from console.core.errors import DomainError
 from console.forms import KillSwitchForm
 from console.models import KillSwitch
+from console.services import kill_switch_set
 from ownership.models import ConflictStatus
+from ownership.selectors import conflict_list_for_person, open_conflict_count
 
 V = TypeVar("V", bound=Callable[..., HttpResponseBase])
 
@@ -64,7 +67,7 @@ def signed_in(request: HttpRequest) -> User:
 def is_htmx(request: HttpRequest) -> bool:
     """An htmx request that wants a fragment (a history restore wants the whole page)."""
     htmx = getattr(request, "htmx", None)
-    return bool(htmx) and not htmx.history_restore_request
+    return htmx is not None and bool(htmx) and not htmx.history_restore_request
 
 
 def render_fragment_or_page(
@@ -145,8 +148,6 @@ def dashboard_counts(user: Any) -> dict[str, Any]:
         paused=Count("id", filter=Q(status=ActionStatus.PAUSED)),
         failed_last_hour=Count("id", filter=Q(status=ActionStatus.FAILED)),
     )
-    from approvals.selectors import pending_approval_count
-    from ownership.selectors import conflict_list_for_person, open_conflict_count
 
     conflicts_all = conflict_list_for_person(user, status=ConflictStatus.OPEN).count()
     pending = pending_approval_count(user)
@@ -200,8 +201,6 @@ def dashboard_counts_fragment(request: HttpRequest) -> HttpResponse:
 @require_GET
 def nav_count(request: HttpRequest, what: str) -> HttpResponse:
     """A badge in the navigation: approvals waiting for me, or conflicts I may resolve."""
-    from approvals.selectors import pending_approval_count
-    from ownership.selectors import open_conflict_count
 
     if what == "approvals":
         count, label = pending_approval_count(request.user), "waiting for you"
@@ -234,7 +233,6 @@ def killswitch_set(request: HttpRequest) -> HttpResponse:
         return render_fragment_or_page(
             request, "console/dashboard.html", context, partial="killswitch", status=422
         )
-    from console.services import kill_switch_set
 
     data = form.cleaned_data
     engaged = data["action"] == "engage"

@@ -14,6 +14,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from approvals.models import Operation, OperationStatus
+from approvals.services.undo import action_undo_request
 from console import permissions
 from console.core.errors import DomainError, NotFound
 from console.views import (
@@ -29,6 +30,8 @@ from console.views import (
     query_without,
     render_fragment_or_page,
 )
+from ownership.catalog import conflict_class_put, resource_kind_put
+from ownership.diff import default_choice, three_way_diff
 from ownership.forms import (
     ConflictClassForm,
     ResolutionForm,
@@ -45,6 +48,8 @@ from ownership.models import (
     ResourceKind,
     ResourceVersion,
 )
+from ownership.selectors import conflict_get_for_person, conflict_list_for_person, resource_list
+from ownership.services import conflict_may_resolve, conflict_merge_preview, conflict_resolve
 
 EVENT_CONFLICTS = "conflicts-changed"
 _MISSING = object()
@@ -59,7 +64,6 @@ def _show(row: dict[str, Any], side: str) -> str:
 
 def _field_rows(conflict: Conflict) -> list[dict[str, Any]]:
     """The engine's field-level three-way diff, with display text and default choice."""
-    from ownership.diff import default_choice, three_way_diff
 
     fields = conflict.fields or three_way_diff(
         conflict.base_document, conflict.current_document, conflict.proposed_document
@@ -76,7 +80,6 @@ def _field_rows(conflict: Conflict) -> list[dict[str, Any]]:
 
 
 def _conflict_for(user: Any, conflict_id: uuid.UUID) -> Conflict:
-    from ownership.selectors import conflict_get_for_person
 
     try:
         return conflict_get_for_person(user, conflict_id)
@@ -85,13 +88,11 @@ def _conflict_for(user: Any, conflict_id: uuid.UUID) -> Conflict:
 
 
 def _may_resolve(user: Any, conflict: Conflict) -> bool:
-    from ownership.services import conflict_may_resolve
 
     return conflict_may_resolve(conflict=conflict, person=user)
 
 
 def _preview(conflict: Conflict, choices: dict[str, str] | None) -> str:
-    from ownership.services import conflict_merge_preview
 
     return pretty(conflict_merge_preview(conflict=conflict, fields=choices))
 
@@ -125,7 +126,6 @@ def conflicts_list(request: HttpRequest) -> HttpResponse:
     user = request.user
     scope = request.GET.get("scope", "mine")
     status = request.GET.get("status", "open")
-    from ownership.selectors import conflict_list_for_person
 
     conflicts = conflict_list_for_person(
         user,
@@ -194,7 +194,6 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
         )
     choice = form.cleaned_data["choice"]
     fields = _choices_from(request, conflict) if choice == "merge" else {}
-    from ownership.services import conflict_resolve
 
     try:
         conflict_resolve(
@@ -235,7 +234,6 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
 
 def resources_visible_to(user: Any) -> Any:
     """Every signed-in person reads resources (as with a personal token in the API)."""
-    from ownership.selectors import resource_list
 
     return resource_list()
 
@@ -357,7 +355,6 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
         return after_post(
             request, redirect_to=reverse("resource_detail", args=[resource.identifier]), trigger=()
         )
-    from approvals.services.undo import action_undo_request
 
     try:
         action_undo_request(action_id=operation.action_id, actor=request.user)
@@ -419,7 +416,6 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
             _catalog_context(request, class_form=form),
             status=422,
         )
-    from ownership.catalog import conflict_class_put
 
     data = dict(form.cleaned_data)
     slug = data.pop("slug")
@@ -446,7 +442,6 @@ def resource_kind_save(request: HttpRequest) -> HttpResponse:
         return render(
             request, "ownership/catalog.html", _catalog_context(request, kind_form=form), status=422
         )
-    from ownership.catalog import resource_kind_put
 
     data = dict(form.cleaned_data)
     slug = data.pop("slug")
