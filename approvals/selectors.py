@@ -127,7 +127,17 @@ def run_list_for_actor(actor: Any) -> QuerySet[Run]:
         return qs.filter(agent=actor)
     if can_read_everything(actor):
         return qs
-    return qs.filter(agent__owner=actor) if getattr(actor, "pk", None) else qs.none()
+    if not getattr(actor, "pk", None):
+        return qs.none()
+    # Resource owners and resolvers also see the runs that wrote (or tried to write)
+    # their resources: the console links a conflict or a version to its run.
+    groups = user_groups(actor)
+    touching = Action.objects.filter(run=OuterRef("pk")).filter(
+        Q(resource__owner_group__in=groups)
+        | Q(kind__owner_group__in=groups)
+        | Q(conflicts__resolver_group__in=groups)
+    )
+    return qs.filter(Q(agent__owner=actor) | Exists(touching))
 
 
 def run_get_for_actor(actor: Any, run_id: Any) -> Run:

@@ -131,3 +131,14 @@ def test_a_history_restore_gets_the_whole_page(people: People, world: World) -> 
         "/runs/?status=active", HTTP_HX_REQUEST="true", HTTP_HX_HISTORY_RESTORE_REQUEST="true"
     )
     assert "<html" in response.content.decode()
+
+
+def test_owners_and_resolvers_see_the_runs_that_touched_their_resources(
+    people: People, world: World
+) -> None:
+    for who in ("owner", "release_owner"):  # platform owns the resource; rita resolves
+        client = client_for(getattr(people, who))
+        assert client.get(f"/runs/{world.run.id}/").status_code == 200
+        assert f"/runs/{world.run.id}/" in client.get("/runs/").content.decode()
+    # The pending run has no action yet: only operators, admins and auditors see it.
+    assert client_for(people.owner).get(f"/runs/{world.pending_run.id}/").status_code == 404
