@@ -527,6 +527,31 @@ def run_finish(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     return json_response(run_json(run))
 
 
+class RevokeIn(Schema):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    reason: str = Field(..., min_length=1, max_length=1000, pattern=r"^[^\x00]*\S[^\x00]*$")
+
+
+@router.post(
+    "/runs/{run_id}/revoke",
+    auth=person_token,
+    response={200: RunOut, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
+    summary="Revoke a run (operators): ownership freed, unexecuted actions cancelled",
+    tags=["runs"],
+)
+def run_revoke(request: HttpRequest, run_id: uuid.UUID, payload: RevokeIn) -> HttpResponse:
+    principal = principal_of(request)
+    if not can_decide_approvals(principal.user):
+        raise ApiError("Revoking a run needs the operator role.", code="forbidden")
+    run = Run.objects.select_related("agent").filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"Run {run_id} not found.")
+    rate_limit_writes(principal)
+    run = run_services.run_revoke(run=run, actor=principal.actor, reason=payload.reason)
+    return json_response(run_json(run))
+
+
 # --- Actions -------------------------------------------------------------------
 
 _WAIT = re.compile(r"^\s*wait\s*=\s*(\d{1,6})\s*$", re.I)

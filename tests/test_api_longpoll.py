@@ -106,6 +106,8 @@ def test_two_hundred_concurrent_waiters_are_held_and_all_answered(api_server: An
     run, actions = queued_actions(50)
     headers = {"Authorization": f"Bearer {run.token}"}
 
+    timings: dict[str, float] = {}
+
     async def scenario() -> list[tuple[int, str, float]]:
         limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
         async with httpx.AsyncClient(limits=limits, timeout=60) as client:
@@ -145,15 +147,22 @@ def test_two_hundred_concurrent_waiters_are_held_and_all_answered(api_server: An
             assert probe.status_code == 200 and time.monotonic() - started < 2.0
             changed_at = time.monotonic()
             await asyncio.to_thread(cancel_all, actions)
+            last_change = time.monotonic()
             results = await asyncio.gather(*waiters)
+            timings["changes"] = last_change - changed_at
+            timings["after_last_change"] = max(t for _, _, t in results) - last_change
             return [(s, st, t - changed_at) for s, st, t in results]
 
     results = asyncio.run(scenario())
     assert len(results) == 200
     assert {(status, state) for status, state, _ in results} == {(200, "cancelled")}
     slowest = max(delay for _, _, delay in results)
-    print(f"200 waiters answered; slowest {slowest * 1000:.0f} ms after the changes began")
-    assert slowest < 10.0
+    print(
+        f"200 waiters answered; the 50 changes took {timings['changes'] * 1000:.0f} ms, "
+        f"the last answer came {timings['after_last_change'] * 1000:.0f} ms after the last "
+        f"change (slowest {slowest * 1000:.0f} ms after the first)"
+    )
+    assert timings["after_last_change"] < 5.0
 
 
 def cancel_all(actions: list[Action]) -> None:

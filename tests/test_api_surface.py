@@ -449,3 +449,16 @@ def test_another_agents_run_token_cannot_read_or_cancel_its_actions(
     action = body(propose(api, run))
     other = make_agent_with_token("other-bot")
     assert api.post(f"/api/v1/actions/{action['id']}/cancel", token=other.token).status_code == 404
+
+
+def test_operators_revoke_a_run(api: Any, run: Any, operator: Any, outsider: Any) -> None:
+    url = f"/api/v1/runs/{run.run.pk}/revoke"
+    assert api.post(url, token=outsider.token, body={"reason": "x"}).status_code == 403
+    assert api.post(url, token=run.token, body={"reason": "x"}).status_code == 403
+    revoked = api.post(url, token=operator.token, body={"reason": "leaked token"})
+    assert revoked.status_code == 200
+    assert body(revoked)["status"] == "revoked"
+    assert body(revoked)["status_reason"] == "leaked token"
+    again = api.post(url, token=operator.token, body={"reason": "again"})
+    assert again.status_code == 200
+    assert AuditEvent.objects.filter(event_type="run.revoked").count() == 1
