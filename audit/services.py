@@ -2,12 +2,13 @@
 
 Every service writes its audit event through `audit_append`, inside the same
 transaction as the change it records. Appends are serialised on the AuditHead
-row: `UPDATE audit_audithead SET seq = seq + 1 … RETURNING` takes its row lock
-until the caller commits, so concurrent writers never fork the chain and seq
-stays contiguous in commit order (a rolled-back append rolls back the head too).
+row: the append locks it (FOR UPDATE) until the caller commits, so concurrent
+writers never fork the chain and seq stays contiguous in commit order (a
+rolled-back append rolls back the head too).
 
-Two statements per append, no savepoint: the head bump, then the INSERT of the
-event and the head's new hash in one round trip (a data-modifying CTE).
+On PostgreSQL an append is ONE statement (see _APPEND) and opens no transaction
+or savepoint of its own. `audit_append_many` appends a batch with one head lock,
+one multi-row INSERT and one head update.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -127,6 +129,49 @@ def _as_uuid(value: uuid.UUID | str | None) -> uuid.UUID | None:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """One event's stored columns, and its hashed fields with seq left at 0."""
+
+    columns: dict[str, Any]
+    fields: dict[str, Any]
+
+
+def _prepare(
+    *,
+    event_type: str,
+    actor: Actor,
+    resource: str = "",
+    run_id: uuid.UUID | str | None = None,
+    action_id: uuid.UUID | str | None = None,
+    details: dict[str, Any] | None = None,
+    request_id: str | None = None,
+) -> _Prepared:
+    rid = request_id if request_id is not None else current_request_id()
+    # Cleaned and clipped to the column limits before hashing, so the hash
+    # covers exactly what is stored.
+    columns: dict[str, Any] = {
+        "created_at": timezone.now(),
+        "actor_type": actor.type,
+        "actor_id": _storable(actor.id)[:64],
+        "actor_label": _storable(actor.label)[:200],
+        "request_id": _storable(rid)[:128],
+        "event_type": _storable(event_type)[:64],
+        "resource": _storable(resource)[:320],
+        "run_id": _as_uuid(run_id),
+        "action_id": _as_uuid(action_id),
+        "details": clean_details(details),
+    }
+    return _Prepared(columns, hashed_fields(seq=0, **columns))
+
+
+def _event(prepared: _Prepared, *, seq: int, prev_hash: str, digest: str) -> AuditEvent:
+    event = AuditEvent(seq=seq, prev_hash=prev_hash, hash=digest, **prepared.columns)
+    event._state.adding = False
+    event._state.db = "default"
+    return event
+
+
 def audit_append(
     *,
     event_type: str,
@@ -142,102 +187,70 @@ def audit_append(
     Locks the AuditHead row until the caller commits: keep it the last step
     of a transaction so the lock is held briefly.
     """
-    details_clean = clean_details(details)
-    run_uuid = _as_uuid(run_id)
-    action_uuid = _as_uuid(action_id)
-    rid = (request_id if request_id is not None else current_request_id())[:128]
-    # Column limits applied before hashing, so the hash covers what is stored.
-    actor = Actor(actor.type, _storable(actor.id)[:64], _storable(actor.label)[:200])
-    event_type = _storable(event_type)[:64]
-    resource = _storable(resource)[:320]
-    rid = _storable(rid)
-    created_at = timezone.now()
-    fields = hashed_fields(
-        seq=0,
-        created_at=created_at,
-        actor_type=actor.type,
-        actor_id=actor.id,
-        actor_label=actor.label,
-        request_id=rid,
+    prepared = _prepare(
         event_type=event_type,
+        actor=actor,
         resource=resource,
-        run_id=run_uuid,
-        action_id=action_uuid,
-        details=details_clean,
+        run_id=run_id,
+        action_id=action_id,
+        details=details,
+        request_id=request_id,
     )
-    template = canonical_json({"event": fields, "prev_hash": ""})
+    if connection.vendor != "postgresql":
+        return _append_batch([prepared])[0]
+    template = canonical_json({"event": prepared.fields, "prev_hash": ""})
     if not template.endswith(_HASH_SUFFIX):  # the field set changed: fix _APPEND
         raise RuntimeError("audit hash layout is not <prefix><seq>},prev_hash")
+    columns = prepared.columns
     params: list[Any] = [
         template[: -len(_HASH_SUFFIX)],
-        created_at,
-        actor.type,
-        actor.id,
-        actor.label,
-        rid,
-        event_type,
-        resource,
-        run_uuid,
-        action_uuid,
-        json.dumps(details_clean, ensure_ascii=False),
+        columns["created_at"],
+        columns["actor_type"],
+        columns["actor_id"],
+        columns["actor_label"],
+        columns["request_id"],
+        columns["event_type"],
+        columns["resource"],
+        columns["run_id"],
+        columns["action_id"],
+        json.dumps(columns["details"], ensure_ascii=False),
     ]
-    if connection.vendor == "postgresql":
-        # One statement is atomic by itself: no BEGIN/COMMIT round trips of our
-        # own when the caller is in autocommit (inside its transaction it is
-        # simply the transaction's last statement).
+    # One statement is atomic by itself: no BEGIN/COMMIT round trips of our own
+    # when the caller is in autocommit (inside its transaction it is simply the
+    # transaction's last statement).
+    row = _execute_append(params)
+    if row is None:  # the head row is missing (a flushed test database)
+        AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
         row = _execute_append(params)
-        if row is None:  # the head row is missing (a flushed test database)
-            AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
-            row = _execute_append(params)
-        assert row is not None
-        seq, prev_hash, digest = int(row[0]), str(row[1]), str(row[2])
-    else:
-        with transaction.atomic(savepoint=False):
-            seq, prev_hash, digest = _append_portable(fields, params)
-    event = AuditEvent(
-        seq=seq,
-        created_at=created_at,
-        actor_type=actor.type,
-        actor_id=actor.id,
-        actor_label=actor.label,
-        request_id=rid,
-        event_type=event_type,
-        resource=resource,
-        run_id=run_uuid,
-        action_id=action_uuid,
-        details=details_clean,
-        prev_hash=prev_hash,
-        hash=digest,
-    )
-    event._state.adding = False
-    event._state.db = "default"
-    return event
+    assert row is not None
+    return _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
 
 
-def _append_portable(fields: dict[str, Any], params: list[Any]) -> tuple[int, str, str]:
-    """The same append without PostgreSQL's sha256 (the embedded SQLite default)."""
-    head = AuditHead.objects.select_for_update().get_or_create(
-        pk=1, defaults={"seq": 0, "hash": GENESIS_HASH}
-    )[0]
-    seq = head.seq + 1
-    digest = event_hash({**fields, "seq": seq}, head.hash)
-    AuditEvent.objects.create(
-        seq=seq,
-        created_at=params[1],
-        actor_type=params[2],
-        actor_id=params[3],
-        actor_label=params[4],
-        request_id=params[5],
-        event_type=params[6],
-        resource=params[7],
-        run_id=params[8],
-        action_id=params[9],
-        details=json.loads(params[10]),
-        prev_hash=head.hash,
-        hash=digest,
-    )
-    AuditHead.objects.filter(pk=1).update(seq=seq, hash=digest)
-    return seq, head.hash, digest
+def audit_append_many(events: Sequence[Mapping[str, Any]]) -> list[AuditEvent]:
+    """Append several events (each a mapping of audit_append's keyword arguments),
+    in order, with one head lock: for services that record many events in one
+    transaction (housekeeping, bulk decisions). Same locking rule as audit_append.
+    """
+    return _append_batch([_prepare(**event) for event in events])
+
+
+def _append_batch(prepared: list[_Prepared]) -> list[AuditEvent]:
+    if not prepared:
+        return []
+    with transaction.atomic(savepoint=False):
+        head = AuditHead.objects.select_for_update().filter(pk=1).first()
+        if head is None:
+            head = AuditHead.objects.create(pk=1, seq=0, hash=GENESIS_HASH)
+        seq, prev_hash = head.seq, head.hash
+        events = []
+        for item in prepared:
+            seq += 1
+            digest = event_hash({**item.fields, "seq": seq}, prev_hash)
+            events.append(_event(item, seq=seq, prev_hash=prev_hash, digest=digest))
+            prev_hash = digest
+        AuditEvent.objects.bulk_create(events)
+        AuditHead.objects.filter(pk=1).update(seq=seq, hash=prev_hash)
+    return events
 
 
 def _execute_append(params: list[Any]) -> Any:
