@@ -455,3 +455,21 @@ def test_an_operation_closed_by_the_reconciler_never_writes(prod_alerts: Any) ->
     assert not outcome.applied and outcome.reason == "operation_not_pending"
     assert Resource.objects.get(pk=prod_alerts.pk).version == 41
     assert not AuditEvent.objects.filter(action_id=action.pk).exists()
+
+
+@pytest.mark.django_db
+def test_engaged_switch_for_matches_global_prefix_and_exact_scopes() -> None:
+    from console.core.killswitch import engaged_switch_for
+
+    assert engaged_switch_for("dns-record/www") is None
+    KillSwitch.objects.create(scope="dns-record/www", engaged=True, reason="exact")
+    KillSwitch.objects.create(scope="dns-record/staging-*", engaged=True, reason="prefix")
+    KillSwitch.objects.create(scope="notification-policy/*", engaged=False, reason="released")
+    assert engaged_switch_for("dns-record/www").reason == "exact"  # type: ignore[union-attr]
+    assert engaged_switch_for("dns-record/www2") is None
+    assert engaged_switch_for("dns-record/staging-eu").reason == "prefix"  # type: ignore[union-attr]
+    assert engaged_switch_for("notification-policy/prod-alerts") is None
+    KillSwitch.objects.create(scope="*", engaged=True, reason="everything")
+    # The broadest engaged switch is the one reported.
+    assert engaged_switch_for("dns-record/www").reason == "everything"  # type: ignore[union-attr]
+    assert engaged_switch_for("anything/else").scope == "*"  # type: ignore[union-attr]
