@@ -57,6 +57,7 @@ from console.views import (
     forbid_unless,
     is_htmx,
     keyset_page,
+    pretty,
     proposed_document,
     query_without,
     render_fragment_or_page,
@@ -235,6 +236,8 @@ def action_detail(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
         "conflicts": conflicts,
         "approvals": approvals,
         "children": list(action.children.all()[:20]),
+        "payload": pretty(action.payload) if action.payload is not None else "(none)",
+        "error": pretty(action.error) if action.error else "",
     }
     return render(request, "approvals/action.html", context)
 
