@@ -190,7 +190,7 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
     if not form.is_valid():
         context = _conflict_context(request, conflict, form=form)
         return render_fragment_or_page(
-            request, "ownership/conflict.html", context, partial="resolution", status=422
+            request, "ownership/conflict.html", context, partial="page", status=422
         )
     choice = form.cleaned_data["choice"]
     fields = _choices_from(request, conflict) if choice == "merge" else {}
@@ -209,7 +209,7 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
             request,
             "ownership/conflict.html",
             context,
-            partial="resolution",
+            partial="page",
             status=domain_error_status(exc),
         )
     if not is_htmx(request):
@@ -217,9 +217,7 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
 
     def fragment() -> HttpResponse:
         fresh = _conflict_for(request.user, conflict.id)
-        return render(
-            request, "ownership/conflict.html#resolution", _conflict_context(request, fresh)
-        )
+        return render(request, "ownership/conflict.html#page", _conflict_context(request, fresh))
 
     return after_post(
         request,

@@ -71,7 +71,7 @@ def test_a_resolver_merges_per_field_and_sees_the_new_action(people: People, wor
     )
     html = response.content.decode()
     assert response.status_code == 200, html
-    assert "<html" not in html and 'id="resolution"' in html
+    assert "<html" not in html and 'id="conflict-page"' in html and 'type="radio"' not in html
     assert "conflicts-changed" in json.loads(response["HX-Trigger"])
     conflict = Conflict.objects.get(pk=world.conflict.pk)
     assert conflict.status == "resolved" and conflict.resolution == "merge"

@@ -71,6 +71,7 @@ def test_a_resource_owner_merges_a_conflict_per_field_and_sees_the_new_action_ap
     page.get_by_label("Comment").fill("take the sms channel, keep team-b")
     page.get_by_role("button", name="Resolve").click()
     expect(page.locator("#resolution")).to_contain_text("merge per field by rita")
+    expect(page.locator("h1 .status")).to_have_text("resolved")  # the whole page moved on
     conflict = Conflict.objects.get(pk=world.conflict.pk)
     assert conflict.status == "resolved" and conflict.resolution_action_id is not None
     status = page.locator(f"#action-status-{conflict.resolution_action_id}")
