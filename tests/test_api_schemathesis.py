@@ -50,6 +50,7 @@ def _config(run_token: str, agent_token: str, admin_token: str) -> str:
             # headers, so a malformed If-Match (400 bad_header) counts as "valid".
             block("^(PUT|PATCH|DELETE) /api/v1/resources/", run_token, (400, 412, 422, 423, 428)),
             block("^POST /api/v1/runs$", agent_token, (422,)),
+            block("^POST /api/v1/runs/[^/]+/revoke$", admin_token),
             block("^POST /api/v1/runs/", run_token),
             block("^POST /api/v1/actions/", run_token),
             # A kind naming conflict classes that do not exist is a 422.
@@ -82,7 +83,7 @@ def test_the_openapi_document_holds_under_schemathesis(api_server: Any, tmp_path
             "--max-examples",
             str(MAX_EXAMPLES),
             "--workers",
-            "2",
+            "1",
             "--request-timeout",
             "20",
             "--seed",
