@@ -423,8 +423,11 @@ def _run_for(principal: Principal, run_id: uuid.UUID) -> Run:
         assert principal.agent is not None
         if principal.agent.pk != run.agent_id:
             raise NotFound(f"Run {run_id} not found.")
-    elif not (can_read_everything(principal.user) or run.agent.owner_id == principal.user.pk):
-        raise NotFound(f"Run {run_id} not found.")
+    else:
+        from approvals.selectors import run_list_for_actor
+
+        if not run_list_for_actor(principal.user).filter(pk=run.pk).exists():
+            raise NotFound(f"Run {run_id} not found.")
     return run
 
 
@@ -471,8 +474,10 @@ def run_list(
         runs = runs.filter(pk=principal.run.pk)
     elif principal.kind == "agent":
         runs = runs.filter(agent=principal.agent)
-    elif not can_read_everything(principal.user):
-        runs = runs.filter(agent__owner=principal.user)
+    else:
+        from approvals.selectors import run_list_for_actor
+
+        runs = run_list_for_actor(principal.user)
     if status:
         runs = runs.filter(status=status)
     after = parse_time_cursor(cursor)
@@ -597,9 +602,14 @@ def _action_head(principal: Principal, action_id: uuid.UUID) -> tuple[str, bool]
     if principal.kind in ("agent", "run"):
         allowed = principal.agent is not None and principal.agent.pk == agent_id
     else:
+        from approvals.selectors import action_list_for_actor
         from console.permissions import user_groups
 
-        allowed = can_read_everything(principal.user) or owner_group in user_groups(principal.user)
+        allowed = (
+            can_read_everything(principal.user)
+            or owner_group in user_groups(principal.user)
+            or action_list_for_actor(principal.user).filter(pk=action_id).exists()
+        )
     if not allowed:
         raise NotFound(f"Action {action_id} not found.")
     return f'"a{revision}"', status in FINAL_ACTION_STATUSES
@@ -749,7 +759,11 @@ def action_list(
     if principal.kind in ("agent", "run"):
         actions = actions.filter(agent=principal.agent)
     else:
-        actions = actions.filter(action_services.actions_for_person_q(principal.user))
+        from approvals.selectors import action_list_for_actor
+
+        actions = action_list_for_actor(principal.user).select_related(
+            "kind", "conflict_class", "run__agent"
+        )
     if run is not None:
         actions = actions.filter(run_id=run)
     if status:
@@ -890,12 +904,11 @@ def approval_list(
     limit: int = Query(50, ge=1, le=200),
     cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
 ) -> HttpResponse:
+    from approvals.selectors import approval_list_for_person
+
     principal = principal_of(request)
-    approvals = Approval.objects.select_related(
-        "run__agent", "action__kind", "action__conflict_class"
-    ).filter(status=status)
-    if not can_decide_approvals(principal.user) and not can_read_everything(principal.user):
-        approvals = approvals.none()
+    # The console's rule: operators decide; escalation groups see escalated calls.
+    approvals = approval_list_for_person(principal.user, status=status)
     after = parse_time_cursor(cursor)
     if after is not None:
         approvals = approvals.filter(
@@ -917,17 +930,10 @@ def approval_list(
     tags=["approvals"],
 )
 def approval_get(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
+    from approvals.selectors import approval_get_for_person
+
     principal = principal_of(request)
-    approval = (
-        Approval.objects.select_related("run__agent", "action__kind", "action__conflict_class")
-        .filter(pk=approval_id)
-        .first()
-    )
-    if approval is None or not (
-        can_decide_approvals(principal.user) or can_read_everything(principal.user)
-    ):
-        raise NotFound(f"Approval {approval_id} not found.")
-    return json_response(_approval_item(approval))
+    return json_response(_approval_item(approval_get_for_person(principal.user, approval_id)))
 
 
 @router.post(

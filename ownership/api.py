@@ -34,7 +34,6 @@ from console.api_support import (
 )
 from console.auth import any_token, person_token, principal_of, run_token
 from console.core.errors import DomainError, Forbidden, NotFound
-from console.permissions import can_read_everything, user_groups
 from console.problems import ApiError, problem_from_error
 from ownership import catalog
 from ownership.models import Conflict, ConflictClass, Resource, ResourceKind
@@ -515,13 +514,6 @@ def resource_delete(
 # --- Conflicts ---------------------------------------------------------------
 
 
-def _conflicts_visible_q(user: Any) -> Q:
-    if can_read_everything(user):
-        return Q()
-    groups = list(user_groups(user))
-    return Q(resolver_group__in=groups) | Q(resource__owner_group__in=groups)
-
-
 def conflict_json(conflict: Conflict) -> dict[str, Any]:
     resolution = None
     if conflict.resolution:
@@ -583,16 +575,10 @@ def conflict_list(
     limit: int = Query(50, ge=1, le=200),
     cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
 ) -> HttpResponse:
+    from ownership.selectors import conflict_list_for_person
+
     user = principal_of(request).user
-    conflicts = Conflict.objects.select_related("resource", "resolved_by").filter(
-        _conflicts_visible_q(user)
-    )
-    if mine:
-        conflicts = conflicts.filter(resolver_group__in=list(user_groups(user))).exclude(
-            resolver_group=""
-        )
-    if status:
-        conflicts = conflicts.filter(status=status)
+    conflicts = conflict_list_for_person(user, mine=mine, status=status)
     after = parse_time_cursor(cursor)
     if after is not None:
         conflicts = conflicts.filter(
@@ -607,14 +593,9 @@ def conflict_list(
 
 
 def _conflict_for(user: Any, conflict_id: uuid.UUID) -> Conflict:
-    conflict = (
-        Conflict.objects.select_related("resource", "resolved_by")
-        .filter(_conflicts_visible_q(user), pk=conflict_id)
-        .first()
-    )
-    if conflict is None:
-        raise NotFound(f"Conflict {conflict_id} not found.")
-    return conflict
+    from ownership.selectors import conflict_get_for_person
+
+    return conflict_get_for_person(user, conflict_id)
 
 
 @router.get(

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import (
@@ -456,7 +456,11 @@ def action_readable_by(action: Action, principal: Any) -> bool:
     if principal.kind in ("agent", "run"):
         return bool(principal.agent is not None and action.agent_id == principal.agent.pk)
     user = principal.user
-    return can_read_everything(user) or action.kind.owner_group in user_groups(user)
+    if can_read_everything(user) or action.kind.owner_group in user_groups(user):
+        return True
+    from approvals.selectors import action_list_for_actor
+
+    return bool(action_list_for_actor(user).filter(pk=action.pk).exists())
 
 
 def action_get_for(principal: Any, action_id: uuid.UUID) -> Action:
@@ -466,14 +470,6 @@ def action_get_for(principal: Any, action_id: uuid.UUID) -> Action:
     if action is None or not action_readable_by(action, principal):
         raise NotFound(f"Action {action_id} not found.")
     return action
-
-
-def actions_for_person_q(user: Any) -> Q:
-    from console.permissions import can_read_everything, user_groups
-
-    if can_read_everything(user):
-        return Q()
-    return Q(kind__owner_group__in=list(user_groups(user)))
 
 
 PAYLOAD_FORMATS = {
