@@ -446,6 +446,7 @@ def agent_create(request: HttpRequest) -> HttpResponse:
         agent, secret = token_services.agent_create(
             name=form.cleaned_data["name"],
             description=form.cleaned_data["description"],
+            owner=form.cleaned_data["owner"],
             actor=Actor.person(request.user),
         )
     except IntegrityError:

@@ -51,10 +51,13 @@ def test_a_token_needs_a_label(people: People) -> None:
 
 def test_an_admin_creates_an_agent_and_another_token(people: People, world: World) -> None:
     client = client_for(people.admin)
-    response = client.post("/tokens/agents/", {"name": "deploy-bot", "description": "ships"})
+    response = client.post(
+        "/tokens/agents/", {"name": "deploy-bot", "description": "ships", "owner": "pat"}
+    )
     assert response.status_code == 200
     assert _secret(response.content.decode()).startswith("ak_")
     agent = Agent.objects.get(name="deploy-bot")
+    assert agent.owner == people.owner
     more = client.post(f"/tokens/agents/{agent.id}/tokens/", {"label": "ci"})
     assert _secret(more.content.decode()).startswith("ak_")
     assert AgentToken.objects.filter(agent=agent).count() == 2
@@ -74,3 +77,10 @@ def test_only_admins_create_agents(people: People, world: World) -> None:
     assert client.post("/tokens/agents/", {"name": "sneaky"}).status_code == 403
     assert client.post(f"/tokens/agents/{world.agent.id}/tokens/", {}).status_code == 403
     assert not Agent.objects.filter(name="sneaky").exists()
+
+
+def test_an_unknown_agent_owner_is_a_form_error(people: People, world: World) -> None:
+    response = client_for(people.admin).post("/tokens/agents/", {"name": "x-bot", "owner": "ghost"})
+    assert response.status_code == 422
+    assert "No active person is called ghost" in response.content.decode()
+    assert not Agent.objects.filter(name="x-bot").exists()
