@@ -141,3 +141,17 @@ def test_the_inbox_costs_a_bounded_number_of_queries(
     next_url = html.split('class="pager"><a href="')[1].split('"')[0].replace("&amp;", "&")
     rest = client.get(f"/approvals/{next_url}").content.decode()
     assert rest.count('class="card approval"') == 7
+
+
+def test_the_agents_own_owner_is_told_they_may_not_approve(people: People, world: World) -> None:
+    world.agent.owner = people.operator
+    world.agent.save(update_fields=["owner"])
+    response = client_for(people.operator).post(
+        f"/approvals/{world.approval.id}/decision/",
+        {"decision": "approve", "comment": ""},
+        HTTP_HX_REQUEST="true",
+    )
+    html = response.content.decode()
+    assert response.status_code == 403
+    assert "<html" not in html and 'class="error"' in html
+    assert Approval.objects.get(pk=world.approval.pk).status == "pending"
