@@ -109,3 +109,32 @@ def test_a_refusal_says_why_as_a_page_or_as_a_fragment(people: People, world: Wo
 def test_htmx_swaps_the_explained_4xx_fragments(people: People) -> None:
     html = client_for(people.operator).get("/").content.decode()
     assert '{"code": "(403|409|422)", "swap": true, "error": false}' in html
+
+
+def test_every_model_is_in_the_admin_and_history_is_read_only(people: People, world: World) -> None:
+    from django.apps import apps
+    from django.contrib import admin
+
+    from tests.fixtures.console import make_person
+
+    superuser = make_person("root", superuser=True)
+    client = client_for(superuser)
+    for app in ("ownership", "approvals", "console", "audit"):
+        for model in apps.get_app_config(app).get_models():
+            assert model in admin.site._registry, f"{model.__name__} is not in the admin"
+            url = f"/admin/{app}/{model._meta.model_name}/"
+            assert client.get(url).status_code == 200, url
+    history = [
+        ("ownership", "resourceversion"),
+        ("audit", "auditevent"),
+        ("approvals", "operation"),
+        ("approvals", "approvaldecision"),
+        ("approvals", "idempotencyrecord"),
+    ]
+    for app, name in history:
+        model = apps.get_model(app, name)
+        model_admin = admin.site._registry[model]
+        assert not model_admin.has_add_permission(None)  # type: ignore[arg-type]
+        assert not model_admin.has_change_permission(None)  # type: ignore[arg-type]
+        assert not model_admin.has_delete_permission(None)  # type: ignore[arg-type]
+    assert client.get(f"/admin/ownership/resource/{world.resource.pk}/change/").status_code == 200
