@@ -253,6 +253,7 @@ def resources_list(request: HttpRequest) -> HttpResponse:
     )
     context = {
         "nav": "resources",
+        "kinds": list(ResourceKind.objects.values_list("slug", flat=True)),
         "form": form if form.is_bound else ResourceFilterForm(),
         "resources": rows,
         "next_cursor": next_cursor,
