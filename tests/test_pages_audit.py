@@ -129,3 +129,21 @@ def test_the_badge_reuses_its_result_until_the_head_moves(
     assert "4 events" in moved and "cached while" not in moved
     fresh = client.get("/audit/verify/?fresh=1").content.decode()
     assert "4 events" in fresh and "cached while" not in fresh
+
+
+def test_the_badge_names_the_first_bad_seq_of_a_tampered_chain(
+    people: People, events: list[AuditEvent]
+) -> None:
+    from django.core.cache import cache
+    from django.db import connection
+
+    cache.clear()
+    with connection.cursor() as cursor:  # the test session may bypass the append-only trigger
+        cursor.execute(
+            "UPDATE audit_auditevent SET details = '{\"forged\": true}' WHERE seq = %s",
+            [events[1].seq],
+        )
+    html = client_for(people.auditor).get("/audit/verify/").content.decode()
+    assert "Chain broken</span> at seq 2" in html
+    assert "1 event verified before it" in html
+    cache.clear()  # do not leave a broken-chain result for the next test

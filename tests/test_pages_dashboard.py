@@ -132,3 +132,12 @@ def test_the_nav_badges_count_what_waits_for_me(people: People, world: World) ->
     assert 'data-count="1"' in rita.get("/nav/counts/conflicts/").content.decode()
     assert "badge" not in rita.get("/nav/counts/approvals/").content.decode()
     assert operator.get("/nav/counts/bogus/").status_code == 404
+
+
+def test_pauses_are_grouped_by_reason(people: People, world: World) -> None:
+    from approvals.models import Action
+
+    Action.objects.filter(pk=world.action.pk).update(status="paused", paused_reason="incident 7")
+    html = client_for(people.operator).get("/").content.decode()
+    assert '<td>incident 7</td><td class="num">1</td>' in html
+    assert _count(html, "count-paused") == "1"
