@@ -97,7 +97,7 @@ def test_the_action_page_and_its_status_poller(people: People, world: World) -> 
     client = client_for(people.operator)
     html = client.get(f"/actions/{world.action.id}/").content.decode()
     assert "add the pager channel" in html and "pending approval" in html
-    assert '&quot;channels&quot;: [' in html  # the payload as JSON, not a Python repr
+    assert "&quot;channels&quot;: [" in html  # the payload as JSON, not a Python repr
     poll = client.get(f"/actions/{world.action.id}/status/", HTTP_HX_REQUEST="true")
     assert poll.status_code == 200 and 'hx-trigger="every 1s"' in poll.content.decode()
     final = client.get(f"/actions/{world.conflict_action.id}/status/", HTTP_HX_REQUEST="true")
