@@ -60,6 +60,7 @@ class OfflineSwagger(DocsBase):
 <head>
 <meta charset="utf-8">
 <title>{escape(api.title)}</title>
+<link rel="icon" href="data:,">
 <link rel="stylesheet" href="/api/v1/docs/assets/swagger-ui.css">
 </head>
 <body data-csrf-token="" data-api-csrf="">
@@ -87,7 +88,22 @@ def _finish_openapi(schema: Any) -> Any:
         for operation in path_item.values():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
-            responses = operation["responses"]
+            # openapi_extra adds "200" beside ninja's 200: merge them into one key
+            # (a JSON document with duplicate keys is not valid YAML for clients).
+            merged: dict[str, Any] = {}
+            for raw_status, response in operation["responses"].items():
+                key = str(raw_status)
+                if key in merged:
+                    combined = dict(merged[key])
+                    for field, value in response.items():
+                        if isinstance(value, dict) and isinstance(combined.get(field), dict):
+                            combined[field] = {**combined[field], **value}
+                        else:
+                            combined.setdefault(field, value)
+                    merged[key] = combined
+                else:
+                    merged[key] = dict(response)
+            operation["responses"] = responses = merged
             for raw_status, response in list(responses.items()):
                 status = str(raw_status)
                 if status == "304":
