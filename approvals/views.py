@@ -333,28 +333,30 @@ def run_revoke_view(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     run = _run_for(request.user, run_id)
     forbid_unless(permissions.is_operator(request.user), "Revoking a run needs the operator role.")
     form = RevokeForm(request.POST)
-    if not form.is_valid():
-        context = _run_context(request, run)
-        context["revoke_form"] = form
-        return render_fragment_or_page(
-            request, "approvals/run.html", context, partial="revoke", status=422
-        )
 
+    def respond(*, notice: str = "", error: str = "", status: int = 200) -> HttpResponse:
+        if is_htmx(request):
+            context = _run_context(request, run)
+            context.update(revoke_form=form, revoke_error=error, page_notice=notice)
+            response = render(request, "approvals/run.html#page", context, status=status)
+            if not error and status == 200:
+                response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True})
+            return response
+        if status == 422:
+            context = _run_context(request, run)
+            context["revoke_form"] = form
+            return render(request, "approvals/run.html", context, status=422)
+        (messages.error if error else messages.success)(request, error or notice)
+        return HttpResponseRedirect(reverse("run_detail", args=[run.id]))
+
+    if not form.is_valid():
+        return respond(status=422)
     try:
         run_revoke(run=run, actor=Actor.person(request.user), reason=form.cleaned_data["reason"])
     except DomainError as exc:
-        messages.error(request, exc.message)
-        context = _run_context(request, run)
-        context["revoke_error"] = exc.message
-        return render_fragment_or_page(
-            request,
-            "approvals/run.html",
-            context,
-            partial="revoke",
-            status=domain_error_status(exc),
-        )
-    messages.success(request, "Run revoked: its ownership records are released.")
-    return after_post(request, redirect_to=reverse("run_detail", args=[run.id]))
+        return respond(error=exc.message, status=domain_error_status(exc))
+    run.refresh_from_db()
+    return respond(notice="Run revoked: its ownership records are released.")
 
 
 # --- tokens -----------------------------------------------------------------------------------

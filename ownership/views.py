@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
 from django.contrib import messages
 from django.db.models import Q
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
@@ -348,22 +349,25 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
         permissions.can_undo_as_person(request.user, owner_group=resource.owner_group),
         "Only operators and the resource's owner group may undo.",
     )
-    form = UndoForm(request.POST)
-    if not form.is_valid():
-        messages.error(request, "Tick the confirmation box to undo.")
-        return after_post(
-            request, redirect_to=reverse("resource_detail", args=[resource.identifier]), trigger=()
-        )
 
+    def respond(notice: str, *, error: bool = False, status: int = 200) -> HttpResponse:
+        if is_htmx(request):
+            key = "page_error" if error else "page_notice"
+            context = _resource_context(request, resource, **{key: notice})
+            response = render(request, "ownership/resource.html#page", context, status=status)
+            if not error:
+                response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True})
+            return response
+        (messages.error if error else messages.success)(request, notice)
+        return HttpResponseRedirect(reverse("resource_detail", args=[resource.identifier]))
+
+    if not UndoForm(request.POST).is_valid():
+        return respond("Tick the confirmation box to undo.", error=True, status=422)
     try:
         action_undo_request(action_id=operation.action_id, actor=request.user)
     except DomainError as exc:
-        messages.error(request, exc.message)
-        return after_post(
-            request, redirect_to=reverse("resource_detail", args=[resource.identifier]), trigger=()
-        )
-    messages.success(request, f"Undo of version {operation.result_version} requested.")
-    return after_post(request, redirect_to=reverse("resource_detail", args=[resource.identifier]))
+        return respond(exc.message, error=True, status=domain_error_status(exc))
+    return respond(f"Undo of version {operation.result_version} requested.")
 
 
 # --- conflict classes and resource kinds ---------------------------------------------------

@@ -111,3 +111,17 @@ def test_resource_pages_cost_a_bounded_number_of_queries(
         assert client.get(f"/resources/{world.resource.identifier}/").status_code == 200
     with django_assert_max_num_queries(8):
         assert client.get("/resources/").status_code == 200
+
+
+def test_undo_by_htmx_swaps_the_resource_page(people: People, world: World) -> None:
+    operation = _applied_operation(world, deadline_in=timedelta(minutes=10))
+    client = client_for(people.owner)
+    refused = client.post(f"/operations/{operation.pk}/undo/", {}, HTTP_HX_REQUEST="true")
+    assert refused.status_code == 422 and "Tick the confirmation box" in refused.content.decode()
+    response = client.post(
+        f"/operations/{operation.pk}/undo/", {"confirm": "on"}, HTTP_HX_REQUEST="true"
+    )
+    html = response.content.decode()
+    assert response.status_code == 200 and "<html" not in html and 'id="resource-page"' in html
+    assert "Undo of version 2 requested." in html
+    assert "counts-changed" in response["HX-Trigger"]

@@ -106,12 +106,15 @@ def test_the_action_page_and_its_status_poller(people: People, world: World) -> 
     assert client_for(people.outsider).get(f"/actions/{world.action.id}/").status_code == 404
 
 
-def test_hx_trigger_is_json(people: People, world: World) -> None:
-    response = client_for(people.operator).post(
-        f"/runs/{world.run.id}/revoke/",
-        {"reason": "stop", "confirm": "on"},
-        HTTP_HX_REQUEST="true",
-    )
+def test_revoking_by_htmx_swaps_the_run_page(people: People, world: World) -> None:
+    client = client_for(people.operator)
+    url = f"/runs/{world.run.id}/revoke/"
+    bad = client.post(url, {"reason": "", "confirm": "on"}, HTTP_HX_REQUEST="true")
+    assert bad.status_code == 422 and 'id="run-page"' in bad.content.decode()
+    response = client.post(url, {"reason": "stop", "confirm": "on"}, HTTP_HX_REQUEST="true")
+    html = response.content.decode()
+    assert response.status_code == 200 and "<html" not in html and 'id="run-page"' in html
+    assert "Run revoked" in html and "status-revoked" in html
     assert "counts-changed" in json.loads(response["HX-Trigger"])
 
 
