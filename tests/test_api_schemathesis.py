@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 MAX_EXAMPLES = 12
 
 
-def _config(run_token: str, agent_token: str, admin_token: str) -> str:
+def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token: str) -> str:
     """Per-operation tokens. Besides the defaults, a schema-valid request may
     legitimately meet a business precondition: 412/428 (If-Match), 422 (a kind
     that does not exist: the contract's answer), 423 (lease)."""
@@ -51,7 +51,11 @@ def _config(run_token: str, agent_token: str, admin_token: str) -> str:
             block("^(PUT|PATCH|DELETE) /api/v1/resources/", run_token, (400, 412, 422, 423, 428)),
             block("^POST /api/v1/runs$", agent_token, (422,)),
             block("^POST /api/v1/runs/[^/]+/revoke$", admin_token),
-            block("^POST /api/v1/runs/", run_token),
+            # Heartbeat/finish (and the run listing that feeds the stateful phase
+            # their ids) use a second run, so finishing it never stops the run
+            # the writes are made with.
+            block("^POST /api/v1/runs/", lifecycle_token),
+            block("^GET /api/v1/runs", lifecycle_token),
             block("^POST /api/v1/actions/", run_token),
             # A kind naming conflict classes that do not exist is a 422.
             block("^PUT /api/v1/resource-kinds/", admin_token, (422,)),
@@ -67,9 +71,12 @@ def test_the_openapi_document_holds_under_schemathesis(api_server: Any, tmp_path
     AutoApproveRule.objects.create(kind_id="dns-record", name_prefix="fuzz-", operations=["create"])
     agent = make_agent_with_token("fuzz-bot")
     run = make_active_run(agent.agent)
+    lifecycle = make_active_run(
+        agent.agent, [{"resource": "dns-record/lifecycle-*", "operations": ["create"]}]
+    )
     admin = make_person_with_token("fuzz-admin", "admins", "operators", "platform")
     config = tmp_path / "schemathesis.toml"
-    config.write_text(_config(run.token, agent.token, admin.token))
+    config.write_text(_config(run.token, lifecycle.token, agent.token, admin.token))
     binary = str(Path(sys.executable).parent / "schemathesis")
     result = subprocess.run(
         [
