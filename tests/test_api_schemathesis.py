@@ -31,7 +31,12 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
     legitimately meet a business precondition: 412/428 (If-Match), 422 (a kind
     that does not exist: the contract's answer), 423 (lease)."""
 
-    def block(name_regex: str, token: str, extra_statuses: tuple[int, ...] = ()) -> str:
+    def block(
+        name_regex: str,
+        token: str,
+        extra_statuses: tuple[int, ...] = (),
+        missing_header_statuses: tuple[int, ...] = (),
+    ) -> str:
         lines = [
             "[[operations]]",
             f'include-name-regex = "{name_regex}"',
@@ -41,6 +46,18 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             statuses = ["2xx", "3xx", "401", "403", "404", "409", "429", *map(str, extra_statuses)]
             quoted = ", ".join(f'"{status}"' for status in statuses)
             lines.append(f"checks.positive_data_acceptance.expected-statuses = [{quoted}]")
+        if missing_header_statuses:
+            statuses = [
+                "400",
+                "401",
+                "403",
+                "406",
+                "415",
+                "422",
+                *map(str, missing_header_statuses),
+            ]
+            quoted = ", ".join(f'"{status}"' for status in statuses)
+            lines.append(f"checks.missing_required_header.expected-statuses = [{quoted}]")
         return "\n".join(lines) + "\n"
 
     people = "approvals|conflicts|audit|kill-switch|conflict-classes|resource-kinds"
@@ -48,7 +65,14 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
         [
             # schemathesis' coverage phase does not honour `pattern` on optional
             # headers, so a malformed If-Match (400 bad_header) counts as "valid".
-            block("^(PUT|PATCH|DELETE) /api/v1/resources/", run_token, (400, 412, 422, 423, 428)),
+            # The contract checks run active / write set / lease before the
+            # Idempotency-Key, so a missing key may meet 409/423 first.
+            block(
+                "^(PUT|PATCH|DELETE) /api/v1/resources/",
+                run_token,
+                (400, 412, 422, 423, 428),
+                missing_header_statuses=(409, 423),
+            ),
             block("^POST /api/v1/runs$", agent_token, (422,)),
             block("^POST /api/v1/runs/[^/]+/revoke$", admin_token),
             # Heartbeat/finish (and the run listing that feeds the stateful phase
