@@ -63,3 +63,35 @@ class AgentCreateForm(forms.Form):
 
 class AgentTokenCreateForm(forms.Form):
     label = forms.CharField(max_length=100, required=False)
+
+
+class AutoApproveRuleForm(forms.Form):
+    """Parses the rule form; `approvals.services.rules` validates the values."""
+
+    kind = forms.ChoiceField(choices=())
+    name_prefix = forms.CharField(
+        max_length=255,
+        required=False,
+        label="Name prefix",
+        help_text="Resources whose name starts with this; empty covers the whole kind.",
+    )
+    operations = forms.MultipleChoiceField(
+        choices=[(op, op) for op in ("create", "update", "delete")],
+        widget=forms.CheckboxSelectMultiple,
+    )
+    agent = forms.ChoiceField(choices=(), required=False, label="Only for agent")
+    description = forms.CharField(max_length=200, required=False)
+    enabled = forms.BooleanField(required=False, initial=True)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        from ownership.models import ResourceKind
+
+        kinds = list(ResourceKind.objects.order_by("slug").values_list("slug", flat=True))
+        agents = list(Agent.objects.order_by("name").values_list("name", flat=True))
+        kind_field = self.fields["kind"]
+        agent_field = self.fields["agent"]
+        assert isinstance(kind_field, forms.ChoiceField)
+        assert isinstance(agent_field, forms.ChoiceField)
+        kind_field.choices = [(k, k) for k in kinds]
+        agent_field.choices = [("", "any agent"), *((a, a) for a in agents)]

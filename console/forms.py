@@ -37,3 +37,38 @@ class KillSwitchForm(forms.Form):
         if data.get("action") == "engage" and not (data.get("reason") or "").strip():
             self.add_error("reason", "Say why: the reason is shown on every page and audited.")
         return data
+
+
+ROLE_CHOICES = [
+    ("operator", "operator (decides approvals, kill switch)"),
+    ("owner", "resource owner"),
+    ("admin", "admin"),
+    ("auditor", "auditor (reads everything)"),
+]
+
+
+def _group_list(value: str) -> list[str]:
+    return sorted({g for g in re.split(r"[\s,]+", value or "") if g})
+
+
+class PersonUpdateForm(forms.Form):
+    """Parses the people forms; `console.people` validates the values."""
+
+    roles = forms.MultipleChoiceField(choices=ROLE_CHOICES, widget=forms.CheckboxSelectMultiple)
+    groups = forms.CharField(
+        max_length=2000,
+        required=False,
+        label="Owner groups",
+        help_text="Comma- or space-separated, e.g. platform release-owners.",
+    )
+
+    def clean_groups(self) -> list[str]:
+        return _group_list(self.cleaned_data.get("groups") or "")
+
+
+class PersonCreateForm(PersonUpdateForm):
+    username = forms.CharField(max_length=150)
+    password = forms.CharField(
+        max_length=256, widget=forms.PasswordInput(render_value=False), strip=False
+    )
+    field_order = ["username", "password", "roles", "groups"]

@@ -46,6 +46,17 @@ urlpatterns: list[URLPattern | URLResolver] = [
         approvals_views.agent_token_revoke,
         name="agent_token_revoke",
     ),
+    # auto-approve rules (admins edit)
+    path("rules/", approvals_views.rules_page, name="rules"),
+    path("rules/new/", approvals_views.rule_create_view, name="rule_create"),
+    path("rules/<int:rule_id>/", approvals_views.rule_update_view, name="rule_update"),
+    path("rules/<int:rule_id>/enabled/", approvals_views.rule_enable_view, name="rule_enable"),
+    path("rules/<int:rule_id>/delete/", approvals_views.rule_delete_view, name="rule_delete"),
+    # people (admins manage)
+    path("people/", views.people_page, name="people"),
+    path("people/new/", views.person_create_view, name="person_create"),
+    path("people/<int:person_id>/", views.person_update_view, name="person_update"),
+    path("people/<int:person_id>/active/", views.person_active_view, name="person_active"),
     # conflicts, resources, catalog
     path("conflicts/", ownership_views.conflicts_list, name="conflicts"),
     path("conflicts/<uuid:conflict_id>/", ownership_views.conflict_detail, name="conflict_detail"),

@@ -1,0 +1,172 @@
+"""Auto-approve rules: admin-only edits, validated and audited.
+
+A rule admits the run write-set entries it covers without a person (see
+`approvals.services.runs._auto_approved`), so every change to one is an
+admin decision that lands in the audit trail in the same transaction.
+The console page calls these functions; an API can call the same ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+
+from approvals.models import Agent, AutoApproveRule
+from approvals.services.runs import OPERATIONS
+from audit.services import Actor, audit_append
+from console.core.errors import Forbidden, NotFound, ValidationFailed
+from console.permissions import is_admin
+from ownership.models import ResourceKind
+
+RULE_FIELDS = ("kind", "name_prefix", "operations", "agent", "enabled", "description")
+
+
+def _require_admin(user: Any) -> None:
+    if not getattr(user, "is_active", False) or not is_admin(user):
+        raise Forbidden("Only admins edit auto-approve rules.")
+
+
+def rule_as_dict(rule: AutoApproveRule) -> dict[str, Any]:
+    return {
+        "id": rule.pk,
+        "kind": rule.kind_id,
+        "name_prefix": rule.name_prefix,
+        "operations": list(rule.operations or []),
+        "agent": rule.agent.name if rule.agent_id and rule.agent else None,
+        "enabled": rule.enabled,
+        "description": rule.description,
+    }
+
+
+def _clean(
+    *,
+    kind: str,
+    name_prefix: str,
+    operations: list[str],
+    agent: str | None,
+    description: str,
+) -> dict[str, Any]:
+    """Validate every field at once; raises ValidationFailed listing each bad field."""
+    errors: list[dict[str, str]] = []
+    kind_row = ResourceKind.objects.filter(slug=kind).first() if isinstance(kind, str) else None
+    if kind_row is None:
+        errors.append({"field": "kind", "message": "no such resource kind"})
+    if not isinstance(name_prefix, str) or len(name_prefix) > 255 or "\x00" in name_prefix:
+        errors.append({"field": "name_prefix", "message": "at most 255 characters"})
+    if (
+        not isinstance(operations, list)
+        or not operations
+        or any(op not in OPERATIONS for op in operations)
+    ):
+        errors.append({"field": "operations", "message": f"one or more of {', '.join(OPERATIONS)}"})
+    agent_row = None
+    if agent:
+        agent_row = Agent.objects.filter(name=agent).first()
+        if agent_row is None:
+            errors.append({"field": "agent", "message": f"no agent is called {agent}"})
+    if not isinstance(description, str) or len(description) > 200:
+        errors.append({"field": "description", "message": "at most 200 characters"})
+    if errors:
+        raise ValidationFailed(
+            "; ".join(f"{e['field']}: {e['message']}" for e in errors), extra={"errors": errors}
+        )
+    return {
+        "kind": kind_row,
+        "name_prefix": name_prefix,
+        # Stored in the canonical order so an unchanged edit compares equal.
+        "operations": [op for op in OPERATIONS if op in operations],
+        "agent": agent_row,
+        "description": description.strip(),
+    }
+
+
+def auto_approve_rule_create(
+    *,
+    user: Any,
+    kind: str,
+    operations: list[str],
+    name_prefix: str = "",
+    agent: str | None = None,
+    description: str = "",
+    enabled: bool = True,
+) -> AutoApproveRule:
+    """Create a rule (admins only). Raises Forbidden, ValidationFailed."""
+    _require_admin(user)
+    values = _clean(
+        kind=kind,
+        name_prefix=name_prefix,
+        operations=operations,
+        agent=agent,
+        description=description,
+    )
+    with transaction.atomic():
+        rule = AutoApproveRule.objects.create(**values, enabled=enabled)
+        audit_append(
+            event_type="auto_approve_rule.created",
+            actor=Actor.person(user),
+            details=rule_as_dict(rule),
+        )
+    return rule
+
+
+def auto_approve_rule_update(
+    *,
+    user: Any,
+    rule_id: int,
+    kind: str,
+    operations: list[str],
+    name_prefix: str = "",
+    agent: str | None = None,
+    description: str = "",
+    enabled: bool = True,
+) -> tuple[AutoApproveRule, bool]:
+    """Replace a rule's fields (admins only); disabling is `enabled=False`.
+
+    Locks the row (select_for_update) so two admins' edits serialise. Returns
+    (rule, changed): an edit that changes nothing writes no audit row.
+    Raises Forbidden, NotFound, ValidationFailed.
+    """
+    _require_admin(user)
+    values = _clean(
+        kind=kind,
+        name_prefix=name_prefix,
+        operations=operations,
+        agent=agent,
+        description=description,
+    )
+    values["enabled"] = bool(enabled)
+    with transaction.atomic():
+        rule = AutoApproveRule.objects.select_for_update().filter(pk=rule_id).first()
+        if rule is None:
+            raise NotFound("No such auto-approve rule.")
+        before = rule_as_dict(rule)
+        for field, value in values.items():
+            setattr(rule, field, value)
+        after = rule_as_dict(rule)
+        if after == before:
+            return rule, False
+        rule.save()
+        changed = {k: {"from": before[k], "to": after[k]} for k in after if before[k] != after[k]}
+        audit_append(
+            event_type="auto_approve_rule.updated",
+            actor=Actor.person(user),
+            details={"id": rule.pk, "rule": after, "changed": changed},
+        )
+    return rule, True
+
+
+def auto_approve_rule_delete(*, user: Any, rule_id: int) -> bool:
+    """Delete a rule (admins only). Returns False when it was already gone
+    (no second audit row). Raises Forbidden."""
+    _require_admin(user)
+    with transaction.atomic():
+        rule = AutoApproveRule.objects.select_for_update().filter(pk=rule_id).first()
+        if rule is None:
+            return False
+        details = rule_as_dict(rule)
+        rule.delete()
+        audit_append(
+            event_type="auto_approve_rule.deleted", actor=Actor.person(user), details=details
+        )
+    return True
