@@ -8,6 +8,8 @@ changing behaviour silently.
 from __future__ import annotations
 
 import os
+import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +57,35 @@ def env_list(name: str, default: list[str]) -> list[str]:
 
 
 DEBUG = env_bool("DEBUG", False)
+
+
+def generated_secret_key(path: Path) -> str:
+    """A random key kept in the data folder, for running without SECRET_KEY.
+
+    Never a constant from the repository (anyone could forge sessions with it);
+    created once with O_EXCL so concurrent processes agree on one key. A real
+    deployment sets SECRET_KEY (`check --deploy` warns otherwise: airlock.W001).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        for _ in range(50):
+            key = path.read_text().strip()
+            if key:
+                return key
+            time.sleep(0.02)  # the creator is still writing it
+        raise ImproperlyConfigured(f"{path} is empty: delete it or set SECRET_KEY") from None
+    key = secrets.token_urlsafe(64)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key)
+    return key
+
+
 SECRET_KEY = os.environ.get("SECRET_KEY", "")
+SECRET_KEY_FROM_ENV = bool(SECRET_KEY)
 if not SECRET_KEY:
-    if not DEBUG and env_bool("AIRLOCK_REQUIRE_SECRET_KEY", False):
-        raise ImproperlyConfigured("SECRET_KEY must be set in production")
-    # Development and tests only: a fixed, obviously-insecure key.
-    SECRET_KEY = "airlock-insecure-development-key-do-not-use-in-production-0123456789"
+    SECRET_KEY = generated_secret_key(DATA_DIR / "secret_key")
 
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -177,7 +202,15 @@ SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
-SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", not DEBUG and SECURE_SSL_REDIRECT)
+# A deployment names its hosts; it then gets Secure cookies by default, whether TLS
+# ends here or at a proxy. Local runs (default hosts, plain http) keep them usable.
+SESSION_COOKIE_SECURE = env_bool(
+    "SECURE_COOKIES", not DEBUG and (SECURE_SSL_REDIRECT or "ALLOWED_HOSTS" in os.environ)
+)
+_proxy_header = os.environ.get("SECURE_PROXY_SSL_HEADER", "")
+if _proxy_header:
+    # e.g. HTTP_X_FORWARDED_PROTO: the proxy sets it to "https"; never trust it without one.
+    SECURE_PROXY_SSL_HEADER = (_proxy_header, "https")
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0, minimum=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_SECONDS > 0
