@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime, timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
@@ -14,6 +16,7 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_GET, require_POST
 
 from approvals.forms import (
@@ -151,8 +154,59 @@ def approvals_inbox(request: HttpRequest) -> HttpResponse:
         "is_operator": permissions.can_decide_approvals(user),
         "next_cursor": next_cursor,
         "form": DecisionForm(),
+        # The last page polls for approvals that arrive while it is open.
+        "poll_query": None if next_cursor else _poll_query(approvals, since=timezone.now()),
     }
     return render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
+
+
+# A row can commit a little after a later-created one (created_at is set at
+# insert time): the poll looks back this far and skips the ids the page shows.
+POLL_LOOKBACK = timedelta(seconds=120)
+POLL_BATCH = 20
+
+
+def _poll_query(shown: list[Approval], *, since: datetime) -> str:
+    """The poller's query string: the newest time seen and the ids shown within
+    the look-back window before it (so nothing is missed and nothing shown twice)."""
+    newest = max([since, *(a.created_at for a in shown)])
+    recent = sorted(str(a.id) for a in shown if a.created_at > newest - POLL_LOOKBACK)
+    return urlencode({"since": newest.isoformat(), "seen": ",".join(recent)})
+
+
+@console_page
+@require_GET
+def approvals_poll(request: HttpRequest) -> HttpResponse:
+    """New pending approvals for an open inbox, appended out of band without
+    touching the cards already on the page (a comment being typed survives).
+
+    204 (htmx: no swap) when nothing is new; otherwise the new cards plus a
+    fresh poller carrying the advanced cursor, and HX-Trigger for the counters.
+    """
+    since = parse_datetime(request.GET.get("since") or "")
+    if since is None or timezone.is_naive(since):
+        return HttpResponse("Bad poll cursor", status=400, content_type="text/plain")
+    seen = [u for u in (_uuid_or_none(v) for v in request.GET.get("seen", "").split(",")) if u]
+    fresh = list(
+        _approvals_for(request.user)
+        .filter(created_at__gt=since - POLL_LOOKBACK)
+        .exclude(pk__in=seen[:500])
+        .order_by("created_at", "id")[:POLL_BATCH]
+    )
+    if not fresh:
+        return HttpResponse(status=204)
+    # Keep the ids still inside the window: those already shown and these new ones.
+    still_recent = list(
+        Approval.objects.filter(pk__in=seen[:500], created_at__gt=since - POLL_LOOKBACK)
+    )
+    context = {
+        "rows": _approval_rows(fresh),
+        "may_decide": True,
+        "poll_query": _poll_query([*still_recent, *fresh], since=since),
+    }
+    response = render(request, "approvals/inbox.html#poll_news", context)
+    response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True})
+    return response
 
 
 def _uuid_or_none(value: str) -> uuid.UUID | None:

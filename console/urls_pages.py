@@ -18,6 +18,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("kill-switch/", views.killswitch_set, name="killswitch_set"),
     # approvals, actions, runs, tokens
     path("approvals/", approvals_views.approvals_inbox, name="approvals"),
+    path("approvals/poll/", approvals_views.approvals_poll, name="approvals_poll"),
     path(
         "approvals/<uuid:approval_id>/decision/",
         approvals_views.approval_decide_view,
