@@ -17,8 +17,10 @@ from approvals.models import (
 from ownership.admin import ReadOnlyAdmin
 
 
+# Agents (their owner is the basis of separation of duties) and auto-approve rules
+# change only through audited services (the Tokens and Rules pages), never here.
 @admin.register(Agent)
-class AgentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class AgentAdmin(ReadOnlyAdmin):
     list_display = ("name", "owner", "is_active", "created_at")
     search_fields = ("name",)
 
@@ -68,7 +70,7 @@ class ApprovalDecisionAdmin(ReadOnlyAdmin):
 
 
 @admin.register(AutoApproveRule)
-class AutoApproveRuleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class AutoApproveRuleAdmin(ReadOnlyAdmin):
     list_display = ("kind", "name_prefix", "agent", "enabled", "description")
 
 

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.contrib.auth.admin import GroupAdmin, UserAdmin
+from django.contrib.auth.models import Group, User
 
 from console.models import FenceCounter, KillSwitch
 from ownership.admin import ReadOnlyAdmin
@@ -8,7 +10,7 @@ from ownership.admin import ReadOnlyAdmin
 
 @admin.register(KillSwitch)
 class KillSwitchAdmin(ReadOnlyAdmin):
-    """Engage and release from the dashboard, where it is confirmed and audited."""
+    """Engaged and released on the dashboard or the API, where it is audited."""
 
     list_display = ("scope", "engaged", "reason", "changed_by", "changed_at")
 
@@ -16,3 +18,19 @@ class KillSwitchAdmin(ReadOnlyAdmin):
 @admin.register(FenceCounter)
 class FenceCounterAdmin(ReadOnlyAdmin):
     list_display = ("id", "value")
+
+
+# People and their groups (roles, owner groups) decide who may approve and resolve:
+# they change only on the audited People page or `manage.py person_create`.
+admin.site.unregister(User)
+admin.site.unregister(Group)
+
+
+@admin.register(User)
+class ReadOnlyUserAdmin(ReadOnlyAdmin, UserAdmin):  # type: ignore[misc]
+    pass
+
+
+@admin.register(Group)
+class ReadOnlyGroupAdmin(ReadOnlyAdmin, GroupAdmin):  # type: ignore[misc]
+    pass
