@@ -21,9 +21,12 @@ def test_an_ordinary_role_cannot_delete_audit_rows_even_with_the_maintenance_set
             "END IF; END $$"
         )
         cursor.execute("GRANT ALL ON audit_auditevent TO airlock_app_role_test")
-    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute("SET LOCAL airlock.audit_maintenance = 'on'")
-            cursor.execute("SET LOCAL ROLE airlock_app_role_test")
-            cursor.execute("DELETE FROM audit_auditevent")
+    with (
+        pytest.raises(DatabaseError, match="append-only"),
+        transaction.atomic(),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute("SET LOCAL airlock.audit_maintenance = 'on'")
+        cursor.execute("SET LOCAL ROLE airlock_app_role_test")
+        cursor.execute("DELETE FROM audit_auditevent")
     assert AuditEvent.objects.count() == 1
