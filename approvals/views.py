@@ -56,7 +56,6 @@ from console import permissions
 from console.core.errors import DomainError, NotFound
 from console.views import (
     EVENT_COUNTS,
-    after_post,
     console_page,
     document_diff,
     domain_error_status,
@@ -448,21 +447,43 @@ def _tokens_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
     return context
 
 
+EVENT_TOKENS = "tokens-changed"
+TOKENS_TEMPLATE = "approvals/tokens.html"
+
+
+def _tokens_render(
+    request: HttpRequest, *, status: int = 200, notice: str = "", **extra: Any
+) -> HttpResponse:
+    """The tokens page, or its ``page`` fragment for htmx (HX-Trigger on success)."""
+    htmx = is_htmx(request)
+    context = _tokens_context(request, page_notice=notice if htmx else "", **extra)
+    name = f"{TOKENS_TEMPLATE}#page" if htmx else TOKENS_TEMPLATE
+    response = render(request, name, context, status=status)
+    if htmx and status < 400:
+        response["HX-Trigger"] = json.dumps({EVENT_TOKENS: True})
+    return response
+
+
 @console_page
 @require_GET
 def tokens_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "approvals/tokens.html", _tokens_context(request))
+    return render_fragment_or_page(
+        request, TOKENS_TEMPLATE, _tokens_context(request), partial="page"
+    )
 
 
 def _show_secret(request: HttpRequest, *, what: str, secret: str) -> HttpResponse:
     # Shown once, never stored in clear: rendered directly, not through a redirect.
-    response = render(
-        request,
-        "approvals/tokens.html",
-        _tokens_context(request, new_secret=secret, new_secret_what=what),
-    )
+    response = _tokens_render(request, new_secret=secret, new_secret_what=what)
     response["Cache-Control"] = "no-store"
     return response
+
+
+def _after_revoke(request: HttpRequest, notice: str) -> HttpResponse:
+    if is_htmx(request):
+        return _tokens_render(request, notice=notice)
+    messages.success(request, notice)
+    return HttpResponseRedirect(reverse("tokens"))
 
 
 @console_page
@@ -470,12 +491,7 @@ def _show_secret(request: HttpRequest, *, what: str, secret: str) -> HttpRespons
 def personal_token_create(request: HttpRequest) -> HttpResponse:
     form = PersonalTokenCreateForm(request.POST)
     if not form.is_valid():
-        return render(
-            request,
-            "approvals/tokens.html",
-            _tokens_context(request, personal_form=form),
-            status=422,
-        )
+        return _tokens_render(request, status=422, personal_form=form)
     token, secret = token_services.personal_token_create(
         user=request.user, label=form.cleaned_data["label"], actor=Actor.person(request.user)
     )
@@ -489,9 +505,9 @@ def personal_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
     if token is None:
         raise Http404("No such token")
 
-    token_revoke(token=token, actor=Actor.person(request.user))
-    messages.success(request, f"Token {token.prefix}… revoked.")
-    return after_post(request, redirect_to=reverse("tokens"), trigger=())
+    changed = token_revoke(token=token, actor=Actor.person(request.user))
+    verb = "revoked" if changed else "was already revoked"
+    return _after_revoke(request, f"Token {token.prefix}… {verb}.")
 
 
 @console_page
@@ -500,9 +516,7 @@ def agent_create(request: HttpRequest) -> HttpResponse:
     forbid_unless(permissions.is_admin(request.user), "Only admins create agents.")
     form = AgentCreateForm(request.POST)
     if not form.is_valid():
-        return render(
-            request, "approvals/tokens.html", _tokens_context(request, agent_form=form), status=422
-        )
+        return _tokens_render(request, status=422, agent_form=form)
     try:
         agent, secret = token_services.agent_create(
             name=form.cleaned_data["name"],
@@ -513,17 +527,10 @@ def agent_create(request: HttpRequest) -> HttpResponse:
     except IntegrityError:
         # Two admins racing for the same name: the unique constraint decides.
         form.add_error("name", "An agent with this name already exists.")
-        return render(
-            request, "approvals/tokens.html", _tokens_context(request, agent_form=form), status=422
-        )
+        return _tokens_render(request, status=422, agent_form=form)
     except DomainError as exc:
         form.add_error("name", exc.message)
-        return render(
-            request,
-            "approvals/tokens.html",
-            _tokens_context(request, agent_form=form),
-            status=domain_error_status(exc),
-        )
+        return _tokens_render(request, status=domain_error_status(exc), agent_form=form)
     return _show_secret(request, what=f"agent token for {agent.name}", secret=secret)
 
 
@@ -534,7 +541,9 @@ def agent_token_create(request: HttpRequest, agent_id: uuid.UUID) -> HttpRespons
     agent = get_object_or_404(Agent, pk=agent_id)
     form = AgentTokenCreateForm(request.POST)
     if not form.is_valid():
-        return render(request, "approvals/tokens.html", _tokens_context(request), status=422)
+        return _tokens_render(
+            request, status=422, agent_token_form=form, agent_token_error_for=agent.pk
+        )
     _token, secret = token_services.agent_token_create(
         agent=agent, label=form.cleaned_data["label"], actor=Actor.person(request.user)
     )
@@ -548,9 +557,9 @@ def agent_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
         raise PermissionDenied("Only admins revoke agent tokens.")
     token = get_object_or_404(AgentToken, pk=token_id)
 
-    token_revoke(token=token, actor=Actor.person(request.user))
-    messages.success(request, f"Agent token {token.prefix}… revoked.")
-    return after_post(request, redirect_to=reverse("tokens"), trigger=())
+    changed = token_revoke(token=token, actor=Actor.person(request.user))
+    verb = "revoked" if changed else "was already revoked"
+    return _after_revoke(request, f"Agent token {token.prefix}… {verb}.")
 
 
 # --- auto-approve rules (admins edit; everyone who reads everything sees them) ------------

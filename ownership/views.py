@@ -25,11 +25,13 @@ from console.views import (
     document_diff,
     domain_error_status,
     forbid_unless,
+    form_errors_from,
     is_htmx,
     keyset_page,
     pretty,
     query_without,
     render_fragment_or_page,
+    respond_page,
 )
 from ownership.catalog import conflict_class_put, resource_kind_put
 from ownership.diff import default_choice, three_way_diff
@@ -53,6 +55,7 @@ from ownership.selectors import conflict_get_for_person, conflict_list_for_perso
 from ownership.services import conflict_may_resolve, conflict_merge_preview, conflict_resolve
 
 EVENT_CONFLICTS = "conflicts-changed"
+EVENT_CATALOG = "catalog-changed"
 _MISSING = object()
 
 
@@ -404,7 +407,21 @@ def catalog(request: HttpRequest) -> HttpResponse:
         kind = ResourceKind.objects.filter(slug=edit_kind).first()
         if kind is not None:
             context["kind_form"] = ResourceKindForm(initial=ResourceKindForm.initial_from(kind))
-    return render(request, "ownership/catalog.html", context)
+    return render_fragment_or_page(request, "ownership/catalog.html", context, partial="page")
+
+
+def _catalog_respond(
+    request: HttpRequest, *, notice: str = "", status: int = 200, **extra: Any
+) -> HttpResponse:
+    return respond_page(
+        request,
+        template="ownership/catalog.html",
+        context=lambda: _catalog_context(request, **(extra if status >= 400 else {})),
+        redirect_to=reverse("catalog"),
+        notice=notice,
+        status=status,
+        events=(EVENT_CATALOG,),
+    )
 
 
 @console_page
@@ -413,27 +430,16 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
     forbid_unless(permissions.is_admin(request.user), "Only admins edit conflict classes.")
     form = ConflictClassForm(request.POST)
     if not form.is_valid():
-        return render(
-            request,
-            "ownership/catalog.html",
-            _catalog_context(request, class_form=form),
-            status=422,
-        )
+        return _catalog_respond(request, status=422, class_form=form)
 
     data = dict(form.cleaned_data)
     slug = data.pop("slug")
     try:
         conflict_class_put(slug=slug, data=data, user=request.user)
     except DomainError as exc:
-        form.add_error(None, exc.message)
-        return render(
-            request,
-            "ownership/catalog.html",
-            _catalog_context(request, class_form=form),
-            status=domain_error_status(exc),
-        )
-    messages.success(request, f"Conflict class {slug} saved.")
-    return after_post(request, redirect_to=reverse("catalog"), trigger=())
+        form_errors_from(form, exc)
+        return _catalog_respond(request, status=domain_error_status(exc), class_form=form)
+    return _catalog_respond(request, notice=f"Conflict class {slug} saved.")
 
 
 @console_page
@@ -442,9 +448,7 @@ def resource_kind_save(request: HttpRequest) -> HttpResponse:
     forbid_unless(permissions.is_admin(request.user), "Only admins edit resource kinds.")
     form = ResourceKindForm(request.POST)
     if not form.is_valid():
-        return render(
-            request, "ownership/catalog.html", _catalog_context(request, kind_form=form), status=422
-        )
+        return _catalog_respond(request, status=422, kind_form=form)
 
     data = dict(form.cleaned_data)
     slug = data.pop("slug")
@@ -452,12 +456,6 @@ def resource_kind_save(request: HttpRequest) -> HttpResponse:
     try:
         resource_kind_put(slug=slug, data=data, user=request.user)
     except DomainError as exc:
-        form.add_error(None, exc.message)
-        return render(
-            request,
-            "ownership/catalog.html",
-            _catalog_context(request, kind_form=form),
-            status=domain_error_status(exc),
-        )
-    messages.success(request, f"Resource kind {slug} saved.")
-    return after_post(request, redirect_to=reverse("catalog"), trigger=())
+        form_errors_from(form, exc)
+        return _catalog_respond(request, status=domain_error_status(exc), kind_form=form)
+    return _catalog_respond(request, notice=f"Resource kind {slug} saved.")

@@ -79,3 +79,36 @@ def test_only_admins_edit(people: People, world: World, who: str) -> None:
     client = client_for(getattr(people, who))
     assert client.post("/catalog/classes/", CLASS).status_code == 403
     assert not ConflictClass.objects.filter(slug="rotate_secret").exists()
+
+
+HX = {"HTTP_HX_REQUEST": "true"}
+
+
+def test_with_htmx_saving_a_class_swaps_the_page_fragment(people: People, world: World) -> None:
+    response = client_for(people.admin).post("/catalog/classes/", CLASS, **HX)
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "<html" not in html and 'id="catalog-page"' in html
+    assert "Conflict class rotate_secret saved." in html and "<code>rotate_secret</code>" in html
+    assert "catalog-changed" in response["HX-Trigger"]
+    assert AuditEvent.objects.filter(event_type="conflict_class.created").count() == 1
+
+
+def test_with_htmx_bad_input_is_a_422_fragment_and_nothing_changes(
+    people: People, world: World
+) -> None:
+    response = client_for(people.admin).post(
+        "/catalog/kinds/", {"slug": "notification-policy", "class_create": "nope"}, **HX
+    )
+    assert response.status_code == 422 and "HX-Trigger" not in response
+    assert "<html" not in response.content.decode()
+    kind = ResourceKind.objects.get(slug="notification-policy")
+    assert kind.owner_group == "platform"
+    assert not AuditEvent.objects.filter(event_type__startswith="resource_kind.").exists()
+
+
+def test_the_catalog_page_serves_its_fragment_to_htmx(people: People, world: World) -> None:
+    response = client_for(people.auditor).get("/catalog/", **HX)
+    html = response.content.decode()
+    assert response.status_code == 200 and "<html" not in html and 'id="catalog-page"' in html
+    assert "HX-Request" in response["Vary"]

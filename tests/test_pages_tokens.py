@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from approvals.models import Agent, AgentToken, PersonalToken
@@ -84,3 +86,55 @@ def test_an_unknown_agent_owner_is_a_form_error(people: People, world: World) ->
     assert response.status_code == 422
     assert "No active person is called ghost" in response.content.decode()
     assert not Agent.objects.filter(name="x-bot").exists()
+
+
+HX = {"HTTP_HX_REQUEST": "true"}
+
+
+def test_with_htmx_creating_a_token_swaps_the_page_fragment(people: People) -> None:
+    response = client_for(people.owner).post("/tokens/personal/", {"label": "ci"}, **HX)
+    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
+    html = response.content.decode()
+    assert "<html" not in html and 'id="tokens-page"' in html
+    assert _secret(html).startswith("pt_")
+    assert "tokens-changed" in response["HX-Trigger"]
+    assert AuditEvent.objects.filter(event_type="token.created").count() == 1
+
+
+def test_with_htmx_revoking_twice_says_so_and_audits_once(people: People) -> None:
+    client = client_for(people.owner)
+    client.post("/tokens/personal/", {"label": "laptop"})
+    token = PersonalToken.objects.get(user=people.owner)
+    first = client.post(f"/tokens/personal/{token.pk}/revoke/", **HX)
+    assert first.status_code == 200 and "<html" not in first.content.decode()
+    assert f"Token {token.prefix}… revoked." in first.content.decode()
+    assert "tokens-changed" in first["HX-Trigger"]
+    second = client.post(f"/tokens/personal/{token.pk}/revoke/", **HX)
+    assert "was already revoked" in second.content.decode()
+    assert AuditEvent.objects.filter(event_type="token.revoked").count() == 1
+
+
+def test_with_htmx_bad_input_is_a_422_fragment_without_a_trigger(
+    people: People, world: World
+) -> None:
+    client = client_for(people.admin)
+    response = client.post("/tokens/agents/", {"name": "ops-bot"}, **HX)
+    assert response.status_code == 422 and "HX-Trigger" not in response
+    html = response.content.decode()
+    assert "<html" not in html and "already exists" in html
+    assert Agent.objects.filter(name="ops-bot").count() == 1
+    label = client.post(f"/tokens/agents/{world.agent.id}/tokens/", {"label": "x" * 101}, **HX)
+    assert label.status_code == 422 and "at most 100 characters" in label.content.decode()
+    assert not AgentToken.objects.filter(agent=world.agent).exists()
+
+
+def test_every_tokens_form_posts_with_htmx_and_without(people: People, world: World) -> None:
+    AgentToken.objects.create(agent=world.agent, prefix="ak_test1", token_hash="h" * 64)
+    client_for(people.admin).post("/tokens/personal/", {"label": "laptop"})
+    html = client_for(people.admin).get("/tokens/").content.decode()
+    forms = re.findall(r"<form [^>]*>", html)
+    posts = [f for f in forms if 'method="post"' in f and "logout" not in f]
+    assert len(posts) == 5
+    for form in posts:
+        action = re.search(r'action="([^"]+)"', form)
+        assert action and f'hx-post="{action.group(1)}"' in form
