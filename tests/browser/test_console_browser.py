@@ -161,6 +161,8 @@ def test_every_main_page_reads_well_and_has_no_serious_accessibility_violation(
         "catalog": "/catalog/",
         "audit": "/audit/",
         "tokens": "/tokens/",
+        "rules": "/rules/",
+        "people": "/people/",
     }
     for name, path in targets.items():
         page.goto(path)
@@ -200,3 +202,47 @@ def test_every_decision_works_without_javascript(
     page.get_by_label("I understand this stops or resumes writes in this scope").check()
     page.get_by_role("button", name="Engage").click()
     expect(page.locator(".banner")).to_contain_text("maintenance")
+
+
+def test_an_open_inbox_shows_a_new_approval_without_losing_a_typed_comment(
+    pages: WatchedPages, people: People, world: World
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from approvals.models import Approval
+    from tests.fixtures.console import make_run
+
+    page = pages.new()
+    sign_in(page, "olivia", PASSWORD)
+    page.goto("/approvals/")
+    comment = page.locator(f"#approval-{world.approval.id}").get_by_label(
+        "Comment (required to reject)"
+    )
+    comment.fill("half-written thought")
+    run = make_run(world.agent, status="pending_approval", task="arrived while open")
+    fresh = Approval.objects.create(
+        subject="run", run=run, quorum=1, expires_at=timezone.now() + timedelta(hours=1)
+    )
+    expect(page.locator(f"#approval-{fresh.id}")).to_contain_text(
+        "arrived while open", timeout=15_000
+    )
+    expect(page.locator("#approval-items article.approval")).to_have_count(3)
+    expect(comment).to_have_value("half-written thought")
+    expect(page.locator(".approval-empty")).to_be_hidden()
+    assert page.url.endswith("/approvals/")
+    screenshot(page, "approvals-live")
+
+
+def test_an_admin_adds_a_rule_in_place(pages: WatchedPages, people: People, world: World) -> None:
+    page = pages.new()
+    sign_in(page, "ada", PASSWORD)
+    page.goto("/rules/")
+    page.get_by_label("Name prefix").fill("sandbox-")
+    page.get_by_label("update").check()
+    page.get_by_role("button", name="Add rule").click()
+    expect(page.locator("#rules-page .notice-ok")).to_contain_text("created")
+    expect(page.locator("#rules-page")).to_contain_text("notification-policy/sandbox-*")
+    assert page.url.endswith("/rules/")
+    screenshot(page, "rules")
