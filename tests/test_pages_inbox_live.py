@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 from html import unescape
+from typing import Any
 
 import pytest
 from django.utils import timezone
@@ -87,3 +88,15 @@ def test_the_poll_needs_a_session(world: World) -> None:
     from django.test import Client
 
     assert Client().get("/approvals/poll/?since=2026-01-01T00:00:00Z").status_code == 302
+
+
+def test_a_poll_is_a_bounded_number_of_queries(
+    people: People, world: World, django_assert_max_num_queries: Any
+) -> None:
+    client = client_for(people.operator)
+    url = _poll_url(client.get("/approvals/").content.decode())
+    for n in range(10):
+        _new_run_approval(world, f"burst {n}")
+    with django_assert_max_num_queries(8):
+        response = client.get(url, **HX)
+    assert response.content.decode().count('class="card approval"') == 10

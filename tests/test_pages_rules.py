@@ -197,3 +197,15 @@ def test_a_rule_made_on_the_page_admits_a_covered_run(people: People, api: Any, 
     other = {"task": "t", "write_set": [{**write_set[0], "resource": "dns-record/sandbox-b"}]}
     second = json.loads(api.post("/api/v1/runs", token=agent.token, body=other).content)
     assert second["status"] == "pending_approval"
+
+
+def test_the_rules_list_is_a_bounded_number_of_queries(
+    people: People, world: World, django_assert_max_num_queries: Any
+) -> None:
+    for n in range(15):
+        AutoApproveRule.objects.create(
+            kind=world.kind, name_prefix=f"p{n}-", operations=["update"], agent=world.agent
+        )
+    client = client_for(people.admin)
+    with django_assert_max_num_queries(12):
+        assert client.get("/rules/").status_code == 200
