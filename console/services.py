@@ -1,10 +1,13 @@
 """Kill switch: engage and release (shared by the API and the console pages).
 
-Engaging pauses queued work in the scope at once (`paused` with the reason);
-jobs that are already past their check are stopped by the barrier's own
-re-check inside its transaction. Releasing re-queues paused actions that no
-other engaged switch still covers, oldest first, and enqueues their jobs in
-that order after commit.
+Engaging pauses queued work in the scope at once (`paused` with the reason).
+An engage first takes the kill-switch lock exclusively (console.core.killswitch):
+it waits for write transactions already past their kill-switch check (they hold
+it shared until commit), and barriers that start later wait for the engage to
+commit and then see it, so no managed write commits after an engage returned.
+(An HTTP-target write already sent to the target cannot be recalled.)
+Releasing re-queues paused actions that no other engaged switch still covers,
+oldest first, and enqueues their jobs in that order after commit.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from django.utils import timezone
 from approvals.models import Action, ActionStatus
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, ValidationFailed
+from console.core.killswitch import lock_switches_exclusive
 from console.models import KillSwitch
 from console.permissions import is_operator
 
@@ -71,6 +75,7 @@ def kill_switch_set(*, scope: str, engaged: bool, reason: str, actor: Any) -> Ki
         )
     now = timezone.now()
     with transaction.atomic():
+        lock_switches_exclusive()  # before the switch row and the audit head
         switch, _ = KillSwitch.objects.select_for_update().get_or_create(scope=scope)
         if switch.engaged == engaged and (not engaged or switch.reason == reason):
             return switch

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
@@ -39,6 +40,7 @@ from console.core.errors import Forbidden, InvalidTransition, NotFound, Validati
 from console.permissions import resolver_group, user_groups
 from ownership.diff import apply_merge_patch, merge_documents, three_way_diff
 from ownership.models import (
+    ApprovalMode,
     Conflict,
     ConflictClass,
     ConflictOrigin,
@@ -307,7 +309,11 @@ def conflict_resolve(
 
     keep_current closes it; take_proposed / merge create a NEW action (parent =
     the original, payload_format `resolution`, the full document, observed =
-    the current version) approved by this decision and enqueued on commit.
+    the current version; a `delete` when taking the proposed side of a delete or
+    of the undo of a create) approved by this decision and enqueued on commit.
+    For a per-call class with quorum > 1 this decision is the first vote: the new
+    action waits `pending_approval` on a pending approval (the class's quorum and
+    TTL) until approval_decide reaches the quorum.
     Raises NotFound, Forbidden (`forbidden` / `self_approval`),
     ValidationFailed (422), InvalidTransition (409, already resolved).
     """
@@ -369,11 +375,25 @@ def conflict_resolve(
                     fields=conflict.fields,
                     choices=choices,  # type: ignore[arg-type]
                 )
-            deleting = (
-                choice == ResolutionChoice.TAKE_PROPOSED
-                and conflict.origin == ConflictOrigin.WRITE
-                and action.operation == WriteOperation.DELETE
+            # Taking the proposed side of a delete, or of the undo of a create (the
+            # undo would have left a tombstone), deletes. A merge always writes the
+            # merged document (for the undo of a create: the current document minus
+            # the fields the resolver took from the empty "before" side).
+            deleting = choice == ResolutionChoice.TAKE_PROPOSED and (
+                (
+                    conflict.origin == ConflictOrigin.WRITE
+                    and action.operation == WriteOperation.DELETE
+                )
+                or (
+                    conflict.origin == ConflictOrigin.UNDO
+                    and action.operation == WriteOperation.CREATE
+                )
             )
+            cls = conflict.conflict_class
+            # A class that needs more than one person keeps needing them: the
+            # resolver's decision is the first vote; the action waits
+            # `pending_approval` until approval_decide reaches the quorum.
+            needs_more_votes = cls.approval_mode == ApprovalMode.PER_CALL and cls.quorum > 1
             new_action = Action.objects.create(
                 run=action.run,
                 agent=action.agent,
@@ -385,21 +405,38 @@ def conflict_resolve(
                 payload=None if deleting else document,
                 observed_version=conflict.current_version,
                 conflict_class=conflict.conflict_class,
-                status=ActionStatus.QUEUED,
+                status=ActionStatus.PENDING_APPROVAL if needs_more_votes else ActionStatus.QUEUED,
                 reason=f"resolution of conflict {conflict.pk}"[:500],
                 parent=action,
             )
-            approval = Approval.objects.create(
-                subject=ApprovalSubject.ACTION,
-                run=action.run,
-                action=new_action,
-                status=ApprovalStatus.APPROVED,
-                quorum=1,
-                observed_version=conflict.current_version,
-                expires_at=now,
-                decided_at=now,
-                from_conflict=conflict,
-            )
+            if needs_more_votes:
+                approval = Approval.objects.create(
+                    subject=ApprovalSubject.ACTION,
+                    run=action.run,
+                    action=new_action,
+                    status=ApprovalStatus.PENDING,
+                    quorum=cls.quorum,
+                    observed_version=conflict.current_version,
+                    expires_at=now + timedelta(seconds=cls.approval_ttl_seconds),
+                    escalate_at=(
+                        now + timedelta(seconds=cls.escalation_seconds)
+                        if cls.escalation_seconds
+                        else None
+                    ),
+                    from_conflict=conflict,
+                )
+            else:
+                approval = Approval.objects.create(
+                    subject=ApprovalSubject.ACTION,
+                    run=action.run,
+                    action=new_action,
+                    status=ApprovalStatus.APPROVED,
+                    quorum=1,
+                    observed_version=conflict.current_version,
+                    expires_at=now,
+                    decided_at=now,
+                    from_conflict=conflict,
+                )
             ApprovalDecision.objects.create(
                 approval=approval, person=person, decision=Decision.APPROVE, comment=comment
             )
@@ -453,10 +490,28 @@ def conflict_resolve(
                     "choice": choice,
                 },
             )
-            from approvals.jobs import enqueue_action_execution
+            if new_action.status == ActionStatus.PENDING_APPROVAL:
+                audit_append(
+                    event_type="approval.requested",
+                    actor=Actor.system(),
+                    resource=new_action.resource_identifier,
+                    run_id=new_action.run_id,
+                    action_id=new_action.pk,
+                    details={
+                        "approval": str(approval.pk),
+                        "subject": "action",
+                        "quorum": approval.quorum,
+                        "votes": 1,
+                        "from_conflict": str(conflict.pk),
+                        "observed_version": conflict.current_version,
+                        "conflict_class": conflict.conflict_class.slug,
+                    },
+                )
+            else:
+                from approvals.jobs import enqueue_action_execution
 
-            new_id = new_action.pk
-            transaction.on_commit(lambda: enqueue_action_execution(new_id))
+                new_id = new_action.pk
+                transaction.on_commit(lambda: enqueue_action_execution(new_id))
     conflict.refresh_from_db()
     return conflict
 

@@ -102,10 +102,13 @@ def test_waiting_acquire_gets_the_lock_when_the_holder_releases(redis_client: re
 
 @pytest.mark.django_db
 def test_the_heartbeat_keeps_the_lock_past_its_ttl(redis_client: redis.Redis) -> None:
-    lock = FencedLock(redis_client, key=unique_key(), ttl_ms=200)
+    # TTL 1 s renewed every 250 ms: a scheduling stall of up to ~750 ms on a loaded
+    # machine still renews in time. The sleep is the subject (time passing past the
+    # TTL), not synchronisation: without the heartbeat the key expires after 1 s.
+    lock = FencedLock(redis_client, key=unique_key(), ttl_ms=1_000)
     lock.acquire()
-    lock.start_heartbeat(interval_ms=50)
-    time.sleep(0.6)
+    lock.start_heartbeat(interval_ms=250)
+    time.sleep(1.6)
     assert lock.held() and not lock.lost
     lock.check()
     assert lock.release() is True

@@ -187,6 +187,49 @@ def _subject_identifier(approval: Approval) -> str:
     return approval.action.resource_identifier if approval.action is not None else ""
 
 
+def lock_approval_subject(approval_id: uuid.UUID) -> Approval:
+    """Lock an approval and what deciding it changes, in the project's one lock order.
+
+    Inside the caller's transaction. The order (every service that takes two of
+    these takes them in this order; the audit head is always taken last):
+
+      1. the per-kind advisory locks of a run approval's write set (as
+         runs.run_create / run_activate take them);
+      2. the run row: FOR UPDATE for a run approval (run_activate / _end update
+         it), FOR SHARE for an action approval (a revoke or finish waits for us,
+         or we see its end);
+      3. the action row (FOR UPDATE), as actions.action_cancel does first;
+      4. the approval row (FOR UPDATE).
+
+    `subject`, `run_id`, `action_id` and the run's write set never change, so
+    they are read without a lock first. Raises Approval.DoesNotExist.
+    """
+    subject, run_id, action_id = Approval.objects.values_list("subject", "run_id", "action_id").get(
+        pk=approval_id
+    )
+    if subject == ApprovalSubject.RUN:
+        from approvals.services import runs
+
+        unlocked_run = Run.objects.only("pk", "write_set").get(pk=run_id)
+        runs._lock_kinds({entry.kind for entry in runs._entries_of(unlocked_run)})
+        list(Run.objects.select_for_update(of=("self",)).filter(pk=run_id).values_list("pk"))
+    else:
+        from console.core.barrier import lock_run_for_share
+
+        lock_run_for_share(run_id)
+        if action_id is not None:
+            list(
+                Action.objects.select_for_update(of=("self",))
+                .filter(pk=action_id)
+                .values_list("pk")
+            )
+    return (
+        Approval.objects.select_for_update(of=("self",))
+        .select_related("run__agent", "action__conflict_class", "action__kind")
+        .get(pk=approval_id)
+    )
+
+
 def approval_decide(
     *, approval_id: uuid.UUID | str, person: Any, decision: str, comment: str = ""
 ) -> Approval:
@@ -215,11 +258,7 @@ def approval_decide(
     expired = False
     with transaction.atomic():
         try:
-            approval = (
-                Approval.objects.select_for_update(of=("self",))
-                .select_related("run__agent", "action__conflict_class", "action__kind")
-                .get(pk=approval_uuid)
-            )
+            approval = lock_approval_subject(approval_uuid)
         except Approval.DoesNotExist as exc:
             raise NotFound("No such approval.") from exc
         _check_separation_of_duties(approval=approval, person=person)
@@ -397,15 +436,12 @@ def approval_expire_due(*, now: datetime | None = None) -> dict[str, int]:
     )
     for approval_id in due_ids:
         with transaction.atomic():
-            approval = (
-                Approval.objects.select_for_update(skip_locked=True, of=("self",))
-                .select_related("action__kind")
-                .filter(pk=approval_id, status=ApprovalStatus.PENDING)
-                .first()
-            )
-            if approval is None:
+            # The decision's lock order (run, action, approval): a decision racing
+            # this expiry waits, or is waited for, and never deadlocks.
+            due = lock_approval_subject(approval_id)
+            if due.status != ApprovalStatus.PENDING or due.expires_at > now:
                 continue
-            _expire_locked(approval=approval, now=now)
+            _expire_locked(approval=due, now=now)
             expired += 1
     escalate_ids = list(
         Approval.objects.filter(

@@ -412,6 +412,14 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
         log.info("action %s not claimed: %s", action.pk, exc)
         return "not_claimed"
     notify_action_changed_now(action.pk)
+    from console.core.barrier import refuse_if_run_ended
+
+    if refuse_if_run_ended(
+        action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
+    ):
+        # Checked before sending; a revoke that commits while the request is in
+        # flight cannot recall it from an external target.
+        return "run_not_active"
     target = targets.HttpTarget(action.kind.target_url)
     try:
         lock.check()
@@ -454,12 +462,30 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
     if outcome == targets.APPLIED:
         now = timezone.now()
         with transaction.atomic():
+            # Lock this attempt's operation, then the action (the barrier's and the
+            # reconciler's order). A worker that was paused past its lease resumes
+            # here after the reconciler closed its operation and another delivery
+            # may already have recorded the effect: it records nothing but closing
+            # its own operation (conditionally), so one effect is recorded once.
+            mine = Operation.objects.select_for_update().filter(pk=operation.pk).first()
+            locked = Action.objects.select_for_update(of=("self",)).get(pk=action.pk)
+            if (
+                mine is None
+                or mine.status != OperationStatus.PENDING
+                or locked.status != ActionStatus.EXECUTING
+            ):
+                Operation.objects.filter(pk=operation.pk, status=OperationStatus.PENDING).update(
+                    status=OperationStatus.FAILED,
+                    finished_at=now,
+                    outcome={"superseded": True, "replayed": response.replayed},
+                )
+                log.info("action %s: stale delivery of operation %s", action.pk, operation.pk)
+                return "superseded"
             resource = _mirror_resource(action, response)
             # A replay settles the earlier `unknown` attempt: that one made the effect.
             unknown = (
-                Operation.objects.filter(
-                    action=action, undo_of__isnull=True, status=OperationStatus.UNKNOWN
-                )
+                Operation.objects.select_for_update()
+                .filter(action=action, undo_of__isnull=True, status=OperationStatus.UNKNOWN)
                 .order_by("started_at")
                 .first()
             )
@@ -473,7 +499,9 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
                 Operation.objects.filter(
                     action=action, undo_of__isnull=True, status=OperationStatus.UNKNOWN
                 ).exclude(pk=unknown.pk).update(status=OperationStatus.FAILED, finished_at=now)
-            Operation.objects.filter(pk=effect_op.pk).update(
+            settled = Operation.objects.filter(
+                pk=effect_op.pk, status__in=(OperationStatus.PENDING, OperationStatus.UNKNOWN)
+            ).update(
                 status=OperationStatus.DONE,
                 base_version=action.observed_version,
                 result_version=response.version,
@@ -485,6 +513,8 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
                     "settled_by": operation.pk if unknown is not None else None,
                 },
             )
+            if not settled:  # cannot happen under the locks above; never record twice
+                return "superseded"
             if resource is not None and response.version is not None:
                 ResourceVersion.objects.get_or_create(
                     resource=resource,
@@ -500,13 +530,14 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
                         "deleted": action.operation == "delete",
                     },
                 )
-            action_transition(
+            moved = action_transition(
                 action_id=action.pk,
                 from_statuses=(ActionStatus.EXECUTING,),
                 to_status=ActionStatus.APPLIED,
                 error=None,
                 resource=resource,
             )
+            assert moved  # the action row is locked and was `executing`
             audit_append(
                 event_type="write.applied",
                 actor=WORKER_ACTOR,
@@ -570,6 +601,9 @@ def route_refusal(*, action_id: uuid.UUID, operation_id: int | None, refusal: st
     """What happens to an action whose write the barrier (or a target) refused."""
     from ownership.services import conflict_open_for_action
 
+    if refusal == "run_not_active":
+        # The barrier already ended the action (cancelled / expired) in its transaction.
+        return "run_not_active"
     if refusal in ("stale_version", "missing", "already_exists"):
         conflict_open_for_action(action_id=action_id, operation_id=operation_id, refusal=refusal)
         return "conflict"

@@ -3,8 +3,11 @@
     open_operation(*, action_id, fence, worker, lease_seconds, undo_of_id=None) -> Operation
     apply_action(*, action_id, operation_id, fence, actor) -> WriteOutcome
 
-`apply_action` runs ONE transaction: lock the operation and the action rows,
-re-check the kill switch, then
+`apply_action` runs ONE transaction. Lock order (the project's one order):
+the kill-switch lock SHARED (console.core.killswitch), the operation row, the
+run row FOR SHARE, the action row; then re-check the kill switch and the run
+(a revoke/finish/expiry updates the run row, so it waits for this transaction
+or this transaction waits for it and sees the end), then
 
     UPDATE ownership_resource SET document, version = version + 1, last_fence = :fence
      WHERE id = :id AND version = :observed AND last_fence < :fence AND NOT deleted
@@ -31,7 +34,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -41,11 +44,12 @@ from approvals.models import (
     Operation,
     OperationStatus,
     PayloadFormat,
+    RunStatus,
     WriteOperation,
 )
 from audit.services import Actor, audit_append
 from console.core.errors import InvalidTransition, KillSwitchEngaged, NotFound
-from console.core.killswitch import engaged_switch_for
+from console.core.killswitch import engaged_switch_for, hold_switches_shared
 from ownership.models import Resource, ResourceVersion
 
 # Why a write was refused (WriteOutcome.refusal.reason).
@@ -55,6 +59,7 @@ MISSING = "missing"  # no such resource, or it is a tombstone
 ALREADY_EXISTS = "already_exists"  # create of a name that exists (e.g. a concurrent create won)
 OPERATION_NOT_PENDING = "operation_not_pending"  # re-delivery of a finished operation
 ACTION_NOT_EXECUTABLE = "action_not_executable"  # the action left queued/paused/executing
+RUN_NOT_ACTIVE = "run_not_active"  # the run was revoked/finished/rejected or is past expires_at
 
 # An action may be (re-)executed from these statuses.
 EXECUTABLE_STATUSES = (ActionStatus.QUEUED, ActionStatus.PAUSED, ActionStatus.EXECUTING)
@@ -215,6 +220,8 @@ def apply_action(
     carried it out, e.g. the worker — is kept in the details as `executor`.
     """
     with transaction.atomic():
+        # Before any row lock: an engage waits for this write, or this write sees it.
+        hold_switches_shared()
         operation = (
             Operation.objects.select_for_update()
             .filter(pk=operation_id, action_id=action_id, undo_of__isnull=True)
@@ -222,6 +229,8 @@ def apply_action(
         )
         if operation is None:
             raise NotFound("no such operation for this action", extra={"operation": operation_id})
+        run_id = Action.objects.filter(pk=action_id).values_list("run_id", flat=True).first()
+        run_state = lock_run_for_share(run_id) if run_id is not None else None
         action = (
             Action.objects.select_for_update(of=("self",))
             .select_related("kind", "conflict_class", "run__agent")
@@ -244,6 +253,9 @@ def apply_action(
             return _refuse(action, operation, refusal, actor=actor, resource_id=action.resource_id)
 
         now = timezone.now()
+        ended = run_end_status(action, run_state, now=now)
+        if ended is not None:
+            return _refuse_ended_run(action, operation, ended, fence=fence, actor=actor, now=now)
         if action.operation == WriteOperation.CREATE:
             result = _write_create(action, fence=fence, now=now)
         else:
@@ -305,6 +317,95 @@ def apply_action(
         result_version=result.result_version,
         undo_deadline=deadline,
     )
+
+
+def lock_run_for_share(run_id: Any) -> tuple[str, datetime] | None:
+    """`SELECT status, expires_at ... FOR SHARE` on the run row (caller's transaction).
+
+    A revoke, finish, expiry or heartbeat UPDATEs the run row, so it waits for
+    this transaction; one that committed first is seen (READ COMMITTED).
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT status, expires_at FROM approvals_run WHERE id = %s FOR SHARE", [run_id]
+        )
+        row = cursor.fetchone()
+    return (str(row[0]), row[1]) if row else None
+
+
+def run_end_status(
+    action: Action, run_state: tuple[str, datetime] | None, *, now: datetime
+) -> str | None:
+    """None when the action's run still allows it to write; else the action's end status
+    (`cancelled` for a revoked/rejected/finished run, `expired` for an expired one).
+
+    Exemption (a decision): a conflict-resolution action (`parent` set) carries a
+    person's decision, not the agent's, so it still runs after its run finished or
+    expired — conflicts are often settled after the agent has gone. A revoke (or a
+    rejected run) is an operator's stop of everything the run does, and stops it too.
+    """
+    if run_state is None:
+        return ActionStatus.CANCELLED
+    status, expires_at = run_state
+    if status in (RunStatus.REVOKED, RunStatus.REJECTED):
+        return ActionStatus.CANCELLED
+    if action.parent_id is not None:
+        return None
+    if status == RunStatus.EXPIRED:
+        return ActionStatus.EXPIRED
+    if status != RunStatus.ACTIVE:
+        return ActionStatus.CANCELLED
+    if expires_at is not None and expires_at <= now:
+        return ActionStatus.EXPIRED
+    return None
+
+
+def _refuse_ended_run(
+    action: Action,
+    operation: Operation,
+    end_status: str,
+    *,
+    fence: int,
+    actor: Actor,
+    now: datetime,
+) -> WriteOutcome:
+    """The run no longer allows writes: nothing is written, the action ends."""
+    refusal = Refusal(
+        RUN_NOT_ACTIVE,
+        "the run has expired" if end_status == ActionStatus.EXPIRED else "the run is not active",
+        fence=fence,
+    )
+    Action.objects.filter(pk=action.pk, status__in=EXECUTABLE_STATUSES).update(
+        status=end_status,
+        revision=F("revision") + 1,
+        updated_at=now,
+        error={"code": RUN_NOT_ACTIVE, "detail": refusal.message},
+    )
+    return _refuse(action, operation, refusal, actor=actor, resource_id=action.resource_id)
+
+
+def refuse_if_run_ended(
+    *, action_id: uuid.UUID | str, operation_id: int, fence: int, actor: Actor
+) -> WriteOutcome | None:
+    """For writes that do not go through `apply_action` (HTTP targets): the same
+    run check, in its own transaction and the same lock order. Returns the
+    refusal (the action ended, the operation failed) or None to go ahead."""
+    with transaction.atomic():
+        operation = Operation.objects.select_for_update().filter(pk=operation_id).first()
+        run_id = Action.objects.filter(pk=action_id).values_list("run_id", flat=True).first()
+        run_state = lock_run_for_share(run_id) if run_id is not None else None
+        action = (
+            Action.objects.select_for_update(of=("self",))
+            .select_related("kind", "conflict_class", "run__agent")
+            .get(pk=action_id)
+        )
+        if operation is None or operation.status != OperationStatus.PENDING:
+            return None
+        now = timezone.now()
+        ended = run_end_status(action, run_state, now=now)
+        if ended is None:
+            return None
+        return _refuse_ended_run(action, operation, ended, fence=fence, actor=actor, now=now)
 
 
 @dataclass(frozen=True)

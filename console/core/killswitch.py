@@ -1,13 +1,41 @@
 """Kill-switch check used before any write.
 
 Scopes: `*` (everything), `kind/prefix*` (a namespace) or an exact `kind/name`.
-The write barrier calls `engaged_switch_for` inside its transaction, so a write
-whose check runs after an engage has committed is refused.
+The write barrier calls `hold_switches_shared` and then `engaged_switch_for`
+inside its transaction, so a write whose check runs after an engage has
+committed is refused, and an engage waits for writes already past their check.
 """
 
 from __future__ import annotations
 
+from django.db import connection
+
 from console.models import KillSwitch
+
+# One PostgreSQL advisory lock orders every write against every engage/release:
+# a write transaction (the barrier, an undo) holds it SHARED from before its
+# kill-switch check until it commits; `kill_switch_set` takes it EXCLUSIVE
+# before it changes a switch. So an engage waits for the writes already past
+# their check, and a write that starts its check after an engage began waits
+# for the engage to commit and then sees it (READ COMMITTED: a new statement
+# sees the latest commit). Lock order: this lock before any row lock.
+_SWITCH_LOCK = (7172, 1)
+
+
+def hold_switches_shared() -> None:
+    """Inside a write transaction, before the kill-switch check and any row lock."""
+    if connection.vendor != "postgresql":
+        return  # SQLite serialises writers already.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", list(_SWITCH_LOCK))
+
+
+def lock_switches_exclusive() -> None:
+    """Inside an engage/release transaction, before the switch row and the audit append."""
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(_SWITCH_LOCK))
 
 
 def engaged_switch_for(resource_identifier: str) -> KillSwitch | None:

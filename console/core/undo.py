@@ -30,7 +30,7 @@ from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.models import ActorType
 from audit.services import Actor, audit_append
 from console.core.errors import KillSwitchEngaged, NotFound
-from console.core.killswitch import engaged_switch_for
+from console.core.killswitch import engaged_switch_for, hold_switches_shared
 from ownership.models import Resource, ResourceVersion
 
 WINDOW_EXPIRED = "window_expired"
@@ -75,6 +75,8 @@ def apply_undo(
     then writes. Raises NotFound for an unknown pair of operations.
     """
     with transaction.atomic():
+        # Before any row lock: an engage waits for this undo, or this undo sees it.
+        hold_switches_shared()
         undo_op = (
             Operation.objects.select_for_update()
             .filter(pk=undo_operation_id, undo_of_id=operation_id)

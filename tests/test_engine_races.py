@@ -1,0 +1,558 @@
+"""Forced collisions (review findings 2, 3, 4, 7, 8, 14 and T4), on real PostgreSQL.
+
+Each test forces the interleaving: one thread holds a transaction open at a
+chosen point (threading.Event), the other is started and the test waits until
+PostgreSQL reports it blocked on a lock (pg_stat_activity), then releases the
+first. No sleeps as synchronisation. Each asserts the invariant: nothing
+written after a revoke or an engage committed, no deadlock, one effect
+recorded once, one resolution.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+from approvals.models import Action, Approval, ApprovalDecision, Operation, Run
+from approvals.services.decisions import approval_decide
+from approvals.services.execution import (
+    WORKER_ACTOR,
+    action_execute,
+    operation_lease_seconds,
+    reconcile,
+)
+from audit.models import AuditEvent
+from audit.services import Actor
+from console.core.barrier import RUN_NOT_ACTIVE, apply_action, open_operation
+from console.core.errors import InvalidTransition, KillSwitchEngaged
+from console.core.fence import next_fence
+from console.core.lock import lock_key
+from console.models import KillSwitch
+from console.services import kill_switch_set
+from ownership.models import Conflict, ConflictClass, Resource, ResourceVersion
+from ownership.services import conflict_resolve
+from tests.targetserver import TargetServer
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
+
+WAIT = 20.0  # seconds: an upper bound for a forced step, never a synchronisation
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+class Worker(threading.Thread):
+    """Runs `fn` on its own database connection; keeps its result or exception."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # handed to the test
+            self.error = exc
+        finally:
+            connection.close()
+
+    def finish(self) -> Any:
+        self.join(WAIT)
+        assert not self.is_alive(), "thread did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Holder(Worker):
+    """Runs `fn` inside a transaction and keeps it open until `release()`."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.ready = threading.Event()
+        self.go = threading.Event()
+
+        def held() -> Any:
+            with transaction.atomic():
+                value = fn()
+                self.ready.set()
+                assert self.go.wait(WAIT), "never released"
+            return value
+
+        super().__init__(held)
+
+    def hold(self) -> Holder:
+        self.start()
+        assert self.ready.wait(WAIT), "holder did not get there"
+        return self
+
+    def release(self) -> Any:
+        self.go.set()
+        return self.finish()
+
+
+def lock_waiters() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def wait_for_lock_waiters(count: int, *, threads: tuple[Worker, ...] = ()) -> None:
+    """Poll PostgreSQL until `count` backends wait on a lock (a condition, not a delay)."""
+    deadline = time.monotonic() + WAIT
+    while lock_waiters() < count:
+        for thread in threads:
+            if not thread.is_alive():
+                thread.finish()  # surfaces its error
+                raise AssertionError("a thread finished instead of waiting for the lock")
+        assert time.monotonic() < deadline, f"{count} lock waiter(s) never appeared"
+        time.sleep(0.01)
+
+
+def _lock_action_row(action: Action) -> Any:
+    return list(Action.objects.select_for_update().filter(pk=action.pk))
+
+
+@pytest.fixture
+def world(engine_world: Any, engine_redis: Any) -> Any:
+    return engine_world
+
+
+@pytest.fixture
+def cfg(world: Any) -> Any:
+    kind = world.kind("cfg", update="recompute_field", owner_group="owners")
+    world.resource(kind, "a", {"v": 1})
+    return kind
+
+
+@pytest.fixture
+def policy(world: Any) -> Any:
+    kind = world.kind("notification-policy")  # replace_shared_document: per-call
+    world.resource(kind, "prod-alerts", {"destinations": ["oncall"], "severity": "high"})
+    return kind
+
+
+def _claimed(world: Any, kind: Any) -> tuple[Action, Operation, int]:
+    """A queued per-run write claimed by a worker (action `executing`, operation pending)."""
+    action = world.propose(kind, "a", payload={"v": 2}, observed_version=1)
+    fence = next_fence()
+    operation = open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=30)
+    return action, operation, fence
+
+
+# -- finding 2: revoke vs execution ---------------------------------------------------
+
+
+def test_a_revoke_committing_while_the_barrier_runs_means_nothing_is_applied(
+    world: Any, cfg: Any
+) -> None:
+    action, operation, fence = _claimed(world, cfg)
+    from approvals.services.runs import run_revoke
+
+    revoke = Holder(
+        lambda: run_revoke(
+            run=Run.objects.get(pk=world.run.pk), actor=Actor.person(world.operator), reason="leak"
+        )
+    ).hold()  # the revoke has run; its transaction (run row, audit head) is open
+    execute = Worker(
+        lambda: apply_action(
+            action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
+        )
+    )
+    execute.start()
+    wait_for_lock_waiters(1, threads=(execute,))  # the barrier waits for the revoke
+    revoke.release()  # the revoke commits first
+    outcome = execute.finish()
+
+    assert outcome.applied is False and outcome.reason == RUN_NOT_ACTIVE
+    action.refresh_from_db()
+    assert action.status == "cancelled" and action.error["code"] == "run_not_active"
+    resource = Resource.objects.get(kind=cfg, name="a")
+    assert resource.document == {"v": 1} and resource.version == 1
+    assert not AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk).exists()
+    assert Operation.objects.get(pk=operation.pk).status == "failed"
+
+
+def test_a_run_past_expires_at_writes_nothing_before_housekeeping_marks_it(
+    world: Any, cfg: Any
+) -> None:
+    action, operation, fence = _claimed(world, cfg)
+    Run.objects.filter(pk=world.run.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    outcome = apply_action(
+        action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
+    )
+    assert outcome.reason == RUN_NOT_ACTIVE
+    action.refresh_from_db()
+    assert action.status == "expired"
+    assert Resource.objects.get(kind=cfg, name="a").version == 1
+
+
+def test_a_queued_action_of_an_expired_run_ends_expired_through_the_job(
+    world: Any, cfg: Any
+) -> None:
+    action = world.propose(cfg, "a", payload={"v": 2}, observed_version=1)
+    Run.objects.filter(pk=world.run.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert action_execute(action_id=action.pk) == "run_not_active"
+    action.refresh_from_db()
+    assert action.status == "expired"
+
+
+# -- finding 3: lock order ----------------------------------------------------------
+
+
+def test_approving_a_run_while_another_run_of_the_kind_is_created_does_not_deadlock(
+    world: Any,
+) -> None:
+    from approvals.services import runs
+
+    world.kind("dns-zone")
+    pending, _ = runs.run_create(
+        agent=world.agent,
+        task="needs approval",
+        write_set=[{"resource": "dns-zone/a", "operations": ["update"]}],
+        ttl_seconds=None,
+        actor=Actor.agent(world.agent),
+    )
+    assert pending.status == "pending_approval"
+    approval = Approval.objects.get(run=pending, subject="run")
+
+    # run_create takes the kind's advisory lock, then appends audit. Hold it there.
+    gate = threading.Event()
+
+    def create() -> Any:
+        with transaction.atomic():
+            runs._lock_kinds({"dns-zone"})
+            gate.set()
+            assert release.wait(WAIT)
+            return runs.run_create(
+                agent=world.agent,
+                task="second",
+                write_set=[{"resource": "dns-zone/b", "operations": ["update"]}],
+                ttl_seconds=None,
+                actor=Actor.agent(world.agent),
+            )
+
+    release = threading.Event()
+    creator = Worker(create)
+    creator.start()
+    assert gate.wait(WAIT)
+    decider = Worker(
+        lambda: approval_decide(approval_id=approval.pk, person=world.operator, decision="approve")
+    )
+    decider.start()
+    wait_for_lock_waiters(1, threads=(decider,))  # the decision waits for the kind lock
+    release.set()
+    second, _ = creator.finish()  # no OperationalError('deadlock detected') on either side
+    decided = decider.finish()
+
+    assert decided.status == "approved"
+    pending.refresh_from_db()
+    assert pending.status == "active"
+    assert Run.objects.get(pk=second.pk).status == "pending_approval"
+
+
+def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
+    world: Any, policy: Any
+) -> None:
+    from approvals.services.actions import action_cancel
+
+    action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
+    approval = Approval.objects.get(action=action)
+    # action_cancel locks the action row first (its conditional UPDATE), then the approval.
+    release = threading.Event()
+    gate = threading.Event()
+
+    def cancel() -> Any:
+        with transaction.atomic():
+            _lock_action_row(action)
+            gate.set()
+            assert release.wait(WAIT)
+            return action_cancel(
+                action=Action.objects.get(pk=action.pk), actor=Actor.run(world.run)
+            )
+
+    canceller = Worker(cancel)
+    canceller.start()
+    assert gate.wait(WAIT)
+    decider = Worker(
+        lambda: approval_decide(approval_id=approval.pk, person=world.operator, decision="approve")
+    )
+    decider.start()
+    wait_for_lock_waiters(1, threads=(decider,))
+    release.set()
+    cancelled = canceller.finish()
+    with pytest.raises(InvalidTransition) as excinfo:  # 409, never a deadlock (500)
+        decider.finish()
+    assert excinfo.value.code == "already_decided"
+    assert cancelled.status == "cancelled"
+    approval.refresh_from_db()
+    assert approval.status == "cancelled"
+    assert not AuditEvent.objects.filter(event_type="approval.approved").exists()
+
+
+# -- T4: two operators, one quorum-2 approval ------------------------------------------
+
+
+def test_two_operators_deciding_a_quorum_two_approval_at_once_both_count(
+    world: Any, policy: Any
+) -> None:
+    ConflictClass.objects.filter(slug="replace_shared_document").update(quorum=2)
+    action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
+    approval = Approval.objects.get(action=action)
+    blocker = Holder(lambda: list(Approval.objects.select_for_update().filter(pk=approval.pk)))
+    blocker.hold()
+    deciders = [
+        Worker(
+            lambda p=person: approval_decide(approval_id=approval.pk, person=p, decision="approve")
+        )
+        for person in (world.operator, world.operator2)
+    ]
+    for decider in deciders:
+        decider.start()
+    wait_for_lock_waiters(2, threads=tuple(deciders))  # both are in, neither has counted
+    blocker.release()
+    for decider in deciders:
+        decider.finish()
+
+    approval.refresh_from_db()
+    action.refresh_from_db()
+    assert ApprovalDecision.objects.filter(approval=approval).count() == 2
+    assert approval.status == "approved" and action.status == "queued"
+    assert (
+        AuditEvent.objects.filter(event_type="approval.approved", action_id=action.pk).count() == 1
+    )
+
+
+# -- conflicts: T4 two resolvers, finding 4 quorum, finding 14 undo of a create ----------
+
+
+def _collide(world: Any, kind: Any, name: str) -> Action:
+    """The agent read v1, someone else wrote v2 first: a conflict for a person."""
+    world.resource(kind, name, {"destinations": ["oncall"], "severity": "high"})
+    action = world.propose(
+        kind, name, payload={"destinations": ["oncall", "backup"]}, observed_version=1
+    )
+    if action.status == "pending_approval":
+        approval_decide(
+            approval_id=Approval.objects.get(action=action).pk,
+            person=world.operator,
+            decision="approve",
+        )
+    resource = Resource.objects.get(kind=kind, name=name)
+    other = {"destinations": ["oncall"], "severity": "critical"}
+    Resource.objects.filter(pk=resource.pk).update(document=other, version=2)
+    ResourceVersion.objects.create(resource=resource, version=2, document=other, operation="update")
+    assert action_execute(action_id=action.pk) == "conflict"
+    action.refresh_from_db()
+    return action
+
+
+def test_two_resolvers_resolving_one_conflict_at_once_make_one_resolution(world: Any) -> None:
+    kind = world.kind("shared-doc", update="replace_shared_document")  # resolver: operators
+    action = _collide(world, kind, "x")
+    conflict = Conflict.objects.get(pk=action.error["conflict_id"])
+    blocker = Holder(lambda: list(Conflict.objects.select_for_update().filter(pk=conflict.pk)))
+    blocker.hold()
+    resolvers = [
+        Worker(
+            lambda p=person, c=choice: conflict_resolve(conflict_id=conflict.pk, person=p, choice=c)
+        )
+        for person, choice in ((world.operator, "take_proposed"), (world.operator2, "merge"))
+    ]
+    for resolver in resolvers:
+        resolver.start()
+    wait_for_lock_waiters(2, threads=tuple(resolvers))
+    blocker.release()
+    outcomes: list[Any] = []
+    for resolver in resolvers:
+        try:
+            outcomes.append(resolver.finish())
+        except InvalidTransition as exc:
+            assert exc.code == "already_decided"
+            outcomes.append(None)
+    assert sum(o is not None for o in outcomes) == 1
+    assert Action.objects.filter(parent=action).count() == 1
+    assert (
+        AuditEvent.objects.filter(event_type="conflict.resolved", action_id=action.pk).count() == 1
+    )
+    conflict.refresh_from_db()
+    assert conflict.status == "resolved"
+    assert conflict.resolution_action_id == Action.objects.get(parent=action).pk
+
+
+def test_a_resolution_of_a_quorum_two_class_waits_for_a_second_person(world: Any) -> None:
+    account_owner = world.person("ali", "account-owners")
+    kind = world.kind("group", update="access_change")
+    action = _collide(world, kind, "admins")
+    ConflictClass.objects.filter(slug="access_change").update(quorum=2)
+    conflict = Conflict.objects.get(pk=action.error["conflict_id"])
+
+    resolved = conflict_resolve(
+        conflict_id=conflict.pk, person=account_owner, choice="take_proposed"
+    )
+    follow_up = Action.objects.get(pk=resolved.resolution_action_id)
+    approval = Approval.objects.get(action=follow_up)
+    assert follow_up.status == "pending_approval"
+    assert approval.status == "pending" and approval.quorum == 2
+    assert list(
+        ApprovalDecision.objects.filter(approval=approval).values_list("person", flat=True)
+    ) == [account_owner.pk]
+    assert action_execute(action_id=follow_up.pk) == "skipped:pending_approval"
+    assert Resource.objects.get(kind=kind, name="admins").version == 2
+
+    approval_decide(approval_id=approval.pk, person=world.operator, decision="approve")
+    follow_up.refresh_from_db()
+    assert follow_up.status == "queued"
+    assert action_execute(action_id=follow_up.pk) == "applied"
+    resource = Resource.objects.get(kind=kind, name="admins")
+    assert resource.version == 3 and resource.document == {"destinations": ["oncall", "backup"]}
+
+
+def test_resolving_the_undo_conflict_of_a_create_deletes_the_resource(world: Any) -> None:
+    from approvals.services.undo import action_undo_request, undo_execute
+
+    kind = world.kind("cfg2", create="add_unique", update="recompute_field", owner_group="owners")
+    requester = world.person("oscar", "owners")
+    resolver = world.person("otto", "owners")
+    created = world.propose(kind, "new", operation="create", payload={"v": 1})
+    assert action_execute(action_id=created.pk) == "applied"
+    later = world.propose(kind, "new", payload={"v": 2}, observed_version=1, run=world.other_run)
+    assert action_execute(action_id=later.pk) == "applied"
+
+    undo = action_undo_request(action_id=created.pk, actor=requester, idempotency_key="undo-c-1")
+    assert undo_execute(undo_operation_id=undo.pk) == "conflict"
+    conflict = Conflict.objects.get(action=created, origin="undo")
+    resolved = conflict_resolve(conflict_id=conflict.pk, person=resolver, choice="take_proposed")
+    follow_up = Action.objects.get(pk=resolved.resolution_action_id)
+    assert follow_up.operation == "delete" and follow_up.observed_version == 2
+    assert action_execute(action_id=follow_up.pk) == "applied"
+    resource = Resource.objects.get(kind=kind, name="new")
+    assert resource.deleted is True and resource.version == 3
+
+
+def test_a_resolution_action_still_runs_after_its_run_finished(world: Any) -> None:
+    kind = world.kind("shared-doc", update="replace_shared_document")
+    action = _collide(world, kind, "y")
+    Run.objects.filter(pk=world.run.pk).update(status="finished", ended_at=timezone.now())
+    resolved = conflict_resolve(
+        conflict_id=action.error["conflict_id"], person=world.operator2, choice="take_proposed"
+    )
+    assert action_execute(action_id=resolved.resolution_action_id) == "applied"
+
+
+# -- finding 7: kill switch vs a barrier in flight --------------------------------------
+
+
+def test_a_barrier_that_starts_during_an_engage_writes_nothing(world: Any, cfg: Any) -> None:
+    action, operation, fence = _claimed(world, cfg)
+    engage = Holder(
+        lambda: kill_switch_set(scope="*", engaged=True, reason="incident", actor=world.operator)
+    ).hold()  # the engage is in its transaction (switch row and audit head held)
+    execute = Worker(
+        lambda: apply_action(
+            action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
+        )
+    )
+    execute.start()
+    wait_for_lock_waiters(1, threads=(execute,))  # the barrier is inside, waiting
+    engage.release()  # the engage returns to the operator
+    with pytest.raises(KillSwitchEngaged):
+        execute.finish()
+    resource = Resource.objects.get(kind=cfg, name="a")
+    assert resource.version == 1 and resource.document == {"v": 1}
+    assert not AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk).exists()
+    assert Operation.objects.get(pk=operation.pk).status == "pending"
+
+
+def test_an_engage_waits_for_a_barrier_already_past_its_check(world: Any, cfg: Any) -> None:
+    action, operation, fence = _claimed(world, cfg)
+    barrier = Holder(
+        lambda: apply_action(
+            action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
+        )
+    ).hold()  # written, not yet committed
+    engaged = threading.Event()
+
+    def engage() -> Any:
+        switch = kill_switch_set(scope="*", engaged=True, reason="incident", actor=world.operator)
+        engaged.set()
+        return switch
+
+    engager = Worker(engage)
+    engager.start()
+    wait_for_lock_waiters(1, threads=(engager,))
+    assert not engaged.is_set()  # the operator is not told "engaged" while a write is open
+    assert barrier.release().applied is True
+    assert engager.finish().engaged is True
+    write = AuditEvent.objects.get(event_type="write.applied", action_id=action.pk)
+    switch = AuditEvent.objects.get(event_type="kill_switch.engaged")
+    assert write.seq < switch.seq
+    assert KillSwitch.objects.get(scope="*").engaged
+
+
+# -- finding 8: a stale HTTP worker records nothing twice -------------------------------
+
+
+@pytest.fixture
+def target() -> Iterator[TargetServer]:
+    server = TargetServer().start()
+    yield server
+    server.stop()
+
+
+def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
+    world: Any, engine_redis: Any, target: TargetServer, settings: Any, monkeypatch: Any
+) -> None:
+    from console.core import targets
+
+    settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 5
+    kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
+    target.seed("prod", {"severity": "high"}, version=4)
+    action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
+
+    real_write = targets.HttpTarget.write
+    sent = threading.Event()
+    resume = threading.Event()
+    calls: list[int] = []
+
+    def write(self: Any, **kwargs: Any) -> Any:
+        response = real_write(self, **kwargs)
+        calls.append(kwargs["fence"])
+        if len(calls) == 1:  # worker A: the target applied it; A is paused (GC, SIGSTOP)
+            sent.set()
+            assert resume.wait(WAIT)
+        return response
+
+    monkeypatch.setattr(targets.HttpTarget, "write", write)
+    worker_a = Worker(lambda: action_execute(action_id=action.pk))
+    worker_a.start()
+    assert sent.wait(WAIT)
+    op_a = Operation.objects.get(action=action)
+    # A stays paused past its lock TTL and its lease: the lock expires, the
+    # reconciler abandons A's operation and requeues the action.
+    engine_redis.client().delete(lock_key(action.resource_identifier))
+    later = timezone.now() + timedelta(seconds=operation_lease_seconds() + 1)
+    assert reconcile(now=later, connection=engine_redis.client())["abandoned"] == 1
+    # Worker B replays with the same Idempotency-Key and records the effect.
+    assert action_execute(action_id=action.pk) == "applied"
+    resume.set()
+    assert worker_a.finish() == "superseded"
+
+    assert target.effects == 1 and len(calls) == 2
+    action.refresh_from_db()
+    assert action.status == "applied"
+    assert Operation.objects.filter(action=action, status="done").count() == 1
+    op_a.refresh_from_db()
+    assert op_a.status == "failed" and op_a.outcome.get("abandoned") is True
+    assert AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk).count() == 1
