@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 import zlib
-from functools import partial
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
