@@ -44,6 +44,7 @@ from approvals.models import (
     Operation,
     OperationStatus,
     PayloadFormat,
+    Run,
     RunStatus,
     WriteOperation,
 )
@@ -325,6 +326,11 @@ def lock_run_for_share(run_id: Any) -> tuple[str, datetime] | None:
     A revoke, finish, expiry or heartbeat UPDATEs the run row, so it waits for
     this transaction; one that committed first is seen (READ COMMITTED).
     """
+    if connection.vendor != "postgresql":
+        # SQLite (the embedded default) has no row locks; its write transactions are
+        # already serialised (BEGIN IMMEDIATE).
+        found = Run.objects.filter(pk=run_id).values_list("status", "expires_at").first()
+        return (str(found[0]), found[1]) if found else None
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT status, expires_at FROM approvals_run WHERE id = %s FOR SHARE", [run_id]
