@@ -131,17 +131,19 @@ class Transport:
                 parsed = response.json()
             except ValueError:
                 parsed = response.text
-            return Reply(response.status_code, parsed, dict(response.headers))
+            return Reply(
+                response.status_code, parsed, {k.lower(): v for k, v in response.headers.items()}
+            )
         kwargs: dict[str, Any] = {"headers": hdrs}
         if data is not None:
             kwargs.update(data=data, content_type=content_type)
-        response = self.client.generic(method, path, **kwargs)
-        raw = response.content
+        local = self.client.generic(method, path, **kwargs)
+        raw = local.content
         try:
             parsed = json.loads(raw) if raw else None
         except ValueError:
             parsed = raw.decode(errors="replace")
-        return Reply(response.status_code, parsed, {k: v for k, v in response.items()})
+        return Reply(local.status_code, parsed, {k.lower(): v for k, v in local.headers.items()})
 
 
 class Command(BaseCommand):
@@ -214,7 +216,7 @@ class Command(BaseCommand):
                     person.save(update_fields=["password"])
                 for group in groups:
                     person.groups.add(Group.objects.get_or_create(name=group)[0])
-                _t, tokens[username] = personal_token_create(
+                _pt, tokens[username] = personal_token_create(
                     user=person, actor=system, label="demo"
                 )
             lead = user_model.objects.get(username="paula")
@@ -222,7 +224,7 @@ class Command(BaseCommand):
                 agent, _ = Agent.objects.get_or_create(
                     name=name, defaults={"description": description, "owner": lead}
                 )
-                _t, tokens[name] = agent_token_create(agent=agent, actor=system, label="demo")
+                _at, tokens[name] = agent_token_create(agent=agent, actor=system, label="demo")
         return tokens
 
     # --- the story (the real API) --------------------------------------------------------------
@@ -312,7 +314,7 @@ class Command(BaseCommand):
     def read(self, token: str, resource: str) -> tuple[str, dict[str, Any]]:
         reply = self.api.call("GET", f"/api/v1/resources/{resource}", token=token)
         body = self.expect(reply, 200, f"read {resource}")
-        return reply.headers.get("ETag") or f'"{body["version"]}"', body
+        return reply.headers.get("etag") or f'"{body["version"]}"', body
 
     def run_worker(self) -> None:
         """Execute queued actions: an in-process burst worker on the real RQ queue."""
