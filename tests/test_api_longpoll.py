@@ -173,3 +173,39 @@ def cancel_all(actions: list[Action]) -> None:
             action_cancel(action=action, actor=Actor.system("tests"))
     finally:
         connection.close()
+
+
+def test_waiters_survive_a_redis_restart(private_redis: Any, settings: Any) -> None:
+    """Redis is only the doorbell: after a restart the subscriber reconnects,
+    held waiters re-check, and the next change still wakes them."""
+    from tests.fixtures.api import start_api_server, stop_api_server
+
+    settings.REDIS_URL = private_redis.url  # where this process publishes
+    server = start_api_server(REDIS_URL=private_redis.url)
+    try:
+        run, (action,) = queued_actions(1)
+        url = f"{server.url}/api/v1/actions/{action.pk}"
+        headers = {"Authorization": f"Bearer {run.token}"}
+        etag = httpx.get(url, headers=headers, timeout=5).headers["ETag"]
+        result: dict[str, Any] = {}
+
+        def wait() -> None:
+            result["response"] = httpx.get(
+                url, headers={**headers, "Prefer": "wait=30", "If-None-Match": etag}, timeout=40
+            )
+            result["answered_at"] = time.monotonic()
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(1.0)
+        private_redis.restart()
+        time.sleep(2.0)  # the subscriber reconnects; the waiter re-checks and keeps waiting
+        assert "response" not in result
+        changed_at = time.monotonic()
+        action_cancel(action=action, actor=Actor.system("tests"))
+        thread.join(timeout=40)
+        assert result["response"].status_code == 200
+        assert result["response"].json()["status"] == "cancelled"
+        assert result["answered_at"] - changed_at < 1.0
+    finally:
+        stop_api_server(server)
