@@ -353,16 +353,11 @@ def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
     assert not AuditEvent.objects.filter(event_type="approval.approved").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OperationalError,
-    reason="API area: runs._end locks approvals before actions, action_cancel locks the "
-    "action before its approval; _end must update the run's actions before its approvals "
-    "(run -> action -> approval -> audit, the order approval_decide uses)",
-)
 def test_cancelling_an_action_while_its_run_is_revoked_does_not_deadlock(
     world: Any, policy: Any
 ) -> None:
+    """Needs runs._end (API area) to update the run's actions before its approvals
+    (run -> action -> approval -> audit); before that change this deadlocked."""
     from approvals.services.actions import action_cancel
     from approvals.services.runs import run_revoke
 
@@ -658,3 +653,43 @@ def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
     op_a.refresh_from_db()
     assert op_a.status == "failed" and op_a.outcome.get("abandoned") is True
     assert AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk).count() == 1
+
+
+def test_a_stale_http_worker_resuming_with_a_retry_does_not_steal_the_new_claim(
+    world: Any, engine_redis: Any, target: TargetServer, settings: Any, monkeypatch: Any
+) -> None:
+    from console.core import targets
+
+    settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 5
+    kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
+    target.seed("prod", {"severity": "high"}, version=4)
+    action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
+    target.fail_next(503)  # worker A is told "try later" ...
+
+    real_write = targets.HttpTarget.write
+    answered = threading.Event()
+    resume = threading.Event()
+
+    def write(self: Any, **kwargs: Any) -> Any:
+        response = real_write(self, **kwargs)
+        answered.set()
+        assert resume.wait(WAIT)  # ... and is paused before it acts on the answer
+        return response
+
+    monkeypatch.setattr(targets.HttpTarget, "write", write)
+    worker_a = Worker(lambda: action_execute(action_id=action.pk))
+    worker_a.start()
+    assert answered.wait(WAIT)
+    later = timezone.now() + timedelta(seconds=operation_lease_seconds() + 1)
+    assert reconcile(now=later, connection=engine_redis.client())["abandoned"] == 1
+    # Worker B claims the requeued action (its operation is pending, not yet sent).
+    op_b = open_operation(action_id=action.pk, fence=next_fence(), worker="b", lease_seconds=30)
+    resume.set()
+    worker_a.finish()
+
+    action.refresh_from_db()
+    assert action.status == "executing" and action.not_before is None
+    assert Operation.objects.get(pk=op_b.pk).status == "pending"
+    assert not AuditEvent.objects.filter(
+        event_type="action.retry_scheduled", action_id=action.pk
+    ).exists()

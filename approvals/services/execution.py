@@ -118,6 +118,21 @@ def _enqueue_on_commit(action_id: uuid.UUID, delay_seconds: float = 0.0) -> None
     transaction.on_commit(lambda: enqueue_action_execution(action_id, delay_seconds=delay_seconds))
 
 
+def attempt_superseded(operation_id: int) -> bool:
+    """Inside a transaction: lock this attempt's operation (before the action: the
+    barrier's and the reconciler's order) and say whether the attempt is stale —
+    the reconciler abandoned it (lease expired) or a newer attempt exists. A stale
+    worker that resumes must then record nothing and move nothing."""
+    operation = Operation.objects.select_for_update().filter(pk=operation_id).first()
+    if operation is None:
+        return True
+    if isinstance(operation.outcome, dict) and operation.outcome.get("abandoned"):
+        return True
+    return Operation.objects.filter(
+        action_id=operation.action_id, undo_of__isnull=True, pk__gt=operation.pk
+    ).exists()
+
+
 def action_pause(*, action_id: uuid.UUID, reason: str, scope: str = "") -> bool:
     """queued -> paused with the kill switch's reason (audited)."""
     with transaction.atomic():
@@ -154,6 +169,8 @@ def action_retry_later(
     new status ("queued" / "failed" / "" when the action had moved on).
     """
     with transaction.atomic():
+        if operation_id is not None and attempt_superseded(operation_id):
+            return ""
         action = (
             Action.objects.select_for_update(of=("self",))
             .filter(pk=action_id, status__in=from_statuses)
@@ -213,6 +230,8 @@ def action_fail(
 ) -> bool:
     with transaction.atomic():
         if operation_id is not None:
+            if attempt_superseded(operation_id):
+                return False
             Operation.objects.filter(pk=operation_id, status=OperationStatus.PENDING).update(
                 status=OperationStatus.FAILED,
                 finished_at=timezone.now(),
@@ -444,6 +463,8 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
         # It may have been applied: the operation is `unknown`; the next attempt
         # replays with the same Idempotency-Key and settles it.
         with transaction.atomic():
+            if attempt_superseded(operation.pk):
+                return "superseded"
             Operation.objects.filter(pk=operation.pk, status=OperationStatus.PENDING).update(
                 status=OperationStatus.UNKNOWN,
                 outcome={"unknown": str(exc)},
@@ -456,7 +477,9 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
                 action_id=action.pk,
                 details={"operation_id": operation.pk, "fence": fence, "error": str(exc)},
             )
-        action_retry_later(action_id=action.pk, reason="target_timeout_after_send")
+        action_retry_later(
+            action_id=action.pk, reason="target_timeout_after_send", operation_id=operation.pk
+        )
         return "unknown"
     outcome = response.outcome
     if outcome == targets.APPLIED:
@@ -562,6 +585,8 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
         except targets.TargetNotSent:
             pass
         with transaction.atomic():
+            if attempt_superseded(operation.pk):
+                return "superseded"
             audit_append(
                 event_type="write.refused",
                 actor=WORKER_ACTOR,
