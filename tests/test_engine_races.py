@@ -538,10 +538,12 @@ def test_resolving_the_undo_conflict_of_a_create_deletes_the_resource(world: Any
     assert resource.deleted is True and resource.version == 3
 
 
-def test_a_resolution_action_still_runs_after_its_run_finished(world: Any) -> None:
+@pytest.mark.parametrize("ended", ["finished", "revoked", "expired"])
+def test_a_resolution_decided_after_its_run_ended_still_runs(world: Any, ended: str) -> None:
+    """The documented exemption: a resolution action is a person's decision."""
     kind = world.kind("shared-doc", update="replace_shared_document")
     action = _collide(world, kind, "y")
-    Run.objects.filter(pk=world.run.pk).update(status="finished", ended_at=timezone.now())
+    Run.objects.filter(pk=world.run.pk).update(status=ended, ended_at=timezone.now())
     resolved = conflict_resolve(
         conflict_id=action.error["conflict_id"], person=world.operator2, choice="take_proposed"
     )
@@ -693,3 +695,27 @@ def test_a_stale_http_worker_resuming_with_a_retry_does_not_steal_the_new_claim(
     assert not AuditEvent.objects.filter(
         event_type="action.retry_scheduled", action_id=action.pk
     ).exists()
+
+
+def test_an_http_write_claimed_before_an_engage_is_not_sent_after_it(
+    world: Any, engine_redis: Any, target: TargetServer, monkeypatch: Any
+) -> None:
+    """An external target has no barrier transaction: the switch is re-checked right
+    before sending. The engage is forced between the worker's claim and its send."""
+    from approvals.services import execution
+
+    kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
+    target.seed("prod", {"severity": "high"}, version=4)
+    action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
+    real_notify = execution.notify_action_changed_now
+
+    def claimed_then_engaged(action_id: Any) -> None:
+        real_notify(action_id)
+        kill_switch_set(scope="ext-policy/*", engaged=True, reason="incident", actor=world.operator)
+
+    monkeypatch.setattr(execution, "notify_action_changed_now", claimed_then_engaged)
+    assert action_execute(action_id=action.pk) == "paused"
+    action.refresh_from_db()
+    assert action.status == "paused" and action.paused_reason == "incident"
+    assert target.requests == [] and target.effects == 0
+    assert Operation.objects.get(action=action).status == "failed"

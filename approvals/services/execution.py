@@ -439,6 +439,20 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
         # Checked before sending; a revoke that commits while the request is in
         # flight cannot recall it from an external target.
         return "run_not_active"
+    from console.core.killswitch import engaged_switch_for
+
+    switch = engaged_switch_for(action.resource_identifier)
+    if switch is not None:
+        # Re-checked right before sending (an external target has no barrier
+        # transaction: an engage that commits while the request is in flight
+        # cannot recall it).
+        Operation.objects.filter(pk=operation.pk, status=OperationStatus.PENDING).update(
+            status=OperationStatus.FAILED,
+            finished_at=timezone.now(),
+            outcome={"refused": "kill_switch_engaged"},
+        )
+        action_pause(action_id=action.pk, reason=switch.reason, scope=switch.scope)
+        return "paused"
     target = targets.HttpTarget(action.kind.target_url)
     try:
         lock.check()

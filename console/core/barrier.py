@@ -345,18 +345,19 @@ def run_end_status(
     """None when the action's run still allows it to write; else the action's end status
     (`cancelled` for a revoked/rejected/finished run, `expired` for an expired one).
 
-    Exemption (a decision): a conflict-resolution action (`parent` set) carries a
-    person's decision, not the agent's, so it still runs after its run finished or
-    expired — conflicts are often settled after the agent has gone. A revoke (or a
-    rejected run) is an operator's stop of everything the run does, and stops it too.
+    Exemption (a decision): a conflict-resolution action (`parent` set, created by
+    conflict_resolve) carries a person's decision — and, for a quorum class, the
+    approvals of enough people — not the agent's, so its run's end does not stop
+    it: conflicts are often settled after the agent has gone, and the undo
+    conflict of a revoked run's write is exactly what an operator wants settled.
+    Resolution actions still queued when the run ends are cancelled by the run's
+    end like any other; one decided after the end runs.
     """
+    if action.parent_id is not None:
+        return None
     if run_state is None:
         return ActionStatus.CANCELLED
     status, expires_at = run_state
-    if status in (RunStatus.REVOKED, RunStatus.REJECTED):
-        return ActionStatus.CANCELLED
-    if action.parent_id is not None:
-        return None
     if status == RunStatus.EXPIRED:
         return ActionStatus.EXPIRED
     if status != RunStatus.ACTIVE:
