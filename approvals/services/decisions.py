@@ -235,7 +235,10 @@ def approval_decide(
 ) -> Approval:
     """Record one person's decision; at quorum admit the run or queue the action.
 
-    Locks the approval row (select_for_update). Raises NotFound, Forbidden
+    Takes its locks first, in the project's one order (lock_approval_subject:
+    kind advisory locks, run, action, approval), and appends audit events only
+    after them, so it never deadlocks with run_create, action_cancel, a revoke
+    or the expiry sweep. Raises NotFound, Forbidden
     (`forbidden`, `self_approval`), ValidationFailed (bad decision/comment),
     InvalidTransition (409: already decided, expired, or this person already
     voted). Enqueues the action's job on commit.
@@ -424,8 +427,9 @@ def approval_cancel_for_action(*, action_id: uuid.UUID, reason: str) -> int:
 def approval_expire_due(*, now: datetime | None = None) -> dict[str, int]:
     """Expire pending approvals past their deadline; escalate those past escalate_at.
 
-    Each approval is handled in its own short transaction with a row lock
-    (skip_locked), so concurrent housekeepers never double-expire.
+    Each approval is handled in its own short transaction, locked in the
+    decision's order (lock_approval_subject) and re-checked, so concurrent
+    housekeepers never double-expire and a racing decision never deadlocks.
     """
     now = now or timezone.now()
     expired = escalated = 0
