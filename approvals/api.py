@@ -54,8 +54,10 @@ from console.auth import (
     agent_or_run_token,
     agent_token,
     any_token,
+    any_token_or_ended_run,
     person_token,
     principal_of,
+    run_has_ended,
     run_or_person_token,
 )
 from console.core.errors import NotFound
@@ -90,6 +92,12 @@ class WriteSetEntryIn(Schema):
         examples=["notification-policy/prod-alerts"],
     )
     operations: list[Literal["create", "update", "delete"]] = Field(..., min_length=1)
+    lease: bool = Field(
+        False,
+        description="Hold an exclusive, fenced lease on these resources while the run is "
+        "active: other runs' writes to them answer 423 `leased`; overlapping leases of two "
+        "runs are a 409 `write_set_conflict`.",
+    )
 
 
 class RunCreateIn(Schema):
@@ -105,6 +113,7 @@ class RunCreateIn(Schema):
 class WriteSetEntryOut(Schema):
     resource: str
     operations: list[str]
+    lease: bool = Field(False, description="Present (true) when the entry asked for a lease")
 
 
 class RunOut(Schema):
@@ -455,7 +464,7 @@ def run_create(request: HttpRequest, payload: RunCreateIn) -> HttpResponse:
 
 @router.get(
     "/runs",
-    auth=any_token,
+    auth=any_token_or_ended_run,
     response={200: RunPage, **errors(400, 401, 422)},
     summary="List runs visible to the caller",
     tags=["runs"],
@@ -493,9 +502,11 @@ def run_list(
 
 @router.get(
     "/runs/{run_id}",
-    auth=any_token,
+    auth=any_token_or_ended_run,
     response={200: RunOut, **errors(401, 403, 404, 422)},
     summary="Read a run",
+    description="A run token reads its own run, also after the run ended (`status` and "
+    "`status_reason` say why).",
     tags=["runs"],
 )
 def run_get(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
@@ -559,6 +570,19 @@ def run_revoke(request: HttpRequest, run_id: uuid.UUID, payload: RevokeIn) -> Ht
 
 # --- Actions -------------------------------------------------------------------
 
+
+def _refuse_ended_run(principal: Principal) -> None:
+    """A write with the token of a run that is not active: 409 run_not_active."""
+    if principal.kind != "run" or principal.run is None:
+        return
+    status = run_services.run_effective_status(principal.run)
+    if status != RunStatus.ACTIVE:
+        raise run_services.RunNotActive(
+            f"Run {principal.run.pk} is {status}; only active runs write.",
+            extra={"run": str(principal.run.pk), "run_status": status},
+        )
+
+
 _WAIT = re.compile(r"^\s*wait\s*=\s*(\d{1,6})\s*$", re.I)
 
 
@@ -593,14 +617,17 @@ def _action_head(principal: Principal, action_id: uuid.UUID) -> tuple[str, bool]
     """One indexed read: the action's ETag and finality, after the read permission."""
     row = (
         Action.objects.filter(pk=action_id)
-        .values_list("agent_id", "kind__owner_group", "revision", "status")
+        .values_list("agent_id", "run_id", "kind__owner_group", "revision", "status")
         .first()
     )
     if row is None:
         raise NotFound(f"Action {action_id} not found.")
-    agent_id, owner_group, revision, status = row
+    agent_id, run_id, owner_group, revision, status = row
     if principal.kind in ("agent", "run"):
         allowed = principal.agent is not None and principal.agent.pk == agent_id
+        if allowed and run_has_ended(principal):
+            # An ended run's token learns only about its own run's actions.
+            allowed = principal.run is not None and principal.run.pk == run_id
     else:
         from approvals.selectors import action_list_for_actor
         from console.permissions import user_groups
@@ -688,9 +715,11 @@ _IF_NONE_MATCH_DOC = {
 
 @router.get(
     "/actions/{action_id}",
-    auth=any_token,
+    auth=any_token_or_ended_run,
     response={200: ActionOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read an action (long-poll with Prefer: wait=N)",
+    description="An agent token or an active run's token reads the agent's actions; the "
+    "token of an ended run reads only that run's actions.",
     tags=["actions"],
     openapi_extra={
         "parameters": [_PREFER_DOC, _IF_NONE_MATCH_DOC],
@@ -783,9 +812,10 @@ def action_list(
 
 @router.post(
     "/actions/{action_id}/cancel",
-    auth=any_token,
+    auth=any_token_or_ended_run,
     response={200: ActionOut, **errors(401, 403, 404, 409, 422, 429)},
     summary="Cancel an action before its execution starts",
+    description="With the token of a run that is no longer active: `409 run_not_active`.",
     tags=["actions"],
 )
 def action_cancel(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
@@ -795,6 +825,7 @@ def action_cancel(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
         raise ApiError("Cancelling needs the operator role.", code="forbidden")
     if principal.kind == "run" and principal.run is not None and principal.run.pk != action.run_id:
         raise NotFound(f"Action {action_id} not found.")
+    _refuse_ended_run(principal)
     rate_limit_writes(principal)
     action = action_services.action_cancel(action=action, actor=principal.actor)
     action = _load_action(action.pk)
@@ -806,6 +837,9 @@ def action_cancel(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     auth=run_or_person_token,
     response={202: ActionOut, **errors(400, 401, 403, 404, 409, 422, 429)},
     summary="Undo an applied action inside its undo window",
+    description="Checked in this order: authentication -> the action exists and is visible "
+    "(404) -> permission (403) -> the run token's run is active (409 run_not_active) -> "
+    "Idempotency-Key (400) -> undo window (409).",
     tags=["actions"],
     openapi_extra={
         "parameters": [
@@ -820,8 +854,27 @@ def action_cancel(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
 )
 def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     from approvals.services.undo import action_undo_request
+    from console.permissions import can_undo_as_person
 
     principal = principal_of(request)
+    # Authorisation and 404 before the Idempotency-Key (the contract's precedence).
+    action = Action.objects.select_related("kind", "resource").filter(pk=action_id).first()
+    if action is None:
+        raise NotFound(f"Action {action_id} not found.")
+    if principal.kind == "run":
+        assert principal.run is not None
+        if principal.run.pk != action.run_id:
+            raise NotFound(f"Action {action_id} not found.")
+        _refuse_ended_run(principal)
+    else:
+        owner_group = action.resource.owner_group if action.resource else action.kind.owner_group
+        if not can_undo_as_person(principal.user, owner_group=owner_group):
+            if not action_services.action_readable_by(action, principal):
+                raise NotFound(f"Action {action_id} not found.")
+            raise ApiError(
+                "Undo needs the operator role or membership of the resource's owner group.",
+                code="forbidden",
+            )
     rate_limit_writes(principal)
     key = key_check(request.headers.get("Idempotency-Key"))
     actor: Any = principal.run if principal.kind == "run" else principal.user

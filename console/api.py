@@ -13,7 +13,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from django.core.exceptions import RequestDataTooBig
-from django.db import DataError
+from django.db import DataError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.utils.html import escape
 from ninja import Field, NinjaAPI, Router, Schema
@@ -32,6 +32,7 @@ from console.problems import (
     PROBLEM_CONTENT_TYPE,
     problem_from_error,
     problem_response,
+    transient_database_response,
     unexpected_error_response,
     validation_errors_from_ninja,
 )
@@ -43,7 +44,21 @@ API_DESCRIPTION = (
     "Agents declare a write set, read resources with ETags, send conditional writes "
     "with idempotency keys and poll (or long-poll) for results; people approve, resolve "
     "conflicts and hold the kill switch. Every error is application/problem+json with "
-    "`code` and `retryable`."
+    "`code` and `retryable`.\n\n"
+    "**Run tokens die with their run.** The token of a run that is rejected, finished, "
+    "expired or revoked still reads that run (`GET /runs/{id}`, `GET /runs`) and that run's "
+    "actions (`GET /actions/{id}`), so the agent learns why; the writes that take a run "
+    "token (`PUT`/`PATCH`/`DELETE /resources/…`, heartbeat, finish, cancel, undo) answer "
+    "`409 run_not_active`; every other operation answers `401`.\n\n"
+    '**Leases.** A write-set entry may carry `"lease": true`: when the run becomes active it '
+    "holds an exclusive, fenced lease on those resources until it ends (finish, revoke, "
+    "expiry; heartbeats extend it). Another run's write to a leased resource is `423 leased` "
+    "with `lease: {run, expires_at}`; two runs never hold overlapping leases "
+    "(`409 write_set_conflict`). A `stop_unless_lease` class reports `lease_covered` on a "
+    "conflict.\n\n"
+    "**Transient errors.** A request that loses a database race (deadlock, serialization "
+    "failure) is rolled back and answered `503 transient_conflict` with `Retry-After` and "
+    "`retryable: true`."
 )
 
 
@@ -127,6 +142,18 @@ def _finish_openapi(schema: Any) -> Any:
             ):
                 responses["422"] = {
                     "description": "Validation failed",
+                    "content": {
+                        PROBLEM_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}
+                    },
+                }
+            # Any operation that touches the database may lose a race (deadlock,
+            # serialization failure): 503 transient_conflict, retryable, Retry-After.
+            if "503" not in {str(key) for key in responses}:
+                responses["503"] = {
+                    "description": "transient_conflict (the transaction lost a race with a "
+                    "concurrent change and was rolled back) or unavailable: nothing was "
+                    "written; retry after Retry-After",
+                    "headers": {"Retry-After": {"schema": {"type": "string"}}},
                     "content": {
                         PROBLEM_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}
                     },
@@ -217,6 +244,14 @@ def _data_error(request: HttpRequest, exc: DataError) -> HttpResponse:
     return problem_response(
         code="bad_request", detail="The request contains characters that cannot be stored."
     )
+
+
+@api.exception_handler(OperationalError)
+def _operational_error(request: HttpRequest, exc: OperationalError) -> HttpResponse:
+    # A deadlock / serialization failure (40P01 / 40001) or a lost database:
+    # 503 transient_conflict / unavailable, retryable, with Retry-After. Never a 500.
+    response = transient_database_response(exc)
+    return response if response is not None else unexpected_error_response(request, exc)
 
 
 @api.exception_handler(Exception)

@@ -3,6 +3,14 @@
 `Bearer(kinds=...)` accepts the listed token kinds. A missing, unknown,
 expired or revoked token is 401; a valid token of the wrong kind for the
 operation is 403 (the caller is known, the permission is missing).
+
+A run token dies with its run. The token of a run that has ended (rejected,
+finished, expired or revoked) is accepted only by the operations declared
+with `ended_run=True`: reading that run (`GET /runs/{id}`, `GET /runs`) and an
+action of that run (`GET /actions/{id}`), so the agent learns why, and the
+writes that accept a run token, which answer `409 run_not_active` ("the token
+still identifies the run"). Everywhere else it is `401`, like any dead token.
+A run still pending approval is not ended: its token works as before.
 """
 
 from __future__ import annotations
@@ -12,12 +20,18 @@ from typing import Any
 from django.http import HttpRequest
 from ninja.security import HttpBearer
 
+from approvals.models import RunStatus
+from approvals.services.runs import run_effective_status
 from approvals.services.tokens import Principal, principal_for_token
 from console.core.errors import Forbidden
 
 AGENT = "agent"
 RUN = "run"
 PERSON = "person"
+
+ENDED_RUN_STATUSES = frozenset(
+    {RunStatus.REJECTED, RunStatus.FINISHED, RunStatus.EXPIRED, RunStatus.REVOKED}
+)
 
 _KIND_NAMES = {
     AGENT: "an agent token (ak_)",
@@ -31,9 +45,11 @@ class Bearer(HttpBearer):
 
     openapi_bearerFormat = "ak_… | rt_… | pt_…"
 
-    def __init__(self, *kinds: str) -> None:
+    def __init__(self, *kinds: str, ended_run: bool = False) -> None:
         super().__init__()
         self.kinds = frozenset(kinds or (AGENT, RUN, PERSON))
+        # Does this operation accept the token of an ended run (see the module doc)?
+        self.ended_run = ended_run
 
     def __call__(self, request: HttpRequest) -> Any:
         # Parse strictly: exactly "Bearer <token>", anything else is simply unauthenticated.
@@ -47,11 +63,20 @@ class Bearer(HttpBearer):
         principal = principal_for_token(token)
         if principal is None:
             return None
+        if principal.kind == RUN and not self.ended_run and run_has_ended(principal):
+            return None  # a dead credential here: 401
         if principal.kind not in self.kinds:
             wanted = " or ".join(_KIND_NAMES[k] for k in sorted(self.kinds))
             raise Forbidden(f"This operation needs {wanted}.")
         request.principal = principal  # type: ignore[attr-defined]
         return principal
+
+
+def run_has_ended(principal: Principal) -> bool:
+    """Is this a run token whose run is rejected, finished, expired or revoked?"""
+    if principal.kind != RUN or principal.run is None:
+        return False
+    return run_effective_status(principal.run) in ENDED_RUN_STATUSES
 
 
 def principal_of(request: HttpRequest) -> Principal:
@@ -61,7 +86,10 @@ def principal_of(request: HttpRequest) -> Principal:
 
 any_token = Bearer(AGENT, RUN, PERSON)
 agent_token = Bearer(AGENT)
-run_token = Bearer(RUN)
-agent_or_run_token = Bearer(AGENT, RUN)
 person_token = Bearer(PERSON)
-run_or_person_token = Bearer(RUN, PERSON)
+# Operations that still accept an ended run's token (reads of its own run and
+# actions; writes, which answer 409 run_not_active).
+any_token_or_ended_run = Bearer(AGENT, RUN, PERSON, ended_run=True)
+run_token = Bearer(RUN, ended_run=True)
+agent_or_run_token = Bearer(AGENT, RUN, ended_run=True)
+run_or_person_token = Bearer(RUN, PERSON, ended_run=True)

@@ -61,6 +61,7 @@ PROBLEMS: dict[str, tuple[int, str, bool]] = {
     "internal_error": (500, "Internal error", True),
     "not_implemented": (501, "Not implemented yet", False),
     "kill_switch_engaged": (503, "Kill switch engaged", True),
+    "transient_conflict": (503, "Transient database conflict", True),
     "unavailable": (503, "Service unavailable", True),
 }
 
@@ -197,7 +198,60 @@ def validation_errors_from_ninja(errors: list[dict[str, Any]]) -> list[dict[str,
     ]
 
 
+# PostgreSQL SQLSTATEs that mean "this transaction lost a race; the same request
+# may simply be sent again": deadlock_detected, serialization_failure,
+# lock_not_available (lock_timeout), query_canceled (statement_timeout).
+TRANSIENT_SQLSTATES = frozenset({"40P01", "40001", "55P03", "57014"})
+TRANSIENT_RETRY_AFTER_SECONDS = 1
+
+
+def database_sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a database error (psycopg's, under Django's wrapper), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        sqlstate = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(sqlstate, str) and sqlstate:
+            return sqlstate
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def transient_database_response(exc: BaseException) -> HttpResponse | None:
+    """503 problem+json with Retry-After for a Django OperationalError: the
+    transaction was rolled back (deadlock, serialization failure, lock or
+    statement timeout: `transient_conflict`) or the database was unreachable
+    (`unavailable`). Nothing was written; the same request may be retried.
+    None for any other exception."""
+    from django.db import OperationalError
+
+    if not isinstance(exc, OperationalError):
+        return None
+    sqlstate = database_sqlstate(exc)
+    headers = {"Retry-After": str(TRANSIENT_RETRY_AFTER_SECONDS)}
+    if sqlstate in TRANSIENT_SQLSTATES:
+        logger.warning("transient database conflict (SQLSTATE %s); answered 503", sqlstate)
+        return problem_response(
+            code="transient_conflict",
+            detail="The request collided with a concurrent change and was rolled back; "
+            "nothing was written. Send it again.",
+            extra={"sqlstate": sqlstate, "retry_after": TRANSIENT_RETRY_AFTER_SECONDS},
+            headers=headers,
+        )
+    logger.warning("database operational error (SQLSTATE %s); answered 503", sqlstate)
+    return problem_response(
+        code="unavailable",
+        detail="The database is unavailable; nothing was written. Try again shortly.",
+        extra={"retry_after": TRANSIENT_RETRY_AFTER_SECONDS},
+        headers=headers,
+    )
+
+
 def unexpected_error_response(request: HttpRequest, exc: BaseException) -> HttpResponse:
+    transient = transient_database_response(exc)
+    if transient is not None:
+        return transient
     logger.exception("unhandled error on %s %s", request.method, request.path, exc_info=exc)
     return problem_response(
         code="internal_error",

@@ -170,19 +170,59 @@ def _covering_records(run: Run, kind: str, name: str, operation: str) -> bool:
     return False
 
 
-def action_check_writable(*, run: Run, kind: str, name: str, operation: str) -> ResourceKind:
-    """Run active, kind exists, the run's ownership covers (kind/name, operation),
-    and no other run holds an exclusive lease over it.
+def lease_held_by_another_run(*, run_id: Any, kind: str, name: str) -> OwnershipRecord | None:
+    """The active exclusive lease of another active, unexpired run covering kind/name."""
+    now = timezone.now()
+    for lease in (
+        OwnershipRecord.objects.filter(
+            kind_id=kind,
+            active=True,
+            exclusive=True,
+            expires_at__gt=now,
+            run__status=RunStatus.ACTIVE,
+            run__expires_at__gt=now,
+        )
+        .exclude(run_id=run_id)
+        .order_by("created_at", "id")
+    ):
+        if name.startswith(lease.name) if lease.is_prefix else name == lease.name:
+            return lease
+    return None
 
-    Raises RunNotActive (409), ValidationFailed (422, unknown kind),
-    Forbidden code=not_in_write_set (403), Leased (423).
-    """
-    status = run_effective_status(run)
+
+def _check_authority(run: Run, status: str, kind: str, name: str, operation: str) -> None:
+    """Run active -> write set covers -> no other run's lease. Raises 409 / 403 / 423."""
     if status != RunStatus.ACTIVE:
         raise RunNotActive(
             f"Run {run.pk} is {status}; only active runs write.",
             extra={"run": str(run.pk), "run_status": status},
         )
+    if not _covering_records(run, kind, name, operation):
+        raise Forbidden(
+            f"The run's write set does not cover {operation} on {kind}/{name}.",
+            code="not_in_write_set",
+            extra={"resource": f"{kind}/{name}", "operation": operation},
+        )
+    lease = lease_held_by_another_run(run_id=run.pk, kind=kind, name=name)
+    if lease is not None:
+        raise Leased(
+            f"Run {lease.run_id} holds an exclusive lease on {lease.pattern}.",
+            extra={"lease": {"run": str(lease.run_id), "expires_at": lease.expires_at.isoformat()}},
+        )
+
+
+def action_check_writable(*, run: Run, kind: str, name: str, operation: str) -> ResourceKind:
+    """Run active, kind exists, the run's ownership covers (kind/name, operation),
+    and no other run holds an exclusive lease over it.
+
+    Raises RunNotActive (409), ValidationFailed (422, unknown kind),
+    Forbidden code=not_in_write_set (403), Leased (423). This is the early
+    answer (the contract's check order); `action_propose` checks again with the
+    run row locked, so a revoke that commits in between still wins.
+    """
+    status = run_effective_status(run)
+    if status != RunStatus.ACTIVE:
+        _check_authority(run, status, kind, name, operation)
     resource_kind = (
         ResourceKind.objects.filter(slug=kind)
         .select_related("class_create", "class_update", "class_delete")
@@ -193,28 +233,27 @@ def action_check_writable(*, run: Run, kind: str, name: str, operation: str) -> 
             f"Resource kind {kind!r} does not exist.",
             extra={"errors": [{"field": "kind", "message": f"unknown resource kind {kind!r}"}]},
         )
-    if not _covering_records(run, kind, name, operation):
-        raise Forbidden(
-            f"The run's write set does not cover {operation} on {kind}/{name}.",
-            code="not_in_write_set",
-            extra={"resource": f"{kind}/{name}", "operation": operation},
-        )
-    now = timezone.now()
-    for lease in OwnershipRecord.objects.filter(
-        kind_id=kind,
-        active=True,
-        exclusive=True,
-        expires_at__gt=now,
-        run__status=RunStatus.ACTIVE,
-    ).exclude(run=run):
-        if name.startswith(lease.name) if lease.is_prefix else name == lease.name:
-            raise Leased(
-                f"Run {lease.run_id} holds an exclusive lease on {lease.pattern}.",
-                extra={
-                    "lease": {"run": str(lease.run_id), "expires_at": lease.expires_at.isoformat()}
-                },
-            )
+    _check_authority(run, status, kind, name, operation)
     return resource_kind
+
+
+def _recheck_authority_locked(run: Run, kind: str, name: str, operation: str) -> None:
+    """Inside action_propose's transaction: FOR SHARE on the run row, then re-check.
+
+    A revoke, finish or expiry UPDATEs the run row, so it either committed
+    before this lock (seen here: refused) or waits for the action to commit
+    (and then cancels it with the run's other open actions). Never a `queued`
+    action of an ended run.
+    """
+    from console.core.barrier import lock_run_for_share
+
+    state = lock_run_for_share(run.pk)
+    if state is None:
+        raise RunNotActive(f"Run {run.pk} no longer exists.", extra={"run": str(run.pk)})
+    status, expires_at = state
+    if status == RunStatus.ACTIVE and expires_at is not None and expires_at <= timezone.now():
+        status = RunStatus.EXPIRED
+    _check_authority(run, status, kind, name, operation)
 
 
 # --- Proposal -------------------------------------------------------------
@@ -298,6 +337,8 @@ def action_propose(
     and `on_refused` runs inside that audit transaction. On success the action
     is `pending_approval` (per-call class: an approval is opened) or `queued`
     (enqueued after commit), and `on_recorded` runs inside the transaction.
+    Re-checks run active / write set / lease with the run row locked FOR SHARE
+    first (RunNotActive 409, not_in_write_set 403, Leased 423).
     """
     kind = proposal.kind
     identifier = f"{kind.slug}/{proposal.name}"
@@ -314,6 +355,8 @@ def action_propose(
         )
     refused: DomainError | None = None
     with transaction.atomic():
+        # Lock order: run (FOR SHARE) -> action insert -> audit head last.
+        _recheck_authority_locked(run, kind.slug, proposal.name, proposal.operation)
         resource = Resource.objects.filter(kind=kind, name=proposal.name).first()
         exists = resource is not None and not resource.deleted
         current_etag = resource.etag if resource is not None and exists else None
@@ -420,7 +463,13 @@ def action_propose(
 
 def action_cancel(*, action: Action, actor: Actor) -> Action:
     """Cancel an action before execution starts; 409 invalid_transition after.
-    Cancelling a cancelled action is a no-op (no second audit row)."""
+    Cancelling a cancelled action is a no-op (no second audit row).
+
+    Lock order, the project's one order (decisions.lock_approval_subject, runs._end):
+    the action row (this conditional UPDATE is the first lock), then its
+    approvals, the audit head last. A cancel racing a decision or a revoke
+    waits instead of deadlocking.
+    """
     with transaction.atomic():
         changed = Action.objects.filter(pk=action.pk, status__in=CANCELLABLE).update(
             status=ActionStatus.CANCELLED, revision=F("revision") + 1, updated_at=timezone.now()

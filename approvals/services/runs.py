@@ -1,6 +1,10 @@
 """Runs: creation with a write set, activation, heartbeat, finish, expiry, revocation.
 
-Two active runs never hold overlapping write authority. Every path that makes
+Two active runs never hold overlapping write authority, nor overlapping
+leases. A write-set entry with `"lease": true` becomes an exclusive ownership
+record (a lease, with a fence from PostgreSQL's fence sequence) when the run
+becomes active: other runs' writes to it answer 423 `leased` until the run
+ends (finish, revoke, expiry) and its records are released. Every path that makes
 ownership records active (creation with auto-approval, activation after a
 person's approval) first takes a transaction-scoped PostgreSQL advisory lock
 per resource kind in its write set (in sorted order, so two creators cannot
@@ -63,13 +67,17 @@ class WriteSetEntry:
     name: str  # exact name, or the prefix when is_prefix
     is_prefix: bool
     operations: tuple[str, ...]
+    lease: bool = False  # an exclusive lease while the run is active
 
     @property
     def pattern(self) -> str:
         return f"{self.kind}/{self.name}{'*' if self.is_prefix else ''}"
 
     def as_json(self) -> dict[str, Any]:
-        return {"resource": self.pattern, "operations": list(self.operations)}
+        entry: dict[str, Any] = {"resource": self.pattern, "operations": list(self.operations)}
+        if self.lease:
+            entry["lease"] = True
+        return entry
 
 
 def parse_resource_pattern(raw: str) -> tuple[str, str, bool]:
@@ -134,8 +142,16 @@ def write_set_parse(raw: Any) -> list[WriteSetEntry]:
                 }
             )
             continue
+        lease = item.get("lease", False)
+        if not isinstance(lease, bool):
+            errors.append({"field": f"{field}.lease", "message": "must be true or false"})
+            continue
         ordered = tuple(op for op in OPERATIONS if op in operations)
-        entries.append(WriteSetEntry(kind=kind, name=name, is_prefix=is_prefix, operations=ordered))
+        entries.append(
+            WriteSetEntry(
+                kind=kind, name=name, is_prefix=is_prefix, operations=ordered, lease=lease
+            )
+        )
     if errors:
         raise ValidationFailed("The write set is invalid.", extra={"errors": errors})
     return entries
@@ -195,17 +211,20 @@ def write_set_overlaps(
             if not names_overlap(entry.name, entry.is_prefix, record.name, record.is_prefix):
                 continue
             shared = [op for op in entry.operations if op in (record.operations or [])]
-            if not shared:
+            # Two leases over the same names are exclusive whatever their operations.
+            both_leases = entry.lease and record.exclusive
+            if not shared and not both_leases:
                 continue
-            overlaps.append(
-                {
-                    "resource": record.pattern,
-                    "requested": entry.pattern,
-                    "run": str(record.run_id),
-                    "agent": record.run.agent.name,
-                    "operations": shared,
-                }
-            )
+            overlap: dict[str, Any] = {
+                "resource": record.pattern,
+                "requested": entry.pattern,
+                "run": str(record.run_id),
+                "agent": record.run.agent.name,
+                "operations": shared or list(entry.operations),
+            }
+            if both_leases:
+                overlap["lease"] = True
+            overlaps.append(overlap)
     return overlaps
 
 
@@ -235,7 +254,11 @@ def _entries_of(run: Run) -> list[WriteSetEntry]:
         kind, name, is_prefix = parse_resource_pattern(item["resource"])
         entries.append(
             WriteSetEntry(
-                kind=kind, name=name, is_prefix=is_prefix, operations=tuple(item["operations"])
+                kind=kind,
+                name=name,
+                is_prefix=is_prefix,
+                operations=tuple(item["operations"]),
+                lease=bool(item.get("lease", False)),
             )
         )
     return entries
@@ -254,6 +277,10 @@ def _raise_on_overlap(overlaps: list[dict[str, Any]]) -> None:
 
 
 def _create_records(run: Run, entries: list[WriteSetEntry]) -> None:
+    """The run's ownership records (caller's transaction, kind locks held); a
+    lease entry's record is exclusive and carries a fresh fence."""
+    from console.core.fence import next_fence
+
     OwnershipRecord.objects.bulk_create(
         [
             OwnershipRecord(
@@ -263,6 +290,8 @@ def _create_records(run: Run, entries: list[WriteSetEntry]) -> None:
                 is_prefix=entry.is_prefix,
                 operations=list(entry.operations),
                 expires_at=run.expires_at,
+                exclusive=entry.lease,
+                fence=next_fence() if entry.lease else None,
             )
             for entry in entries
         ]
@@ -436,9 +465,8 @@ def _end(
     if not changed:
         return False
     OwnershipRecord.objects.filter(run_id=run_id, active=True).update(active=False, released_at=now)
-    Approval.objects.filter(run_id=run_id, status=ApprovalStatus.PENDING).update(
-        status=ApprovalStatus.CANCELLED, decided_at=now
-    )
+    # The project's lock order: run -> actions -> approvals -> audit head last
+    # (approval_decide and action_cancel take the action before its approval).
     open_ids = list(
         Action.objects.filter(run_id=run_id, status__in=_OPEN_ACTION_STATUSES).values_list(
             "id", flat=True
@@ -453,6 +481,9 @@ def _end(
         )
         for action_id in open_ids:
             transaction.on_commit(partial(notify_action_changed, action_id))
+    Approval.objects.filter(run_id=run_id, status=ApprovalStatus.PENDING).update(
+        status=ApprovalStatus.CANCELLED, decided_at=now
+    )
     audit_append(
         event_type=event,
         actor=actor,

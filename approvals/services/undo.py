@@ -17,7 +17,7 @@ import redis
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from approvals.models import Action, ActionStatus, Operation, OperationStatus, Run
+from approvals.models import Action, ActionStatus, Operation, OperationStatus, Run, RunStatus
 from audit.models import ActorType
 from audit.services import Actor, audit_append
 from console.core.errors import (
@@ -99,6 +99,23 @@ def action_undo_request(
             extra={"resource": action.resource_identifier},
         )
     with transaction.atomic():
+        if run is not None:
+            # A run token undoes only while its run is active (a revoked run's
+            # token is no credential for production changes). FOR SHARE on the run:
+            # a revoke committing first is seen, one arriving later waits for us.
+            from approvals.services.runs import RunNotActive
+            from console.core.barrier import lock_run_for_share
+
+            run_state = lock_run_for_share(run.pk)
+            if (
+                run_state is None
+                or run_state[0] != RunStatus.ACTIVE
+                or (run_state[1] is not None and run_state[1] <= timezone.now())
+            ):
+                raise RunNotActive(
+                    f"Run {run.pk} is not active; only an active run's token may undo.",
+                    extra={"run": str(run.pk)},
+                )
         locked = Action.objects.select_for_update(of=("self",)).get(pk=action.pk)
         original = (
             Operation.objects.filter(
