@@ -491,3 +491,46 @@ def test_two_runs_never_hold_overlapping_leases(api: Any, agent: Any) -> None:
         422,
         "validation_error",
     )
+
+
+# -- finding 13: /audit/verify does not walk the whole chain on every call ------------
+
+
+def _audit_queries(queries: Any) -> list[str]:
+    return [q["sql"] for q in queries if 'FROM "audit_auditevent"' in q["sql"]]
+
+
+@pytest.mark.django_db
+def test_audit_verify_is_cached_per_head_and_walks_only_the_new_tail(
+    api: Any, auditor: Any
+) -> None:
+    from django.core.cache import cache
+    from django.test.utils import CaptureQueriesContext
+
+    from audit.views import _VERIFY_CACHE_KEY
+    from audit.selectors import verify_chain
+    from audit.services import audit_append
+
+    cache.delete(_VERIFY_CACHE_KEY)
+    for number in range(5):
+        audit_append(event_type="test.event", actor=Actor.system("tests"), details={"n": number})
+    first = json.loads(api.get("/api/v1/audit/verify", token=auditor.token).content)
+    assert first["ok"] is True and first["cached"] is False
+    events = first["events"]
+    assert events == verify_chain().events >= 5
+
+    with CaptureQueriesContext(connection) as unchanged:
+        again = json.loads(api.get("/api/v1/audit/verify", token=auditor.token).content)
+    assert again["cached"] is True and again["events"] == events
+    assert _audit_queries(unchanged.captured_queries) == []  # no walk at all
+
+    for number in range(3):
+        audit_append(event_type="test.event", actor=Actor.system("tests"), details={"m": number})
+    with CaptureQueriesContext(connection) as moved:
+        tail = json.loads(api.get("/api/v1/audit/verify", token=auditor.token).content)
+    assert tail["cached"] is False and tail["ok"] is True
+    full = verify_chain()
+    assert tail["events"] == full.events == events + 3
+    assert tail["head_hash"] == full.head_hash
+    walks = _audit_queries(moved.captured_queries)
+    assert len(walks) == 1 and f'"seq" > {events}' in walks[0], walks

@@ -357,7 +357,8 @@ def test_audit_is_listed_and_verified_for_auditors_only(
     page = body(
         api.get("/api/v1/audit?resource=notification-policy/prod-alerts", token=auditor.token)
     )
-    assert [e["event_type"] for e in page["items"]][:1] == ["approval.requested"] or page["items"]
+    # Newest first: the per-call approval opened after the proposal.
+    assert [e["event_type"] for e in page["items"]][:2] == ["approval.requested", "action.proposed"]
     assert all(e["resource"] == "notification-policy/prod-alerts" for e in page["items"])
     verify = body(api.get("/api/v1/audit/verify", token=auditor.token))
     assert verify["ok"] is True and verify["first_bad_seq"] is None and verify["events"] >= 1
