@@ -224,24 +224,21 @@ def test_an_overlapping_write_set_is_409_naming_every_overlap(
 
 
 def test_another_runs_exclusive_lease_is_423_leased(api: Any, run: Any, prod_alerts: Any) -> None:
+    # The real path: a write-set entry with "lease": true becomes an exclusive,
+    # fenced ownership record when the run becomes active. `run` holds
+    # update/delete on prod-alerts, the leaseholder only create (no overlap).
     other = make_active_run(
         make_agent_with_token("lease-bot").agent,
-        [{"resource": "notification-policy/canary-*", "operations": ["update"]}],
+        [{"resource": "notification-policy/prod-alerts", "operations": ["create"], "lease": True}],
     )
-    # A lease over prod-alerts held by the other run (leases are granted by
-    # the engine; the API must honour them).
-    OwnershipRecord.objects.create(
-        run=other.run,
-        kind_id="notification-policy",
-        name="prod-alerts",
-        operations=["update"],
-        exclusive=True,
-        fence=99,
-        expires_at=timezone.now() + timedelta(minutes=5),
-    )
+    lease = OwnershipRecord.objects.get(run=other.run, exclusive=True)
+    assert lease.fence is not None and lease.expires_at == other.run.expires_at
     before = Snapshot.take()
     body = problem(patch_prod(api, run.token), 423, "leased", True)
-    assert body["lease"]["run"] == str(other.run.pk)
+    assert body["lease"] == {
+        "run": str(other.run.pk),
+        "expires_at": other.run.expires_at.isoformat(),
+    }
     assert Snapshot.take() == before
 
 
