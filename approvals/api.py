@@ -749,18 +749,22 @@ async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse
         state = await read(principal, action_id, condition, True, True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
-        while _should_hold(state, condition):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            recheck = SAFETY_RECHECK_SECONDS if live else 1.0
-            try:
-                await asyncio.wait_for(event.wait(), timeout=min(remaining, recheck))
-            except TimeoutError:
-                if remaining <= recheck:
+        action_waiters.held += 1
+        try:
+            while _should_hold(state, condition):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
                     break
-            event.clear()
-            state = await read(principal, action_id, condition, True, True)
+                recheck = SAFETY_RECHECK_SECONDS if live else 1.0
+                try:
+                    await asyncio.wait_for(event.wait(), timeout=min(remaining, recheck))
+                except TimeoutError:
+                    if remaining <= recheck:
+                        break
+                event.clear()
+                state = await read(principal, action_id, condition, True, True)
+        finally:
+            action_waiters.held -= 1
     finally:
         action_waiters.unregister(action_id, event)
     if not state.body and not (condition is not None and condition.weak_match(state.etag)):

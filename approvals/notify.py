@@ -75,6 +75,9 @@ class ActionWaiters:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
+        # Waiters past their first read, waiting for a wake-up (the /metrics gauge
+        # airlock_longpoll_held: a change made now reaches them through pub/sub).
+        self.held = 0
 
     @property
     def waiting(self) -> int:

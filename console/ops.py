@@ -200,6 +200,10 @@ def metrics(request: HttpRequest) -> HttpResponse:
         "# HELP airlock_longpoll_waiters Long-poll requests held by this process.",
         "# TYPE airlock_longpoll_waiters gauge",
         f"airlock_longpoll_waiters {action_waiters.waiting}",
+        "# HELP airlock_longpoll_held Long-poll requests past their first read, waiting "
+        "for a change.",
+        "# TYPE airlock_longpoll_held gauge",
+        f"airlock_longpoll_held {action_waiters.held}",
     ]
     lines.append(f"airlock_metrics_generated_at_seconds {timezone.now().timestamp():.3f}")
     return HttpResponse(

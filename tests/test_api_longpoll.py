@@ -5,6 +5,7 @@ waiting (the server's pool has 4 connections for 200 waiters)."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 from typing import Any
@@ -39,46 +40,66 @@ def queued_actions(count: int) -> tuple[Any, list[Action]]:
     return run, actions
 
 
+WAKE_ROUNDS = 7
+
+
+def wait_until_held(base_url: str, count: int, thread: threading.Thread) -> None:
+    """Poll the server's own gauge until `count` long-polls are past their first
+    read and waiting for a wake-up (a condition, not a delay)."""
+    deadline = time.monotonic() + 20
+    while f"airlock_longpoll_held {count}\n" not in httpx.get(f"{base_url}/metrics").text:
+        assert thread.is_alive(), "the long-poll was answered before it was held"
+        assert time.monotonic() < deadline, "the server never held the long-poll"
+        time.sleep(0.005)
+
+
 def test_a_waiting_client_is_answered_within_100ms_of_a_change(api_server: Any) -> None:
-    run, (action,) = queued_actions(1)
-    url = f"{api_server.url}/api/v1/actions/{action.pk}"
-    headers = {"Authorization": f"Bearer {run.token}"}
-    first = httpx.get(url, headers=headers, timeout=5)
-    assert first.status_code == 200
-    etag = first.headers["ETag"]
-    result: dict[str, Any] = {}
-
-    def wait() -> None:
-        started = time.monotonic()
-        response = httpx.get(
-            url,
-            headers={**headers, "Prefer": "wait=30", "If-None-Match": etag},
-            timeout=40,
-        )
-        result["response"] = response
-        result["answered_at"] = time.monotonic()
-        result["held"] = result["answered_at"] - started
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    time.sleep(1.0)  # the request is now held on the server
-    assert "response" not in result
+    """Median wake latency over several rounds (one scheduler hiccup on a loaded
+    box does not decide it); every round goes through the pub/sub wake path,
+    because the change is made only once the server reports the request held."""
     from django.db import transaction
 
-    committed: list[float] = []
-    with transaction.atomic():
-        # Runs first among the on-commit callbacks: the moment the change is durable.
-        transaction.on_commit(lambda: committed.append(time.monotonic()))
-        action_cancel(action=action, actor=Actor.system("another process"))
-    thread.join(timeout=40)
-    response = result["response"]
-    assert response.status_code == 200
-    assert response.json()["status"] == "cancelled"
-    assert response.headers["ETag"] != etag
-    assert response.headers["Preference-Applied"] == "wait=30"
-    latency = result["answered_at"] - committed[0]
-    print(f"long-poll wake latency: {latency * 1000:.1f} ms (held {result['held']:.2f} s)")
-    assert latency < 0.1
+    run, actions = queued_actions(WAKE_ROUNDS)
+    headers = {"Authorization": f"Bearer {run.token}"}
+    latencies: list[float] = []
+    for action in actions:
+        url = f"{api_server.url}/api/v1/actions/{action.pk}"
+        first = httpx.get(url, headers=headers, timeout=5)
+        assert first.status_code == 200
+        etag = first.headers["ETag"]
+        result: dict[str, Any] = {}
+
+        def wait(url: str = url, etag: str = etag, result: dict[str, Any] = result) -> None:
+            response = httpx.get(
+                url,
+                headers={**headers, "Prefer": "wait=30", "If-None-Match": etag},
+                timeout=40,
+            )
+            result["answered_at"] = time.monotonic()
+            result["response"] = response
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        wait_until_held(api_server.url, 1, thread)
+        committed: list[float] = []
+        with transaction.atomic():
+            # Runs first among the on-commit callbacks: the moment the change is durable.
+            transaction.on_commit(lambda committed=committed: committed.append(time.monotonic()))
+            action_cancel(action=action, actor=Actor.system("another process"))
+        thread.join(timeout=40)
+        response = result["response"]
+        assert response.status_code == 200
+        assert response.json()["status"] == "cancelled"
+        assert response.headers["ETag"] != etag
+        assert response.headers["Preference-Applied"] == "wait=30"
+        latencies.append(result["answered_at"] - committed[0])
+    median = statistics.median(latencies)
+    print(
+        "long-poll wake latency over "
+        f"{len(latencies)} rounds: median {median * 1000:.1f} ms, "
+        f"min {min(latencies) * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms"
+    )
+    assert median < 0.1
 
 
 def test_an_unchanged_action_answers_304_when_the_wait_ends(api_server: Any) -> None:
@@ -197,7 +218,7 @@ def test_waiters_survive_a_redis_restart(private_redis: Any, settings: Any) -> N
 
         thread = threading.Thread(target=wait)
         thread.start()
-        time.sleep(1.0)
+        wait_until_held(server.url, 1, thread)
         private_redis.restart()
         time.sleep(2.0)  # the subscriber reconnects; the waiter re-checks and keeps waiting
         assert "response" not in result
