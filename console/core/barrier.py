@@ -331,10 +331,12 @@ def lock_run_for_share(run_id: Any) -> tuple[str, datetime] | None:
         # already serialised (BEGIN IMMEDIATE).
         found = Run.objects.filter(pk=run_id).values_list("status", "expires_at").first()
         return (str(found[0]), found[1]) if found else None
+    assert Run._meta.db_table == "approvals_run"
+    sql = "SELECT status, expires_at FROM approvals_run WHERE id = %s"
+    if connection.vendor == "postgresql":  # SQLite serialises writers already
+        sql += " FOR SHARE"
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT status, expires_at FROM approvals_run WHERE id = %s FOR SHARE", [run_id]
-        )
+        cursor.execute(sql, [Run._meta.pk.get_db_prep_value(run_id, connection)])
         row = cursor.fetchone()
     return (str(row[0]), row[1]) if row else None
 
