@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db import connection
 from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
-from ninja import Field, Query, Router, Schema
+from ninja import Field, Path, Query, Router, Schema
 from pydantic import ConfigDict
 
 from approvals.models import (
@@ -1020,3 +1020,173 @@ def approval_decision(
 
 
 __all__ = ["RunStatus", "action_json", "router"]
+
+
+# --- Auto-approve rules (admins write; operators, admins and auditors read) ---------------
+
+_RULE_KIND_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+_MAX_RULE_ID = 2**63 - 1
+
+
+class AutoApproveRuleIn(Schema):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    kind: str = Field(..., pattern=_RULE_KIND_PATTERN, description="A resource kind slug")
+    name_prefix: str = Field(
+        "",
+        max_length=255,
+        pattern=TEXT_PATTERN,
+        description="Covers write-set entries whose name (or name prefix) starts with this; "
+        "empty covers every name of the kind",
+    )
+    operations: list[Literal["create", "update", "delete"]] = Field(..., min_length=1, max_length=3)
+    agent: str | None = Field(
+        None,
+        min_length=1,
+        max_length=150,
+        pattern=TEXT_PATTERN,
+        description="Only this agent's runs (by name); null: any agent",
+    )
+    enabled: bool = True
+    description: str = Field("", max_length=200, pattern=TEXT_PATTERN)
+
+
+class AutoApproveRuleOut(Schema):
+    id: int
+    kind: str
+    name_prefix: str
+    operations: list[str]
+    agent: str | None
+    enabled: bool
+    description: str
+
+
+class AutoApproveRulePage(Schema):
+    items: list[AutoApproveRuleOut]
+    next: str | None
+
+
+def _rules_reader(principal: Principal) -> None:
+    if not can_read_everything(principal.user):
+        raise ApiError(
+            "Auto-approve rules are shown to operators, admins and auditors.", code="forbidden"
+        )
+
+
+def _rules_writer(principal: Principal) -> None:
+    from console.permissions import is_admin
+
+    if not is_admin(principal.user):
+        raise ApiError("Only admins edit auto-approve rules.", code="forbidden")
+
+
+def _rule_json(rule_id: int) -> dict[str, Any]:
+    from approvals.models import AutoApproveRule
+    from approvals.services.rules import rule_as_dict
+
+    rule = AutoApproveRule.objects.select_related("agent").filter(pk=rule_id).first()
+    if rule is None:
+        raise NotFound(f"Auto-approve rule {rule_id} not found.")
+    return rule_as_dict(rule)
+
+
+_RULE_ID = Path(..., ge=1, le=_MAX_RULE_ID)
+
+
+@router.get(
+    "/auto-approve-rules",
+    auth=person_token,
+    response={200: AutoApproveRulePage, **errors(400, 401, 403, 422)},
+    summary="Auto-approve rules (operators, admins, auditors), by id",
+    tags=["auto-approve rules"],
+)
+def auto_approve_rule_list(
+    request: HttpRequest,
+    limit: int = Query(50, ge=1, le=200),
+    cursor: str | None = Query(None, pattern=r"^[0-9]{1,19}$", description="`next` of a page"),
+) -> HttpResponse:
+    from approvals.models import AutoApproveRule
+    from approvals.services.rules import rule_as_dict
+
+    _rules_reader(principal_of(request))
+    rules = AutoApproveRule.objects.select_related("agent").order_by("id")
+    if cursor is not None:
+        rules = rules.filter(id__gt=min(int(cursor), _MAX_RULE_ID))
+    page = list(rules[: limit + 1])
+    next_cursor = None
+    if len(page) > limit:
+        page = page[:limit]
+        next_cursor = str(page[-1].pk)
+    return json_response({"items": [rule_as_dict(rule) for rule in page], "next": next_cursor})
+
+
+@router.get(
+    "/auto-approve-rules/{rule_id}",
+    auth=person_token,
+    response={200: AutoApproveRuleOut, **errors(401, 403, 404, 422)},
+    summary="One auto-approve rule",
+    tags=["auto-approve rules"],
+)
+def auto_approve_rule_get(request: HttpRequest, rule_id: int = _RULE_ID) -> HttpResponse:
+    _rules_reader(principal_of(request))
+    return json_response(_rule_json(rule_id))
+
+
+@router.post(
+    "/auto-approve-rules",
+    auth=person_token,
+    response={201: AutoApproveRuleOut, **errors(400, 401, 403, 413, 422, 429)},
+    summary="Create an auto-approve rule (admins; audited)",
+    description="A run whose every write-set entry is covered by an enabled rule (kind, name "
+    "prefix, operations, and the agent when set) is activated without a person. Unknown kinds "
+    "or agents are 422.",
+    tags=["auto-approve rules"],
+)
+def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> HttpResponse:
+    from approvals.services.rules import auto_approve_rule_create
+
+    principal = principal_of(request)
+    _rules_writer(principal)
+    rate_limit_writes(principal)
+    rule = auto_approve_rule_create(user=principal.user, **payload.model_dump())
+    body = _rule_json(rule.pk)
+    return json_response(
+        body, status=201, headers={"Location": f"/api/v1/auto-approve-rules/{rule.pk}"}
+    )
+
+
+@router.put(
+    "/auto-approve-rules/{rule_id}",
+    auth=person_token,
+    response={200: AutoApproveRuleOut, **errors(400, 401, 403, 404, 413, 422, 429)},
+    summary="Replace an auto-approve rule (admins; audited when something changed)",
+    tags=["auto-approve rules"],
+)
+def auto_approve_rule_put(
+    request: HttpRequest, payload: AutoApproveRuleIn, rule_id: int = _RULE_ID
+) -> HttpResponse:
+    from approvals.services.rules import auto_approve_rule_update
+
+    principal = principal_of(request)
+    _rules_writer(principal)
+    rate_limit_writes(principal)
+    auto_approve_rule_update(user=principal.user, rule_id=rule_id, **payload.model_dump())
+    return json_response(_rule_json(rule_id))
+
+
+@router.delete(
+    "/auto-approve-rules/{rule_id}",
+    auth=person_token,
+    response={204: None, **errors(401, 403, 404, 422, 429)},
+    summary="Delete an auto-approve rule (admins; audited)",
+    tags=["auto-approve rules"],
+)
+def auto_approve_rule_delete(request: HttpRequest, rule_id: int = _RULE_ID) -> HttpResponse:
+    from approvals.services.rules import auto_approve_rule_delete as delete_rule
+
+    principal = principal_of(request)
+    _rules_writer(principal)
+    rate_limit_writes(principal)
+    if not delete_rule(user=principal.user, rule_id=rule_id):
+        raise NotFound(f"Auto-approve rule {rule_id} not found.")
+    return HttpResponse(status=204)

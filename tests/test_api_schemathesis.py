@@ -60,7 +60,9 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             lines.append(f"checks.missing_required_header.expected-statuses = [{quoted}]")
         return "\n".join(lines) + "\n"
 
-    people = "approvals|conflicts|audit|kill-switch|conflict-classes|resource-kinds"
+    people = (
+        "approvals|conflicts|audit|kill-switch|conflict-classes|resource-kinds|auto-approve-rules"
+    )
     return "\n".join(
         [
             # schemathesis' coverage phase does not honour `pattern` on optional
@@ -83,7 +85,9 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             block("^POST /api/v1/actions/", run_token),
             # A kind naming conflict classes that do not exist is a 422.
             block("^PUT /api/v1/resource-kinds/", admin_token, (422,)),
-            block(f"^(GET|POST|PUT) /api/v1/({people})", admin_token),
+            # A rule naming a kind or an agent that does not exist is a 422.
+            block("^(POST|PUT) /api/v1/auto-approve-rules", admin_token, (422,)),
+            block(f"^(GET|POST|PUT|DELETE) /api/v1/({people})", admin_token),
             block("^GET /api/v1/(runs|resources|whoami|actions)", run_token),
         ]
     )
