@@ -162,10 +162,10 @@ def _finish_openapi(schema: Any) -> Any:
             seen: set[tuple[str, str]] = set()
             unique = []
             for parameter in operation.get("parameters", []):
-                key = (parameter.get("in", ""), parameter.get("name", "").lower())
-                if key in seen:
+                param_key = (parameter.get("in", ""), parameter.get("name", "").lower())
+                if param_key in seen:
                     continue
-                seen.add(key)
+                seen.add(param_key)
                 unique.append(parameter)
             if unique:
                 operation["parameters"] = unique

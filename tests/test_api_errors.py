@@ -42,7 +42,7 @@ class Snapshot:
 def problem(response: Any, status: int, code: str, retryable: bool) -> dict[str, Any]:
     assert response.status_code == status, response.content
     assert response["Content-Type"].startswith("application/problem+json")
-    body = json.loads(response.content)
+    body: dict[str, Any] = json.loads(response.content)
     assert body["code"] == code
     assert body["retryable"] is retryable
     assert body["status"] == status

@@ -82,9 +82,13 @@ def test_a_waiting_client_is_answered_within_100ms_of_a_change(api_server: Any) 
         thread.start()
         wait_until_held(api_server.url, 1, thread)
         committed: list[float] = []
+
+        def durable(committed: list[float] = committed) -> None:
+            committed.append(time.monotonic())
+
         with transaction.atomic():
             # Runs first among the on-commit callbacks: the moment the change is durable.
-            transaction.on_commit(lambda committed=committed: committed.append(time.monotonic()))
+            transaction.on_commit(durable)
             action_cancel(action=action, actor=Actor.system("another process"))
         thread.join(timeout=40)
         response = result["response"]

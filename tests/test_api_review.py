@@ -47,7 +47,7 @@ def patch_prod(api: Any, token: str, key: str = "key-review-0001", etag: str = '
 
 
 def _applied_action(run: Any) -> Action:
-    action = make_action(
+    action: Action = make_action(
         run=run.run,
         identifier="notification-policy/prod-alerts",
         payload={"severity": "critical"},
@@ -507,9 +507,9 @@ def test_audit_verify_is_cached_per_head_and_walks_only_the_new_tail(
     from django.core.cache import cache
     from django.test.utils import CaptureQueriesContext
 
-    from audit.views import _VERIFY_CACHE_KEY
     from audit.selectors import verify_chain
     from audit.services import audit_append
+    from audit.views import _VERIFY_CACHE_KEY
 
     cache.delete(_VERIFY_CACHE_KEY)
     for number in range(5):
