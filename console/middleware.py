@@ -4,7 +4,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-from django.http import HttpRequest, HttpResponseBase
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
 from console.requestctx import clean_request_id, reset_request_id, set_request_id
 
@@ -32,6 +32,27 @@ class RequestIdMiddleware:
         finally:
             reset_request_id(token)
         response["X-Request-Id"] = request_id
+        return response
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> Any:
+        """A console page that lost a database race (deadlock, serialization
+        failure) or the database: 503 with Retry-After instead of a 500. The
+        transaction was rolled back; submitting again is safe. (API requests never
+        get here: their wrapper answers problem+json first.)"""
+        from console.problems import transient_database_response
+
+        problem = transient_database_response(exception)
+        if problem is None:
+            return None
+        response = HttpResponse(
+            '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            "<title>Busy, try again</title></head><body><h1>Busy, try again</h1>"
+            "<p>Your request collided with another change and was rolled back; "
+            "nothing was saved. Go back and submit it again.</p></body></html>",
+            status=503,
+            content_type="text/html; charset=utf-8",
+        )
+        response["Retry-After"] = problem["Retry-After"]
         return response
 
     async def __acall__(self, request: HttpRequest) -> HttpResponseBase:

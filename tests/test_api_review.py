@@ -534,3 +534,17 @@ def test_audit_verify_is_cached_per_head_and_walks_only_the_new_tail(
     assert tail["head_hash"] == full.head_hash
     walks = _audit_queries(moved.captured_queries)
     assert len(walks) == 1 and f'"seq" > {events}' in walks[0], walks
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_console_page_that_deadlocks_answers_503_with_retry_after() -> None:
+    from console.middleware import RequestIdMiddleware
+
+    error = _real_deadlock()
+    middleware = RequestIdMiddleware(lambda request: None)
+    request = RequestFactory().post("/approvals/x/decision")
+    response = middleware.process_exception(request, error)
+    assert response is not None and response.status_code == 503
+    assert response["Retry-After"] == "1"
+    assert b"nothing was saved" in response.content
+    assert middleware.process_exception(request, ValueError("a bug")) is None  # still a 500
