@@ -95,8 +95,9 @@ class WriteSetEntryIn(Schema):
     lease: bool = Field(
         False,
         description="Hold an exclusive, fenced lease on these resources while the run is "
-        "active: other runs' writes to them answer 423 `leased`; overlapping leases of two "
-        "runs are a 409 `write_set_conflict`.",
+        "active: other runs' writes to them answer 423 `leased`. Overlapping leases of two "
+        "runs, or a lease over another run's write still in flight, are a 409 "
+        "`write_set_conflict`.",
     )
 
 

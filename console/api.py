@@ -53,9 +53,10 @@ API_DESCRIPTION = (
     '**Leases.** A write-set entry may carry `"lease": true`: when the run becomes active it '
     "holds an exclusive, fenced lease on those resources until it ends (finish, revoke, "
     "expiry; heartbeats extend it). Another run's write to a leased resource is `423 leased` "
-    "with `lease: {run, expires_at}`; two runs never hold overlapping leases "
-    "(`409 write_set_conflict`). A `stop_unless_lease` class reports `lease_covered` on a "
-    "conflict.\n\n"
+    "with `lease: {run, expires_at}`; two runs never hold overlapping leases, and a lease is "
+    "not granted while another run's write to those resources is still in flight (both "
+    "`409 write_set_conflict`, the run stays pending). A `stop_unless_lease` class reports "
+    "`lease_covered` on a conflict.\n\n"
     "**Transient errors.** A request that loses a database race (deadlock, serialization "
     "failure) is rolled back and answered `503 transient_conflict` with `Retry-After` and "
     "`retryable: true`."

@@ -410,11 +410,21 @@ def test_a_lease_in_the_write_set_blocks_other_runs_writes_with_423_until_it_end
     assert created.status_code == 201, created.content
     holder_body = json.loads(created.content)
     assert holder_body["write_set"][0]["lease"] is True
-    # Pending approval: no lease yet.
-    assert patch_prod(api, run.token, key="key-lease-0001").status_code == 202
-    from approvals.services.runs import run_activate
+    # Pending approval: no lease yet, `run` may still propose.
+    in_flight = patch_prod(api, run.token, key="key-lease-0001")
+    assert in_flight.status_code == 202
+    from approvals.services.runs import WriteSetConflict, run_activate
 
     holder = Run.objects.get(pk=holder_body["id"])
+    # No lease over a write still in flight: the grant is refused, the run stays pending.
+    with pytest.raises(WriteSetConflict) as refused:
+        run_activate(run=holder, actor=Actor.system("tests"))
+    assert refused.value.extra["overlaps"][0]["action"] == json.loads(in_flight.content)["id"]
+    assert not OwnershipRecord.objects.filter(run=holder).exists()
+    cancel = api.post(
+        f"/api/v1/actions/{json.loads(in_flight.content)['id']}/cancel", token=run.token
+    )
+    assert cancel.status_code == 200
     run_activate(run=holder, actor=Actor.system("tests"))
     lease = OwnershipRecord.objects.get(run=holder, exclusive=True)
     assert lease.fence is not None and lease.fence > 0 and lease.active
@@ -548,3 +558,63 @@ def test_a_console_page_that_deadlocks_answers_503_with_retry_after() -> None:
     assert response["Retry-After"] == "1"
     assert b"nothing was saved" in response.content
     assert middleware.process_exception(request, ValueError("a bug")) is None  # still a 500
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lease_grant_racing_another_runs_proposal_never_leaves_a_write_in_flight_under_it(
+    prod_alerts: Any,
+) -> None:
+    """The proposal's transaction is held open after it recorded its action; the
+    lease grant (run_activate) must wait for it and then refuse the lease. Without
+    the shared kind lock the grant does not see the uncommitted action and leases
+    a resource another run is about to write."""
+    from approvals.services import actions
+    from approvals.services.runs import WriteSetConflict, run_activate, run_create
+
+    writer = make_active_run(make_agent_with_token("writer-bot").agent)
+    holder_agent = make_agent_with_token("lease-bot")
+    holder, _ = run_create(
+        agent=holder_agent.agent,
+        task="lease prod alerts",
+        write_set=[
+            {"resource": "notification-policy/prod-alerts", "operations": ["create"], "lease": True}
+        ],
+        ttl_seconds=600,
+        actor=Actor.agent(holder_agent.agent),
+    )
+    kind = actions.action_check_writable(
+        run=writer.run, kind="notification-policy", name="prod-alerts", operation="update"
+    )
+    proposal = actions.Proposal(
+        kind=kind,
+        name="prod-alerts",
+        operation="update",
+        payload_format="replace",
+        payload={"severity": "low"},
+        if_match=actions.parse_tag_condition('"41"', header="If-Match"),
+        create_if_absent=False,
+        idempotency_key="race-lease-1",
+        reason="",
+    )
+    recorded = threading.Event()
+    release = threading.Event()
+
+    def propose() -> Any:
+        with transaction.atomic():
+            action = actions.action_propose(run=writer.run, proposal=proposal)
+            recorded.set()
+            assert release.wait(WAIT)
+        return action
+
+    proposer = Worker(propose)
+    proposer.start()
+    assert recorded.wait(WAIT)
+    granter = Worker(lambda: run_activate(run=holder, actor=Actor.system("tests")))
+    granter.start()
+    wait_until_blocked(granter)
+    release.set()
+    action = proposer.finish()
+    with pytest.raises(WriteSetConflict):
+        granter.finish()
+    assert not OwnershipRecord.objects.filter(run=holder, exclusive=True).exists()
+    assert Action.objects.get(pk=action.pk).status == "pending_approval"

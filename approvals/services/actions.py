@@ -245,8 +245,13 @@ def _recheck_authority_locked(run: Run, kind: str, name: str, operation: str) ->
     (and then cancels it with the run's other open actions). Never a `queued`
     action of an ended run.
     """
+    from approvals.services.runs import lock_kind_for_proposal
     from console.core.barrier import lock_run_for_share
 
+    # Shared per-kind lock first: a lease grant over this kind (exclusive) either
+    # committed before (its lease is seen below: 423) or waits for this action to
+    # commit (and then refuses the lease while the action is in flight).
+    lock_kind_for_proposal(kind)
     state = lock_run_for_share(run.pk)
     if state is None:
         raise RunNotActive(f"Run {run.pk} no longer exists.", extra={"run": str(run.pk)})
@@ -355,7 +360,7 @@ def action_propose(
         )
     refused: DomainError | None = None
     with transaction.atomic():
-        # Lock order: run (FOR SHARE) -> action insert -> audit head last.
+        # Lock order: kind (shared advisory) -> run (FOR SHARE) -> action insert -> audit head.
         _recheck_authority_locked(run, kind.slug, proposal.name, proposal.operation)
         resource = Resource.objects.filter(kind=kind, name=proposal.name).first()
         exists = resource is not None and not resource.deleted

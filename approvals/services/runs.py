@@ -169,13 +169,69 @@ def names_overlap(a_name: str, a_prefix: bool, b_name: str, b_prefix: bool) -> b
     return a_name.startswith(b_name)
 
 
-def _lock_kinds(kinds: set[str]) -> None:
+def _lock_kinds(kinds: set[str], *, shared: bool = False) -> None:
+    """Transaction-scoped advisory locks per resource kind, in sorted order.
+
+    Exclusive: whoever makes ownership records (and leases) active. Shared:
+    action_propose, so a proposal and a lease grant over the same kind
+    serialise (the grant sees the proposed action, or the proposal sees the
+    lease) while proposals do not wait for each other.
+    """
     if connection.vendor != "postgresql":
         return  # SQLite serialises writers (BEGIN IMMEDIATE) already.
+    function = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
     with connection.cursor() as cursor:
         for kind in sorted(kinds):
             key = zlib.crc32(f"airlock.ownership:{kind}".encode())
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [7171, key - 2**31])
+            cursor.execute(f"SELECT {function}(%s, %s)", [7171, key - 2**31])
+
+
+def lock_kind_for_proposal(kind: str) -> None:
+    """The shared side of the per-kind lock (see _lock_kinds)."""
+    _lock_kinds({kind}, shared=True)
+
+
+# Actions that may still write: a lease is not granted over another run's.
+_IN_FLIGHT_ACTION_STATUSES = (*_OPEN_ACTION_STATUSES, ActionStatus.EXECUTING)
+
+
+def _lease_blockers(entries: list[WriteSetEntry], *, exclude_run_id: Any) -> list[dict[str, Any]]:
+    """Other runs' actions still in flight on names a lease entry covers (kind locks held).
+
+    A lease promises that no other run's write lands while it is held, so one
+    is granted only when no such write is pending approval, queued, paused or
+    executing.
+    """
+    blockers: list[dict[str, Any]] = []
+    leases = [entry for entry in entries if entry.lease]
+    if not leases:
+        return blockers
+    in_flight = (
+        Action.objects.filter(
+            kind_id__in={entry.kind for entry in leases}, status__in=_IN_FLIGHT_ACTION_STATUSES
+        )
+        .exclude(run_id=exclude_run_id)
+        .select_related("agent")
+        .order_by("created_at", "id")
+    )
+    for action in in_flight:
+        for entry in leases:
+            if entry.kind == action.kind_id and names_overlap(
+                entry.name, entry.is_prefix, action.name, False
+            ):
+                blockers.append(
+                    {
+                        "resource": f"{action.kind_id}/{action.name}",
+                        "requested": entry.pattern,
+                        "run": str(action.run_id),
+                        "agent": action.agent.name,
+                        "operations": [action.operation],
+                        "lease": True,
+                        "action": str(action.pk),
+                    }
+                )
+                break
+    return blockers
 
 
 def _active_authority_q(now: datetime) -> Q:
@@ -276,6 +332,18 @@ def _raise_on_overlap(overlaps: list[dict[str, Any]]) -> None:
         )
 
 
+def _raise_on_lease_blockers(blockers: list[dict[str, Any]]) -> None:
+    if blockers:
+        described = ", ".join(
+            f"{b['resource']} ({b['operations'][0]}, action {b['action']} of run {b['run']})"
+            for b in blockers
+        )
+        raise WriteSetConflict(
+            f"A lease cannot be granted while another run's write to it is in flight: {described}.",
+            extra={"overlaps": blockers},
+        )
+
+
 def _create_records(run: Run, entries: list[WriteSetEntry]) -> None:
     """The run's ownership records (caller's transaction, kind locks held); a
     lease entry's record is exclusive and carries a fresh fence."""
@@ -333,6 +401,8 @@ def run_create(
         now = timezone.now()
         _raise_on_overlap(write_set_overlaps(entries, now=now))
         auto = _auto_approved(agent, entries)
+        if auto:
+            _raise_on_lease_blockers(_lease_blockers(entries, exclude_run_id=None))
         run = Run.objects.create(
             agent=agent,
             task=task,
@@ -401,6 +471,7 @@ def run_activate(*, run: Run, actor: Actor) -> Run:
         if locked.status != RunStatus.PENDING_APPROVAL:
             raise InvalidTransition(f"Run {run.pk} is {locked.status}, not pending approval.")
         _raise_on_overlap(write_set_overlaps(entries, exclude_run_id=run.pk, now=now))
+        _raise_on_lease_blockers(_lease_blockers(entries, exclude_run_id=run.pk))
         max_expires = now + timedelta(seconds=_max_ttl())
         expires = min(now + timedelta(seconds=locked.ttl_seconds), max_expires)
         Run.objects.filter(pk=run.pk).update(
