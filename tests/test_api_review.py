@@ -618,3 +618,25 @@ def test_a_lease_grant_racing_another_runs_proposal_never_leaves_a_write_in_flig
         granter.finish()
     assert not OwnershipRecord.objects.filter(run=holder, exclusive=True).exists()
     assert Action.objects.get(pk=action.pk).status == "pending_approval"
+
+
+@pytest.mark.django_db
+def test_stop_unless_lease_reports_a_real_lease_on_a_conflict(agent: Any, prod_alerts: Any) -> None:
+    """replace_shared_document (stop_unless_lease): a stale write of a run holding a
+    lease granted through its write set carries lease_covered: true."""
+    from approvals.services.execution import action_execute
+
+    holder = make_active_run(
+        agent.agent,
+        [{"resource": "notification-policy/prod-alerts", "operations": ["update"], "lease": True}],
+    )
+    stale = make_action(
+        run=holder.run,
+        identifier="notification-policy/prod-alerts",
+        payload={"severity": "low"},
+        observed_version=40,  # the resource is at 41
+    )
+    assert stale.conflict_class.on_conflict == "stop_unless_lease"
+    assert action_execute(action_id=stale.pk) == "conflict"
+    stale.refresh_from_db()
+    assert stale.status == "conflict" and stale.error["lease_covered"] is True
