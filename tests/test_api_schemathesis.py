@@ -36,6 +36,7 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
         token: str,
         extra_statuses: tuple[int, ...] = (),
         missing_header_statuses: tuple[int, ...] = (),
+        negative_statuses: tuple[int, ...] = (),
     ) -> str:
         lines = [
             "[[operations]]",
@@ -58,6 +59,11 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             ]
             quoted = ", ".join(f'"{status}"' for status in statuses)
             lines.append(f"checks.missing_required_header.expected-statuses = [{quoted}]")
+        if negative_statuses:
+            # schemathesis' default rejection statuses, plus the given ones.
+            default = (400, 401, 403, 404, 405, 406, 409, 415, 422, 428, 429)
+            quoted = ", ".join(f'"{status}"' for status in (*default, *negative_statuses))
+            lines.append(f'checks.negative_data_rejection.expected-statuses = [{quoted}, "5xx"]')
         return "\n".join(lines) + "\n"
 
     people = (
@@ -68,12 +74,15 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             # schemathesis' coverage phase does not honour `pattern` on optional
             # headers, so a malformed If-Match (400 bad_header) counts as "valid".
             # The contract checks run active / write set / lease before the
-            # Idempotency-Key, so a missing key may meet 409/423 first.
+            # Idempotency-Key, so a missing key may meet 409/423 first; so may a
+            # malformed header or body (the fuzzer grants leases through POST /runs
+            # and approvals).
             block(
                 "^(PUT|PATCH|DELETE) /api/v1/resources/",
                 run_token,
                 (400, 412, 422, 423, 428),
                 missing_header_statuses=(409, 423),
+                negative_statuses=(423,),
             ),
             block("^POST /api/v1/runs$", agent_token, (422,)),
             block("^POST /api/v1/runs/[^/]+/revoke$", admin_token),
