@@ -27,10 +27,10 @@ admin.site.unregister(Group)
 
 
 @admin.register(User)
-class ReadOnlyUserAdmin(ReadOnlyAdmin, UserAdmin):  # type: ignore[misc]
+class ReadOnlyUserAdmin(ReadOnlyAdmin, UserAdmin):  # type: ignore[type-arg]
     pass
 
 
 @admin.register(Group)
-class ReadOnlyGroupAdmin(ReadOnlyAdmin, GroupAdmin):  # type: ignore[misc]
+class ReadOnlyGroupAdmin(ReadOnlyAdmin, GroupAdmin):
     pass
