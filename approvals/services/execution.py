@@ -331,8 +331,10 @@ def _execute(action: Action, *, connection: redis.Redis | None) -> str:
             log.warning("could not release the lock on %s", action.resource_identifier)
 
 
-def _execute_managed(*, action: Action, lock: Any, fence: int) -> str:
-    from console.core.barrier import apply_action, open_operation
+def _claim(action: Action, fence: int) -> Operation | None:
+    """Open this attempt's operation (the action becomes `executing`), or None when
+    the action moved on between our check and the claim."""
+    from console.core.barrier import open_operation
 
     try:
         operation = open_operation(
@@ -342,10 +344,18 @@ def _execute_managed(*, action: Action, lock: Any, fence: int) -> str:
             lease_seconds=operation_lease_seconds(),
         )
     except DomainError as exc:
-        # The action moved on between our check and the claim.
         log.info("action %s not claimed: %s", action.pk, exc)
-        return "not_claimed"
+        return None
     notify_action_changed_now(action.pk)  # now `executing`
+    return operation
+
+
+def _execute_managed(*, action: Action, lock: Any, fence: int) -> str:
+    from console.core.barrier import apply_action
+
+    operation = _claim(action, fence)
+    if operation is None:
+        return "not_claimed"
     crash_point("after_open_operation")
     try:
         lock.check()
@@ -417,20 +427,11 @@ def _mirror_resource(action: Action, response: Any) -> Any:
 def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
     """One attempt against an external HTTP target (see console.core.targets)."""
     from console.core import targets
-    from console.core.barrier import open_operation
     from ownership.models import ResourceVersion
 
-    try:
-        operation = open_operation(
-            action_id=action.pk,
-            fence=fence,
-            worker=worker_name(),
-            lease_seconds=operation_lease_seconds(),
-        )
-    except DomainError as exc:
-        log.info("action %s not claimed: %s", action.pk, exc)
+    operation = _claim(action, fence)
+    if operation is None:
         return "not_claimed"
-    notify_action_changed_now(action.pk)
     from console.core.barrier import refuse_if_run_ended
 
     if refuse_if_run_ended(
