@@ -18,18 +18,23 @@ with conditional UPDATEs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import redis
 from django.conf import settings
+from django.db import close_old_connections
 from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
 log = logging.getLogger("airlock.jobs")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 QUEUE_NAME = "default"
 MARKER_TTL_SECONDS = 3600
@@ -43,9 +48,31 @@ PENDING_JOB_STATUSES = {
 
 
 def engine_redis() -> redis.Redis:
-    """The Redis the engine's queue and locks live in (read at call time, so tests
-    can point a process at a private server)."""
-    return redis.Redis.from_url(settings.REDIS_URL)
+    """The Redis the engine's queue and locks live in (the URL is read at call time, so
+    tests can point a process at a private server; one pooled client per URL, so a job
+    does not open a new connection for every lock, publish and enqueue)."""
+    return _redis_for(settings.REDIS_URL)
+
+
+@functools.lru_cache(maxsize=8)
+def _redis_for(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url)
+
+
+def _fresh_database(job: Callable[P, R]) -> Callable[P, R]:
+    """Jobs run in long-lived worker processes (SimpleWorker): drop a connection that
+    died or outlived CONN_MAX_AGE before the job, as a request would, so a PostgreSQL
+    restart costs one retry instead of every later job."""
+
+    @functools.wraps(job)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        close_old_connections()
+        try:
+            return job(*args, **kwargs)
+        finally:
+            close_old_connections()
+
+    return run
 
 
 def engine_queue(connection: redis.Redis | None = None) -> Queue:
@@ -145,24 +172,28 @@ def enqueue_undo_execution(
     )
 
 
+@_fresh_database
 def execute_action_job(action_id: str) -> str:
     from approvals.services.execution import action_execute
 
     return action_execute(action_id=uuid.UUID(action_id))
 
 
+@_fresh_database
 def execute_undo_job(operation_id: str) -> str:
     from approvals.services.undo import undo_execute
 
     return undo_execute(undo_operation_id=int(operation_id))
 
 
+@_fresh_database
 def reconcile_job() -> dict[str, int]:
     from approvals.services.execution import reconcile
 
     return reconcile()
 
 
+@_fresh_database
 def housekeeping_job() -> dict[str, int]:
     from approvals.services.housekeeping import housekeeping_run
 
