@@ -433,6 +433,7 @@ def proposed_document(action: Any) -> Any:
 
 EVENT_PEOPLE = "people-changed"
 PEOPLE_TEMPLATE = "console/people.html"
+PEOPLE_PAGE_SIZE = 100
 
 
 def _people_context(
@@ -442,7 +443,14 @@ def _people_context(
     edit_form: Any = None,
     editing: Any = None,
 ) -> dict[str, Any]:
-    persons = list(User.objects.prefetch_related("groups").order_by("username")[:500])
+    # Keyset by username: page N costs what page 1 does however many people there are.
+    after = request.GET.get("after", "")
+    people = User.objects.prefetch_related("groups").order_by("username")
+    if after:
+        people = people.filter(username__gt=after)
+    persons = list(people[: PEOPLE_PAGE_SIZE + 1])
+    next_after = persons[PEOPLE_PAGE_SIZE - 1].username if len(persons) > PEOPLE_PAGE_SIZE else ""
+    persons = persons[:PEOPLE_PAGE_SIZE]
     by_group = {group: role for role, group in permissions.ROLES.items()}
     rows = []
     for person in persons:
@@ -460,6 +468,7 @@ def _people_context(
     return {
         "nav": "people",
         "rows": rows,
+        "next_after": next_after,
         "is_admin": permissions.is_admin(request.user),
         "create_form": create_form or PersonCreateForm(),
         "edit_form": edit_form,

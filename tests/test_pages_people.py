@@ -167,3 +167,25 @@ def test_the_service_checks_the_role(people: People) -> None:
         person_set_active(user=people.owner, person_id=people.operator.pk, active=False)
     with pytest.raises(ValidationFailed):
         person_update(user=people.admin, person_id=people.owner.pk, roles=[])
+
+
+def test_the_list_pages_by_username_and_every_person_appears_once(people: People) -> None:
+    from console.views import PEOPLE_PAGE_SIZE
+
+    User.objects.bulk_create(
+        [User(username=f"zz-person-{n:04d}") for n in range(PEOPLE_PAGE_SIZE + 20)]
+    )
+    client = client_for(people.admin)
+    seen: list[str] = []
+    url = "/people/"
+    for _ in range(5):
+        response = client.get(url)
+        assert response.status_code == 200
+        html = response.content.decode()
+        seen += [u for u in html.split("<code>")[1:] for u in [u.split("</code>")[0]]]
+        if "Next people" not in html:
+            break
+        after = html.split('href="?after=')[1].split('"')[0]
+        url = f"/people/?after={after}"
+    expected = sorted(User.objects.values_list("username", flat=True))
+    assert [u for u in seen if u in expected] == expected
