@@ -18,7 +18,6 @@ from typing import Any, Literal
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
-from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, Path, Query, Router, Schema
 from pydantic import ConfigDict
@@ -46,9 +45,8 @@ from console.api_support import (
     iso,
     json_bytes,
     json_response,
-    parse_time_cursor,
     rate_limit_writes,
-    time_cursor,
+    time_page,
 )
 from console.auth import (
     agent_or_run_token,
@@ -490,14 +488,7 @@ def run_list(
         runs = run_list_for_actor(principal.user)
     if status:
         runs = runs.filter(status=status)
-    after = parse_time_cursor(cursor)
-    if after is not None:
-        runs = runs.filter(Q(created_at__lt=after[0]) | Q(created_at=after[0], id__lt=after[1]))
-    page = list(runs.order_by("-created_at", "-id")[: limit + 1])
-    next_cursor = None
-    if len(page) > limit:
-        page = page[:limit]
-        next_cursor = time_cursor(page[-1].created_at, page[-1].pk)
+    page, next_cursor = time_page(runs, cursor=cursor, limit=limit)
     return json_response({"items": [run_json(run) for run in page], "next": next_cursor})
 
 
@@ -802,16 +793,7 @@ def action_list(
         actions = actions.filter(run_id=run)
     if status:
         actions = actions.filter(status=status)
-    after = parse_time_cursor(cursor)
-    if after is not None:
-        actions = actions.filter(
-            Q(created_at__lt=after[0]) | Q(created_at=after[0], id__lt=after[1])
-        )
-    page = list(actions.order_by("-created_at", "-id")[: limit + 1])
-    next_cursor = None
-    if len(page) > limit:
-        page = page[:limit]
-        next_cursor = time_cursor(page[-1].created_at, page[-1].pk)
+    page, next_cursor = time_page(actions, cursor=cursor, limit=limit)
     return json_response({"items": [action_json(a) for a in page], "next": next_cursor})
 
 
@@ -967,16 +949,7 @@ def approval_list(
     principal = principal_of(request)
     # The console's rule: operators decide; escalation groups see escalated calls.
     approvals = approval_list_for_person(principal.user, status=status)
-    after = parse_time_cursor(cursor)
-    if after is not None:
-        approvals = approvals.filter(
-            Q(created_at__gt=after[0]) | Q(created_at=after[0], id__gt=after[1])
-        )
-    page = list(approvals.order_by("created_at", "id")[: limit + 1])
-    next_cursor = None
-    if len(page) > limit:
-        page = page[:limit]
-        next_cursor = time_cursor(page[-1].created_at, page[-1].pk)
+    page, next_cursor = time_page(approvals, cursor=cursor, limit=limit, newest_first=False)
     return json_response({"items": [_approval_item(a) for a in page], "next": next_cursor})
 
 

@@ -27,10 +27,9 @@ from console.api_support import (
     iso,
     json_response,
     parse_json_object,
-    parse_time_cursor,
     rate_limit_writes,
     read_body,
-    time_cursor,
+    time_page,
 )
 from console.auth import any_token, person_token, principal_of, run_token
 from console.core.errors import DomainError, Forbidden, NotFound
@@ -579,16 +578,7 @@ def conflict_list(
 
     user = principal_of(request).user
     conflicts = conflict_list_for_person(user, mine=mine, status=status)
-    after = parse_time_cursor(cursor)
-    if after is not None:
-        conflicts = conflicts.filter(
-            Q(created_at__lt=after[0]) | Q(created_at=after[0], id__lt=after[1])
-        )
-    page = list(conflicts.order_by("-created_at", "-id")[: limit + 1])
-    next_cursor = None
-    if len(page) > limit:
-        page = page[:limit]
-        next_cursor = time_cursor(page[-1].created_at, page[-1].pk)
+    page, next_cursor = time_page(conflicts, cursor=cursor, limit=limit)
     return json_response({"items": [conflict_json(c) for c in page], "next": next_cursor})
 
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection, connections, transaction
+from django.db import OperationalError, connection, transaction
 from django.test import RequestFactory
 from django.utils import timezone
 
@@ -24,9 +22,9 @@ from audit.services import Actor
 from ownership.models import OwnershipRecord
 from tests.fixtures.api import make_active_run, make_agent_with_token, make_person_with_token
 from tests.fixtures.core import execute, make_action
+from tests.races import WAIT, Worker, wait_until_blocked_or_finished
 
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
-WAIT = 20.0  # an upper bound for a forced step, never a synchronisation
 
 
 def problem(response: Any, status: int, code: str) -> dict[str, Any]:
@@ -205,46 +203,6 @@ def test_undo_answers_404_and_403_before_a_missing_idempotency_key(
 # -- helpers for forced collisions ----------------------------------------------------
 
 
-class Worker(threading.Thread):
-    """Runs `fn` on its own database connection; keeps its result or exception."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        super().__init__(daemon=True)
-        self.fn = fn
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn()
-        except BaseException as exc:  # handed to the test
-            self.error = exc
-        finally:
-            connections.close_all()
-
-    def finish(self) -> Any:
-        self.join(WAIT)
-        assert not self.is_alive(), "thread did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def wait_until_blocked(thread: Worker) -> None:
-    """Until PostgreSQL reports a backend waiting on a lock (or the thread ended)."""
-    deadline = time.monotonic() + WAIT
-    while thread.is_alive():
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            )
-            if cursor.fetchone()[0] >= 1:
-                return
-        assert time.monotonic() < deadline, "the thread neither blocked nor finished"
-        time.sleep(0.005)
-
-
 # -- finding 2: revoke racing propose -------------------------------------------------
 
 
@@ -292,7 +250,9 @@ def test_a_revoke_committing_while_a_write_is_proposed_leaves_no_queued_action(
     assert revoked.wait(WAIT)
     proposer = Worker(lambda: actions.action_propose(run=run.run, proposal=proposal))
     proposer.start()
-    wait_until_blocked(proposer)  # on the run row (fixed) or on the audit head (unfixed)
+    wait_until_blocked_or_finished(
+        proposer
+    )  # on the run row (fixed) or on the audit head (unfixed)
     release.set()
     assert revoker.finish().status == "revoked"
     try:
@@ -611,7 +571,7 @@ def test_a_lease_grant_racing_another_runs_proposal_never_leaves_a_write_in_flig
     assert recorded.wait(WAIT)
     granter = Worker(lambda: run_activate(run=holder, actor=Actor.system("tests")))
     granter.start()
-    wait_until_blocked(granter)
+    wait_until_blocked_or_finished(granter)
     release.set()
     action = proposer.finish()
     with pytest.raises(WriteSetConflict):

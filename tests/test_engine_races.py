@@ -11,13 +11,12 @@ recorded once, one resolution.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection, transaction
+from django.db import OperationalError, transaction
 from django.utils import timezone
 
 from approvals.models import Action, Approval, ApprovalDecision, Operation, Run
@@ -38,86 +37,13 @@ from console.models import KillSwitch
 from console.services import kill_switch_set
 from ownership.models import Conflict, ConflictClass, Resource, ResourceVersion
 from ownership.services import conflict_resolve
+from tests.races import WAIT, Holder, Worker, wait_for_lock_waiters
 from tests.targetserver import TargetServer
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
-WAIT = 20.0  # seconds: an upper bound for a forced step, never a synchronisation
-
 
 # -- helpers -------------------------------------------------------------------------
-
-
-class Worker(threading.Thread):
-    """Runs `fn` on its own database connection; keeps its result or exception."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        super().__init__(daemon=True)
-        self.fn = fn
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn()
-        except BaseException as exc:  # handed to the test
-            self.error = exc
-        finally:
-            connection.close()
-
-    def finish(self) -> Any:
-        self.join(WAIT)
-        assert not self.is_alive(), "thread did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-class Holder(Worker):
-    """Runs `fn` inside a transaction and keeps it open until `release()`."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.ready = threading.Event()
-        self.go = threading.Event()
-
-        def held() -> Any:
-            with transaction.atomic():
-                value = fn()
-                self.ready.set()
-                assert self.go.wait(WAIT), "never released"
-            return value
-
-        super().__init__(held)
-
-    def hold(self) -> Holder:
-        self.start()
-        assert self.ready.wait(WAIT), "holder did not get there"
-        return self
-
-    def release(self) -> Any:
-        self.go.set()
-        return self.finish()
-
-
-def lock_waiters() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )
-        return int(cursor.fetchone()[0])
-
-
-def wait_for_lock_waiters(count: int, *, threads: tuple[Worker, ...] = ()) -> None:
-    """Poll PostgreSQL until `count` backends wait on a lock (a condition, not a delay)."""
-    deadline = time.monotonic() + WAIT
-    while lock_waiters() < count:
-        for thread in threads:
-            if not thread.is_alive():
-                thread.finish()  # surfaces its error
-                raise AssertionError("a thread finished instead of waiting for the lock")
-        assert time.monotonic() < deadline, f"{count} lock waiter(s) never appeared"
-        time.sleep(0.01)
 
 
 def _lock_action_row(action: Action) -> Any:

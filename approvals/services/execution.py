@@ -118,6 +118,18 @@ def _enqueue_on_commit(action_id: uuid.UUID, delay_seconds: float = 0.0) -> None
     transaction.on_commit(lambda: enqueue_action_execution(action_id, delay_seconds=delay_seconds))
 
 
+def _audit_worker_event(event_type: str, action: Action, details: dict[str, Any]) -> None:
+    """An event about `action` by the worker, inside the caller's transaction."""
+    audit_append(
+        event_type=event_type,
+        actor=WORKER_ACTOR,
+        resource=action.resource_identifier,
+        run_id=action.run_id,
+        action_id=action.pk,
+        details=details,
+    )
+
+
 def attempt_superseded(operation_id: int) -> bool:
     """Inside a transaction: lock this attempt's operation (before the action: the
     barrier's and the reconciler's order) and say whether the attempt is stale —
@@ -144,14 +156,7 @@ def action_pause(*, action_id: uuid.UUID, reason: str, scope: str = "") -> bool:
         )
         if moved:
             action = Action.objects.get(pk=action_id)
-            audit_append(
-                event_type="action.paused",
-                actor=WORKER_ACTOR,
-                resource=action.resource_identifier,
-                run_id=action.run_id,
-                action_id=action_id,
-                details={"reason": reason, "scope": scope},
-            )
+            _audit_worker_event("action.paused", action, {"reason": reason, "scope": scope})
     return moved
 
 
@@ -196,14 +201,7 @@ def action_retry_later(
                 attempts=attempts,
                 error={"code": "attempts_exhausted", "reason": reason, "attempts": attempts},
             )
-            audit_append(
-                event_type="action.failed",
-                actor=WORKER_ACTOR,
-                resource=action.resource_identifier,
-                run_id=action.run_id,
-                action_id=action_id,
-                details={"reason": reason, "attempts": attempts},
-            )
+            _audit_worker_event("action.failed", action, {"reason": reason, "attempts": attempts})
             return ActionStatus.FAILED
         delay = backoff_seconds(attempts or 1)
         action_transition(
@@ -213,13 +211,10 @@ def action_retry_later(
             attempts=attempts,
             not_before=timezone.now() + timedelta(seconds=delay),
         )
-        audit_append(
-            event_type="action.retry_scheduled",
-            actor=WORKER_ACTOR,
-            resource=action.resource_identifier,
-            run_id=action.run_id,
-            action_id=action_id,
-            details={"reason": reason, "attempt": attempts, "delay_seconds": round(delay, 3)},
+        _audit_worker_event(
+            "action.retry_scheduled",
+            action,
+            {"reason": reason, "attempt": attempts, "delay_seconds": round(delay, 3)},
         )
         _enqueue_on_commit(action_id, delay)
     return ActionStatus.QUEUED
@@ -245,14 +240,7 @@ def action_fail(
         )
         if moved:
             action = Action.objects.get(pk=action_id)
-            audit_append(
-                event_type="action.failed",
-                actor=WORKER_ACTOR,
-                resource=action.resource_identifier,
-                run_id=action.run_id,
-                action_id=action_id,
-                details={"code": code, "reason": reason},
-            )
+            _audit_worker_event("action.failed", action, {"code": code, "reason": reason})
     return moved
 
 
@@ -484,13 +472,10 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
                 status=OperationStatus.UNKNOWN,
                 outcome={"unknown": str(exc)},
             )
-            audit_append(
-                event_type="write.unknown",
-                actor=WORKER_ACTOR,
-                resource=action.resource_identifier,
-                run_id=action.run_id,
-                action_id=action.pk,
-                details={"operation_id": operation.pk, "fence": fence, "error": str(exc)},
+            _audit_worker_event(
+                "write.unknown",
+                action,
+                {"operation_id": operation.pk, "fence": fence, "error": str(exc)},
             )
         action_retry_later(
             action_id=action.pk, reason="target_timeout_after_send", operation_id=operation.pk
@@ -576,13 +561,10 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
                 resource=resource,
             )
             assert moved  # the action row is locked and was `executing`
-            audit_append(
-                event_type="write.applied",
-                actor=WORKER_ACTOR,
-                resource=action.resource_identifier,
-                run_id=action.run_id,
-                action_id=action.pk,
-                details={
+            _audit_worker_event(
+                "write.applied",
+                action,
+                {
                     "target": "http",
                     "operation_id": effect_op.pk,
                     "fence": fence,
@@ -602,13 +584,10 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
         with transaction.atomic():
             if attempt_superseded(operation.pk):
                 return "superseded"
-            audit_append(
-                event_type="write.refused",
-                actor=WORKER_ACTOR,
-                resource=action.resource_identifier,
-                run_id=action.run_id,
-                action_id=action.pk,
-                details={"target": "http", "status": response.status, "operation_id": operation.pk},
+            _audit_worker_event(
+                "write.refused",
+                action,
+                {"target": "http", "status": response.status, "operation_id": operation.pk},
             )
         if outcome == targets.NOT_FOUND and action.operation != "create":
             action_fail(
