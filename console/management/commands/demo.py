@@ -362,8 +362,15 @@ class Command(BaseCommand):
         self.stdout.write(f"demo: {message}")
 
     def story(self, tokens: dict[str, str]) -> None:
+        self.collision(tokens)
+        self.releases(tokens)
+        self.say(
+            "done — the console now shows an approval waiting, an undoable write and a conflict"
+        )
+
+    def collision(self, tokens: dict[str, str]) -> None:
+        """Steps 1-4: two agents, one version, one stale full replace, one re-plan."""
         policy = "notification-policy/prod-alerts"
-        pointer = "release-pointer/prod-eu"
 
         # 1. Both agents read version 41.
         etag_b, _ = self.read(tokens["alerts-bot-b"], policy)
@@ -424,7 +431,9 @@ class Command(BaseCommand):
         )
         self.say(f"A re-planned on {etag_a2}: action {waiting.body['id']} waits for an operator")
 
-        # 5. Two release candidates based on version 7: one applies, one becomes a conflict.
+    def releases(self, tokens: dict[str, str]) -> None:
+        """Step 5: two release candidates based on version 7: one applies, one conflicts."""
+        pointer = "release-pointer/prod-eu"
         _run_r, token_r = self.start_run(
             tokens, "release-bot", pointer, "Advance prod-eu after green builds"
         )
@@ -453,7 +462,4 @@ class Command(BaseCommand):
         self.say(
             f"release 2026.12.0-rc1 met a newer version at execution: conflict "
             f"{detail.get('conflict_id')} for {detail.get('resolver')}"
-        )
-        self.say(
-            "done — the console now shows an approval waiting, an undoable write and a conflict"
         )
