@@ -19,7 +19,7 @@ from audit.forms import AuditFilterForm
 from audit.models import AuditEvent
 from audit.selectors import audit_head, audit_queryset, verify_chain
 from console import permissions
-from console.views import console_page, forbid_unless, query_without, render_fragment_or_page
+from console.pages import console_page, forbid_unless, query_without, render_fragment_or_page
 
 PAGE = 50
 

@@ -28,6 +28,7 @@ from audit.api import router as audit_router
 from console.api_support import iso, json_bool, json_response, rate_limit_writes
 from console.auth import any_token, person_token, principal_of
 from console.core.errors import DomainError
+from console.core.killswitch import SCOPE_MAX_LENGTH, SCOPE_PATTERN
 from console.problems import (
     PROBLEM_CONTENT_TYPE,
     problem_from_error,
@@ -279,8 +280,8 @@ class KillSwitchList(Schema):
 
 _SCOPE_FIELD = Field(
     "*",
-    max_length=300,
-    pattern=r"^(\*|[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9._:@+=,-]{0,254}\*?)$",
+    max_length=SCOPE_MAX_LENGTH,
+    pattern=SCOPE_PATTERN,
     description="`*` (everything), `kind/prefix*` or `kind/name`",
 )
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from django import forms
 
-_SCOPE = re.compile(r"^(\*|[a-z0-9][a-z0-9-]*/[A-Za-z0-9._:/-]*\*?)$")
+from console.core.killswitch import SCOPE_HELP, SCOPE_MAX_LENGTH, scope_is_valid
 
 
 class KillSwitchForm(forms.Form):
@@ -15,7 +15,7 @@ class KillSwitchForm(forms.Form):
         choices=[("engage", "Engage"), ("release", "Release")], widget=forms.HiddenInput
     )
     scope = forms.CharField(
-        max_length=300,
+        max_length=SCOPE_MAX_LENGTH,
         initial="*",
         help_text="* for everything, or kind/prefix* (e.g. dns-record/prod-*).",
     )
@@ -28,8 +28,8 @@ class KillSwitchForm(forms.Form):
 
     def clean_scope(self) -> str:
         scope: str = self.cleaned_data["scope"].strip()
-        if not _SCOPE.match(scope):
-            raise forms.ValidationError("Scope must be * or kind/prefix* (e.g. dns-record/prod-*).")
+        if not scope_is_valid(scope):
+            raise forms.ValidationError(f"Scope must be {SCOPE_HELP}.")
         return scope
 
     def clean(self) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 deactivate and reactivate them. Roles and owner groups are Django groups
 (`console.permissions`); every change is audited in its own transaction.
 
-The same group-name rule as `manage.py person_create`; passwords go through
-Django's validators and never reach the audit details.
+The People page, `manage.py person_create` and the demo all create people
+through `person_create`; passwords go through Django's validators and never
+reach the audit details.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
+from audit.models import ActorType
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, NotFound, ValidationFailed
 from console.permissions import ROLES, is_admin
@@ -30,6 +32,16 @@ MIN_PASSWORD_LENGTH = 12
 def _require_admin(user: Any) -> None:
     if not getattr(user, "is_active", False) or not is_admin(user):
         raise Forbidden("Only admins manage people.")
+
+
+def _admin_actor(user: Any) -> Actor:
+    """The audit actor of an admin, or the system actor a management command passes."""
+    if isinstance(user, Actor):
+        if user.type != ActorType.SYSTEM:
+            raise Forbidden("Only admins manage people.")
+        return user
+    _require_admin(user)
+    return Actor.person(user)
 
 
 def _invalid(errors: list[dict[str, str]]) -> ValidationFailed:
@@ -54,6 +66,19 @@ def _check_roles_and_groups(
         )
 
 
+def _check_password(password: str, person: Any, errors: list[dict[str, str]]) -> None:
+    # The settings configure no AUTH_PASSWORD_VALIDATORS: a length floor here,
+    # plus whatever validators a deployment adds.
+    if len(password) < MIN_PASSWORD_LENGTH:
+        message = f"too short: at least {MIN_PASSWORD_LENGTH} characters"
+        errors.append({"field": "password", "message": message})
+        return
+    try:
+        validate_password(password, user=person)
+    except ValidationError as exc:
+        errors.append({"field": "password", "message": " ".join(exc.messages)})
+
+
 def person_groups(person: Any) -> tuple[list[str], list[str]]:
     """(roles, owner groups) of a person, each sorted."""
     by_group = {group: role for role, group in ROLES.items()}
@@ -76,17 +101,18 @@ def person_create(
     *,
     user: Any,
     username: str,
-    password: str,
+    password: str | None,
     roles: list[str],
     groups: list[str] | None = None,
     email: str = "",
 ) -> Any:
-    """Create an active person with console sign-in (admins only).
+    """Create an active person (admins only, or `Actor.system(...)` from a
+    management command). `password=None`: no console sign-in (API tokens only).
 
     Raises Forbidden, ValidationFailed (bad name, taken name, weak password,
     unknown role, bad group name).
     """
-    _require_admin(user)
+    actor = _admin_actor(user)
     groups = sorted(set(groups or []))
     roles = sorted(set(roles))
     username = (username or "").strip()
@@ -96,20 +122,8 @@ def person_create(
         errors.append({"field": "username", "message": "1..150 letters, digits and @.+-_"})
     elif model.objects.filter(username=username).exists():
         errors.append({"field": "username", "message": f"{username} already exists"})
-    # The settings configure no AUTH_PASSWORD_VALIDATORS: a length floor here,
-    # plus whatever validators a deployment adds.
-    if len(password or "") < MIN_PASSWORD_LENGTH:
-        errors.append(
-            {
-                "field": "password",
-                "message": f"too short: at least {MIN_PASSWORD_LENGTH} characters",
-            }
-        )
-    else:
-        try:
-            validate_password(password, user=model(username=username))
-        except ValidationError as exc:
-            errors.append({"field": "password", "message": " ".join(exc.messages)})
+    if password is not None:  # None: API only, create_user makes it unusable
+        _check_password(password, model(username=username), errors)
     _check_roles_and_groups(roles, groups, errors)
     if errors:
         raise _invalid(errors)
@@ -119,7 +133,7 @@ def person_create(
             _set_groups(person, [ROLES[r] for r in roles] + groups)
             audit_append(
                 event_type="person.created",
-                actor=Actor.person(user),
+                actor=actor,
                 details={"username": username, "roles": roles, "groups": groups},
             )
     except IntegrityError as exc:

@@ -12,7 +12,6 @@ oldest first, and enqueues their jobs in that order after commit.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from django.db import transaction
@@ -22,12 +21,10 @@ from django.utils import timezone
 from approvals.models import Action, ActionStatus
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, ValidationFailed
-from console.core.killswitch import lock_switches_exclusive
+from console.core.killswitch import lock_switches_exclusive, scope_is_valid
 from console.models import KillSwitch
 from console.permissions import is_operator
 
-# Same rule as the API schema (console/api.py _SCOPE_FIELD).
-_SCOPE = re.compile(r"^(\*|[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9._:@+=,-]{0,254}\*?)$")
 MAX_REASON = 1000
 
 
@@ -58,7 +55,7 @@ def kill_switch_set(*, scope: str, engaged: bool, reason: str, actor: Any) -> Ki
         person = actor
         audit_actor = Actor.person(actor)
     scope = (scope or "").strip()
-    if not _SCOPE.match(scope) or len(scope) > 300:
+    if not scope_is_valid(scope):
         raise ValidationFailed(
             "scope must be '*' or 'kind/prefix*'",
             extra={"errors": [{"field": "scope", "message": "'*' or 'kind/prefix*'"}]},

@@ -1,13 +1,14 @@
+"""Console pages by area: sign-in, dashboard, approvals, people, ownership, audit."""
+
 from __future__ import annotations
 
 from django.urls import URLPattern, URLResolver, path
 
-from approvals import views as approvals_views
+from approvals.views import inbox, rules, runs, tokens
 from audit import views as audit_views
-from console import views
+from console import people_views, views
 from ownership import views as ownership_views
 
-# Owner: console helper — login, dashboard and every page.
 urlpatterns: list[URLPattern | URLResolver] = [
     path("login/", views.LoginView.as_view(), name="login"),
     path("logout/", views.LogoutView.as_view(), name="logout"),
@@ -17,47 +18,47 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("kill-switch/banner/", views.killswitch_banner, name="killswitch_banner"),
     path("kill-switch/", views.killswitch_set, name="killswitch_set"),
     # approvals, actions, runs, tokens
-    path("approvals/", approvals_views.approvals_inbox, name="approvals"),
-    path("approvals/poll/", approvals_views.approvals_poll, name="approvals_poll"),
+    path("approvals/", inbox.approvals_inbox, name="approvals"),
+    path("approvals/poll/", inbox.approvals_poll, name="approvals_poll"),
     path(
         "approvals/<uuid:approval_id>/decision/",
-        approvals_views.approval_decide_view,
+        inbox.approval_decide_view,
         name="approval_decide",
     ),
-    path("actions/<uuid:action_id>/", approvals_views.action_detail, name="action_detail"),
-    path("actions/<uuid:action_id>/status/", approvals_views.action_status, name="action_status"),
-    path("runs/", approvals_views.runs_list, name="runs"),
-    path("runs/<uuid:run_id>/", approvals_views.run_detail, name="run_detail"),
-    path("runs/<uuid:run_id>/revoke/", approvals_views.run_revoke_view, name="run_revoke"),
-    path("tokens/", approvals_views.tokens_page, name="tokens"),
-    path("tokens/personal/", approvals_views.personal_token_create, name="personal_token_create"),
+    path("actions/<uuid:action_id>/", runs.action_detail, name="action_detail"),
+    path("actions/<uuid:action_id>/status/", runs.action_status, name="action_status"),
+    path("runs/", runs.runs_list, name="runs"),
+    path("runs/<uuid:run_id>/", runs.run_detail, name="run_detail"),
+    path("runs/<uuid:run_id>/revoke/", runs.run_revoke_view, name="run_revoke"),
+    path("tokens/", tokens.tokens_page, name="tokens"),
+    path("tokens/personal/", tokens.personal_token_create, name="personal_token_create"),
     path(
         "tokens/personal/<int:token_id>/revoke/",
-        approvals_views.personal_token_revoke,
+        tokens.personal_token_revoke,
         name="personal_token_revoke",
     ),
-    path("tokens/agents/", approvals_views.agent_create, name="agent_create"),
+    path("tokens/agents/", tokens.agent_create, name="agent_create"),
     path(
         "tokens/agents/<uuid:agent_id>/tokens/",
-        approvals_views.agent_token_create,
+        tokens.agent_token_create,
         name="agent_token_create",
     ),
     path(
         "tokens/agent-tokens/<int:token_id>/revoke/",
-        approvals_views.agent_token_revoke,
+        tokens.agent_token_revoke,
         name="agent_token_revoke",
     ),
     # auto-approve rules (admins edit)
-    path("rules/", approvals_views.rules_page, name="rules"),
-    path("rules/new/", approvals_views.rule_create_view, name="rule_create"),
-    path("rules/<int:rule_id>/", approvals_views.rule_update_view, name="rule_update"),
-    path("rules/<int:rule_id>/enabled/", approvals_views.rule_enable_view, name="rule_enable"),
-    path("rules/<int:rule_id>/delete/", approvals_views.rule_delete_view, name="rule_delete"),
+    path("rules/", rules.rules_page, name="rules"),
+    path("rules/new/", rules.rule_create_view, name="rule_create"),
+    path("rules/<int:rule_id>/", rules.rule_update_view, name="rule_update"),
+    path("rules/<int:rule_id>/enabled/", rules.rule_enable_view, name="rule_enable"),
+    path("rules/<int:rule_id>/delete/", rules.rule_delete_view, name="rule_delete"),
     # people (admins manage)
-    path("people/", views.people_page, name="people"),
-    path("people/new/", views.person_create_view, name="person_create"),
-    path("people/<int:person_id>/", views.person_update_view, name="person_update"),
-    path("people/<int:person_id>/active/", views.person_active_view, name="person_active"),
+    path("people/", people_views.people_page, name="people"),
+    path("people/new/", people_views.person_create_view, name="person_create"),
+    path("people/<int:person_id>/", people_views.person_update_view, name="person_update"),
+    path("people/<int:person_id>/active/", people_views.person_active_view, name="person_active"),
     # conflicts, resources, catalog
     path("conflicts/", ownership_views.conflicts_list, name="conflicts"),
     path("conflicts/<uuid:conflict_id>/", ownership_views.conflict_detail, name="conflict_detail"),

@@ -1,4 +1,5 @@
-"""JSON documents: RFC 7396 merge patch, field-level three-way diff, per-field merge.
+"""JSON documents: RFC 7396 merge patch, the document a write proposes, the
+field-level two-way diff the pages show, the three-way diff and per-field merge.
 
 Fields are addressed by JSON pointer (RFC 6901). Objects are compared member by
 member; arrays and scalars are leaves (a list is one field: merging two edits of
@@ -10,7 +11,10 @@ one list is a person's decision, not a guess). An absent member is reported as
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+import json
+from typing import Any, Literal, Protocol
+
+from approvals.models import PayloadFormat, WriteOperation
 
 Change = Literal["agent_only", "other_only", "both"]
 Side = Literal["current", "proposed"]
@@ -45,6 +49,33 @@ def apply_merge_patch(target: Any, patch: Any) -> Any:
         else:
             result[key] = apply_merge_patch(result.get(key), value)
     return result
+
+
+class ProposedWrite(Protocol):
+    """What `proposed_document` reads of an action."""
+
+    @property
+    def operation(self) -> str: ...
+
+    @property
+    def payload_format(self) -> str: ...
+
+    @property
+    def payload(self) -> Any: ...
+
+
+def proposed_document(action: ProposedWrite, current: Any) -> dict[str, Any]:
+    """What the resource would hold if `action` were applied over `current`.
+
+    A merge patch applies to `current` (RFC 7396); a delete leaves the empty
+    document `{}`; a full document (PUT, a resolution) replaces `current`.
+    """
+    if action.payload_format == PayloadFormat.MERGE_PATCH:
+        result = apply_merge_patch(current if isinstance(current, dict) else {}, action.payload)
+        return result if isinstance(result, dict) else {}
+    if action.payload_format == PayloadFormat.DELETE or action.operation == WriteOperation.DELETE:
+        return {}
+    return copy.deepcopy(action.payload) if isinstance(action.payload, dict) else {}
 
 
 def _leaves(document: Any, prefix: str, into: dict[str, Any]) -> None:
@@ -169,3 +200,40 @@ def merge_documents(
             return copy.deepcopy(proposed_doc)
         _set_at(result, tokens, _value_at(proposed_doc, tokens))
     return result
+
+
+def compact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _fields(document: Any) -> dict[str, Any]:
+    """JSON pointer -> leaf value; a missing or empty document has no fields."""
+    if document is None or document == {}:
+        return {}
+    if not isinstance(document, dict):
+        return {"/": document}
+    flat: dict[str, Any] = {}
+    _leaves(document, "", flat)
+    return flat
+
+
+def document_diff(before: Any, after: Any) -> list[dict[str, Any]]:
+    """Field-level changes from `before` to `after` (path, old, new, kind), for the
+    pages. Arrays are leaves; a deleted resource (`{}` or None) has no fields, so
+    a delete lists every field as removed."""
+    left, right = _fields(before), _fields(after)
+    rows = []
+    for path in sorted(set(left) | set(right)):
+        old, new = left.get(path, _ABSENT), right.get(path, _ABSENT)
+        if old == new:
+            continue
+        kind = "added" if old is _ABSENT else "removed" if new is _ABSENT else "changed"
+        rows.append(
+            {
+                "path": path,
+                "old": None if old is _ABSENT else compact(old),
+                "new": None if new is _ABSENT else compact(new),
+                "kind": kind,
+            }
+        )
+    return rows

@@ -18,23 +18,23 @@ from approvals.models import Operation, OperationStatus
 from approvals.services.undo import action_undo_request
 from console import permissions
 from console.core.errors import DomainError, NotFound
-from console.views import (
+from console.pages import (
     EVENT_COUNTS,
     after_post,
     console_page,
-    document_diff,
-    domain_error_status,
+    error_status,
     forbid_unless,
     form_errors_from,
     is_htmx,
     keyset_page,
     pretty,
     query_without,
+    raise_if_denied,
     render_fragment_or_page,
     respond_page,
 )
 from ownership.catalog import conflict_class_put, resource_kind_put
-from ownership.diff import default_choice, three_way_diff
+from ownership.diff import default_choice, document_diff, three_way_diff
 from ownership.forms import (
     ConflictClassForm,
     ResolutionForm,
@@ -56,7 +56,6 @@ from ownership.services import conflict_may_resolve, conflict_merge_preview, con
 
 EVENT_CONFLICTS = "conflicts-changed"
 EVENT_CATALOG = "catalog-changed"
-_MISSING = object()
 
 
 # --- conflicts ---------------------------------------------------------------------------
@@ -84,26 +83,19 @@ def _field_rows(conflict: Conflict) -> list[dict[str, Any]]:
 
 
 def _conflict_for(user: Any, conflict_id: uuid.UUID) -> Conflict:
-
     try:
         return conflict_get_for_person(user, conflict_id)
     except NotFound as exc:
         raise Http404(exc.message) from exc
 
 
-def _may_resolve(user: Any, conflict: Conflict) -> bool:
-
-    return conflict_may_resolve(conflict=conflict, person=user)
-
-
 def _preview(conflict: Conflict, choices: dict[str, str] | None) -> str:
-
     return pretty(conflict_merge_preview(conflict=conflict, fields=choices))
 
 
 def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) -> dict[str, Any]:
     rows = _field_rows(conflict)
-    may_resolve = _may_resolve(request.user, conflict)
+    may_resolve = conflict_may_resolve(conflict=conflict, person=request.user)
     # Who wrote the current version, from which run.
     current_writer = (
         ResourceVersion.objects.select_related("run__agent", "person", "action")
@@ -187,7 +179,7 @@ def conflict_preview(request: HttpRequest, conflict_id: uuid.UUID) -> HttpRespon
 def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpResponse:
     conflict = _conflict_for(request.user, conflict_id)
     forbid_unless(
-        _may_resolve(request.user, conflict),
+        conflict_may_resolve(conflict=conflict, person=request.user),
         "Only the resolver group of this conflict may resolve it.",
     )
     form = ResolutionForm(request.POST)
@@ -214,7 +206,7 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
             "ownership/conflict.html",
             context,
             partial="page",
-            status=domain_error_status(exc),
+            status=error_status(exc),
         )
     if not is_htmx(request):
         messages.success(request, "Conflict resolved.")
@@ -234,17 +226,12 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
 # --- resources ----------------------------------------------------------------------------
 
 
-def resources_visible_to(user: Any) -> Any:
-    """Every signed-in person reads resources (as with a personal token in the API)."""
-
-    return resource_list()
-
-
 @console_page
 @require_GET
 def resources_list(request: HttpRequest) -> HttpResponse:
     form = ResourceFilterForm(request.GET or None)
-    resources = resources_visible_to(request.user)
+    # Every signed-in person reads resources (as with a personal token in the API).
+    resources = resource_list()
     if form.is_valid():
         if form.cleaned_data.get("kind"):
             resources = resources.filter(kind_id=form.cleaned_data["kind"])
@@ -270,9 +257,7 @@ def _resource_for(user: Any, identifier: str) -> Resource:
     kind, sep, name = identifier.partition("/")
     if not sep or not name:
         raise Http404("No such resource")
-    resource = (
-        resources_visible_to(user).select_related("kind").filter(kind_id=kind, name=name).first()
-    )
+    resource = resource_list().select_related("kind").filter(kind_id=kind, name=name).first()
     if resource is None:
         raise Http404("No such resource")
     found: Resource = resource
@@ -348,10 +333,6 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
     if operation is None or operation.action.resource is None:
         raise Http404("No such operation")
     resource = _resource_for(request.user, operation.action.resource.identifier)
-    forbid_unless(
-        permissions.can_undo_as_person(request.user, owner_group=resource.owner_group),
-        "Only operators and the resource's owner group may undo.",
-    )
 
     def respond(notice: str, *, error: bool = False, status: int = 200) -> HttpResponse:
         if is_htmx(request):
@@ -367,9 +348,11 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
     if not UndoForm(request.POST).is_valid():
         return respond("Tick the confirmation box to undo.", error=True, status=422)
     try:
+        # The service decides who may undo (operators, the resource's owner group).
         action_undo_request(action_id=operation.action_id, actor=request.user)
     except DomainError as exc:
-        return respond(exc.message, error=True, status=domain_error_status(exc))
+        raise_if_denied(exc)
+        return respond(exc.message, error=True, status=error_status(exc))
     return respond(f"Undo of version {operation.result_version} requested.")
 
 
@@ -438,7 +421,7 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
         conflict_class_put(slug=slug, data=data, user=request.user)
     except DomainError as exc:
         form_errors_from(form, exc)
-        return _catalog_respond(request, status=domain_error_status(exc), class_form=form)
+        return _catalog_respond(request, status=error_status(exc), class_form=form)
     return _catalog_respond(request, notice=f"Conflict class {slug} saved.")
 
 
@@ -457,5 +440,5 @@ def resource_kind_save(request: HttpRequest) -> HttpResponse:
         resource_kind_put(slug=slug, data=data, user=request.user)
     except DomainError as exc:
         form_errors_from(form, exc)
-        return _catalog_respond(request, status=domain_error_status(exc), kind_form=form)
+        return _catalog_respond(request, status=error_status(exc), kind_form=form)
     return _catalog_respond(request, notice=f"Resource kind {slug} saved.")

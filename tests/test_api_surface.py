@@ -59,14 +59,14 @@ def test_person_create_with_role_groups_and_password(api: Any) -> None:
         "--group",
         "platform",
         "--password",
-        "s3cret-pass",
+        "s3cret-passphrase",
         stdout=out,
     )
     token = out.getvalue().strip().splitlines()[-1]
     assert token.startswith("pt_")
     user = PersonalToken.objects.get().user
     assert set(user.groups.values_list("name", flat=True)) == {"operators", "platform"}
-    assert user.check_password("s3cret-pass")
+    assert user.check_password("s3cret-passphrase")
     assert api.get("/api/v1/approvals", token=token).status_code == 200
     assert not AuditEvent.objects.filter(details__icontains=token[4:]).exists()
 

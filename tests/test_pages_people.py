@@ -170,7 +170,7 @@ def test_the_service_checks_the_role(people: People) -> None:
 
 
 def test_the_list_pages_by_username_and_every_person_appears_once(people: People) -> None:
-    from console.views import PEOPLE_PAGE_SIZE
+    from console.people_views import PEOPLE_PAGE_SIZE
 
     User.objects.bulk_create(
         [User(username=f"zz-person-{n:04d}") for n in range(PEOPLE_PAGE_SIZE + 20)]

@@ -61,6 +61,11 @@ def test_the_demo_plays_the_design_collision_through_the_api(demo_redis) -> None
     assert conflict.status == "open"
     assert conflict.conflict_class_id == "advance_pointer"
 
+    # People and agents were made by their services: validated and audited as the demo.
+    for event_type in ("person.created", "agent.created"):
+        made = AuditEvent.objects.filter(event_type=event_type)
+        assert made.count() == 3 and {e.actor_label for e in made} == {"demo"}
+
     # Both attempts on prod-alerts are in a chain that verifies.
     events = AuditEvent.objects.filter(resource="notification-policy/prod-alerts")
     assert events.count() >= 3

@@ -8,9 +8,24 @@ committed is refused, and an engage waits for writes already past their check.
 
 from __future__ import annotations
 
+import re
+
 from django.db import connection
 
 from console.models import KillSwitch
+
+# The one rule for a scope, used by the service, the API schema and the form:
+# `*`, or a kind slug, `/`, and a resource-name prefix with an optional `*`.
+SCOPE_PATTERN = r"^(\*|[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9._:@+=,-]{0,254}\*?)$"
+SCOPE_MAX_LENGTH = 300
+SCOPE_HELP = "'*' or 'kind/prefix*' (e.g. dns-record/prod-*)"
+_SCOPE = re.compile(SCOPE_PATTERN)
+
+
+def scope_is_valid(scope: str) -> bool:
+    """Is `scope` (already stripped) a kill-switch scope the service accepts?"""
+    return len(scope) <= SCOPE_MAX_LENGTH and _SCOPE.fullmatch(scope) is not None
+
 
 # One PostgreSQL advisory lock orders every write against every engage/release:
 # a write transaction (the barrier, an undo) holds it SHARED from before its

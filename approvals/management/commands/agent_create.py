@@ -1,14 +1,14 @@
-"""`manage.py agent_create NAME [--owner USERNAME]`: register an agent and print
-its first token (ak_…) as the last line."""
+"""`manage.py agent_create NAME [--owner USERNAME] [--description D] [--new-token]`:
+register an agent through the token service (audited) with the console's
+validation, and print its token (ak_…) as the last line."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.utils.text import slugify
 
+from approvals.forms import AgentCreateForm
 from approvals.models import Agent
 from approvals.services.tokens import agent_create, agent_token_create
 from audit.services import Actor
@@ -19,7 +19,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="the agent's name, a slug such as deploy-bot")
-        parser.add_argument("--owner", help="username of the person accountable for it")
+        parser.add_argument("--owner", default="", help="username of the person accountable")
         parser.add_argument("--description", default="")
         parser.add_argument(
             "--new-token",
@@ -29,23 +29,29 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         name = options["name"]
-        if slugify(name) != name:
-            raise CommandError("NAME must be a slug: lowercase letters, digits and hyphens.")
-        owner = None
-        if options.get("owner"):
-            owner = get_user_model().objects.filter(username=options["owner"]).first()
-            if owner is None:
-                raise CommandError(f"No user named {options['owner']!r}.")
         actor = Actor.system("manage.py agent_create")
         existing = Agent.objects.filter(name=name).first()
-        if existing is not None:
-            if not options["new_token"]:
-                raise CommandError(f"Agent {name!r} exists; pass --new-token for another token.")
+        if existing is not None and options["new_token"]:
             _, secret = agent_token_create(agent=existing, actor=actor, label="cli")
             self.stdout.write(f"New token for agent {name}:")
-        else:
-            agent, secret = agent_create(
-                name=name, actor=actor, owner=owner, description=options["description"]
+            self.stdout.write(secret)
+            return
+        # The Tokens page's form: the same name, owner and description rules.
+        form = AgentCreateForm(
+            {"name": name, "owner": options["owner"], "description": options["description"]}
+        )
+        if not form.is_valid():
+            problems = "; ".join(
+                f"{field}: {' '.join(str(e) for e in errors)}"
+                for field, errors in form.errors.items()
             )
-            self.stdout.write(f"Agent {agent.name} created ({agent.pk}). Its token:")
+            hint = " (pass --new-token for another token)" if existing is not None else ""
+            raise CommandError(f"{problems}{hint}")
+        agent, secret = agent_create(
+            name=form.cleaned_data["name"],
+            actor=actor,
+            owner=form.cleaned_data["owner"],
+            description=form.cleaned_data["description"],
+        )
+        self.stdout.write(f"Agent {agent.name} created ({agent.pk}). Its token:")
         self.stdout.write(secret)

@@ -9,6 +9,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
+from approvals.services.execution import reconcile
+from approvals.services.housekeeping import housekeeping_run
+
 
 class Command(BaseCommand):
     help = "Re-enqueue approved work whose RQ job is missing; recover abandoned operations."
@@ -20,9 +23,6 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from approvals.services.execution import reconcile
-        from approvals.services.housekeeping import housekeeping_run
-
         while True:
             result: dict[str, Any] = {"reconcile": reconcile()}
             if options["housekeeping"]:

@@ -1,9 +1,11 @@
 """`python manage.py demo`: demo data made through the real API, so every page has something.
 
-Reference data (resource kinds, people, agents, three resources at their starting versions) is
-created idempotently with the ORM. Everything an agent or an operator does goes through the REST
-API — in-process through Django's full request stack by default, or against a running server
-with `--base-url http://127.0.0.1:8000` — and approved writes are executed by a real RQ worker
+Reference data is created idempotently: resource kinds and the resources at their starting
+versions with the ORM (seed rows, as a migration would); people and agents through their
+services (`person_create`, `agent_create`: validated and audited like the console's).
+Everything an agent or an operator does goes through the REST API — in-process through
+Django's full request stack by default, or against a running server with
+`--base-url http://127.0.0.1:8000` — and approved writes are executed by a real RQ worker
 (an in-process burst worker on the real queue, or the server's own workers with --base-url).
 
 The story (the design's collision, seeds/003):
@@ -27,11 +29,21 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import Group
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
+from django.test import Client
+from rq import SimpleWorker
+
+from approvals.jobs import engine_queue
+from approvals.models import Agent
+from approvals.services.tokens import agent_create, agent_token_create, personal_token_create
+from audit.services import Actor
+from console.people import person_create
+from console.reference import ensure_reference_data
+from ownership.models import Resource, ResourceKind, ResourceVersion
 
 DEMO_MARKER_AGENT = "alerts-bot-a"
 UNDO_WINDOW_SECONDS = 24 * 3600  # long enough that a newcomer still sees the undo button
@@ -72,10 +84,11 @@ RESOURCES: list[dict[str, Any]] = [
     },
 ]
 
-PEOPLE: list[tuple[str, list[str]]] = [
-    ("ana", ["operators"]),
-    ("rui", ["release-owners", "owners"]),
-    ("paula", ["owners", "platform"]),
+# username, roles, owner groups
+PEOPLE: list[tuple[str, list[str], list[str]]] = [
+    ("ana", ["operator"], []),
+    ("rui", ["owner"], ["release-owners"]),
+    ("paula", ["owner"], ["platform"]),
 ]
 
 AGENTS: list[tuple[str, str]] = [
@@ -102,8 +115,6 @@ class Transport:
     def __init__(self, base_url: str | None) -> None:
         self.base_url = base_url.rstrip("/") if base_url else None
         if self.base_url is None:
-            from django.test import Client
-
             hosts = [h for h in settings.ALLOWED_HOSTS if h and h != "*" and not h.startswith(".")]
             self.client = Client(HTTP_HOST=hosts[0] if hosts else "localhost")
 
@@ -120,8 +131,6 @@ class Transport:
         content_type = hdrs.pop("Content-Type", "application/json")
         data = json.dumps(body) if body is not None else None
         if self.base_url is not None:
-            import httpx
-
             if data is not None:
                 hdrs["Content-Type"] = content_type
             response = httpx.request(
@@ -159,8 +168,6 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from approvals.models import Agent
-
         if Agent.objects.filter(name=DEMO_MARKER_AGENT).exists():
             self.stdout.write("demo: already loaded (agent alerts-bot-a exists); nothing to do")
             return
@@ -169,63 +176,64 @@ class Command(BaseCommand):
         tokens = self.reference_data()
         self.story(tokens)
 
-    # --- reference data (idempotent, ORM) ---------------------------------------------------
+    # --- reference data (idempotent) ----------------------------------------------------------
 
     def reference_data(self) -> dict[str, str]:
-        from approvals.models import Agent
-        from approvals.services.tokens import agent_token_create, personal_token_create
-        from audit.services import Actor
-        from console.reference import ensure_reference_data
-        from ownership.models import Resource, ResourceKind, ResourceVersion
-
         ensure_reference_data()
         system = Actor.system("demo")
         tokens: dict[str, str] = {}
         with transaction.atomic():
-            for name in ("platform", "release-owners", "operators", "owners"):
-                Group.objects.get_or_create(name=name)
             for kind in KINDS:
                 ResourceKind.objects.update_or_create(
                     slug=kind["slug"],
                     defaults={**kind, "undo_window_seconds": UNDO_WINDOW_SECONDS},
                 )
             for spec in RESOURCES:
-                resource, created = Resource.objects.get_or_create(
-                    kind_id=spec["kind"],
-                    name=spec["name"],
-                    defaults={
-                        "document": spec["document"],
-                        "version": spec["version"],
-                        "owner_group": spec["owner_group"],
-                    },
-                )
-                if created:
-                    ResourceVersion.objects.create(
-                        resource=resource,
-                        version=spec["version"],
-                        document=spec["document"],
-                        operation="seed",
-                    )
+                self.seed_resource(spec)
             user_model = get_user_model()
-            for username, groups in PEOPLE:
-                person, created = user_model.objects.get_or_create(
-                    username=username, defaults={"email": f"{username}@example.test"}
-                )
-                if created:
-                    person.set_unusable_password()
-                    person.save(update_fields=["password"])
-                for group in groups:
-                    person.groups.add(Group.objects.get_or_create(name=group)[0])
+            for username, roles, groups in PEOPLE:
+                person = user_model.objects.filter(username=username).first()
+                if person is None:
+                    person = person_create(
+                        user=system,
+                        username=username,
+                        password=None,  # the demo people act through the API only
+                        roles=roles,
+                        groups=groups,
+                        email=f"{username}@example.test",
+                    )
                 _pt, tokens[username] = personal_token_create(
                     user=person, actor=system, label="demo"
                 )
             lead = user_model.objects.get(username="paula")
             for name, description in AGENTS:
-                agent, _ = Agent.objects.get_or_create(
-                    name=name, defaults={"description": description, "owner": lead}
-                )
-                _at, tokens[name] = agent_token_create(agent=agent, actor=system, label="demo")
+                agent = Agent.objects.filter(name=name).first()
+                if agent is None:
+                    _agent, tokens[name] = agent_create(
+                        name=name, actor=system, owner=lead, description=description
+                    )
+                else:
+                    _at, tokens[name] = agent_token_create(agent=agent, actor=system, label="demo")
         return tokens
+
+    def seed_resource(self, spec: dict[str, Any]) -> None:
+        """A resource at its starting version, as if it predated Airlock (no write, no audit)."""
+        resource, created = Resource.objects.get_or_create(
+            kind_id=spec["kind"],
+            name=spec["name"],
+            defaults={
+                "document": spec["document"],
+                "version": spec["version"],
+                "owner_group": spec["owner_group"],
+            },
+        )
+        if created:
+            ResourceVersion.objects.create(
+                resource=resource,
+                version=spec["version"],
+                document=spec["document"],
+                operation="seed",
+            )
 
     # --- the story (the real API) --------------------------------------------------------------
 
@@ -320,10 +328,6 @@ class Command(BaseCommand):
         """Execute queued actions: an in-process burst worker on the real RQ queue."""
         if not self.inprocess:
             return
-        from rq import SimpleWorker
-
-        from approvals.jobs import engine_queue
-
         queue = engine_queue()
         rq_log = logging.getLogger("rq.worker")
         level = rq_log.level
@@ -358,8 +362,15 @@ class Command(BaseCommand):
         self.stdout.write(f"demo: {message}")
 
     def story(self, tokens: dict[str, str]) -> None:
+        self.collision(tokens)
+        self.releases(tokens)
+        self.say(
+            "done — the console now shows an approval waiting, an undoable write and a conflict"
+        )
+
+    def collision(self, tokens: dict[str, str]) -> None:
+        """Steps 1-4: two agents, one version, one stale full replace, one re-plan."""
         policy = "notification-policy/prod-alerts"
-        pointer = "release-pointer/prod-eu"
 
         # 1. Both agents read version 41.
         etag_b, _ = self.read(tokens["alerts-bot-b"], policy)
@@ -420,7 +431,9 @@ class Command(BaseCommand):
         )
         self.say(f"A re-planned on {etag_a2}: action {waiting.body['id']} waits for an operator")
 
-        # 5. Two release candidates based on version 7: one applies, one becomes a conflict.
+    def releases(self, tokens: dict[str, str]) -> None:
+        """Step 5: two release candidates based on version 7: one applies, one conflicts."""
+        pointer = "release-pointer/prod-eu"
         _run_r, token_r = self.start_run(
             tokens, "release-bot", pointer, "Advance prod-eu after green builds"
         )
@@ -449,7 +462,4 @@ class Command(BaseCommand):
         self.say(
             f"release 2026.12.0-rc1 met a newer version at execution: conflict "
             f"{detail.get('conflict_id')} for {detail.get('resolver')}"
-        )
-        self.say(
-            "done — the console now shows an approval waiting, an undoable write and a conflict"
         )

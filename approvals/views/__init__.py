@@ -1,0 +1,1 @@
+"""Approvals pages, one module per sub-domain: inbox, runs (and actions), tokens, rules."""

@@ -1,0 +1,197 @@
+"""The approvals inbox: pending approvals with their diff, live arrivals, one decision at a time."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+from urllib.parse import urlencode
+
+from django.contrib import messages
+from django.db.models import Prefetch, Q
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import render
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.views.decorators.http import require_GET, require_POST
+
+from approvals.forms import DecisionForm
+from approvals.models import Approval, ApprovalDecision, ApprovalStatus
+from approvals.selectors import approval_get_for_person, approval_list_for_person
+from approvals.services.decisions import approval_decide
+from console import permissions
+from console.core.errors import DomainError, NotFound
+from console.pages import EVENT_COUNTS, console_page, error_status, is_htmx, render_fragment_or_page
+from ownership.diff import document_diff, proposed_document
+
+EVENT_APPROVALS = "approvals-changed"
+INBOX_PAGE = 25
+
+
+def _approval_rows(approvals: list[Approval]) -> list[dict[str, Any]]:
+    rows = []
+    for approval in approvals:
+        decisions = list(approval.decisions.all())
+        row: dict[str, Any] = {
+            "approval": approval,
+            "decisions": decisions,
+            "approvals_so_far": sum(1 for d in decisions if d.decision == "approve"),
+        }
+        action = approval.action
+        if action is not None:
+            current = action.resource
+            row["current_version"] = current.version if current else None
+            row["version_moved"] = (
+                current is not None
+                and action.observed_version is not None
+                and current.version != action.observed_version
+            )
+            before = current.document if current and not current.deleted else {}
+            row["diff"] = document_diff(before, proposed_document(action, before))
+        rows.append(row)
+    return rows
+
+
+def _approvals_for(user: Any, *, status: str | None = ApprovalStatus.PENDING) -> Any:
+    """The engine's selector: approvals this person may decide, oldest first."""
+    return (
+        approval_list_for_person(user, status=status)
+        .select_related("action__agent")
+        .prefetch_related(
+            Prefetch("decisions", queryset=ApprovalDecision.objects.select_related("person"))
+        )
+    )
+
+
+@console_page
+@require_GET
+def approvals_inbox(request: HttpRequest) -> HttpResponse:
+    user = request.user
+    # Oldest first: the one waiting longest is decided first.
+    qs = _approvals_for(user).order_by("created_at", "id")
+    cursor = _uuid_or_none(request.GET.get("after") or "")
+    if cursor is not None:
+        pivot = Approval.objects.only("created_at").filter(pk=cursor).first()
+        if pivot is not None:
+            qs = qs.filter(
+                Q(created_at__gt=pivot.created_at) | Q(created_at=pivot.created_at, id__gt=pivot.id)
+            )
+    approvals = list(qs[: INBOX_PAGE + 1])
+    next_cursor = None
+    if len(approvals) > INBOX_PAGE:
+        approvals = approvals[:INBOX_PAGE]
+        next_cursor = str(approvals[-1].id)
+    context = {
+        "nav": "approvals",
+        "rows": _approval_rows(approvals),
+        "may_decide": True,
+        "is_operator": permissions.can_decide_approvals(user),
+        "next_cursor": next_cursor,
+        "form": DecisionForm(),
+        # The last page polls for approvals that arrive while it is open.
+        "poll_query": None if next_cursor else _poll_query(approvals, since=timezone.now()),
+    }
+    return render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
+
+
+# A row can commit a little after a later-created one (created_at is set at
+# insert time): the poll looks back this far and skips the ids the page shows.
+POLL_LOOKBACK = timedelta(seconds=120)
+POLL_BATCH = 20
+
+
+def _poll_query(shown: list[Approval], *, since: datetime) -> str:
+    """The poller's query string: the newest time seen and the ids shown within
+    the look-back window before it (so nothing is missed and nothing shown twice)."""
+    newest = max([since, *(a.created_at for a in shown)])
+    recent = sorted(str(a.id) for a in shown if a.created_at > newest - POLL_LOOKBACK)
+    return urlencode({"since": newest.isoformat(), "seen": ",".join(recent)})
+
+
+@console_page
+@require_GET
+def approvals_poll(request: HttpRequest) -> HttpResponse:
+    """New pending approvals for an open inbox, appended out of band without
+    touching the cards already on the page (a comment being typed survives).
+
+    204 (htmx: no swap) when nothing is new; otherwise the new cards plus a
+    fresh poller carrying the advanced cursor, and HX-Trigger for the counters.
+    """
+    since = parse_datetime(request.GET.get("since") or "")
+    if since is None or timezone.is_naive(since):
+        return HttpResponse("Bad poll cursor", status=400, content_type="text/plain")
+    seen = [u for u in (_uuid_or_none(v) for v in request.GET.get("seen", "").split(",")) if u]
+    fresh = list(
+        _approvals_for(request.user)
+        .filter(created_at__gt=since - POLL_LOOKBACK)
+        .exclude(pk__in=seen[:500])
+        .order_by("created_at", "id")[:POLL_BATCH]
+    )
+    if not fresh:
+        return HttpResponse(status=204)
+    # Keep the ids still inside the window: those already shown and these new ones.
+    still_recent = list(
+        Approval.objects.filter(pk__in=seen[:500], created_at__gt=since - POLL_LOOKBACK)
+    )
+    context = {
+        "rows": _approval_rows(fresh),
+        "may_decide": True,
+        "poll_query": _poll_query([*still_recent, *fresh], since=since),
+    }
+    response = render(request, "approvals/inbox.html#poll_news", context)
+    response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True})
+    return response
+
+
+def _uuid_or_none(value: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        return None
+
+
+@console_page
+@require_POST
+def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
+    """One decision on one approval; there is deliberately no bulk variant."""
+
+    user = request.user
+    try:
+        approval = approval_get_for_person(user, approval_id)
+    except NotFound as exc:
+        raise Http404(exc.message) from exc
+    form = DecisionForm(request.POST)
+    error: str | None = None
+    status = 200
+    if form.is_valid():
+        try:
+            approval_decide(
+                approval_id=approval.id,
+                person=user,
+                decision=form.cleaned_data["decision"],
+                comment=form.cleaned_data["comment"],
+            )
+        except DomainError as exc:
+            error = exc.message
+            status = error_status(exc)
+    else:
+        error = "; ".join(str(e) for errors in form.errors.values() for e in errors)
+        status = 422
+
+    def fragment() -> HttpResponse:
+        fresh = _approvals_for(user, status=None).get(pk=approval.pk)
+        context = {"row": _approval_rows([fresh])[0], "may_decide": True, "error": error}
+        return render(request, "approvals/inbox.html#approval", context, status=status)
+
+    if is_htmx(request):
+        response = fragment()
+        if error is None:
+            response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True, EVENT_APPROVALS: True})
+        return response
+    if error is None:
+        messages.success(request, "Decision recorded.")
+    else:
+        messages.error(request, error)
+    return HttpResponseRedirect(reverse("approvals"))

@@ -1,0 +1,189 @@
+"""Auto-approve rules: admins edit; operators, admins and auditors read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404
+from django.urls import reverse
+from django.views.decorators.http import require_GET, require_POST
+
+from approvals.forms import AutoApproveRuleForm
+from approvals.models import AutoApproveRule
+from approvals.services import rules as rule_services
+from console import permissions
+from console.core.errors import DomainError
+from console.pages import (
+    console_page,
+    error_status,
+    forbid_unless,
+    form_errors_from,
+    render_fragment_or_page,
+    respond_page,
+)
+
+EVENT_RULES = "rules-changed"
+RULES_TEMPLATE = "approvals/rules.html"
+
+
+def _rule_form_initial(rule: AutoApproveRule) -> dict[str, Any]:
+    return {
+        "kind": rule.kind_id,
+        "name_prefix": rule.name_prefix,
+        "operations": list(rule.operations or []),
+        "agent": rule.agent.name if rule.agent else "",
+        "description": rule.description,
+        "enabled": rule.enabled,
+    }
+
+
+def _rules_context(
+    request: HttpRequest, *, form: AutoApproveRuleForm | None = None, editing: Any = None
+) -> dict[str, Any]:
+    return {
+        "nav": "rules",
+        "rules": list(
+            AutoApproveRule.objects.select_related("agent").order_by("kind_id", "name_prefix", "id")
+        ),
+        "is_admin": permissions.is_admin(request.user),
+        "rule_form": form or AutoApproveRuleForm(),
+        "editing": editing,
+    }
+
+
+def _rule_values(form: AutoApproveRuleForm) -> dict[str, Any]:
+    data = form.cleaned_data
+    return {
+        "kind": data["kind"],
+        "name_prefix": data["name_prefix"],
+        "operations": list(data["operations"]),
+        "agent": data["agent"] or None,
+        "description": data["description"],
+        "enabled": bool(data["enabled"]),
+    }
+
+
+def _rules_visible(request: HttpRequest) -> None:
+    forbid_unless(
+        permissions.can_read_everything(request.user),
+        "Auto-approve rules are shown to operators, admins and auditors.",
+    )
+
+
+@console_page
+@require_GET
+def rules_page(request: HttpRequest) -> HttpResponse:
+    _rules_visible(request)
+    form = None
+    editing = None
+    edit = request.GET.get("edit", "")
+    if edit.isdigit() and permissions.is_admin(request.user):
+        editing = AutoApproveRule.objects.select_related("agent").filter(pk=int(edit)).first()
+        if editing is not None:
+            form = AutoApproveRuleForm(initial=_rule_form_initial(editing))
+    context = _rules_context(request, form=form, editing=editing)
+    return render_fragment_or_page(request, RULES_TEMPLATE, context, partial="page")
+
+
+def _rule_save(request: HttpRequest, rule_id: int | None) -> HttpResponse:
+    _rules_visible(request)
+    forbid_unless(permissions.is_admin(request.user), "Only admins edit auto-approve rules.")
+    editing = None
+    if rule_id is not None:
+        editing = get_object_or_404(AutoApproveRule, pk=rule_id)
+    form = AutoApproveRuleForm(request.POST)
+
+    def respond(*, notice: str = "", status: int = 200) -> HttpResponse:
+        failed = status >= 400
+        return respond_page(
+            request,
+            template=RULES_TEMPLATE,
+            context=lambda: _rules_context(
+                request, form=form if failed else None, editing=editing if failed else None
+            ),
+            redirect_to=reverse("rules"),
+            notice=notice,
+            status=status,
+            events=(EVENT_RULES,),
+        )
+
+    if not form.is_valid():
+        return respond(status=422)
+    try:
+        if rule_id is None:
+            rule = rule_services.auto_approve_rule_create(user=request.user, **_rule_values(form))
+            notice = f"Rule {rule.pk} created."
+        else:
+            rule, changed = rule_services.auto_approve_rule_update(
+                user=request.user, rule_id=rule_id, **_rule_values(form)
+            )
+            notice = f"Rule {rule.pk} saved." if changed else f"Rule {rule.pk} is unchanged."
+    except DomainError as exc:
+        form_errors_from(form, exc)
+        return respond(status=error_status(exc))
+    return respond(notice=notice)
+
+
+@console_page
+@require_POST
+def rule_create_view(request: HttpRequest) -> HttpResponse:
+    return _rule_save(request, None)
+
+
+@console_page
+@require_POST
+def rule_update_view(request: HttpRequest, rule_id: int) -> HttpResponse:
+    return _rule_save(request, rule_id)
+
+
+@console_page
+@require_POST
+def rule_enable_view(request: HttpRequest, rule_id: int) -> HttpResponse:
+    """Disable or re-enable a rule, keeping its other fields (the form is a single button)."""
+    _rules_visible(request)
+    forbid_unless(permissions.is_admin(request.user), "Only admins edit auto-approve rules.")
+    rule = get_object_or_404(AutoApproveRule.objects.select_related("agent"), pk=rule_id)
+    enabled = request.POST.get("enabled")
+    status = 200
+    notice = ""
+    if enabled not in ("0", "1"):
+        status = 422
+    else:
+        values = _rule_form_initial(rule)
+        values["agent"] = values["agent"] or None
+        values["enabled"] = enabled == "1"
+        try:
+            _rule, changed = rule_services.auto_approve_rule_update(
+                user=request.user, rule_id=rule.pk, **values
+            )
+        except DomainError as exc:
+            status = error_status(exc)
+        else:
+            verb = "enabled" if values["enabled"] else "disabled"
+            notice = f"Rule {rule.pk} {verb}." if changed else f"Rule {rule.pk} was already {verb}."
+    return respond_page(
+        request,
+        template=RULES_TEMPLATE,
+        context=lambda: _rules_context(request),
+        redirect_to=reverse("rules"),
+        notice=notice,
+        status=status,
+        events=(EVENT_RULES,),
+    )
+
+
+@console_page
+@require_POST
+def rule_delete_view(request: HttpRequest, rule_id: int) -> HttpResponse:
+    _rules_visible(request)
+    forbid_unless(permissions.is_admin(request.user), "Only admins edit auto-approve rules.")
+    deleted = rule_services.auto_approve_rule_delete(user=request.user, rule_id=rule_id)
+    return respond_page(
+        request,
+        template=RULES_TEMPLATE,
+        context=lambda: _rules_context(request),
+        redirect_to=reverse("rules"),
+        notice=f"Rule {rule_id} deleted." if deleted else f"Rule {rule_id} was already gone.",
+        events=(EVENT_RULES,),
+    )

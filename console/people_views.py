@@ -1,0 +1,203 @@
+"""People pages: admins create people, change their roles and owner groups,
+deactivate and reactivate them; auditors read. Every change goes through
+console.people (the same verbs `manage.py person_create` calls)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth.models import User
+from django.http import Http404, HttpRequest, HttpResponse
+from django.urls import reverse
+from django.views.decorators.http import require_GET, require_POST
+
+from console import permissions
+from console.core.errors import DomainError
+from console.forms import PersonCreateForm, PersonUpdateForm
+from console.pages import (
+    console_page,
+    error_status,
+    forbid_unless,
+    form_errors_from,
+    render_fragment_or_page,
+    respond_page,
+)
+from console.people import person_create, person_groups, person_set_active, person_update
+
+EVENT_PEOPLE = "people-changed"
+PEOPLE_TEMPLATE = "console/people.html"
+PEOPLE_PAGE_SIZE = 100
+
+
+def _people_context(
+    request: HttpRequest,
+    *,
+    create_form: Any = None,
+    edit_form: Any = None,
+    editing: Any = None,
+) -> dict[str, Any]:
+    # Keyset by username: page N costs what page 1 does however many people there are.
+    after = request.GET.get("after", "")
+    people = User.objects.prefetch_related("groups").order_by("username")
+    if after:
+        people = people.filter(username__gt=after)
+    persons = list(people[: PEOPLE_PAGE_SIZE + 1])
+    next_after = persons[PEOPLE_PAGE_SIZE - 1].username if len(persons) > PEOPLE_PAGE_SIZE else ""
+    persons = persons[:PEOPLE_PAGE_SIZE]
+    by_group = {group: role for role, group in permissions.ROLES.items()}
+    rows = []
+    for person in persons:
+        names = sorted(g.name for g in person.groups.all())
+        rows.append(
+            {
+                "person": person,
+                "roles": [by_group[n] for n in names if n in by_group],
+                "groups": [n for n in names if n not in by_group],
+            }
+        )
+    if editing is not None and edit_form is None:
+        roles, groups = person_groups(editing)
+        edit_form = PersonUpdateForm(initial={"roles": roles, "groups": " ".join(groups)})
+    return {
+        "nav": "people",
+        "rows": rows,
+        "next_after": next_after,
+        "is_admin": permissions.is_admin(request.user),
+        "create_form": create_form or PersonCreateForm(),
+        "edit_form": edit_form,
+        "editing": editing,
+    }
+
+
+def _people_visible(request: HttpRequest) -> None:
+    forbid_unless(
+        permissions.is_admin(request.user) or permissions.is_auditor(request.user),
+        "Only admins (and auditors, read-only) see people.",
+    )
+
+
+def _people_admin(request: HttpRequest) -> None:
+    forbid_unless(permissions.is_admin(request.user), "Only admins manage people.")
+
+
+@console_page
+@require_GET
+def people_page(request: HttpRequest) -> HttpResponse:
+    _people_visible(request)
+    editing = None
+    edit = request.GET.get("edit", "")
+    if edit.isdigit() and permissions.is_admin(request.user):
+        editing = User.objects.filter(pk=int(edit)).first()
+    context = _people_context(request, editing=editing)
+    return render_fragment_or_page(request, PEOPLE_TEMPLATE, context, partial="page")
+
+
+@console_page
+@require_POST
+def person_create_view(request: HttpRequest) -> HttpResponse:
+    _people_admin(request)
+    form = PersonCreateForm(request.POST)
+    status, notice = 200, ""
+    if not form.is_valid():
+        status = 422
+    else:
+        data = form.cleaned_data
+        try:
+            person = person_create(
+                user=request.user,
+                username=data["username"],
+                password=data["password"],
+                roles=list(data["roles"]),
+                groups=data["groups"],
+            )
+        except DomainError as exc:
+            form_errors_from(form, exc)
+            status = error_status(exc)
+        else:
+            notice = f"{person.get_username()} can now sign in."
+    return respond_page(
+        request,
+        template=PEOPLE_TEMPLATE,
+        context=lambda: _people_context(request, create_form=form if status >= 400 else None),
+        redirect_to=reverse("people"),
+        notice=notice,
+        status=status,
+        events=(EVENT_PEOPLE,),
+    )
+
+
+@console_page
+@require_POST
+def person_update_view(request: HttpRequest, person_id: int) -> HttpResponse:
+    _people_admin(request)
+    person = User.objects.filter(pk=person_id).first()
+    if person is None:
+        raise Http404("No such person")
+    form = PersonUpdateForm(request.POST)
+    status, notice = 200, ""
+    if not form.is_valid():
+        status = 422
+    else:
+        try:
+            _person, changed = person_update(
+                user=request.user,
+                person_id=person.pk,
+                roles=list(form.cleaned_data["roles"]),
+                groups=form.cleaned_data["groups"],
+            )
+        except DomainError as exc:
+            form_errors_from(form, exc)
+            status = error_status(exc)
+        else:
+            name = person.get_username()
+            notice = f"{name}'s roles and groups saved." if changed else f"{name} is unchanged."
+    failed = status >= 400
+    return respond_page(
+        request,
+        template=PEOPLE_TEMPLATE,
+        context=lambda: _people_context(
+            request, edit_form=form if failed else None, editing=person if failed else None
+        ),
+        redirect_to=reverse("people"),
+        notice=notice,
+        status=status,
+        events=(EVENT_PEOPLE,),
+    )
+
+
+@console_page
+@require_POST
+def person_active_view(request: HttpRequest, person_id: int) -> HttpResponse:
+    _people_admin(request)
+    if not User.objects.filter(pk=person_id).exists():
+        raise Http404("No such person")
+    active = request.POST.get("active")
+    status, notice, error = 200, "", ""
+    if active not in ("0", "1"):
+        status, error = 422, "Say whether to activate (1) or deactivate (0)."
+    else:
+        try:
+            person, changed = person_set_active(
+                user=request.user, person_id=person_id, active=active == "1"
+            )
+        except DomainError as exc:
+            status, error = error_status(exc), exc.message
+        else:
+            verb = "reactivated" if active == "1" else "deactivated"
+            name = person.get_username()
+            notice = f"{name} {verb}." if changed else f"{name} was already {verb}."
+
+    def context() -> dict[str, Any]:
+        values = _people_context(request)
+        values["page_error"] = error
+        return values
+
+    return respond_page(
+        request,
+        template=PEOPLE_TEMPLATE,
+        context=context,
+        redirect_to=reverse("people"),
+        notice=notice,
+        status=status,
+        events=(EVENT_PEOPLE,),
+    )
