@@ -286,14 +286,16 @@ def _approval_info(action: Action) -> dict[str, Any]:
     approval = Approval.objects.filter(action=action).order_by("-created_at").first()
     if approval is None:
         run = action.run
+        approvers, quorum = _run_votes(run)
         return {
             "mode": "per_run",
             "decision": "approved" if run.activated_at else "pending",
-            "by": "auto-approve" if run.auto_approved else _run_approver(run),
+            "by": "auto-approve" if run.auto_approved else (", ".join(approvers) or None),
             "at": iso(run.activated_at),
             "approval_id": None,
-            "approvals_so_far": 1 if run.activated_at else 0,
-            "quorum": 1,
+            # An auto-approved run counts its rule as its one approval.
+            "approvals_so_far": 1 if run.auto_approved and run.activated_at else len(approvers),
+            "quorum": quorum,
         }
     votes = list(approval.decisions.select_related("person").order_by("created_at"))
     approvers = [v.person.get_username() for v in votes if v.decision == Decision.APPROVE]
@@ -315,21 +317,22 @@ def _approval_info(action: Action) -> dict[str, Any]:
     }
 
 
-def _run_approver(run: Run) -> str | None:
+def _run_votes(run: Run) -> tuple[list[str], int]:
+    """Who approved the run (so far) and the quorum its approval asks for."""
     approval = (
-        Approval.objects.filter(
-            run=run, subject=ApprovalSubject.RUN, status=ApprovalStatus.APPROVED
-        )
-        .order_by("-decided_at")
+        Approval.objects.filter(run=run, subject=ApprovalSubject.RUN)
+        .order_by("-created_at")
         .first()
     )
     if approval is None:
-        return None
+        return [], 1
     names = [
         d.person.get_username()
-        for d in approval.decisions.select_related("person").filter(decision=Decision.APPROVE)
+        for d in approval.decisions.select_related("person")
+        .filter(decision=Decision.APPROVE)
+        .order_by("created_at")
     ]
-    return ", ".join(names) or None
+    return names, approval.quorum
 
 
 def _execution_info(action: Action) -> dict[str, Any] | None:

@@ -24,6 +24,14 @@ class Agent(models.Model):
         on_delete=models.SET_NULL,
         related_name="owned_agents",
     )
+    # Who registered it: separation of duties treats them like the owner.
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -51,6 +59,15 @@ class TokenFields(models.Model):
 
 class AgentToken(TokenFields):
     agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="tokens")
+    # Who minted it (null for the command line): while the token is live,
+    # separation of duties treats them like the agent's owner.
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
 
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.agent_id})"
@@ -320,7 +337,8 @@ class ApprovalDecision(models.Model):
 class AutoApproveRule(models.Model):
     """Data, editable by admins: run write-set entries this rule covers are admitted
     without a person (e.g. a sandbox namespace). A run is auto-approved only when
-    every entry of its write set is covered."""
+    every entry of its write set is covered and none of its per-run classes needs
+    a quorum above one."""
 
     kind = models.ForeignKey("ownership.ResourceKind", on_delete=models.CASCADE, related_name="+")
     name_prefix = models.CharField(max_length=255, blank=True)

@@ -20,3 +20,19 @@ def secret_key_from_environment(app_configs: Any, **kwargs: Any) -> list[CheckMe
             id="airlock.W001",
         )
     ]
+
+
+@register(Tags.security, deploy=True)
+def metrics_token_set(app_configs: Any, **kwargs: Any) -> list[CheckMessage]:
+    """/metrics is open without METRICS_TOKEN: anyone who reaches the site reads
+    the deployment's activity (actions, conflicts, latencies, request routes)."""
+    if getattr(settings, "METRICS_TOKEN", ""):
+        return []
+    return [
+        Warning(
+            "METRICS_TOKEN is not set: /metrics answers anyone who can reach the site.",
+            hint="Set METRICS_TOKEN to a long random value and configure the scraper to send "
+            "Authorization: Bearer <METRICS_TOKEN>.",
+            id="airlock.W010",
+        )
+    ]

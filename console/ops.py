@@ -2,15 +2,18 @@
 
 Request latency is measured in-process by the API URL wrapper (each web
 process exposes its own histogram, as Prometheus expects from a scrape per
-process); domain gauges (actions by status, pauses by reason, conflicts by
-class, approval and execution latency) are read from PostgreSQL, so every
-process reports the same values.
+process); domain gauges (actions by status, paused actions, conflicts by
+class, approval and execution latency) are read from PostgreSQL. A scrape
+runs only index scans over work in flight; totals over all history are
+cached per process for HISTORY_CACHE_SECONDS. No label carries free text.
+In production set METRICS_TOKEN (`check --deploy` warns, airlock.W010).
 """
 
 from __future__ import annotations
 
 import hmac
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -92,51 +95,115 @@ def _escape(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def _domain_metrics() -> list[str]:
-    from approvals.models import Action, ActionStatus, Approval, Operation
-    from ownership.models import Conflict
+# Work in flight: few rows, counted on every scrape through the (status, …) indexes.
+_LIVE_ACTION_STATUSES = ("pending_approval", "queued", "executing", "paused")
 
+
+def _live_metrics() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+    """Actions in flight by status and open conflicts by class: index scans over live rows."""
+    from approvals.models import Action
+    from ownership.models import Conflict, ConflictStatus
+
+    actions = dict(
+        Action.objects.filter(status__in=_LIVE_ACTION_STATUSES)
+        .values_list("status")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    conflicts = {
+        (str(klass), ConflictStatus.OPEN.value): int(n)
+        for klass, n in Conflict.objects.filter(status=ConflictStatus.OPEN)
+        .values_list("conflict_class_id")
+        .annotate(n=Count("id"))
+        .order_by()
+    }
+    return actions, conflicts
+
+
+def _history_metrics() -> dict[str, Any]:
+    """Totals over all history (finished actions, resolved conflicts, latency sums)."""
+    from approvals.models import Action, Approval, Operation
+    from ownership.models import Conflict, ConflictStatus
+
+    return {
+        "actions": dict(
+            Action.objects.exclude(status__in=_LIVE_ACTION_STATUSES)
+            .values_list("status")
+            .annotate(n=Count("id"))
+            .order_by()
+        ),
+        "conflicts": {
+            (str(klass), str(status)): int(n)
+            for klass, status, n in Conflict.objects.exclude(status=ConflictStatus.OPEN)
+            .values_list("conflict_class_id", "status")
+            .annotate(n=Count("id"))
+            .order_by()
+        },
+        "approvals": Approval.objects.filter(decided_at__isnull=False).aggregate(
+            n=Count("id"), total=Sum(F("decided_at") - F("created_at"))
+        ),
+        "operations": Operation.objects.filter(finished_at__isnull=False).aggregate(
+            n=Count("id"), total=Sum(F("finished_at") - F("started_at"))
+        ),
+    }
+
+
+# History totals scan whole tables: computed at most once per this many seconds
+# per process, however often (and however many at once) Prometheus scrapes.
+HISTORY_CACHE_SECONDS = 30.0
+_history_lock = threading.Lock()
+_history_cache: tuple[float, dict[str, Any]] | None = None
+
+
+def _cached_history() -> dict[str, Any]:
+    global _history_cache
+    with _history_lock:
+        now = time.monotonic()
+        if _history_cache is None or now - _history_cache[0] >= HISTORY_CACHE_SECONDS:
+            _history_cache = (now, _history_metrics())
+        return _history_cache[1]
+
+
+def forget_history_cache() -> None:
+    """Drop the cached history totals (tests; the next scrape recomputes them)."""
+    global _history_cache
+    with _history_lock:
+        _history_cache = None
+
+
+def _domain_metrics() -> list[str]:
+    """Domain gauges. Labels are enumerations and slugs only — never free text such
+    as a kill switch's reason, which may name people or incidents."""
+    from approvals.models import ActionStatus
+
+    live_actions, open_conflicts = _live_metrics()
+    history = _cached_history()
+    actions = {**history["actions"], **live_actions}
     lines = [
-        "# HELP airlock_actions Actions by status.",
+        "# HELP airlock_actions Actions by status (finished statuses refresh every "
+        f"{HISTORY_CACHE_SECONDS:.0f} s).",
         "# TYPE airlock_actions gauge",
     ]
-    counts = dict(Action.objects.values_list("status").annotate(n=Count("id")).order_by())
     for status in ActionStatus.values:
-        lines.append(f'airlock_actions{{status="{status}"}} {counts.get(status, 0)}')
+        lines.append(f'airlock_actions{{status="{status}"}} {actions.get(status, 0)}')
     lines += [
-        "# HELP airlock_paused_actions Paused actions by reason.",
+        "# HELP airlock_paused_actions Actions paused (kill switch) and waiting for a release.",
         "# TYPE airlock_paused_actions gauge",
-    ]
-    for reason, n in (
-        Action.objects.filter(status=ActionStatus.PAUSED)
-        .values_list("paused_reason")
-        .annotate(n=Count("id"))
-        .order_by()
-    ):
-        lines.append(f'airlock_paused_actions{{reason="{_escape(reason[:100])}"}} {n}')
-    lines += [
-        "# HELP airlock_conflicts Conflicts by class and status.",
+        f"airlock_paused_actions {live_actions.get(ActionStatus.PAUSED, 0)}",
+        "# HELP airlock_conflicts Conflicts by class and status (resolved ones refresh every "
+        f"{HISTORY_CACHE_SECONDS:.0f} s).",
         "# TYPE airlock_conflicts gauge",
     ]
-    for klass, status, n in (
-        Conflict.objects.values_list("conflict_class_id", "status")
-        .annotate(n=Count("id"))
-        .order_by()
-    ):
+    conflicts = {**history["conflicts"], **open_conflicts}
+    for (klass, status), n in sorted(conflicts.items()):
         lines.append(f'airlock_conflicts{{class="{_escape(klass)}",status="{status}"}} {n}')
-    decided = Approval.objects.filter(decided_at__isnull=False).aggregate(
-        n=Count("id"), total=Sum(F("decided_at") - F("created_at"))
-    )
+    decided = history["approvals"]
+    executed = history["operations"]
     lines += [
         "# HELP airlock_approval_latency_seconds Time from request to decision.",
         "# TYPE airlock_approval_latency_seconds summary",
         f"airlock_approval_latency_seconds_sum {_seconds(decided['total']):.3f}",
         f"airlock_approval_latency_seconds_count {decided['n']}",
-    ]
-    executed = Operation.objects.filter(finished_at__isnull=False).aggregate(
-        n=Count("id"), total=Sum(F("finished_at") - F("started_at"))
-    )
-    lines += [
         "# HELP airlock_execution_latency_seconds Time an operation took on a worker.",
         "# TYPE airlock_execution_latency_seconds summary",
         f"airlock_execution_latency_seconds_sum {_seconds(executed['total']):.3f}",

@@ -218,9 +218,29 @@ SECURE_HSTS_PRELOAD = SECURE_HSTS_SECONDS > 0
 
 AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = 0.25  # hours
-AXES_RESET_ON_SUCCESS = True
-AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# Each entry locks out on its own: a username guessed from many addresses, and an
+# address trying many usernames (password spraying), both stop at the limit.
+# Failures are not wiped by a success: axes would wipe every failure of the
+# address, so a sprayer with one valid account could sign in between guesses.
+# They expire with the cool-off instead.
+AXES_RESET_ON_SUCCESS = False
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+# Behind N reverse proxies, the client address is the N-th entry from the right of
+# AIRLOCK_CLIENT_IP_HEADER (console/client_ip.py); with 0, REMOTE_ADDR and the
+# forwarding header is ignored (a client cannot pick its own address).
+AIRLOCK_PROXY_COUNT = env_int("AIRLOCK_PROXY_COUNT", 0, minimum=0)
+# Accepts "X-Forwarded-For" or Django's META spelling "HTTP_X_FORWARDED_FOR".
+_client_ip_header = (
+    (os.environ.get("AIRLOCK_CLIENT_IP_HEADER", "") or "X-Forwarded-For")
+    .strip()
+    .upper()
+    .replace("-", "_")
+)
+AIRLOCK_CLIENT_IP_HEADER = (
+    _client_ip_header if _client_ip_header.startswith("HTTP_") else f"HTTP_{_client_ip_header}"
+)
+AXES_CLIENT_IP_CALLABLE = "console.client_ip.client_ip"
 
 # Strict CSP: only our own scripts and styles, nothing inline, no eval.
 CONTENT_SECURITY_POLICY = {

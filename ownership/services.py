@@ -34,7 +34,11 @@ from approvals.models import (
     PayloadFormat,
     WriteOperation,
 )
-from approvals.services.decisions import action_transition, notify_action_on_commit
+from approvals.services.decisions import (
+    action_transition,
+    answers_for_agent,
+    notify_action_on_commit,
+)
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
 from console.permissions import resolver_group, user_groups
@@ -345,10 +349,8 @@ def conflict_resolve(
         if not conflict_may_resolve(conflict=conflict, person=person):
             raise Forbidden("Only the conflict's resolver group may resolve it.", code="forbidden")
         action = conflict.action
-        if (
-            conflict.conflict_class.forbid_agent_owner_approval
-            and action.agent.owner_id is not None
-            and action.agent.owner_id == person.pk
+        if conflict.conflict_class.forbid_agent_owner_approval and answers_for_agent(
+            agent=action.agent, person=person
         ):
             raise Forbidden(
                 "You own the agent that made this write; someone else must resolve it.",

@@ -19,7 +19,13 @@ from approvals.models import Operation, OperationStatus
 from audit.models import AuditEvent
 from audit.selectors import verify_chain
 from console.core.errors import LockBusy, LockLost
-from console.core.fence import current_fence, ensure_fence_floor, fence_floor, next_fence
+from console.core.fence import (
+    current_fence,
+    ensure_fence_floor,
+    ensure_fence_floor_once,
+    fence_floor,
+    next_fence,
+)
 from console.core.lock import FencedLock, lock_key
 from ownership.models import Resource
 from tests.conftest import ROOT, PrivateRedis, subprocess_env
@@ -158,6 +164,7 @@ def test_flushall_and_a_restart_of_redis_never_send_the_fence_backwards(
 
 @pytest.mark.django_db
 def test_ensure_fence_floor_lifts_a_sequence_left_behind_by_a_restore() -> None:
+    ensure_fence_floor_once()  # this process has taken its first fence already
     resource = make_resource("notification-policy/restored", {}, version=1)
     far_ahead = current_fence() + 10_000
     Resource.objects.filter(pk=resource.pk).update(last_fence=far_ahead)

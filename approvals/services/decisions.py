@@ -1,7 +1,8 @@
 """Approvals and decisions. Owner: engine helper. Interface contract:
 
 approval_open_for_run(*, run: Run) -> Approval
-    Inside the caller's transaction: a pending run approval (quorum 1, TTL from settings).
+    Inside the caller's transaction: a pending run approval (quorum: the highest
+    among the per-run classes of its write set, TTL from settings).
 approval_open_for_action(*, action: Action) -> Approval
     Inside the caller's transaction: a pending per-call approval bound to
     action.observed_version, quorum/ttl/escalation from the action's class.
@@ -26,12 +27,14 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from approvals.models import (
     Action,
     ActionStatus,
+    Agent,
+    AgentToken,
     Approval,
     ApprovalDecision,
     ApprovalStatus,
@@ -40,10 +43,11 @@ from approvals.models import (
     Run,
     RunStatus,
 )
+from approvals.services.run_policy import classes_for_write_set, run_quorum
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
 from console.permissions import can_decide_approvals
-from ownership.models import ApprovalMode, ConflictClass, OwnershipRecord, ResourceKind
+from ownership.models import ApprovalMode, OwnershipRecord
 
 log = logging.getLogger("airlock.approvals")
 escalation_log = logging.getLogger("airlock.escalation")
@@ -88,37 +92,32 @@ def action_transition(
     return bool(updated)
 
 
-def _classes_for_run(run: Run) -> list[ConflictClass]:
-    """The conflict classes the run's write set may touch."""
-    kinds = {str(entry.get("resource", "")).split("/", 1)[0] for entry in run.write_set or []}
-    classes: dict[str, ConflictClass] = {}
-    for kind in ResourceKind.objects.filter(slug__in=kinds).select_related(
-        "class_create", "class_update", "class_delete"
-    ):
-        entry_ops: set[str] = set()
-        for entry in run.write_set or []:
-            if str(entry.get("resource", "")).split("/", 1)[0] == kind.slug:
-                entry_ops.update(entry.get("operations") or [])
-        for op in entry_ops & {"create", "update", "delete"}:
-            cls = kind.class_for(op)
-            classes[cls.slug] = cls
-    return list(classes.values())
-
-
 def approval_open_for_run(*, run: Run) -> Approval:
-    """A pending run approval (quorum 1). Call inside the caller's transaction."""
+    """A pending run approval. Call inside the caller's transaction.
+
+    Its quorum is the highest quorum among the per-run classes the write set
+    touches (run_policy.run_quorum), fixed when the approval opens, as a
+    per-call approval's is.
+    """
     now = timezone.now()
+    classes = classes_for_write_set(run.write_set or [])
+    quorum = run_quorum(classes)
     approval = Approval.objects.create(
         subject=ApprovalSubject.RUN,
         run=run,
-        quorum=1,
+        quorum=quorum,
         expires_at=now + timedelta(seconds=RUN_APPROVAL_TTL_SECONDS),
     )
     audit_append(
         event_type="approval.requested",
         actor=Actor.system(),
         run_id=run.pk,
-        details={"approval": str(approval.pk), "subject": "run", "quorum": 1},
+        details={
+            "approval": str(approval.pk),
+            "subject": "run",
+            "quorum": quorum,
+            "conflict_classes": [klass.slug for klass in classes],
+        },
     )
     return approval
 
@@ -159,26 +158,47 @@ def approval_open_for_action(*, action: Action) -> Approval:
     return approval
 
 
+def answers_for_agent(*, agent: Agent, person: Any) -> bool:
+    """Whether separation of duties treats `person` as the agent's owner.
+
+    The recorded owner, the person who created the agent, and whoever minted
+    one of its live agent tokens (not revoked, not expired) could act as the
+    agent, so a class that forbids owner approval keeps all of them out. A
+    minter whose token was revoked or has expired no longer speaks for the
+    agent and is no longer kept out (unless they are also its owner or creator).
+    """
+    person_id = getattr(person, "pk", None)
+    if person_id is None:
+        return False
+    if person_id in (agent.owner_id, agent.created_by_id):
+        return True
+    now = timezone.now()
+    return (
+        AgentToken.objects.filter(agent_id=agent.pk, created_by_id=person_id, revoked_at=None)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .exists()
+    )
+
+
 def _check_separation_of_duties(*, approval: Approval, person: Any) -> None:
-    """Only people decide; the agent's owner may not where a class forbids it."""
+    """Only people decide; the agent's owner (see answers_for_agent) may not where a
+    class forbids it."""
     if not getattr(person, "is_authenticated", False) or not getattr(person, "is_active", False):
         raise Forbidden("Only an active person can decide approvals.", code="forbidden")
     if not can_decide_approvals(person):
         raise Forbidden("Deciding approvals needs the operator role.", code="forbidden")
     run = approval.run
-    agent_owner_id = run.agent.owner_id
-    if agent_owner_id is None or agent_owner_id != person.pk:
-        return
     if approval.subject == ApprovalSubject.ACTION:
         assert approval.action is not None
         forbids = approval.action.conflict_class.forbid_agent_owner_approval
     else:
-        classes = _classes_for_run(run)
+        classes = classes_for_write_set(run.write_set or [])
         # No known class: stay on the safe side and keep the owner out.
         forbids = not classes or any(c.forbid_agent_owner_approval for c in classes)
-    if forbids:
+    if forbids and answers_for_agent(agent=run.agent, person=person):
         raise Forbidden(
-            "You are the owner of this agent; its conflict class requires someone else to approve.",
+            "You own, created or minted a live token for this agent; its conflict class "
+            "requires someone else to approve.",
             code="self_approval",
         )
 

@@ -2,7 +2,9 @@
 
 A rule admits the run write-set entries it covers without a person (see
 `approvals.services.runs._auto_approved`), so every change to one is an
-admin decision that lands in the audit trail in the same transaction.
+admin decision that lands in the audit trail in the same transaction. A rule
+stands in for one approver only: a run whose per-run classes need a quorum
+above one waits for that many people whatever the rules say.
 The console page calls these functions; an API can call the same ones.
 """
 

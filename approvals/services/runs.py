@@ -33,12 +33,13 @@ from approvals.models import (
     Agent,
     Approval,
     ApprovalStatus,
-    ApprovalSubject,
     AutoApproveRule,
     Run,
     RunStatus,
 )
 from approvals.notify import notify_action_changed
+from approvals.services import decisions
+from approvals.services.run_policy import classes_for_write_set, run_quorum
 from approvals.services.tokens import RUN_PREFIX, token_generate
 from audit.services import Actor, audit_append
 from console.core.errors import DomainError, InvalidTransition, ValidationFailed
@@ -285,6 +286,10 @@ def write_set_overlaps(
 
 
 def _auto_approved(agent: Agent, entries: list[WriteSetEntry]) -> bool:
+    """Every entry covered by an enabled rule, and no per-run class asking for more
+    than one person: a rule stands in for one approver, never for a quorum."""
+    if run_quorum(classes_for_write_set(entry.as_json() for entry in entries)) > 1:
+        return False
     rules = list(
         AutoApproveRule.objects.filter(enabled=True, kind_id__in={e.kind for e in entries}).filter(
             Q(agent__isnull=True) | Q(agent=agent)
@@ -436,24 +441,7 @@ def run_create(
 
 
 def _open_run_approval(run: Run) -> Approval:
-    from approvals.services import decisions
-
-    opener = getattr(decisions, "approval_open_for_run", None)
-    if opener is not None:
-        try:
-            approval: Approval = opener(run=run)
-            return approval
-        except NotImplementedError:
-            pass
-    # FALLBACK until the engine's approval_open_for_run lands: a pending run
-    # approval with quorum 1 and the default approval TTL.
-    return Approval.objects.create(
-        subject=ApprovalSubject.RUN,
-        run=run,
-        status=ApprovalStatus.PENDING,
-        quorum=1,
-        expires_at=timezone.now() + timedelta(seconds=172_800),
-    )
+    return decisions.approval_open_for_run(run=run)
 
 
 def run_activate(*, run: Run, actor: Actor) -> Run:

@@ -20,6 +20,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from approvals.models import Agent, AgentToken, PersonalToken, Run
+from audit.models import ActorType
 from audit.services import Actor, audit_append
 
 AGENT_PREFIX = "ak_"
@@ -133,6 +134,13 @@ def _touch(model: Any, pk: int, last_used_at: datetime | None, now: datetime) ->
         ).update(last_used_at=now)
 
 
+def _person_id(actor: Actor) -> int | None:
+    """The user id behind a person actor (None for the system, agents and runs)."""
+    if actor.type != ActorType.PERSON or not actor.id.isdigit():
+        return None
+    return int(actor.id)
+
+
 def agent_token_create(
     *,
     agent: Agent,
@@ -140,7 +148,12 @@ def agent_token_create(
     label: str = "",
     expires_at: datetime | None = None,
 ) -> tuple[AgentToken, str]:
-    """Issue an agent token; the secret is returned once and never stored."""
+    """Issue an agent token; the secret is returned once and never stored.
+
+    A person who mints one is recorded as its creator: while it is live,
+    separation of duties treats them like the agent's owner
+    (decisions.answers_for_agent).
+    """
     new = token_generate(AGENT_PREFIX)
     with transaction.atomic():
         token = AgentToken.objects.create(
@@ -149,6 +162,7 @@ def agent_token_create(
             token_hash=new.hash,
             label=label,
             expires_at=expires_at,
+            created_by_id=_person_id(actor),
         )
         audit_append(
             event_type="token.created",
@@ -211,9 +225,11 @@ def token_revoke(*, token: AgentToken | PersonalToken, actor: Actor) -> bool:
 def agent_create(
     *, name: str, actor: Actor, owner: Any = None, description: str = ""
 ) -> tuple[Agent, str]:
-    """Register an agent and issue its first token."""
+    """Register an agent and issue its first token (both recorded as the actor's)."""
     with transaction.atomic():
-        agent = Agent.objects.create(name=name, owner=owner, description=description)
+        agent = Agent.objects.create(
+            name=name, owner=owner, description=description, created_by_id=_person_id(actor)
+        )
         audit_append(
             event_type="agent.created",
             actor=actor,

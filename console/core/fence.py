@@ -8,10 +8,22 @@ before — and the write barrier (`last_fence < :fence`) keeps refusing the old 
 
 from __future__ import annotations
 
-from django.db import connection, transaction
+import logging
+import threading
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.db.models import F, Max
 
 FENCE_SEQUENCE = "airlock_fence_seq"
+
+log = logging.getLogger("airlock.fence")
+
+# The floor is checked once per process, before its first fence: a web or
+# worker process started on a database restored from backup (rows newer than
+# the sequence) then never hands out a fence the barrier refuses as stale.
+_floor_lock = threading.Lock()
+_floor_checked = False
 
 
 def next_fence() -> int:
@@ -21,7 +33,10 @@ def next_fence() -> int:
     rolled-back caller never causes a token to be handed out twice.
     SQLite (embedded default): a conditional UPDATE of the FenceCounter row;
     SQLite serialises writers, so the increment-then-read is atomic.
+    The first call in a process lifts the source to the fence floor first
+    (ensure_fence_floor_once).
     """
+    ensure_fence_floor_once()
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute("SELECT nextval(%s)", [FENCE_SEQUENCE])
@@ -68,9 +83,10 @@ def current_fence() -> int:
 def ensure_fence_floor() -> int:
     """Raise the fence source above every accepted fence if it is ever behind.
 
-    Cheap safety after a database restore (the sequence restored older than the
-    rows) — the reconciler may call it at start-up. Only ever moves the source
-    up. Returns the floor that was checked. Meant for quiet moments: a fence
+    Safety after a database restore (the sequence restored older than the
+    rows): `migrate` runs it (post_migrate) and every process runs it before
+    its first fence (ensure_fence_floor_once). Only ever moves the source up.
+    Returns the floor that was checked. Meant for quiet moments: a fence
     issued concurrently between the check and the setval could be issued twice,
     which the barrier tolerates (`last_fence < :fence` refuses the second).
     """
@@ -89,3 +105,49 @@ def ensure_fence_floor() -> int:
         FenceCounter.objects.filter(pk=1, value__lt=floor).update(value=floor)
         FenceCounter.objects.get_or_create(pk=1, defaults={"value": floor})
     return floor
+
+
+def ensure_fence_floor_once() -> None:
+    """ensure_fence_floor, the first time this process asks (thread-safe)."""
+    global _floor_checked
+    if _floor_checked:
+        return
+    with _floor_lock:
+        if _floor_checked:
+            return
+        floor = ensure_fence_floor()
+        log.info("fence floor %s checked for this process", floor)
+        _floor_checked = True
+
+
+def forget_fence_floor_check() -> None:
+    """Make the next fence of this process check the floor again (after a restore
+    under a running process, and in tests standing in for a fresh process)."""
+    global _floor_checked
+    with _floor_lock:
+        _floor_checked = False
+
+
+def ensure_fence_floor_after_migrate(*, using: str = DEFAULT_DB_ALIAS, **kwargs: Any) -> None:
+    """post_migrate receiver: `manage.py migrate` lifts the fence source too.
+
+    Skipped when the tables it reads are not there (a partial or reverse
+    migration), so `migrate <app> zero` keeps working.
+    """
+    if using != DEFAULT_DB_ALIAS:
+        return
+    from approvals.models import Operation
+    from ownership.models import OwnershipRecord, Resource
+
+    needed = {m._meta.db_table for m in (Operation, OwnershipRecord, Resource)}
+    tables = set(connections[using].introspection.table_names())
+    if not needed <= tables:
+        return
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT to_regclass(%s) IS NOT NULL", [FENCE_SEQUENCE])
+            row = cursor.fetchone()
+        if not row or not row[0]:
+            return
+    floor = ensure_fence_floor()
+    log.info("fence floor %s checked after migrate", floor)
