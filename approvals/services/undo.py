@@ -34,8 +34,6 @@ from ownership.models import Resource, TargetType
 
 log = logging.getLogger("airlock.undo")
 
-UNDO_MAX_ATTEMPTS = 8
-
 
 def _normalise_actor(actor: Any) -> tuple[Actor, Run | None, Any]:
     """(audit actor, run or None, person or None) from a Run, a User or an audit Actor."""
@@ -171,13 +169,13 @@ def action_undo_request(
 
 def _retry_undo(undo_op: Operation, reason: str, connection: redis.Redis | None) -> str:
     from approvals.jobs import enqueue_undo_execution
-    from approvals.services.execution import backoff_seconds
+    from approvals.services.execution import MAX_ATTEMPTS, backoff_seconds
 
     outcome = dict(undo_op.outcome or {})
     attempts = int(outcome.get("attempts", 0)) + 1
     outcome["attempts"] = attempts
     outcome["last_retry_reason"] = reason
-    if attempts >= UNDO_MAX_ATTEMPTS:
+    if attempts >= MAX_ATTEMPTS:
         outcome["reason"] = reason
         Operation.objects.filter(pk=undo_op.pk, status=OperationStatus.PENDING).update(
             status=OperationStatus.FAILED, outcome=outcome, finished_at=timezone.now()
