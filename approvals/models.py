@@ -346,11 +346,13 @@ class Operation(models.Model):
     """The execution record of an action (or of an undo of one).
 
     `lease_expires_at` lets the reconciler find an operation left pending by a
-    dead worker. At most one undo per operation (`undo_of` is unique).
+    dead worker. At most one live undo per operation (pending or done: a partial
+    unique constraint); an undo that failed for a retryable reason may be asked
+    for again, as a new undo operation.
     """
 
     action = models.ForeignKey(Action, on_delete=models.PROTECT, related_name="operations")
-    undo_of = models.OneToOneField(
+    undo_of = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="undone_by"
     )
     fence = models.BigIntegerField()
@@ -365,11 +367,21 @@ class Operation(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(auto_now_add=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # An undo: when it was accepted (202). Its window is judged at this time, not
+    # when a worker gets to it.
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    # An undo held by a kill switch (it stays `pending`; a release resumes it).
+    paused_reason = models.TextField(blank=True)
 
     class Meta:
         ordering = ["-started_at"]
         indexes = [models.Index(fields=["status", "lease_expires_at"])]
         constraints = [
+            models.UniqueConstraint(
+                fields=["undo_of"],
+                condition=Q(undo_of__isnull=False) & ~Q(status="failed"),
+                name="operation_one_live_undo",
+            ),
             models.UniqueConstraint(
                 fields=["action"],
                 condition=Q(status="done", undo_of__isnull=True),

@@ -140,10 +140,10 @@ def open_operation(
     with a conditional UPDATE; raises NotFound, or InvalidTransition when the action
     is in any other status (e.g. already applied: a re-delivered job must stop).
 
-    For an undo (`undo_of_id`): the action keeps its status; at most one undo
-    operation exists per operation (unique `undo_of`), so a second request gets the
-    existing one back (its fence raised if still pending) and `apply_undo` answers
-    "already_undone" once it is finished.
+    For an undo (`undo_of_id`): the action keeps its status; at most one live
+    (not failed) undo operation exists per operation (a partial unique constraint),
+    so a second request gets the live one back (its fence raised if still pending)
+    and `apply_undo` answers "already_undone" once it is finished.
     """
     now = timezone.now()
     lease_expires_at = now + timedelta(seconds=lease_seconds)
@@ -186,7 +186,8 @@ def _open_undo_operation(
 ) -> Operation:
     if not Operation.objects.filter(pk=undo_of_id, action_id=action_id).exists():
         raise NotFound("no such operation for this action", extra={"operation": undo_of_id})
-    existing = Operation.objects.filter(undo_of_id=undo_of_id).first()
+    live = Operation.objects.filter(undo_of_id=undo_of_id).exclude(status=OperationStatus.FAILED)
+    existing = live.first()
     if existing is None:
         try:
             with transaction.atomic():
@@ -200,7 +201,7 @@ def _open_undo_operation(
                 )
         except IntegrityError:
             # A concurrent undo request created it first; share it.
-            existing = Operation.objects.get(undo_of_id=undo_of_id)
+            existing = live.get()
     Operation.objects.filter(
         pk=existing.pk, status=OperationStatus.PENDING, fence__lt=fence
     ).update(fence=fence, worker=worker[:200], lease_expires_at=lease_expires_at)
