@@ -6,7 +6,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 
 
 class Agent(models.Model):
@@ -392,6 +392,21 @@ class Operation(models.Model):
 
     def __str__(self) -> str:
         return f"operation {self.pk} (fence {self.fence})"
+
+
+def run_end_exempt() -> Q:
+    """Actions a run's end (finish, expiry, revoke, rejection) and its token may not
+    stop, as a filter on Action:
+
+    - a conflict resolution (`parent` set): a person's decision, not the agent's;
+    - a write to an external HTTP target that may already have reached it (an
+      operation `unknown`, or abandoned by the reconciler while in flight): only
+      its replay, with the same target Idempotency-Key, settles what happened.
+    """
+    maybe_sent = Operation.objects.filter(action=OuterRef("pk"), undo_of__isnull=True).filter(
+        Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True)
+    )
+    return Q(parent__isnull=False) | (Q(kind__target="http") & Q(Exists(maybe_sent)))
 
 
 class IdempotencyStatus(models.TextChoices):

@@ -27,11 +27,13 @@ import signal
 import socket
 import uuid
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 import redis
 from django.conf import settings
 from django.db import DatabaseError, transaction
+from django.db import connection as db_connection
 from django.db.models import Q
 from django.utils import timezone
 
@@ -128,6 +130,17 @@ def _audit_worker_event(event_type: str, action: Action, details: dict[str, Any]
         action_id=action.pk,
         details=details,
     )
+
+
+def renew_operation_lease(operation_id: int) -> None:
+    """Extend a pending operation's lease (called from the lock's heartbeat thread,
+    which has its own database connection: closed again at once)."""
+    try:
+        Operation.objects.filter(pk=operation_id, status=OperationStatus.PENDING).update(
+            lease_expires_at=timezone.now() + timedelta(seconds=operation_lease_seconds())
+        )
+    finally:
+        db_connection.close()
 
 
 def attempt_superseded(operation_id: int) -> bool:
@@ -443,6 +456,9 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
         action_pause(action_id=action.pk, reason=switch.reason, scope=switch.scope)
         return "paused"
     target = targets.HttpTarget(action.kind.target_url)
+    # The call may outlast the operation's lease (lock TTL + 2 s): renew the lease
+    # with the lock, so the reconciler never abandons a request still in flight.
+    lock.on_renew(partial(renew_operation_lease, operation.pk))
     try:
         lock.check()
         response = target.write(

@@ -47,11 +47,12 @@ from approvals.models import (
     Run,
     RunStatus,
     WriteOperation,
+    run_end_exempt,
 )
 from audit.services import Actor, audit_append
 from console.core.errors import InvalidTransition, KillSwitchEngaged, NotFound
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
-from ownership.models import Resource, ResourceVersion
+from ownership.models import Resource, ResourceVersion, TargetType
 
 # Why a write was refused (WriteOutcome.refusal.reason).
 STALE_VERSION = "stale_version"  # someone wrote since the agent read: route to a conflict
@@ -348,15 +349,20 @@ def run_end_status(
     """None when the action's run still allows it to write; else the action's end status
     (`cancelled` for a revoked/rejected/finished run, `expired` for an expired one).
 
-    Exemption (a decision): a conflict-resolution action (`parent` set, created by
-    conflict_resolve) carries a person's decision — and, for a quorum class, the
-    approvals of enough people — not the agent's, so its run's end does not stop
-    it: conflicts are often settled after the agent has gone, and the undo
-    conflict of a revoked run's write is exactly what an operator wants settled.
-    Resolution actions still queued when the run ends are cancelled by the run's
-    end like any other; one decided after the end runs.
+    Exemptions (approvals.models.run_end_exempt, the same rule the run's end uses):
+    a conflict-resolution action (`parent` set, created by conflict_resolve)
+    carries a person's decision — and, for a quorum class, the approvals of enough
+    people — not the agent's, so its run's end does not stop it: conflicts are
+    often settled after the agent has gone. And a write to an external target that
+    may already have reached it (an `unknown` or abandoned attempt) is replayed
+    with the same target Idempotency-Key to settle it, never left unsettled.
     """
     if action.parent_id is not None:
+        return None
+    if (
+        action.kind.target == TargetType.HTTP
+        and Action.objects.filter(pk=action.pk).filter(run_end_exempt()).exists()
+    ):
         return None
     if run_state is None:
         return ActionStatus.CANCELLED
