@@ -144,7 +144,9 @@ def open_operation(
     For an undo (`undo_of_id`): the action keeps its status; at most one live
     (not failed) undo operation exists per operation (a partial unique constraint),
     so a second request gets the live one back (its fence raised if still pending)
-    and `apply_undo` answers "already_undone" once it is finished.
+    and `apply_undo` answers "already_undone" once it is finished; an undo refused
+    for good is returned as it is (asking again repeats the refusal). Only after an
+    undo failed for a retryable reason (outcome `retryable`) is a new one opened.
     """
     now = timezone.now()
     lease_expires_at = now + timedelta(seconds=lease_seconds)
@@ -189,6 +191,13 @@ def _open_undo_operation(
         raise NotFound("no such operation for this action", extra={"operation": undo_of_id})
     live = Operation.objects.filter(undo_of_id=undo_of_id).exclude(status=OperationStatus.FAILED)
     existing = live.first()
+    if existing is None:
+        # An undo refused for good (resource moved, window closed) stays the answer;
+        # only one that failed for a retryable reason makes way for a new one.
+        latest = Operation.objects.filter(undo_of_id=undo_of_id).order_by("-started_at").first()
+        outcome = latest.outcome if latest is not None else None
+        if latest is not None and not (isinstance(outcome, dict) and outcome.get("retryable")):
+            return latest
     if existing is None:
         try:
             with transaction.atomic():
