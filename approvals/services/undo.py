@@ -410,7 +410,7 @@ def undo_status(action: Action) -> dict[str, Any] | None:
         "operation": undo_op.pk,
         "status": undo_op.status,
         "paused_reason": undo_op.paused_reason,
-        "accepted_at": undo_op.accepted_at,
+        "accepted_at": undo_op.accepted_at.isoformat() if undo_op.accepted_at else None,
         "may_ask_again": _may_ask_again(undo_op),
         "requested_by": outcome.get("requested_by", ""),
         "conflict_id": str(conflict.pk) if conflict else None,
