@@ -6,7 +6,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 
 
 class Agent(models.Model):
@@ -364,11 +364,13 @@ class Operation(models.Model):
     """The execution record of an action (or of an undo of one).
 
     `lease_expires_at` lets the reconciler find an operation left pending by a
-    dead worker. At most one undo per operation (`undo_of` is unique).
+    dead worker. At most one live undo per operation (pending or done: a partial
+    unique constraint); an undo that failed for a retryable reason may be asked
+    for again, as a new undo operation.
     """
 
     action = models.ForeignKey(Action, on_delete=models.PROTECT, related_name="operations")
-    undo_of = models.OneToOneField(
+    undo_of = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="undone_by"
     )
     fence = models.BigIntegerField()
@@ -383,11 +385,21 @@ class Operation(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(auto_now_add=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # An undo: when it was accepted (202). Its window is judged at this time, not
+    # when a worker gets to it.
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    # An undo held by a kill switch (it stays `pending`; a release resumes it).
+    paused_reason = models.TextField(blank=True)
 
     class Meta:
         ordering = ["-started_at"]
         indexes = [models.Index(fields=["status", "lease_expires_at"])]
         constraints = [
+            models.UniqueConstraint(
+                fields=["undo_of"],
+                condition=Q(undo_of__isnull=False) & ~Q(status="failed"),
+                name="operation_one_live_undo",
+            ),
             models.UniqueConstraint(
                 fields=["action"],
                 condition=Q(status="done", undo_of__isnull=True),
@@ -398,6 +410,21 @@ class Operation(models.Model):
 
     def __str__(self) -> str:
         return f"operation {self.pk} (fence {self.fence})"
+
+
+def run_end_exempt() -> Q:
+    """Actions a run's end (finish, expiry, revoke, rejection) and its token may not
+    stop, as a filter on Action:
+
+    - a conflict resolution (`parent` set): a person's decision, not the agent's;
+    - a write to an external HTTP target that may already have reached it (an
+      operation `unknown`, or abandoned by the reconciler while in flight): only
+      its replay, with the same target Idempotency-Key, settles what happened.
+    """
+    maybe_sent = Operation.objects.filter(action=OuterRef("pk"), undo_of__isnull=True).filter(
+        Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True)
+    )
+    return Q(parent__isnull=False) | (Q(kind__target="http") & Q(Exists(maybe_sent)))
 
 
 class IdempotencyStatus(models.TextChoices):

@@ -6,8 +6,9 @@ it waits for write transactions already past their kill-switch check (they hold
 it shared until commit), and barriers that start later wait for the engage to
 commit and then see it, so no managed write commits after an engage returned.
 (An HTTP-target write already sent to the target cannot be recalled.)
-Releasing re-queues paused actions that no other engaged switch still covers,
-oldest first, and enqueues their jobs in that order after commit.
+Releasing re-queues paused actions and resumes paused undos (pending undo
+operations a switch held) that no other engaged switch still covers, oldest
+first, and enqueues their jobs in that order after commit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from approvals.models import Action, ActionStatus
+from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, ValidationFailed
 from console.core.killswitch import lock_switches_exclusive, scope_is_valid
@@ -81,6 +82,7 @@ def kill_switch_set(*, scope: str, engaged: bool, reason: str, actor: Any) -> Ki
         switch.changed_by = person
         switch.save()
         affected: list[Any] = []
+        resumed_undos: list[Operation] = []
         if engaged:
             queued = [
                 a
@@ -111,32 +113,69 @@ def kill_switch_set(*, scope: str, engaged: bool, reason: str, actor: Any) -> Ki
                     revision=F("revision") + 1,
                     updated_at=now,
                 )
+            resumed_undos = _paused_undos_released_by(switch, still_engaged)
+            if resumed_undos:
+                Operation.objects.filter(
+                    pk__in=[op.pk for op in resumed_undos], status=OperationStatus.PENDING
+                ).update(paused_reason="")
+        details: dict[str, Any] = {
+            "scope": scope,
+            "reason": reason,
+            ("paused" if engaged else "resumed"): [str(a) for a in affected],
+        }
+        if resumed_undos:
+            details["resumed_undos"] = [op.pk for op in resumed_undos]
         audit_append(
             event_type="kill_switch.engaged" if engaged else "kill_switch.released",
             actor=audit_actor,
             resource=scope,
-            details={
-                "scope": scope,
-                "reason": reason,
-                ("paused" if engaged else "resumed"): [str(a) for a in affected],
-            },
+            details=details,
         )
         from approvals.services.decisions import notify_action_on_commit
 
         for action_id in affected:
             notify_action_on_commit(action_id)
-        if not engaged and affected:
-            from approvals.jobs import enqueue_action_execution
+        for undo_op in resumed_undos:
+            notify_action_on_commit(undo_op.action_id)
+        if not engaged and (affected or resumed_undos):
+            from approvals.jobs import enqueue_action_execution, enqueue_undo_execution
 
-            ordered = list(affected)
+            # Oldest first across both: an action by when it was proposed, an undo
+            # by when it was accepted.
+            created = dict(Action.objects.filter(pk__in=affected).values_list("pk", "created_at"))
+            ordered: list[tuple[Any, str, Any]] = [
+                (created[action_id], "action", action_id) for action_id in affected
+            ] + [(op.accepted_at or op.started_at, "undo", op.pk) for op in resumed_undos]
+            ordered.sort(key=lambda entry: entry[0])
 
             def _enqueue_in_order() -> None:
-                for action_id in ordered:
-                    enqueue_action_execution(action_id)
+                for _, what, object_id in ordered:
+                    if what == "action":
+                        enqueue_action_execution(object_id)
+                    else:
+                        enqueue_undo_execution(object_id)
 
             transaction.on_commit(_enqueue_in_order)
     switch.refresh_from_db()
     return switch
+
+
+def _paused_undos_released_by(
+    switch: KillSwitch, still_engaged: list[KillSwitch]
+) -> list[Operation]:
+    """Pending undo operations held by `switch` that no other engaged switch covers."""
+    paused = (
+        Operation.objects.filter(status=OperationStatus.PENDING, undo_of__isnull=False)
+        .exclude(paused_reason="")
+        .select_related("action")
+        .order_by("accepted_at", "started_at")
+    )
+    return [
+        op
+        for op in paused
+        if switch.covers(op.action.resource_identifier)
+        and not any(other.covers(op.action.resource_identifier) for other in still_engaged)
+    ]
 
 
 def kill_switch_list() -> list[KillSwitch]:

@@ -272,6 +272,34 @@ USE_TZ = True
 AIRLOCK_MAX_BODY_BYTES = env_int("AIRLOCK_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = AIRLOCK_MAX_BODY_BYTES
 AIRLOCK_LOCK_TTL_MS = env_int("AIRLOCK_LOCK_TTL_MS", 30_000, minimum=100)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    try:
+        value = default if raw in (None, "") else float(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a number of seconds, got {raw!r}") from exc
+    if not 0 < value < float("inf"):
+        raise ImproperlyConfigured(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+# The retry budget of queued writes and undos (attempts, exponential backoff with jitter).
+AIRLOCK_MAX_ATTEMPTS = env_int("AIRLOCK_MAX_ATTEMPTS", 8, minimum=1)
+AIRLOCK_BACKOFF_BASE_SECONDS = _env_seconds("AIRLOCK_BACKOFF_BASE_SECONDS", 0.5)
+AIRLOCK_BACKOFF_CAP_SECONDS = _env_seconds("AIRLOCK_BACKOFF_CAP_SECONDS", 30.0)
+# An HTTP-target call runs under the resource lock; a call that could outlive the lock
+# would outlive the operation's lease too. Default: 10 s, or the lock TTL when shorter.
+AIRLOCK_TARGET_TIMEOUT_SECONDS = _env_seconds(
+    "AIRLOCK_TARGET_TIMEOUT_SECONDS", min(10.0, AIRLOCK_LOCK_TTL_MS / 1000)
+)
+if AIRLOCK_TARGET_TIMEOUT_SECONDS * 1000 > AIRLOCK_LOCK_TTL_MS:
+    raise ImproperlyConfigured(
+        f"AIRLOCK_LOCK_TTL_MS ({AIRLOCK_LOCK_TTL_MS}) is shorter than "
+        f"AIRLOCK_TARGET_TIMEOUT_SECONDS ({AIRLOCK_TARGET_TIMEOUT_SECONDS} s): a target call "
+        "must not outlive the resource lock"
+    )
 AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS = env_int(
     "AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS", 24 * 3600, minimum=24 * 3600
 )

@@ -14,8 +14,8 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from approvals.models import Operation, OperationStatus
-from approvals.services.undo import action_undo_request
+from approvals.models import Operation
+from approvals.services.undo import action_undo_request, operations_open_to_undo
 from console import permissions
 from console.core.errors import DomainError, NotFound
 from console.pages import (
@@ -293,13 +293,8 @@ def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) ->
         if r.name == resource.name or (r.is_prefix and resource.name.startswith(r.name))
     ]
     undoable = list(
-        Operation.objects.filter(
-            action__resource=resource,
-            status=OperationStatus.DONE,
-            undo_of__isnull=True,
-            undo_deadline__gt=now,
-            undone_by__isnull=True,
-        )
+        operations_open_to_undo()
+        .filter(action__resource=resource, undo_deadline__gt=now)
         .select_related("action__run__agent")
         .order_by("-result_version")[:20]
     )

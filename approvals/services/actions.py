@@ -33,6 +33,7 @@ from approvals.models import (
 )
 from approvals.notify import notify_action_changed
 from approvals.services.runs import RunNotActive, run_effective_status
+from audit.models import ActorType
 from audit.services import Actor, audit_append
 from console.core.errors import (
     DomainError,
@@ -44,6 +45,7 @@ from console.core.errors import (
 from console.core.killswitch import engaged_switch_for
 from console.requestctx import current_request_id
 from ownership.models import ConflictClass, OwnershipRecord, Resource, ResourceKind
+from ownership.reopen import conflict_reopen_for_resolution
 
 logger = logging.getLogger("airlock.actions")
 
@@ -474,7 +476,16 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
     the action row (this conditional UPDATE is the first lock), then its
     approvals, the audit head last. A cancel racing a decision or a revoke
     waits instead of deadlocking.
+
+    A conflict resolution (`parent` set) belongs to the person who made it: an
+    agent or run token may not cancel it (Forbidden); a person who cancels it
+    reopens the conflict (audited), since nothing was written.
     """
+    if action.parent_id is not None and actor.type in (ActorType.RUN, ActorType.AGENT):
+        raise Forbidden(
+            "This action is a person's conflict resolution; the agent's tokens cannot cancel it.",
+            code="forbidden",
+        )
     with transaction.atomic():
         changed = Action.objects.filter(pk=action.pk, status__in=CANCELLABLE).update(
             status=ActionStatus.CANCELLED, revision=F("revision") + 1, updated_at=timezone.now()
@@ -491,6 +502,10 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
                 action_id=action.pk,
                 details={},
             )
+            if action.parent_id is not None:
+                conflict_reopen_for_resolution(
+                    action_id=action.pk, reason="resolution cancelled", actor=actor
+                )
             transaction.on_commit(lambda: notify_action_changed(action.pk))
     action.refresh_from_db()
     if not changed and action.status != ActionStatus.CANCELLED:

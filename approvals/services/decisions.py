@@ -48,6 +48,7 @@ from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
 from console.permissions import can_decide_approvals
 from ownership.models import ApprovalMode, OwnershipRecord
+from ownership.reopen import conflict_reopen_for_resolution
 
 log = logging.getLogger("airlock.approvals")
 escalation_log = logging.getLogger("airlock.escalation")
@@ -389,7 +390,7 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
         return
     action = approval.action
     assert action is not None
-    action_transition(
+    rejected = action_transition(
         action_id=action.pk,
         from_statuses=(ActionStatus.PENDING_APPROVAL,),
         to_status=ActionStatus.REJECTED,
@@ -403,6 +404,11 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
         action_id=action.pk,
         details={"approval": str(approval.pk), "subject": "action", "comment": comment},
     )
+    if rejected and action.parent_id is not None:
+        # A rejected resolution wrote nothing: its conflict is open again.
+        conflict_reopen_for_resolution(
+            action_id=action.pk, reason="resolution rejected", actor=actor
+        )
 
 
 def _expire_locked(*, approval: Approval, now: datetime) -> None:
@@ -410,15 +416,17 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
         status=ApprovalStatus.EXPIRED, decided_at=now
     )
     resource = ""
+    reopen = False
     if approval.subject == ApprovalSubject.ACTION:
         assert approval.action is not None
         resource = approval.action.resource_identifier
-        action_transition(
+        expired = action_transition(
             action_id=approval.action_id,  # type: ignore[arg-type]
             from_statuses=(ActionStatus.PENDING_APPROVAL,),
             to_status=ActionStatus.EXPIRED,
             error={"code": "approval_expired", "expired_at": now.isoformat()},
         )
+        reopen = expired and approval.action.parent_id is not None
     else:
         updated = Run.objects.filter(pk=approval.run_id, status=RunStatus.PENDING_APPROVAL).update(
             status=RunStatus.EXPIRED, status_reason="approval expired", ended_at=now
@@ -435,6 +443,13 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
         action_id=approval.action_id,
         details={"approval": str(approval.pk), "subject": approval.subject},
     )
+    if reopen:
+        # An expired resolution wrote nothing: its conflict is open again.
+        conflict_reopen_for_resolution(
+            action_id=approval.action_id,  # type: ignore[arg-type]
+            reason="resolution approval expired",
+            actor=Actor.system(),
+        )
 
 
 def approval_cancel_for_action(*, action_id: uuid.UUID, reason: str) -> int:

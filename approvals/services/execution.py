@@ -27,11 +27,13 @@ import signal
 import socket
 import uuid
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 import redis
 from django.conf import settings
 from django.db import DatabaseError, transaction
+from django.db import connection as db_connection
 from django.db.models import Q
 from django.utils import timezone
 
@@ -128,6 +130,17 @@ def _audit_worker_event(event_type: str, action: Action, details: dict[str, Any]
         action_id=action.pk,
         details=details,
     )
+
+
+def renew_operation_lease(operation_id: int) -> None:
+    """Extend a pending operation's lease (called from the lock's heartbeat thread,
+    which has its own database connection: closed again at once)."""
+    try:
+        Operation.objects.filter(pk=operation_id, status=OperationStatus.PENDING).update(
+            lease_expires_at=timezone.now() + timedelta(seconds=operation_lease_seconds())
+        )
+    finally:
+        db_connection.close()
 
 
 def attempt_superseded(operation_id: int) -> bool:
@@ -443,6 +456,9 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
         action_pause(action_id=action.pk, reason=switch.reason, scope=switch.scope)
         return "paused"
     target = targets.HttpTarget(action.kind.target_url)
+    # The call may outlast the operation's lease (lock TTL + 2 s): renew the lease
+    # with the lock, so the reconciler never abandons a request still in flight.
+    lock.on_renew(partial(renew_operation_lease, operation.pk))
     try:
         lock.check()
         response = target.write(
@@ -670,6 +686,7 @@ def reconcile(
       barrier's single transaction means the write did not commit (else the
       operation would be `done`), so the operation is marked failed (abandoned)
       and the action goes back to `queued` for a new fence;
+    - paused actions and paused undos whose kill switch is gone resume;
     - queued actions (not_before passed) and pending undo operations whose job
       is missing from RQ are enqueued again.
     """
@@ -788,11 +805,30 @@ def reconcile(
             enqueue_action_execution(action_id, connection=conn)
             counts["requeued"] += 1
 
-    undo_due = Operation.objects.filter(
+    # Undos a kill switch paused whose switch is gone resume; pending undos whose job
+    # Redis lost (FLUSHALL, restart) are sent again. Oldest accepted first.
+    pending_undos = Operation.objects.filter(
         status=OperationStatus.PENDING,
         undo_of__isnull=False,
         started_at__lt=now - timedelta(seconds=OUTBOX_GRACE_SECONDS),
     ).filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
+    paused_undos = list(
+        pending_undos.exclude(paused_reason="")
+        .select_related("action")
+        .order_by("accepted_at", "started_at")[:1000]
+    )
+    if paused_undos:
+        from console.models import KillSwitch
+
+        engaged = list(KillSwitch.objects.filter(engaged=True))
+        for undo_op in paused_undos:
+            if any(switch.covers(undo_op.action.resource_identifier) for switch in engaged):
+                continue
+            if Operation.objects.filter(
+                pk=undo_op.pk, status=OperationStatus.PENDING, paused_reason=undo_op.paused_reason
+            ).update(paused_reason=""):
+                counts["resumed"] += 1
+    undo_due = pending_undos.filter(paused_reason="").order_by("accepted_at", "started_at")
     for operation_id in undo_due.values_list("pk", flat=True):
         if not job_is_pending("undo", operation_id, connection=conn):
             enqueue_undo_execution(operation_id, connection=conn)

@@ -36,6 +36,7 @@ from approvals.models import (
     AutoApproveRule,
     Run,
     RunStatus,
+    run_end_exempt,
 )
 from approvals.notify import notify_action_changed
 from approvals.services import decisions
@@ -526,10 +527,12 @@ def _end(
     OwnershipRecord.objects.filter(run_id=run_id, active=True).update(active=False, released_at=now)
     # The project's lock order: run -> actions -> approvals -> audit head last
     # (approval_decide and action_cancel take the action before its approval).
+    # A person's conflict resolution, and an external write that may already have
+    # reached its target, outlive the run (run_end_exempt): they settle later.
     open_ids = list(
-        Action.objects.filter(run_id=run_id, status__in=_OPEN_ACTION_STATUSES).values_list(
-            "id", flat=True
-        )
+        Action.objects.filter(run_id=run_id, status__in=_OPEN_ACTION_STATUSES)
+        .exclude(run_end_exempt())
+        .values_list("id", flat=True)
     )
     if open_ids:
         Action.objects.filter(id__in=open_ids, status__in=_OPEN_ACTION_STATUSES).update(
@@ -540,9 +543,9 @@ def _end(
         )
         for action_id in open_ids:
             transaction.on_commit(partial(notify_action_changed, action_id))
-    Approval.objects.filter(run_id=run_id, status=ApprovalStatus.PENDING).update(
-        status=ApprovalStatus.CANCELLED, decided_at=now
-    )
+    Approval.objects.filter(
+        run_id=run_id, status=ApprovalStatus.PENDING, from_conflict__isnull=True
+    ).update(status=ApprovalStatus.CANCELLED, decided_at=now)
     audit_append(
         event_type=event,
         actor=actor,

@@ -1,23 +1,37 @@
 """Undo of an applied action: request (API/pages) and execution (job).
 
-`action_undo_request` records the one undo operation of the action's applied
-operation (Operation.undo_of is unique: however many requests, one undo) and
-enqueues its job on commit. The job takes the resource lock and a fresh fence
-and calls the core's `apply_undo`; if someone wrote since, the undo becomes a
-conflict for a person (origin `undo`) instead of restoring an old snapshot.
+`action_undo_request` records the one live undo operation of the action's
+applied operation (however many requests, one undo; a partial unique constraint
+on `undo_of`) and enqueues its job on commit. The job takes the resource lock and
+a fresh fence and calls the core's `apply_undo`; if someone wrote since, the undo
+becomes a conflict for a person (origin `undo`) instead of restoring an old snapshot.
+
+An accepted undo is never lost:
+- a kill switch covering the resource pauses it (`paused_reason`, still
+  `pending`, no attempt spent); releasing the switch resumes paused undos in
+  order (console.services.kill_switch_set), and the reconciler resumes any whose
+  switch is gone and resends pending ones whose job Redis lost;
+- a busy lock (another writer holds the resource) is waited out, never counted
+  as a failed attempt;
+- the undo window is judged at acceptance (`accepted_at`), not at execution;
+- an undo that failed for a retryable reason (attempts exhausted on transient
+  errors) may be asked for again: a new undo operation, under the same rules.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import redis
 from django.db import DatabaseError, transaction
+from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus, Run, RunStatus
+from approvals.services.decisions import notify_action_on_commit
 from audit.models import ActorType
 from audit.services import Actor, audit_append
 from console.core.errors import (
@@ -29,12 +43,11 @@ from console.core.errors import (
     UndoRefused,
     UndoWindowExpired,
 )
+from console.core.killswitch import engaged_switch_for, hold_switches_shared
 from console.permissions import can_undo_as_person
 from ownership.models import Resource, TargetType
 
 log = logging.getLogger("airlock.undo")
-
-UNDO_MAX_ATTEMPTS = 8
 
 
 def _normalise_actor(actor: Any) -> tuple[Actor, Run | None, Any]:
@@ -86,6 +99,11 @@ def action_undo_request(
         if run.pk != action.run_id:
             # Another run's action: it may not even know it exists.
             raise NotFound("No such action.")
+        if action.parent_id is not None:
+            raise Forbidden(
+                "This action is a person's conflict resolution; the run's token cannot undo it.",
+                code="forbidden",
+            )
     elif not (
         getattr(person, "is_active", False) and can_undo_as_person(person, owner_group=owner_group)
     ):
@@ -129,10 +147,11 @@ def action_undo_request(
                 f"The action is {locked.status}; there is no applied write to undo.",
                 code="invalid_transition",
             )
-        existing = Operation.objects.filter(undo_of=original).first()
-        if existing is not None:
-            return existing
-        if original.undo_deadline is None or timezone.now() >= original.undo_deadline:
+        latest = Operation.objects.filter(undo_of=original).order_by("-started_at").first()
+        if latest is not None and not _may_ask_again(latest):
+            return latest
+        accepted_at = timezone.now()
+        if original.undo_deadline is None or accepted_at >= original.undo_deadline:
             raise UndoWindowExpired(
                 "The undo window of this action has closed.",
                 extra={"undo_deadline": original.undo_deadline},
@@ -146,6 +165,7 @@ def action_undo_request(
         )
         Operation.objects.filter(pk=undo_op.pk).update(
             lease_expires_at=None,
+            accepted_at=accepted_at,
             outcome={
                 "requested_by": audit_actor.label,
                 "requested_by_type": audit_actor.type,
@@ -159,7 +179,11 @@ def action_undo_request(
             resource=locked.resource_identifier,
             run_id=locked.run_id,
             action_id=locked.pk,
-            details={"operation": original.pk, "undo_operation": undo_op.pk},
+            details={
+                "operation": original.pk,
+                "undo_operation": undo_op.pk,
+                "asked_again_after": latest.pk if latest is not None else None,
+            },
         )
         from approvals.jobs import enqueue_undo_execution
 
@@ -169,38 +193,107 @@ def action_undo_request(
     return undo_op
 
 
-def _retry_undo(undo_op: Operation, reason: str, connection: redis.Redis | None) -> str:
+def _may_ask_again(undo_op: Operation) -> bool:
+    """An undo that failed for a retryable reason may be asked for again."""
+    outcome = undo_op.outcome if isinstance(undo_op.outcome, dict) else {}
+    return undo_op.status == OperationStatus.FAILED and bool(outcome.get("retryable"))
+
+
+def _retry_undo(
+    undo_op: Operation,
+    reason: str,
+    connection: redis.Redis | None,
+    *,
+    count_attempt: bool = True,
+) -> str:
+    """Schedule the next delivery with backoff, or fail (retryable) once attempts run out.
+
+    `count_attempt=False` (a busy lock: another writer holds the resource) waits
+    without spending the budget; its backoff grows with the waits, capped.
+    """
     from approvals.jobs import enqueue_undo_execution
-    from approvals.services.execution import backoff_seconds
+    from approvals.services.execution import MAX_ATTEMPTS, backoff_seconds
 
     outcome = dict(undo_op.outcome or {})
-    attempts = int(outcome.get("attempts", 0)) + 1
-    outcome["attempts"] = attempts
+    if count_attempt:
+        attempts = int(outcome.get("attempts", 0)) + 1
+        outcome["attempts"] = attempts
+        step = attempts
+    else:
+        attempts = int(outcome.get("attempts", 0))
+        waits = int(outcome.get("lock_waits", 0)) + 1
+        outcome["lock_waits"] = waits
+        step = waits
     outcome["last_retry_reason"] = reason
-    if attempts >= UNDO_MAX_ATTEMPTS:
+    if count_attempt and attempts >= MAX_ATTEMPTS:
         outcome["reason"] = reason
-        Operation.objects.filter(pk=undo_op.pk, status=OperationStatus.PENDING).update(
-            status=OperationStatus.FAILED, outcome=outcome, finished_at=timezone.now()
-        )
+        # Transient causes only reach here: the person may ask for the undo again.
+        outcome["retryable"] = True
+        with transaction.atomic():
+            failed = Operation.objects.filter(pk=undo_op.pk, status=OperationStatus.PENDING).update(
+                status=OperationStatus.FAILED, outcome=outcome, finished_at=timezone.now()
+            )
+            if failed:
+                _audit_undo_event("undo.failed", undo_op, {"reason": reason, "attempts": attempts})
+                notify_action_on_commit(undo_op.action_id)
         return "failed"
     Operation.objects.filter(pk=undo_op.pk, status=OperationStatus.PENDING).update(
         outcome=outcome, lease_expires_at=None
     )
-    enqueue_undo_execution(
-        undo_op.pk, delay_seconds=backoff_seconds(attempts), connection=connection
-    )
+    enqueue_undo_execution(undo_op.pk, delay_seconds=backoff_seconds(step), connection=connection)
     return "retry"
 
 
-def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = None) -> str:
-    """The undo job: lock, fresh fence, apply_undo; a moved resource opens a conflict."""
-    from approvals.jobs import engine_redis
-    from approvals.services.execution import (
-        lock_ttl_ms,
-        operation_lease_seconds,
-        worker_name,
+def _audit_undo_event(event_type: str, undo_op: Operation, details: dict[str, Any]) -> None:
+    action = undo_op.action
+    audit_append(
+        event_type=event_type,
+        actor=Actor.system("worker"),
+        resource=action.resource_identifier,
+        run_id=action.run_id,
+        action_id=action.pk,
+        details={"undo_operation": undo_op.pk, "operation": undo_op.undo_of_id, **details},
     )
-    from console.core.barrier import open_operation
+
+
+def _pause_undo(undo_op: Operation, connection: redis.Redis | None) -> str:
+    """A kill switch covers the resource: hold the undo (no attempt spent) until a
+    release resumes it.
+
+    Under the kill-switch lock held shared (an engage/release takes it exclusively):
+    either a release committed first and we see no switch (deliver again now), or
+    our pause commits first and the release finds the paused undo and resumes it.
+    """
+    from approvals.jobs import enqueue_undo_execution
+
+    identifier = undo_op.action.resource_identifier
+    with transaction.atomic():
+        hold_switches_shared()
+        switch = engaged_switch_for(identifier)
+        if switch is not None:
+            paused = Operation.objects.filter(pk=undo_op.pk, status=OperationStatus.PENDING).update(
+                paused_reason=switch.reason or f"kill switch {switch.scope}",
+                lease_expires_at=None,
+            )
+            if paused and not undo_op.paused_reason:
+                _audit_undo_event(
+                    "undo.paused", undo_op, {"reason": switch.reason, "scope": switch.scope}
+                )
+                notify_action_on_commit(undo_op.action_id)
+    if switch is None:
+        enqueue_undo_execution(undo_op.pk, connection=connection)
+        return "retry"
+    return "paused"
+
+
+def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = None) -> str:
+    """The undo job: lock, fresh fence, apply_undo; a moved resource opens a conflict.
+
+    A kill switch pauses the undo, a busy lock is waited out; neither spends an
+    attempt. Idempotent: anything but a pending undo is a no-op.
+    """
+    from approvals.jobs import engine_redis
+    from approvals.services.execution import lock_ttl_ms, operation_lease_seconds, worker_name
     from console.core.lock import FencedLock
     from console.core.undo import RESOURCE_MOVED, STALE_FENCE, apply_undo
     from ownership.services import conflict_open_for_undo
@@ -213,22 +306,32 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
     if undo_op is None or undo_op.status != OperationStatus.PENDING:
         return "skipped"
     action = undo_op.action
+    if engaged_switch_for(action.resource_identifier) is not None:
+        return _pause_undo(undo_op, connection)
+    if undo_op.paused_reason:
+        # Delivered after its switch was released (a release or the reconciler resumed it).
+        Operation.objects.filter(pk=undo_op.pk).update(paused_reason="")
+        undo_op.paused_reason = ""
     conn = connection or engine_redis()
     lock = FencedLock(conn, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
     try:
         fence = lock.acquire(wait_seconds=0.2)
-    except (LockBusy, redis.RedisError, DatabaseError) as exc:
+    except LockBusy:
+        return _retry_undo(undo_op, "lock_busy", connection, count_attempt=False)
+    except (redis.RedisError, DatabaseError) as exc:
         return _retry_undo(undo_op, type(exc).__name__, connection)
     try:
         lock.start_heartbeat()
         requested = dict(undo_op.outcome or {})
-        undo_op = open_operation(
-            action_id=action.pk,
+        # This delivery's fence and lease on the undo operation (a newer fence only).
+        Operation.objects.filter(
+            pk=undo_op.pk, status=OperationStatus.PENDING, fence__lt=fence
+        ).update(
             fence=fence,
-            worker=worker_name(),
-            lease_seconds=operation_lease_seconds(),
-            undo_of_id=undo_op.undo_of_id,
+            worker=worker_name()[:200],
+            lease_expires_at=timezone.now() + timedelta(seconds=operation_lease_seconds()),
         )
+        undo_op.refresh_from_db()
         if undo_op.status != OperationStatus.PENDING:
             return "skipped"
         actor = Actor(
@@ -247,7 +350,7 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
                 actor=actor,
             )
         except KillSwitchEngaged:
-            return _retry_undo(undo_op, "kill_switch_engaged", connection)
+            return _pause_undo(undo_op, connection)
         except Exception as exc:  # lock lost, transient database/redis errors
             if isinstance(exc, (redis.RedisError, DatabaseError)) or getattr(
                 exc, "retryable", False
@@ -255,8 +358,6 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
                 return _retry_undo(undo_op, type(exc).__name__, connection)
             raise
         if outcome.applied:
-            from approvals.services.decisions import notify_action_on_commit
-
             with transaction.atomic():
                 notify_action_on_commit(action.pk)
             return "undone"
@@ -281,6 +382,19 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
             log.warning("could not release the lock on %s", action.resource_identifier)
 
 
+def operations_open_to_undo() -> QuerySet[Operation]:
+    """Applied writes an undo may still be asked for (pages offer the button on these):
+    done, no live undo, and any failed undo failed for a retryable reason. The
+    deadline is the caller's filter."""
+    undos = Operation.objects.filter(undo_of=OuterRef("pk"))
+    failed = undos.filter(status=OperationStatus.FAILED)
+    return (
+        Operation.objects.filter(status=OperationStatus.DONE, undo_of__isnull=True)
+        .exclude(Exists(undos.exclude(status=OperationStatus.FAILED)))
+        .exclude(Exists(failed) & ~Exists(failed.filter(outcome__retryable=True)))
+    )
+
+
 def undo_status(action: Action) -> dict[str, Any] | None:
     """The undo state of an action for API/pages: None when never requested."""
     undo_op = (
@@ -291,10 +405,14 @@ def undo_status(action: Action) -> dict[str, Any] | None:
     if undo_op is None:
         return None
     conflict = action.conflicts.filter(origin="undo").first()
+    outcome = undo_op.outcome if isinstance(undo_op.outcome, dict) else {}
     return {
         "operation": undo_op.pk,
         "status": undo_op.status,
-        "requested_by": (undo_op.outcome or {}).get("requested_by", ""),
+        "paused_reason": undo_op.paused_reason,
+        "accepted_at": undo_op.accepted_at.isoformat() if undo_op.accepted_at else None,
+        "may_ask_again": _may_ask_again(undo_op),
+        "requested_by": outcome.get("requested_by", ""),
         "conflict_id": str(conflict.pk) if conflict else None,
         "action_status": ActionStatus(action.status).value,
     }

@@ -47,11 +47,12 @@ from approvals.models import (
     Run,
     RunStatus,
     WriteOperation,
+    run_end_exempt,
 )
 from audit.services import Actor, audit_append
 from console.core.errors import InvalidTransition, KillSwitchEngaged, NotFound
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
-from ownership.models import Resource, ResourceVersion
+from ownership.models import Resource, ResourceVersion, TargetType
 
 # Why a write was refused (WriteOutcome.refusal.reason).
 STALE_VERSION = "stale_version"  # someone wrote since the agent read: route to a conflict
@@ -140,10 +141,12 @@ def open_operation(
     with a conditional UPDATE; raises NotFound, or InvalidTransition when the action
     is in any other status (e.g. already applied: a re-delivered job must stop).
 
-    For an undo (`undo_of_id`): the action keeps its status; at most one undo
-    operation exists per operation (unique `undo_of`), so a second request gets the
-    existing one back (its fence raised if still pending) and `apply_undo` answers
-    "already_undone" once it is finished.
+    For an undo (`undo_of_id`): the action keeps its status; at most one live
+    (not failed) undo operation exists per operation (a partial unique constraint),
+    so a second request gets the live one back (its fence raised if still pending)
+    and `apply_undo` answers "already_undone" once it is finished; an undo refused
+    for good is returned as it is (asking again repeats the refusal). Only after an
+    undo failed for a retryable reason (outcome `retryable`) is a new one opened.
     """
     now = timezone.now()
     lease_expires_at = now + timedelta(seconds=lease_seconds)
@@ -186,7 +189,15 @@ def _open_undo_operation(
 ) -> Operation:
     if not Operation.objects.filter(pk=undo_of_id, action_id=action_id).exists():
         raise NotFound("no such operation for this action", extra={"operation": undo_of_id})
-    existing = Operation.objects.filter(undo_of_id=undo_of_id).first()
+    live = Operation.objects.filter(undo_of_id=undo_of_id).exclude(status=OperationStatus.FAILED)
+    existing = live.first()
+    if existing is None:
+        # An undo refused for good (resource moved, window closed) stays the answer;
+        # only one that failed for a retryable reason makes way for a new one.
+        latest = Operation.objects.filter(undo_of_id=undo_of_id).order_by("-started_at").first()
+        outcome = latest.outcome if latest is not None else None
+        if latest is not None and not (isinstance(outcome, dict) and outcome.get("retryable")):
+            return latest
     if existing is None:
         try:
             with transaction.atomic():
@@ -200,7 +211,7 @@ def _open_undo_operation(
                 )
         except IntegrityError:
             # A concurrent undo request created it first; share it.
-            existing = Operation.objects.get(undo_of_id=undo_of_id)
+            existing = live.get()
     Operation.objects.filter(
         pk=existing.pk, status=OperationStatus.PENDING, fence__lt=fence
     ).update(fence=fence, worker=worker[:200], lease_expires_at=lease_expires_at)
@@ -347,15 +358,20 @@ def run_end_status(
     """None when the action's run still allows it to write; else the action's end status
     (`cancelled` for a revoked/rejected/finished run, `expired` for an expired one).
 
-    Exemption (a decision): a conflict-resolution action (`parent` set, created by
-    conflict_resolve) carries a person's decision — and, for a quorum class, the
-    approvals of enough people — not the agent's, so its run's end does not stop
-    it: conflicts are often settled after the agent has gone, and the undo
-    conflict of a revoked run's write is exactly what an operator wants settled.
-    Resolution actions still queued when the run ends are cancelled by the run's
-    end like any other; one decided after the end runs.
+    Exemptions (approvals.models.run_end_exempt, the same rule the run's end uses):
+    a conflict-resolution action (`parent` set, created by conflict_resolve)
+    carries a person's decision — and, for a quorum class, the approvals of enough
+    people — not the agent's, so its run's end does not stop it: conflicts are
+    often settled after the agent has gone. And a write to an external target that
+    may already have reached it (an `unknown` or abandoned attempt) is replayed
+    with the same target Idempotency-Key to settle it, never left unsettled.
     """
     if action.parent_id is not None:
+        return None
+    if (
+        action.kind.target == TargetType.HTTP
+        and Action.objects.filter(pk=action.pk).filter(run_end_exempt()).exists()
+    ):
         return None
     if run_state is None:
         return ActionStatus.CANCELLED

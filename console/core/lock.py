@@ -8,9 +8,11 @@ fencing token from PostgreSQL (`next_fence`), checked by the write barrier.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -20,6 +22,7 @@ from console.core.errors import LockBusy, LockLost
 from console.core.fence import next_fence
 
 LOCK_NAMESPACE = "airlock:lock:"
+log = logging.getLogger("airlock.lock")
 
 # Both scripts act only if the key still holds our token.
 _RELEASE = """
@@ -69,6 +72,7 @@ class FencedLock:
         self._renew_script = redis.register_script(_RENEW)
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
+        self._on_renew: list[Callable[[], None]] = []
 
     # -- taking and giving back ------------------------------------------------
 
@@ -139,6 +143,12 @@ class FencedLock:
 
     # -- background renewal ------------------------------------------------------
 
+    def on_renew(self, hook: Callable[[], None]) -> None:
+        """Call `hook` (from the heartbeat thread) after each successful renewal, e.g.
+        to extend the lease of the operation the holder is running. A failing hook
+        is logged and never stops the heartbeat."""
+        self._on_renew.append(hook)
+
     def start_heartbeat(self, interval_ms: int | None = None) -> None:
         """Renew every `interval_ms` (default a third of the TTL) until released or lost."""
         interval = (interval_ms or max(self.ttl_ms // 3, 1)) / 1000
@@ -153,6 +163,11 @@ class FencedLock:
                 except Exception:  # Redis unreachable: the TTL decides; report lost.
                     self.lost = True
                     return
+                for hook in list(self._on_renew):
+                    try:
+                        hook()
+                    except Exception:
+                        log.warning("lock %s: a renewal hook failed", self.key, exc_info=True)
 
         self._heartbeat = threading.Thread(target=beat, name=f"lock:{self.key}", daemon=True)
         self._heartbeat.start()

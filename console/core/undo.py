@@ -5,10 +5,11 @@
 Restores the document from before `operation_id` (or the tombstone, for a
 create; or revives the resource, for a delete) with the same conditional UPDATE
 as every write — `WHERE version = <the version the operation produced> AND
-last_fence < :fence` — only inside the operation's undo deadline. One undo per
-operation: `Operation.undo_of` is unique and the undo operation moves pending ->
-done/failed exactly once under a row lock, so asking again (or twice at the same
-time) answers "already_undone" and writes nothing.
+last_fence < :fence` — when the undo was accepted inside the operation's undo
+deadline (`accepted_at`). One live undo per operation (a partial unique
+constraint on `undo_of`) and the undo operation moves pending -> done/failed
+exactly once under a row lock, so asking again (or twice at the same time)
+answers "already_undone" and writes nothing.
 
 Refusal reasons: "window_expired", "resource_moved" (the caller opens a conflict),
 "already_undone", "not_applied" (the operation never wrote), "stale_fence" (a newer
@@ -123,7 +124,10 @@ def apply_undo(
             return _refuse(undo_op, action, actor, ALREADY_UNDONE, "already undone", base)
         if original.status != OperationStatus.DONE or original.result_version is None:
             return _refuse(undo_op, action, actor, NOT_APPLIED, "the operation did not write", base)
-        if original.undo_deadline is None or now >= original.undo_deadline:
+        # The window is judged when the undo was accepted (202), not when a worker
+        # got to it: a kill switch or a busy lock may hold an accepted undo past it.
+        accepted = undo_op.accepted_at or undo_op.started_at
+        if original.undo_deadline is None or accepted >= original.undo_deadline:
             return _refuse(
                 undo_op,
                 action,
