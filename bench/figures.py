@@ -150,12 +150,14 @@ def poll(b: Bench) -> dict[str, Any]:
 
 
 def longpoll(b: Bench) -> dict[str, Any]:
-    """N polls held at once on the Procfile's web processes, then every action's approval
-    decided; wake-up = decision acknowledged → held poll answered."""
+    """N polls held at once on the Procfile's web processes, then a sample of the actions'
+    approvals decided; wake-up = decision acknowledged → that held poll answered."""
     names = [f"lp-{_tag()}-{i}" for i in range(b.size.longpoll)]
-    items = b.decision_items(fixtures.pending(b.main, "bench-wait", names))
+    pendings = fixtures.pending(b.main, "bench-wait", names)
+    items = b.decision_items(pendings)
     spec = {"mode": "longpoll", "port": b.stack.web_port, "token": b.main.token}
-    spec.update(items=items, wait=60, settle=2.0, change_concurrency=8)
+    spec.update(items=items, wakes=b.size.longpoll_wakes, wait=60, settle=2.0)
+    spec.update(change_concurrency=8)
     rss_before = b.stack.web_rss_kb()
     proc = subprocess.Popen(
         [PY, "-m", "bench.loadgen", b.spec_file({"host": "127.0.0.1", **spec})],
@@ -358,36 +360,8 @@ def core_write(b: Bench) -> dict[str, Any]:
 
 
 def _audit_writers(b: Bench, writers: int) -> float:
-    """`writers` processes appending at once (started together by a go file)."""
-    go_file = b.stack.workdir / f"audit-go-{writers}-{_tag()}"
-    spec = b.spec_file(
-        {"task": "audit_append", "seconds": b.size.audit_seconds, "go_file": str(go_file)}
-    )
-    procs = [
-        subprocess.Popen(
-            [PY, "-m", "bench.measure", spec],
-            cwd=ROOT,
-            env=b.stack.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(writers)
-    ]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        if len(list(b.stack.workdir.glob(f"{go_file.name}.ready.*"))) >= writers:
-            break
-        time.sleep(0.02)
-    go_file.touch()
-    results = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=b.size.audit_seconds + 120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"audit writer failed: {stderr[-800:]}")
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
-    events = sum(int(r["events"]) for r in results)
-    return round(events / max(float(r["seconds"]) for r in results), 1)
+    spec = {"task": "audit_append", "writers": writers, "seconds": b.size.audit_seconds}
+    return float(b.run_json("bench.measure", spec, b.size.audit_seconds + 180)["per_s"])
 
 
 def audit(b: Bench) -> dict[str, Any]:

@@ -6,8 +6,8 @@ decide approvals and loop read → write, and time what the product answers.
 
 Modes:
 - `longpoll`: hold N `Prefer: wait` polls (one connection each), count how many the server
-  holds, then decide each action's approval and time how long each held poll takes to answer
-  after its decision was acknowledged.
+  holds, then decide a sample of the actions' approvals and time how long each of those held
+  polls takes to answer after its decision was acknowledged.
 - `roundtrip`: hold `waiting` polls, then decide `samples` of them one at a time; each sample
   runs from the moment the decision request is sent to the moment the agent's poll answers
   with the new status.
@@ -242,10 +242,10 @@ async def run_longpoll(spec: dict[str, Any]) -> dict[str, Any]:
     raise_fd_limit(len(items) + 256)
     waiters = Waiters(spec, items)
     held = await waiters.settle(float(spec.get("open_timeout", 60)), float(spec["settle"]))
+    # Wake a sample (the rest stay held, as waiting agents do): decide their approvals.
     queue: asyncio.Queue[dict[str, str]] = asyncio.Queue()
-    for item in items:
-        if not waiters.events[item["id"]].is_set():
-            queue.put_nowait(item)
+    for item in [i for i in items if not waiters.events[i["id"]].is_set()][: int(spec["wakes"])]:
+        queue.put_nowait(item)
     changed_at: dict[str, float] = {}
     change_statuses: dict[str, int] = {}
 
@@ -262,7 +262,10 @@ async def run_longpoll(spec: dict[str, Any]) -> dict[str, Any]:
     t_change = time.perf_counter()
     await asyncio.gather(*(changer() for _ in range(int(spec.get("change_concurrency", 8)))))
     change_seconds = time.perf_counter() - t_change
-    await waiters.finish(float(spec.get("answer_timeout", 30)))
+    woken = [asyncio.create_task(waiters.events[i].wait()) for i in changed_at]
+    if woken:
+        await asyncio.wait(woken, timeout=float(spec.get("answer_timeout", 30)))
+    await waiters.finish(0.1)
     answered = waiters.answered_at
     wakes = [
         max(0.0, answered[i] - changed_at[i])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ django.setup()  # the app registry must be ready before the models below are imp
 
 import redis  # noqa: E402
 from django.conf import settings  # noqa: E402
-from django.db import connection, transaction  # noqa: E402
+from django.db import connection, connections, transaction  # noqa: E402
 
 from approvals.models import Action, ActionStatus, PayloadFormat, Run  # noqa: E402
 from audit.chain import event_hash, hashed_fields  # noqa: E402
@@ -120,25 +121,37 @@ def core_write(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def audit_writer(spec: dict[str, Any]) -> dict[str, Any]:
+def _append_for(seconds: float, start: Any, results: Any) -> None:
+    """One writer (a forked process with its own connection): append until time is up."""
     actor = Actor.system("bench")
-    # Start together: say "ready" (a file), then wait for the orchestrator's "go" file.
-    go_file = spec.get("go_file")
-    if go_file:
-        with open(f"{go_file}.ready.{os.getpid()}", "w"):
-            pass
-        deadline = time.monotonic() + 120
-        while not os.path.exists(go_file) and time.monotonic() < deadline:
-            time.sleep(0.002)
+    start.wait()
     count = 0
     t0 = time.perf_counter()
-    deadline = t0 + float(spec["seconds"])
-    max_events = int(spec.get("max_events", 10**9))
-    while time.perf_counter() < deadline and count < max_events:
+    while time.perf_counter() - t0 < seconds:
         audit_append(event_type="bench.append", actor=actor, details={"n": count})
         count += 1
-    elapsed = time.perf_counter() - t0
-    return {"events": count, "seconds": round(elapsed, 3)}
+    results.put((count, time.perf_counter() - t0))
+
+
+def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
+    """`writers` processes appending at once, forked from this one (one Django start-up) and
+    released together by a barrier."""
+    writers = int(spec["writers"])
+    context = multiprocessing.get_context("fork")
+    start, results = context.Barrier(writers), context.Queue()
+    connections.close_all()  # each child opens its own connection
+    children = [
+        context.Process(target=_append_for, args=(float(spec["seconds"]), start, results))
+        for _ in range(writers)
+    ]
+    for child in children:
+        child.start()
+    done = [results.get(timeout=float(spec["seconds"]) + 120) for _ in children]
+    for child in children:
+        child.join(timeout=30)
+    events = sum(count for count, _ in done)
+    seconds = max(elapsed for _, elapsed in done)
+    return {"writers": writers, "events": events, "per_s": round(events / seconds, 1)}
 
 
 def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
@@ -230,7 +243,7 @@ def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-TASKS = {"core_write": core_write, "audit_append": audit_writer, "seed_scale": seed_scale}
+TASKS = {"core_write": core_write, "audit_append": audit_writers, "seed_scale": seed_scale}
 
 
 def main(argv: list[str]) -> int:

@@ -12,6 +12,7 @@ class Size:
     poll_rounds: int  # interleaved bare / product rounds; the figure is the median ratio
     poll_seconds: int  # per wrk run
     longpoll: int  # polls held at once
+    longpoll_wakes: int  # of which this many are woken (and timed); the rest stay held
     roundtrip_waiting: int  # agents still waiting while each decision is timed
     roundtrip_samples: int
     noop_jobs: int
@@ -33,6 +34,7 @@ SIZES = {
         poll_rounds=1,
         poll_seconds=1,
         longpoll=20,
+        longpoll_wakes=10,
         roundtrip_waiting=10,
         roundtrip_samples=5,
         noop_jobs=50,
@@ -49,13 +51,14 @@ SIZES = {
     "small": Size(
         name="small",
         clients=(8, 32, 128),
-        poll_rounds=2,
-        poll_seconds=2,
+        poll_rounds=3,
+        poll_seconds=1,
         longpoll=500,
+        longpoll_wakes=100,
         roundtrip_waiting=200,
-        roundtrip_samples=50,
+        roundtrip_samples=30,
         noop_jobs=300,
-        approved=200,
+        approved=100,
         core_n=50,
         audit_writers=(1, 8),
         audit_seconds=1.0,
@@ -71,6 +74,7 @@ SIZES = {
         poll_rounds=5,
         poll_seconds=3,
         longpoll=2000,
+        longpoll_wakes=300,
         roundtrip_waiting=200,
         roundtrip_samples=200,
         noop_jobs=1000,
