@@ -159,10 +159,18 @@ def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
 
     Bulk, not the services: 10⁶-10⁷ audited rows through the services would take hours."""
     t0 = time.perf_counter()
-    want_events = int(spec["audit_events"])
-    want_resources = int(spec["resources"])
-    want_actions = int(spec["actions"])
-    kind = spec["kind"]
+    _seed_audit(int(spec["audit_events"]))
+    _seed_rows(spec)
+    return {
+        "audit_events": AuditEvent.objects.count(),
+        "resources": Resource.objects.count(),
+        "actions": Action.objects.count(),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def _seed_audit(want_events: int) -> None:
+    """Chained events appended by COPY under the head row's lock: the chain stays valid."""
     with transaction.atomic():
         head = AuditHead.objects.select_for_update().get(pk=1)
         seq, prev = head.seq, head.hash
@@ -205,6 +213,10 @@ def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
                     copy.write(buf.getvalue())
         AuditHead.objects.filter(pk=1).update(seq=seq, hash=prev)
 
+
+def _seed_rows(spec: dict[str, Any]) -> None:
+    """Resources and applied actions by INSERT … SELECT generate_series."""
+    want_resources, want_actions, kind = int(spec["resources"]), int(spec["actions"]), spec["kind"]
     have_resources = Resource.objects.count()
     with connection.cursor() as cursor:
         if want_resources > have_resources:
@@ -235,12 +247,6 @@ def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
                 ],
             )
         cursor.execute("ANALYZE")
-    return {
-        "audit_events": AuditEvent.objects.count(),
-        "resources": Resource.objects.count(),
-        "actions": Action.objects.count(),
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
 
 
 TASKS = {"core_write": core_write, "audit_append": audit_writers, "seed_scale": seed_scale}
