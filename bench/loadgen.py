@@ -1,19 +1,20 @@
-"""The load generator: a separate process speaking HTTP/1.1 over loopback with asyncio.
+"""Agents and people as a separate asyncio process: what waits or loops like a client does.
+HTTP throughput is never measured here (that is wrk's job); these modes hold connections,
+decide approvals and loop read → write, and time what the product answers.
 
-    python -m bench.loadgen '<json spec>'   → prints one JSON result on stdout
+    python -m bench.loadgen @spec.json   → prints one JSON result on stdout
 
 Modes:
-- `http`: N keep-alive clients send the same request in a loop, bounded by a request count and
-  a duration, after a warm-up; reports rps, p50/p99 and status counts.
-- `longpoll`: open N `Prefer: wait=…` requests (each on its own connection), count how many the
-  server holds, then change every action through the API (`POST …/cancel`) and measure how long
-  each held request takes to answer after its change was acknowledged.
-- `hot`: K writers on one resource with re-read-and-retry through the API (GET → PATCH with
-  If-Match → long-poll the action → retry on 412 / conflict), for a bounded time; reports each
-  writer's accepted tally.
-- `approve`: decide a list of approvals through the API with C concurrent clients.
+- `longpoll`: hold N `Prefer: wait` polls (one connection each), count how many the server
+  holds, then decide a sample of the actions' approvals and time how long each of those held
+  polls takes to answer after its decision was acknowledged.
+- `roundtrip`: hold `waiting` polls, then decide `samples` of them one at a time; each sample
+  runs from the moment the decision request is sent to the moment the agent's poll answers
+  with the new status.
+- `hot`: K writers on one resource (GET → PATCH with If-Match → long-poll the action).
+- `approve`: decide a list of approvals with C concurrent clients (the drain's set-up).
 
-A minimal client of its own (no httpx) so the generator costs little CPU on a 2-core machine.
+A minimal HTTP/1.1 client of its own (no httpx) so the waiters cost little CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import resource
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -81,7 +83,7 @@ class Connection:
             await self.open()
         assert self.writer is not None and self.reader is not None
         self.writer.write(raw)
-        return await self._read()
+        return await self.read()
 
     async def request(
         self,
@@ -103,7 +105,7 @@ class Connection:
             await self.close()
             return await self.send_raw(raw)
 
-    async def _read(self) -> Response:
+    async def read(self) -> Response:
         assert self.reader is not None
         head = await self.reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
@@ -152,180 +154,211 @@ def raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-# --- http ---------------------------------------------------------------------
-
-
-@dataclass
-class HttpStats:
-    latencies: list[float] = field(default_factory=list)
-    statuses: dict[int, int] = field(default_factory=dict)
-    errors: int = 0
-    count: int = 0
-
-
-async def _http_client(
-    spec: dict[str, Any], raw: bytes, stats: HttpStats, start_at: float, deadline: float
-) -> None:
-    conn = Connection(spec["host"], spec["port"])
-    max_requests = int(spec.get("max_requests", 10**9))
-    try:
-        while time.perf_counter() < deadline and stats.count < max_requests:
-            t0 = time.perf_counter()
-            try:
-                response = await conn.send_raw(raw)
-            except (ConnectionError, asyncio.IncompleteReadError, HttpError):
-                await conn.close()
-                if t0 >= start_at:
-                    stats.errors += 1
-                continue
-            elapsed = time.perf_counter() - t0
-            if t0 >= start_at:  # past the warm-up
-                stats.count += 1
-                stats.latencies.append(elapsed)
-                stats.statuses[response.status] = stats.statuses.get(response.status, 0) + 1
-    finally:
-        await conn.close()
-
-
-async def run_http(spec: dict[str, Any]) -> dict[str, Any]:
-    concurrency = int(spec["concurrency"])
-    raise_fd_limit(concurrency + 64)
-    raw = Connection.build(
-        spec.get("method", "GET"),
-        spec["path"],
-        f"{spec['host']}:{spec['port']}",
-        spec.get("headers", {}),
-    )
-    stats = HttpStats()
-    now = time.perf_counter()
-    start_at = now + float(spec.get("warmup", 1.0))
-    deadline = start_at + float(spec["duration"])
-    await asyncio.gather(
-        *(_http_client(spec, raw, stats, start_at, deadline) for _ in range(concurrency))
-    )
-    measured = max(1e-9, min(time.perf_counter(), deadline) - start_at)
-    return {
-        "concurrency": concurrency,
-        "requests": stats.count,
-        "seconds": round(measured, 3),
-        "rps": round(stats.count / measured, 1),
-        "p50_ms": _ms(percentile(stats.latencies, 0.50)),
-        "p99_ms": _ms(percentile(stats.latencies, 0.99)),
-        "statuses": {str(k): v for k, v in sorted(stats.statuses.items())},
-        "errors": stats.errors,
-    }
-
-
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 2)
 
 
-# --- longpoll ------------------------------------------------------------------
+def _count(counter: dict[str, int], key: object) -> None:
+    counter[str(key)] = counter.get(str(key), 0) + 1
+
+
+# --- held long-polls -----------------------------------------------------------
+
+
+class Waiters:
+    """One held `Prefer: wait` poll per action, each on its own connection."""
+
+    def __init__(self, spec: dict[str, Any], items: list[dict[str, str]]) -> None:
+        self.host, self.port = str(spec["host"]), int(spec["port"])
+        self.wait = int(spec.get("wait", 60))
+        self.token = str(spec["token"])
+        self.sent = 0
+        self.answered_at: dict[str, float] = {}
+        self.answer_status: dict[str, str] = {}
+        self.http_statuses: dict[str, int] = {}
+        self.errors: list[str] = []
+        self.events = {item["id"]: asyncio.Event() for item in items}
+        self.gate = asyncio.Semaphore(int(spec.get("connect_concurrency", 64)))
+        self.tasks = [asyncio.create_task(self._hold(item)) for item in items]
+
+    async def _hold(self, item: dict[str, str]) -> None:
+        conn = Connection(self.host, self.port)
+        try:
+            async with self.gate:
+                await conn.open()
+            headers = {
+                "Authorization": f"Bearer {self.token}",
+                "Prefer": f"wait={self.wait}",
+                "If-None-Match": item["etag"],
+            }
+            path = f"/api/v1/actions/{item['id']}"
+            assert conn.writer is not None
+            conn.writer.write(Connection.build("GET", path, f"{self.host}:{self.port}", headers))
+            self.sent += 1
+            response = await conn.read()
+            self.answered_at[item["id"]] = time.perf_counter()
+            _count(self.http_statuses, response.status)
+            if response.status == 200:
+                self.answer_status[item["id"]] = str(response.json().get("status", ""))
+        except Exception as exc:  # a refused or reset connection counts as not held
+            self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+        finally:
+            self.events[item["id"]].set()
+            await conn.close()
+
+    async def settle(self, open_timeout: float, settle_seconds: float) -> int:
+        """Wait until every poll is on the wire, let the server settle; returns how many wait."""
+        deadline = time.perf_counter() + open_timeout
+        while self.sent + len(self.errors) < len(self.tasks) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(settle_seconds)
+        return sum(1 for event in self.events.values() if not event.is_set())
+
+    async def finish(self, timeout: float) -> None:
+        await asyncio.wait(self.tasks, timeout=timeout)
+        for task in self.tasks:
+            task.cancel()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "connect_errors": len(self.errors),
+            "error_sample": self.errors[:3],
+            "answer_statuses": self.http_statuses,
+        }
+
+
+async def decide(conn: Connection, item: dict[str, str], decision: str) -> int:
+    response = await conn.request(
+        "POST",
+        f"/api/v1/approvals/{item['approval']}/decision",
+        {"Authorization": f"Bearer {item['decider']}"},
+        body={"decision": decision, "comment": "bench"},
+    )
+    return response.status
 
 
 async def run_longpoll(spec: dict[str, Any]) -> dict[str, Any]:
-    host, port = spec["host"], spec["port"]
-    items: list[dict[str, str]] = spec["actions"]  # [{id, etag}]
-    wait = int(spec.get("wait", 60))
+    items: list[dict[str, str]] = spec["items"]  # [{id, etag, approval, decider}]
     raise_fd_limit(len(items) + 256)
-    auth = {"Authorization": f"Bearer {spec['token']}"}
-    answered_at: dict[str, float] = {}
-    early: dict[str, int] = {}
-    statuses: dict[int, int] = {}
-    errors: list[str] = []
-    connect_gate = asyncio.Semaphore(int(spec.get("connect_concurrency", 64)))
-    sent = 0
-
-    async def hold(item: dict[str, str]) -> None:
-        nonlocal sent
-        conn = Connection(host, port)
-        try:
-            async with connect_gate:
-                await conn.open()
-            headers = {**auth, "Prefer": f"wait={wait}", "If-None-Match": item["etag"]}
-            raw = Connection.build(
-                "GET", f"/api/v1/actions/{item['id']}", f"{host}:{port}", headers
-            )
-            assert conn.writer is not None
-            conn.writer.write(raw)
-            sent += 1
-            response = await conn._read()
-            answered_at[item["id"]] = time.perf_counter()
-            statuses[response.status] = statuses.get(response.status, 0) + 1
-            if not triggered.is_set():
-                early[item["id"]] = response.status
-        except Exception as exc:  # a refused connection counts as not held
-            errors.append(f"{type(exc).__name__}: {exc}"[:200])
-        finally:
-            await conn.close()
-
-    triggered = asyncio.Event()
-    tasks = [asyncio.create_task(hold(item)) for item in items]
-    # Wait until every request is on the wire, then let the server settle.
-    deadline = time.perf_counter() + float(spec.get("open_timeout", 60))
-    while sent + len(errors) < len(items) and time.perf_counter() < deadline:
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(float(spec.get("settle", 2.0)))
-    held_now = len([i for i in items if i["id"] not in answered_at])
-    triggered.set()
-
-    # Change every action through the API; time each change from its acknowledgement.
-    changed_at: dict[str, float] = {}
-    change_statuses: dict[int, int] = {}
+    waiters = Waiters(spec, items)
+    held = await waiters.settle(float(spec.get("open_timeout", 60)), float(spec["settle"]))
+    # Wake a sample (the rest stay held, as waiting agents do): decide their approvals.
     queue: asyncio.Queue[dict[str, str]] = asyncio.Queue()
-    for item in items:
-        if item["id"] not in answered_at:
-            queue.put_nowait(item)
+    for item in [i for i in items if not waiters.events[i["id"]].is_set()][: int(spec["wakes"])]:
+        queue.put_nowait(item)
+    changed_at: dict[str, float] = {}
+    change_statuses: dict[str, int] = {}
 
     async def changer() -> None:
-        conn = Connection(host, port)
+        conn = Connection(waiters.host, waiters.port)
         try:
-            while True:
-                try:
-                    item = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                response = await conn.request(
-                    "POST",
-                    f"/api/v1/actions/{item['id']}/cancel",
-                    {**auth, "Idempotency-Key": f"bench-cancel-{item['id']}"},
-                    body={},
-                )
+            while not queue.empty():
+                item = queue.get_nowait()
+                _count(change_statuses, await decide(conn, item, "reject"))
                 changed_at[item["id"]] = time.perf_counter()
-                change_statuses[response.status] = change_statuses.get(response.status, 0) + 1
         finally:
             await conn.close()
 
     t_change = time.perf_counter()
     await asyncio.gather(*(changer() for _ in range(int(spec.get("change_concurrency", 8)))))
     change_seconds = time.perf_counter() - t_change
-    await asyncio.wait(tasks, timeout=float(spec.get("answer_timeout", 30)))
-    for task in tasks:
-        task.cancel()
+    woken = [asyncio.create_task(waiters.events[i].wait()) for i in changed_at]
+    if woken:
+        await asyncio.wait(woken, timeout=float(spec.get("answer_timeout", 30)))
+    await waiters.finish(0.1)
+    answered = waiters.answered_at
     wakes = [
-        max(0.0, answered_at[i] - changed_at[i])
+        max(0.0, answered[i] - changed_at[i])
         for i in changed_at
-        if i in answered_at and answered_at[i] >= t_change
+        if i in answered and answered[i] >= t_change
     ]
     return {
         "requested": len(items),
-        "held": held_now,
-        "answered_early": len(early),
-        "connect_errors": len(errors),
-        "error_sample": errors[:3],
+        "held": held,
         "woken": len(wakes),
         "wake_p50_ms": _ms(percentile(wakes, 0.50)),
         "wake_p99_ms": _ms(percentile(wakes, 0.99)),
         "change_seconds": round(change_seconds, 3),
-        "change_statuses": {str(k): v for k, v in change_statuses.items()},
-        "answer_statuses": {str(k): v for k, v in statuses.items()},
+        "change_statuses": change_statuses,
+        **waiters.summary(),
+    }
+
+
+async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
+    """Decision sent → the waiting agent's poll answered with the new status, one at a time
+    while the others keep waiting."""
+    items: list[dict[str, str]] = spec["items"]
+    raise_fd_limit(len(items) + 256)
+    waiters = Waiters(spec, items)
+    held = await waiters.settle(float(spec.get("open_timeout", 60)), float(spec["settle"]))
+    conn = Connection(waiters.host, waiters.port)
+    trips: list[float] = []
+    decisions: list[float] = []
+    decision_statuses: dict[str, int] = {}
+    missed = 0
+    try:
+        for item in items[: int(spec["samples"])]:
+            t_sent = time.perf_counter()
+            _count(decision_statuses, await decide(conn, item, "approve"))
+            decisions.append(time.perf_counter() - t_sent)
+            try:
+                await asyncio.wait_for(waiters.events[item["id"]].wait(), timeout=10)
+            except TimeoutError:
+                missed += 1
+                continue
+            status = waiters.answer_status.get(item["id"], "")
+            if status and status != "pending_approval":
+                trips.append(waiters.answered_at[item["id"]] - t_sent)
+            else:
+                missed += 1
+    finally:
+        await conn.close()
+    await waiters.finish(0.1)
+    return {
+        "waiting": len(items),
+        "held": held,
+        "samples": len(trips),
+        "missed": missed,
+        "p50_ms": _ms(percentile(trips, 0.50)),
+        "p99_ms": _ms(percentile(trips, 0.99)),
+        "decision_request_p50_ms": _ms(percentile(decisions, 0.50)),
+        "decision_statuses": decision_statuses,
+        **waiters.summary(),
     }
 
 
 # --- hot resource ------------------------------------------------------------------
 
 
-async def _hot_writer(spec: dict[str, Any], deadline: float, tally: list[int], idx: int) -> None:
+@dataclass
+class Tally:
+    applied: int = 0
+    refused_412: int = 0
+    conflicts: int = 0
+    rate_limited: int = 0
+    other: int = 0
+
+
+async def _await_final(
+    conn: Connection, auth: dict[str, str], action: dict[str, Any], etag: str, until: float
+) -> str:
+    """Long-poll the action until it is final (or the writer's time is up)."""
+    status = str(action.get("status"))
+    while status not in {"applied", "conflict", "failed", "rejected", "cancelled", "expired"}:
+        if time.perf_counter() > until:
+            break
+        polled = await conn.request(
+            "GET",
+            f"/api/v1/actions/{action['id']}",
+            {**auth, "Prefer": "wait=5", **({"If-None-Match": etag} if etag else {})},
+        )
+        if polled.status == 200:
+            status = str(polled.json().get("status"))
+            etag = polled.headers.get("etag", "")
+    return status
+
+
+async def _hot_writer(spec: dict[str, Any], deadline: float, tally: Tally) -> None:
     conn = Connection(spec["host"], spec["port"])
     auth = {"Authorization": f"Bearer {spec['token']}"}
     path = f"/api/v1/resources/{spec['resource']}"
@@ -333,75 +366,53 @@ async def _hot_writer(spec: dict[str, Any], deadline: float, tally: list[int], i
         while time.perf_counter() < deadline:
             got = await conn.request("GET", path, auth)
             if got.status != 200:
-                tally[idx * 4 + 3] += 1
+                tally.other += 1
                 await asyncio.sleep(0.05)
                 continue
-            doc = got.json()
-            counter = int(doc["document"].get("counter", 0))
-            etag = got.headers.get("etag", f'"{doc["version"]}"')
-            sent = await conn.request(
-                "PATCH",
-                path,
-                {
-                    **auth,
-                    "If-Match": etag,
-                    "Idempotency-Key": f"hot-{uuid.uuid4().hex}",
-                    "Content-Type": "application/merge-patch+json",
-                },
-                body={"counter": counter + 1},
-            )
+            counter = int(got.json()["document"].get("counter", 0))
+            headers = {
+                **auth,
+                "If-Match": got.headers.get("etag", ""),
+                "Idempotency-Key": f"hot-{uuid.uuid4().hex}",
+                "Content-Type": "application/merge-patch+json",
+            }
+            sent = await conn.request("PATCH", path, headers, body={"counter": counter + 1})
             if sent.status == 412:
-                tally[idx * 4 + 1] += 1
-                continue
-            if sent.status != 202:
-                tally[idx * 4 + 3] += 1
+                tally.refused_412 += 1
+            elif sent.status == 429:
+                tally.rate_limited += 1
+                await asyncio.sleep(0.5)
+            elif sent.status != 202:
+                tally.other += 1
                 await asyncio.sleep(0.05)
-                continue
-            action = sent.json()
-            status = action.get("status")
-            etag_a = sent.headers.get("etag", "")
-            wait = int(spec.get("poll_wait", 5))
-            while status not in {"applied", "conflict", "failed", "rejected", "cancelled"}:
-                if time.perf_counter() > deadline + wait:
-                    break
-                polled = await conn.request(
-                    "GET",
-                    f"/api/v1/actions/{action['id']}",
-                    {
-                        **auth,
-                        "Prefer": f"wait={wait}",
-                        **({"If-None-Match": etag_a} if etag_a else {}),
-                    },
-                )
-                if polled.status == 200:
-                    status = polled.json().get("status")
-                    etag_a = polled.headers.get("etag", "")
-            if status == "applied":
-                tally[idx * 4 + 0] += 1
-            elif status == "conflict":
-                tally[idx * 4 + 2] += 1
             else:
-                tally[idx * 4 + 3] += 1
+                until = deadline + 10
+                status = await _await_final(conn, auth, sent.json(), sent.headers["etag"], until)
+                if status == "applied":
+                    tally.applied += 1
+                elif status == "conflict":
+                    tally.conflicts += 1
+                else:
+                    tally.other += 1
     finally:
         await conn.close()
 
 
 async def run_hot(spec: dict[str, Any]) -> dict[str, Any]:
     writers = int(spec["writers"])
-    tally = [0] * (writers * 4)  # applied, stale_412, conflict, other
+    tallies = [Tally() for _ in range(writers)]
     start = time.perf_counter()
     deadline = start + float(spec["duration"])
-    await asyncio.gather(*(_hot_writer(spec, deadline, tally, i) for i in range(writers)))
-    elapsed = time.perf_counter() - start
-    applied = [tally[i * 4] for i in range(writers)]
+    await asyncio.gather(*(_hot_writer(spec, deadline, t) for t in tallies))
     return {
         "writers": writers,
-        "seconds": round(elapsed, 3),
-        "accepted": sum(applied),
-        "accepted_by_writer": applied,
-        "refused_412": sum(tally[i * 4 + 1] for i in range(writers)),
-        "conflicts": sum(tally[i * 4 + 2] for i in range(writers)),
-        "other": sum(tally[i * 4 + 3] for i in range(writers)),
+        "seconds": round(time.perf_counter() - start, 3),
+        "accepted": sum(t.applied for t in tallies),
+        "accepted_by_writer": [t.applied for t in tallies],
+        "refused_412": sum(t.refused_412 for t in tallies),
+        "conflicts": sum(t.conflicts for t in tallies),
+        "rate_limited_429": sum(t.rate_limited for t in tallies),
+        "other": sum(t.other for t in tallies),
     }
 
 
@@ -409,64 +420,39 @@ async def run_hot(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_approve(spec: dict[str, Any]) -> dict[str, Any]:
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for approval_id in spec["approvals"]:
-        queue.put_nowait(approval_id)
-    statuses: dict[int, int] = {}
-    auth = {"Authorization": f"Bearer {spec['token']}"}
+    queue: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    for item in spec["items"]:
+        queue.put_nowait(item)
+    statuses: dict[str, int] = {}
 
     async def client() -> None:
         conn = Connection(spec["host"], spec["port"])
         try:
-            while True:
-                try:
-                    approval_id = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                response = await conn.request(
-                    "POST",
-                    f"/api/v1/approvals/{approval_id}/decision",
-                    auth,
-                    body={"decision": "approve", "comment": "bench"},
-                )
-                statuses[response.status] = statuses.get(response.status, 0) + 1
+            while not queue.empty():
+                _count(statuses, await decide(conn, queue.get_nowait(), "approve"))
         finally:
             await conn.close()
 
     start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(int(spec.get("concurrency", 8)))))
-    elapsed = time.perf_counter() - start
-    return {
-        "decided": len(spec["approvals"]),
-        "seconds": round(elapsed, 3),
-        "statuses": {str(k): v for k, v in statuses.items()},
-    }
+    await asyncio.gather(*(client() for _ in range(int(spec.get("concurrency", 4)))))
+    return {"seconds": round(time.perf_counter() - start, 3), "statuses": statuses}
 
 
-MODES = {"http": run_http, "longpoll": run_longpoll, "hot": run_hot, "approve": run_approve}
-
-
-def _load_spec(argv: list[str]) -> dict[str, Any]:
-    """The spec: JSON in argv[0], `@path` to a JSON file, or `-` for stdin."""
-    raw = argv[0] if argv else "-"
-    if raw == "-":
-        return dict(json.loads(sys.stdin.read()))
-    if raw.startswith("@"):
-        with open(raw[1:]) as handle:
-            return dict(json.load(handle))
-    return dict(json.loads(raw))
+MODES = {
+    "longpoll": run_longpoll,
+    "roundtrip": run_roundtrip,
+    "hot": run_hot,
+    "approve": run_approve,
+}
 
 
 def main(argv: list[str]) -> int:
-    spec = _load_spec(argv)
-    try:
+    spec: dict[str, Any] = json.loads(Path(argv[0].removeprefix("@")).read_text())
+    with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
-    result = asyncio.run(MODES[spec["mode"]](spec))
-    print(json.dumps(result))
+    print(json.dumps(asyncio.run(MODES[spec["mode"]](spec))))
     return 0
 
 

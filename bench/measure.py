@@ -1,30 +1,41 @@
 """In-process measurements that need Django, each run in its own process:
 
-    python -m bench.measure '<json spec>'  → prints one JSON result
+    python -m bench.measure @spec.json  → prints one JSON result
 
 - `core_write`: the core path (fenced lock + fence + operation + barrier write + version row +
-  audit, one transaction) against a bare `UPDATE … WHERE version = …`, interleaved one-for-one
+  audit, one transaction) against a bare `UPDATE … WHERE version = …`, interleaved one for one
   so drift on a shared machine hits both alike.
-- `audit_append`: appends for a bounded time/count (several processes run it at once).
-- `seed_scale`: bulk data for the scale figures (COPY, not the API), with a valid audit chain.
+- `audit_append`: appends for a bounded time (several processes run it at once).
+- `seed_scale`: bulk data for the scale figures (COPY), with a valid audit chain.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import os
 import sys
 import time
 from datetime import UTC, datetime
 from typing import Any
 
+import django
 
-def _setup() -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
-    import django
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
+django.setup()  # the app registry must be ready before the models below are imported
 
-    django.setup()
+import redis  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.db import connection, connections, transaction  # noqa: E402
+
+from approvals.models import Action, ActionStatus, PayloadFormat, Run  # noqa: E402
+from audit.chain import event_hash, hashed_fields  # noqa: E402
+from audit.models import AuditEvent, AuditHead  # noqa: E402
+from audit.services import Actor, audit_append  # noqa: E402
+from console.core.barrier import apply_action, open_operation  # noqa: E402
+from console.core.lock import FencedLock  # noqa: E402
+from ownership.models import Resource  # noqa: E402
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -39,20 +50,10 @@ def _ms(value: float | None) -> float | None:
 
 
 def core_write(spec: dict[str, Any]) -> dict[str, Any]:
-    import redis as redis_lib
-    from django.conf import settings
-    from django.db import connection
-
-    from approvals.models import Action, ActionStatus, PayloadFormat, Run
-    from audit.services import Actor
-    from console.core.barrier import apply_action, open_operation
-    from console.core.lock import FencedLock
-    from ownership.models import Resource
-
     run = Run.objects.select_related("agent").get(pk=spec["run_id"])
     target = Resource.objects.get(pk=spec["core_resource_id"])
     bare = Resource.objects.get(pk=spec["bare_resource_id"])
-    client = redis_lib.Redis.from_url(settings.REDIS_URL)
+    client = redis.Redis.from_url(settings.REDIS_URL)
     actor = Actor.run(run)
     n = int(spec["n"])
     deadline = time.perf_counter() + float(spec.get("max_seconds", 60))
@@ -63,6 +64,8 @@ def core_write(spec: dict[str, Any]) -> dict[str, Any]:
         if time.perf_counter() > deadline:
             break
         target.refresh_from_db(fields=["version"])
+        # The core path's input row, not measured; proposing it through the service would
+        # enqueue a job that races the measured write (the barrier writes the audit it measures).
         action = Action.objects.create(
             run=run,
             agent=run.agent,
@@ -118,42 +121,56 @@ def core_write(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def audit_append(spec: dict[str, Any]) -> dict[str, Any]:
-    from audit.services import Actor
-    from audit.services import audit_append as append
-
+def _append_for(seconds: float, start: Any, results: Any) -> None:
+    """One writer (a forked process with its own connection): append until time is up."""
     actor = Actor.system("bench")
-    # Start together: say "ready" (a file), then wait for the orchestrator's "go" file.
-    go_file = spec.get("go_file")
-    if go_file:
-        with open(f"{go_file}.ready.{os.getpid()}", "w"):
-            pass
-        deadline = time.monotonic() + 120
-        while not os.path.exists(go_file) and time.monotonic() < deadline:
-            time.sleep(0.002)
+    start.wait()
     count = 0
     t0 = time.perf_counter()
-    deadline = t0 + float(spec["seconds"])
-    max_events = int(spec.get("max_events", 10**9))
-    while time.perf_counter() < deadline and count < max_events:
-        append(event_type="bench.append", actor=actor, details={"n": count})
+    while time.perf_counter() - t0 < seconds:
+        audit_append(event_type="bench.append", actor=actor, details={"n": count})
         count += 1
-    elapsed = time.perf_counter() - t0
-    return {"events": count, "seconds": round(elapsed, 3)}
+    results.put((count, time.perf_counter() - t0))
+
+
+def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
+    """`writers` processes appending at once, forked from this one (one Django start-up) and
+    released together by a barrier."""
+    writers = int(spec["writers"])
+    context = multiprocessing.get_context("fork")
+    start, results = context.Barrier(writers), context.Queue()
+    connections.close_all()  # each child opens its own connection
+    children = [
+        context.Process(target=_append_for, args=(float(spec["seconds"]), start, results))
+        for _ in range(writers)
+    ]
+    for child in children:
+        child.start()
+    done = [results.get(timeout=float(spec["seconds"]) + 120) for _ in children]
+    for child in children:
+        child.join(timeout=30)
+    events = sum(count for count, _ in done)
+    seconds = max(elapsed for _, elapsed in done)
+    return {"writers": writers, "events": events, "per_s": round(events / seconds, 1)}
 
 
 def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
-    """Bring the database up to the given totals with COPY; keep the audit chain valid."""
-    from django.db import connection, transaction
+    """Bring the database up to the given totals with COPY; keep the audit chain valid.
 
-    from audit.chain import event_hash, hashed_fields
-    from audit.models import AuditEvent, AuditHead
-
+    Bulk, not the services: 10⁶-10⁷ audited rows through the services would take hours."""
     t0 = time.perf_counter()
-    want_events = int(spec["audit_events"])
-    want_resources = int(spec["resources"])
-    want_actions = int(spec["actions"])
-    kind = spec["kind"]
+    _seed_audit(int(spec["audit_events"]))
+    _seed_rows(spec)
+    return {
+        "audit_events": AuditEvent.objects.count(),
+        "resources": Resource.objects.count(),
+        "actions": Action.objects.count(),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def _seed_audit(want_events: int) -> None:
+    """Chained events appended by COPY under the head row's lock: the chain stays valid."""
     with transaction.atomic():
         head = AuditHead.objects.select_for_update().get(pk=1)
         seq, prev = head.seq, head.hash
@@ -196,9 +213,10 @@ def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
                     copy.write(buf.getvalue())
         AuditHead.objects.filter(pk=1).update(seq=seq, hash=prev)
 
-    from approvals.models import Action
-    from ownership.models import Resource
 
+def _seed_rows(spec: dict[str, Any]) -> None:
+    """Resources and applied actions by INSERT … SELECT generate_series."""
+    want_resources, want_actions, kind = int(spec["resources"]), int(spec["actions"]), spec["kind"]
     have_resources = Resource.objects.count()
     with connection.cursor() as cursor:
         if want_resources > have_resources:
@@ -229,33 +247,18 @@ def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
                 ],
             )
         cursor.execute("ANALYZE")
-    return {
-        "audit_events": AuditEvent.objects.count(),
-        "resources": Resource.objects.count(),
-        "actions": Action.objects.count(),
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
 
 
-TASKS = {"core_write": core_write, "audit_append": audit_append, "seed_scale": seed_scale}
-
-
-def _load_spec(argv: list[str]) -> dict[str, Any]:
-    """The spec: JSON in argv[0], `@path` to a JSON file, or `-` for stdin."""
-    raw = argv[0] if argv else "-"
-    if raw == "-":
-        return dict(json.loads(sys.stdin.read()))
-    if raw.startswith("@"):
-        with open(raw[1:]) as handle:
-            return dict(json.load(handle))
-    return dict(json.loads(raw))
+TASKS = {"core_write": core_write, "audit_append": audit_writers, "seed_scale": seed_scale}
 
 
 def main(argv: list[str]) -> int:
-    spec = _load_spec(argv)
-    _setup()
-    result = TASKS[spec["task"]](spec)
-    print(json.dumps(result, default=str))
+    with open(argv[0].removeprefix("@")) as handle:
+        spec: dict[str, Any] = json.load(handle)
+    # {"tasks": [...]}: several tasks in one process (one Django start-up, not several).
+    specs = spec.get("tasks", [spec])
+    results = {s["task"]: TASKS[s["task"]](s) for s in specs}
+    print(json.dumps(results if "tasks" in spec else results[spec["task"]], default=str))
     return 0
 
 

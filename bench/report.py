@@ -1,15 +1,16 @@
-"""Render a bench result as the README's Performance table.
+"""The one renderer: every figure with its goal, as bench/results/latest.json and as the
+Markdown table printed after a run and kept in README's Performance section.
 
     python -m bench.report [bench/results/latest.json] [--write-readme]
-
-Prints the Markdown; with --write-readme it replaces the block between the
-`<!-- bench:begin -->` and `<!-- bench:end -->` markers in README.md.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,91 +18,113 @@ ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
-def _get(node: Any, path: str) -> Any:
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+@dataclass(frozen=True)
+class Goal:
+    label: str
+    op: str
+    target: float
+    unit: str = ""
+
+    def met(self, value: float) -> bool:
+        compare: dict[str, Callable[[float, float], bool]] = {
+            ">=": operator.ge,
+            "<=": operator.le,
+            "<": operator.lt,
+            "==": operator.eq,
+        }
+        return compare[self.op](value, self.target)
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.target:g}{self.unit}"
+
+
+# Issue 11's goal table, one row per figure, in the order the table shows them.
+GOALS: dict[str, Goal] = {
+    "poll_vs_bare_8": Goal("poll ÷ bare token view, 8 clients (0 errors)", ">=", 0.9),
+    "poll_vs_bare_32": Goal("poll ÷ bare token view, 32 clients (0 errors)", ">=", 0.9),
+    "poll_vs_bare_128": Goal("poll ÷ bare token view, 128 clients (0 errors)", ">=", 0.9),
+    "poll_304_vs_200": Goal("304 poll ÷ 200 poll", ">=", 1.5),
+    "longpoll_held": Goal("long-polls held by the default web processes", ">=", 2000),
+    "longpoll_wake_p99_ms": Goal("long-poll wake-up p99", "<", 100, " ms"),
+    "approval_round_trip_p50_ms": Goal("approval round trip p50 (200 waiting)", "<", 15, " ms"),
+    "approval_round_trip_p99_ms": Goal("approval round trip p99 (200 waiting)", "<", 40, " ms"),
+    "approved_writes_vs_noop_jobs": Goal("approved-write drain ÷ RQ no-op job rate", ">=", 0.5),
+    "approved_writes_per_s": Goal("approved writes drained per second", ">=", 500, "/s"),
+    "core_write_vs_bare_update": Goal("core write p50 ÷ bare conditional UPDATE", "<=", 10),
+    "audit_appends_per_s_1": Goal("audit appends/s, 1 writer (chain verified)", ">=", 5000, "/s"),
+    "audit_appends_per_s_8": Goal("audit appends/s, 8 writers (chain verified)", ">=", 10000, "/s"),
+    "hot_resource_lost_updates": Goal("hot resource: lost updates", "==", 0),
+    "hot_resource_vs_single": Goal("hot resource: accepted/s ÷ one agent's", ">=", 0.5),
+    "scale_poll_p50_ratio": Goal("poll p50 at scale ÷ at 10³", "<=", 1.2),
+    "scale_core_write_p50_ratio": Goal("core write p50 at scale ÷ at 10³", "<=", 1.2),
+}
+
+
+def figure(key: str, value: float | None, *, errors: int = 0, **detail: Any) -> dict[str, Any]:
+    """One figure with its goal beside it; `errors` > 0 means the goal is not met."""
+    goal = GOALS[key]
+    met = None if value is None else goal.met(value) and errors == 0
+    return {"value": value, "goal": str(goal), "met": met, "errors": errors, **detail}
+
+
+def not_measured(keys: list[str], reason: str) -> dict[str, dict[str, Any]]:
+    return {
+        key: {"value": None, "goal": str(GOALS[key]), "met": None, "not_measured": reason}
+        for key in keys
+    }
 
 
 def _fmt(value: Any) -> str:
     if value is None:
-        return "null"
+        return "—"
     if isinstance(value, float):
-        return f"{value:,.2f}".rstrip("0").rstrip(".") if abs(value) < 1000 else f"{value:,.0f}"
-    return str(value)
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.2f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _note(fig: dict[str, Any]) -> str:
+    if fig.get("not_measured"):
+        return f"not measured: {str(fig['not_measured']).splitlines()[0][:160]}"
+    parts = [f"{fig['errors']} errors"] if fig.get("errors") else []
+    parts += [str(fig["note"])] if fig.get("note") else []
+    return "; ".join(parts)
 
 
 def render(doc: dict[str, Any]) -> str:
-    f = doc["figures"]
-    goals = doc.get("goals", {})
-    rows: list[tuple[str, str, str]] = []
-
-    def add(name: str, path: str, goal_key: str | None = None, note: str = "") -> None:
-        goal = goals.get(goal_key or path, "")
-        rows.append((f"`{name}`", _fmt(_get(f, path)) + (f" {note}" if note else ""), goal))
-
-    add("poll_vs_bare", "poll_vs_bare", note="(worst of 8/32/128 clients)")
-    add("poll_304_vs_200", "poll_304_vs_200", note="(worst)")
-    for c, v in (f.get("poll") or {}).items():
-        rows.append(
-            (
-                f"&nbsp;&nbsp;{c} clients",
-                f"poll {_fmt(v['poll_rps'])} rps (p50 {_fmt(v['poll_p50_ms'])} / p99 "
-                f"{_fmt(v['poll_p99_ms'])} ms), bare {_fmt(v['bare_token_view_rps'])} rps, "
-                f"304 {_fmt(v['poll_304_rps'])} rps",
-                "",
-            )
-        )
-    add("longpoll_held", "longpoll_held")
-    add("longpoll_wake_p99_ms", "longpoll_wake_p99_ms")
-    add("longpoll server RSS at peak (MB)", "longpoll_server_rss_mb_peak")
-    add("core_write_p50_ms", "core_write_p50_ms")
-    add("core_write_vs_bare_update", "core_write_vs_bare_update")
-    add("approved_writes_per_s", "approved_writes_per_s")
-    rows.append(
-        (
-            "&nbsp;&nbsp;fork `Worker` / `SimpleWorker`",
-            f"{_fmt(_get(f, 'approved_writes_fork.approved_writes_per_s'))} / "
-            f"{_fmt(_get(f, 'approved_writes_simple.approved_writes_per_s'))} writes/s",
-            "",
-        )
-    )
-    add("hot_resource.lost_updates", "hot_resource.lost_updates")
-    add("hot_resource.accepted_per_s", "hot_resource.accepted_per_s")
-    add("hot_resource.vs_single_writer", "hot_resource.vs_single_writer")
-    add("audit_append_per_s (1 writer)", "audit_append_per_s_1", "audit_append_per_s")
-    add("audit_append_per_s (4 writers)", "audit_append_per_s_4", "audit_append_per_s")
-    add("audit chain verifies", "audit_chain_ok")
-    add("scale.poll_p50_ratio", "scale.poll_p50_ratio")
-    add("scale.core_write_p50_ratio", "scale.core_write_p50_ratio")
+    figures: dict[str, dict[str, Any]] = doc["figures"]
     lines = [
-        f"Latest run: `make bench` (size `{doc['size']}`), {doc['started_at']}, "
-        f"{doc['machine']['cpus']} CPUs, Python {doc['machine']['python']}, "
-        f"{doc.get('seconds', '?')} s.",
+        f"`make bench BENCH_SIZE={doc['size']}`, {doc['started_at']}, "
+        f"{doc['machine']['cpus']} CPUs, {doc.get('seconds', '?')} s. {doc.get('load_note', '')}",
         "",
-        "| figure | value | goal |",
-        "| --- | --- | --- |",
+        "| figure | value | goal | met | note |",
+        "| --- | --- | --- | --- | --- |",
     ]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    if doc.get("not_measured"):
-        lines += ["", "Not measured in that run:", ""]
-        lines += [f"- `{k}`: {v.splitlines()[0][:200]}" for k, v in doc["not_measured"].items()]
+    for key, goal in GOALS.items():
+        fig = figures.get(key, {"value": None, "met": None, "not_measured": "missing"})
+        met = {True: "yes", False: "no", None: "—"}[fig.get("met")]
+        lines.append(f"| {goal.label} | {_fmt(fig.get('value'))} | {goal} | {met} | {_note(fig)} |")
     return "\n".join(lines)
 
 
+def write(doc: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def write_readme(text: str) -> None:
+    readme = ROOT / "README.md"
+    head, _, rest = readme.read_text().partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    readme.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
 def main(argv: list[str]) -> int:
-    args = [a for a in argv if not a.startswith("--")]
-    path = Path(args[0]) if args else ROOT / "bench" / "results" / "latest.json"
+    paths = [a for a in argv if not a.startswith("--")]
+    path = Path(paths[0]) if paths else ROOT / "bench" / "results" / "latest.json"
     text = render(json.loads(path.read_text()))
     print(text)
     if "--write-readme" in argv:
-        readme = ROOT / "README.md"
-        content = readme.read_text()
-        head, _, rest = content.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        readme.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+        write_readme(text)
     return 0
 
 

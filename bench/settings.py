@@ -1,4 +1,4 @@
-"""The production settings plus one URL: the bare baseline view the poll path is compared to."""
+"""The bare baseline's settings: the product's settings, with only the baseline URL routed."""
 
 from __future__ import annotations
 

@@ -1,0 +1,503 @@
+"""One function per figure of issue 11's goal table. Each returns `{key: figure(...)}` entries
+(bench.report.figure: the value with its goal beside it and the detail that explains it).
+
+HTTP throughput comes from wrk; waiting agents and deciding people from bench.loadgen (an
+asyncio process that waits, not load); in-process timings from bench.measure.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import httpx
+import redis
+from django.db.models import Max, Min
+from rq import Queue
+from rq.job import Job
+
+from approvals.models import Action, Operation
+from audit.chain import verify_rows
+from audit.models import AuditEvent
+from bench import fixtures
+from bench.fixtures import Pending, RunHandle, World
+from bench.report import figure
+from bench.sizes import Size
+from bench.stack import PY, ROOT, Stack, log, raise_nofile
+from bench.wrk import WrkResult, run_wrk
+from ownership.models import Resource
+
+# The Procfile's worker line, started twice (as `honcho start -c worker=2` would).
+WORKERS = 2
+
+
+@dataclass
+class Bench:
+    stack: Stack
+    world: World
+    size: Size
+    main: RunHandle  # bench-wait/* and bench-call/*: long-polls, round trip, drain, poll
+    core: RunHandle  # bench-core/*: the in-process core path and the scale figures
+    poll_action: Pending
+
+    def spec_file(self, spec: dict[str, Any]) -> str:
+        """A spec as `@file`: thousands of action ids do not fit in argv."""
+        path = self.stack.workdir / f"spec-{uuid.uuid4().hex}.json"
+        path.write_text(json.dumps(spec))
+        return f"@{path}"
+
+    def run_json(self, module: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+        done = subprocess.run(
+            [PY, "-m", module, self.spec_file(spec)],
+            cwd=ROOT,
+            env=self.stack.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=raise_nofile,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{module} failed ({done.returncode}): {done.stderr[-1500:]}")
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+    def loadgen(self, spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+        return self.run_json("bench.loadgen", {"host": "127.0.0.1", **spec}, timeout)
+
+    def decision_items(self, pendings: list[Pending]) -> list[dict[str, str]]:
+        """Actions with their approval and a deciding token (each within the rate limit)."""
+        tokens = self.world.operator_tokens(len(pendings))
+        return [
+            {
+                "id": p.action_id,
+                "etag": p.etag,
+                "approval": p.approval_id,
+                "decider": tokens[i // fixtures.DECISIONS_PER_TOKEN],
+            }
+            for i, p in enumerate(pendings)
+        ]
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 2) if values else None
+
+
+def _tag() -> str:
+    return uuid.uuid4().hex[:6]
+
+
+# --- polls ---------------------------------------------------------------------------------
+
+
+def _first_answers(b: Bench, url: str, bare_url: str) -> str:
+    """Both endpoints answer 200 before any load; returns the product's ETag."""
+    auth = {"Authorization": f"Bearer {b.main.token}"}
+    product = httpx.get(url, headers=auth, timeout=30)
+    bare = httpx.get(bare_url, headers=auth, timeout=30)
+    if product.status_code != 200 or bare.status_code != 200:
+        raise RuntimeError(f"poll {product.status_code}, bare {bare.status_code}: {bare.text}")
+    return str(product.headers.get("etag", ""))
+
+
+def poll(b: Bench) -> dict[str, Any]:
+    """Bare, product and 304 runs interleaved per round (order flipped every other round),
+    so drift on a shared machine hits all three; each figure is the median per-round ratio."""
+    action = b.poll_action.action_id
+    url = f"{b.stack.base}/api/v1/actions/{action}"
+    bare_url = f"{b.stack.bare_base}/bench/bare/actions/{action}"
+    etag = _first_answers(b, url, bare_url)
+    targets = {"bare": (bare_url, ""), "poll": (url, ""), "304": (url, etag)}
+    rounds: dict[int, list[dict[str, WrkResult]]] = {c: [] for c in b.size.clients}
+    for number in range(b.size.poll_rounds):
+        for clients in b.size.clients:
+            order = ["bare", "poll", "304"] if number % 2 == 0 else ["304", "poll", "bare"]
+            results: dict[str, WrkResult] = {}
+            for name in order:
+                target, inm = targets[name]
+                results[name] = run_wrk(
+                    target,
+                    clients=clients,
+                    seconds=b.size.poll_seconds,
+                    token=b.main.token,
+                    etag=inm,
+                )
+            rounds[clients].append(results)
+            log(f"poll c={clients}: " + ", ".join(f"{k} {v.rps}/s" for k, v in results.items()))
+    out: dict[str, Any] = {}
+    for clients, runs in rounds.items():
+        out[f"poll_vs_bare_{clients}"] = figure(
+            f"poll_vs_bare_{clients}",
+            _median([r["poll"].rps / r["bare"].rps for r in runs if r["bare"].rps]),
+            errors=sum(r["poll"].errors + r["bare"].errors for r in runs),
+            rounds=[{k: v.as_dict() for k, v in r.items()} for r in runs],
+        )
+    all_runs = [r for runs in rounds.values() for r in runs]
+    not_304 = sum(r["304"].requests - r["304"].statuses.get("304", 0) for r in all_runs)
+    out["poll_304_vs_200"] = figure(
+        "poll_304_vs_200",
+        _median([r["304"].rps / r["poll"].rps for r in all_runs if r["poll"].rps]),
+        errors=sum(r["304"].errors for r in all_runs),
+        answers_not_304=not_304,
+        note="If-None-Match was not answered 304" if not_304 else "",
+    )
+    return out
+
+
+def longpoll(b: Bench) -> dict[str, Any]:
+    """N polls held at once on the Procfile's web processes, then a sample of the actions'
+    approvals decided; wake-up = decision acknowledged → that held poll answered."""
+    names = [f"lp-{_tag()}-{i}" for i in range(b.size.longpoll)]
+    pendings = fixtures.pending(b.main, "bench-wait", names)
+    items = b.decision_items(pendings)
+    spec = {"mode": "longpoll", "port": b.stack.web_port, "token": b.main.token}
+    spec.update(items=items, wakes=b.size.longpoll_wakes, wait=60, settle=2.0)
+    spec.update(change_concurrency=8)
+    rss_before = b.stack.web_rss_kb()
+    proc = subprocess.Popen(
+        [PY, "-m", "bench.loadgen", b.spec_file({"host": "127.0.0.1", **spec})],
+        cwd=ROOT,
+        env=b.stack.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=raise_nofile,
+    )
+    peak = rss_before
+    while proc.poll() is None:
+        peak = max(peak, b.stack.web_rss_kb())
+        time.sleep(0.25)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"longpoll waiters failed: {err[-1500:]}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    result["server_rss_mb"] = {"before": rss_before // 1024, "peak": peak // 1024}
+    log(f"longpoll: held {result['held']}/{len(items)}, wake p99 {result['wake_p99_ms']} ms")
+    held_note = "" if b.size.longpoll >= 2000 else f"size {b.size.name}: {len(items)} requested"
+    return {
+        "longpoll_held": figure(
+            "longpoll_held",
+            result["held"],
+            errors=result["connect_errors"],
+            requested=len(items),
+            note=held_note,
+            detail=result,
+        ),
+        "longpoll_wake_p99_ms": figure(
+            "longpoll_wake_p99_ms",
+            result["wake_p99_ms"],
+            p50_ms=result["wake_p50_ms"],
+            woken=result["woken"],
+            held=result["held"],
+        ),
+    }
+
+
+def round_trip(b: Bench) -> dict[str, Any]:
+    """A person's decision sent → the waiting agent's long-poll answered with the new status,
+    while `roundtrip_waiting` other agents keep waiting."""
+    total = b.size.roundtrip_waiting + b.size.roundtrip_samples
+    names = [f"rt-{_tag()}-{i}" for i in range(total)]
+    items = b.decision_items(fixtures.pending(b.main, "bench-wait", names))
+    result = b.loadgen(
+        {
+            "mode": "roundtrip",
+            "port": b.stack.web_port,
+            "token": b.main.token,
+            "items": items,
+            "samples": b.size.roundtrip_samples,
+            "wait": 60,
+            "settle": 1.0,
+        }
+    )
+    log(f"round trip: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms")
+    detail = {"waiting": b.size.roundtrip_waiting, "samples": result["samples"]}
+    return {
+        "approval_round_trip_p50_ms": figure(
+            "approval_round_trip_p50_ms",
+            result["p50_ms"],
+            errors=result["missed"],
+            decision_request_p50_ms=result["decision_request_p50_ms"],
+            **detail,
+            detail=result,
+        ),
+        "approval_round_trip_p99_ms": figure(
+            "approval_round_trip_p99_ms", result["p99_ms"], errors=result["missed"], **detail
+        ),
+    }
+
+
+# --- the approved-write drain and its RQ ceiling ----------------------------------------------
+
+
+def _span_rate(count: int, first: datetime | None, last: datetime | None) -> float | None:
+    """Items per second between the first and the last finish (worker start-up excluded)."""
+    if first is None or last is None or count < 2 or last <= first:
+        return None
+    return round((count - 1) / (last - first).total_seconds(), 1)
+
+
+def _enqueue_noops(queue: Queue, jobs: int) -> list[str]:
+    datas = [Queue.prepare_data("bench.jobs.noop") for _ in range(jobs)]
+    return [job.id for job in queue.enqueue_many(datas)]
+
+
+def _noop_rate(connection: redis.Redis, ids: list[str]) -> float | None:
+    ended = [j.ended_at for j in Job.fetch_many(ids, connection) if j and j.ended_at]
+    return _span_rate(len(ended), min(ended, default=None), max(ended, default=None))
+
+
+def _wait_jobs(connection: redis.Redis, ids: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        jobs = Job.fetch_many(ids, connection)
+        if all(j is None or j.ended_at is not None for j in jobs):
+            return
+        time.sleep(0.1)
+
+
+def _approve_and_queue(b: Bench, pendings: list[Pending]) -> dict[str, Any]:
+    """With the workers stopped, one FIFO queue fills with no-op jobs, then the approved
+    writes' jobs (each decision enqueues its action), then no-op jobs again: one worker start
+    drains all three, so the ceiling brackets the drain on the same workers."""
+    connection = redis.Redis.from_url(b.stack.redis_url)
+    queue = Queue("default", connection=connection)
+    before = _enqueue_noops(queue, b.size.noop_jobs)
+    decided = b.loadgen(
+        {
+            "mode": "approve",
+            "port": b.stack.web_port,
+            "items": b.decision_items(pendings),
+            "concurrency": 4,
+        }
+    )
+    after = _enqueue_noops(queue, b.size.noop_jobs)
+    ids = [p.action_id for p in pendings]
+    b.stack.start_workers(WORKERS)
+    finished = fixtures.wait_final(ids, timeout=60 + len(ids) * 0.1)
+    _wait_jobs(connection, before + after, timeout=60)
+    span = Operation.objects.filter(
+        action_id__in=ids, status="done", undo_of__isnull=True
+    ).aggregate(first=Min("finished_at"), last=Max("finished_at"))
+    applied = Action.objects.filter(id__in=ids, status="applied").count()
+    return {
+        "actions": len(ids),
+        "applied": applied,
+        "finished": finished,
+        "rate": _span_rate(applied, span["first"], span["last"]),
+        "noop_before": _noop_rate(connection, before),
+        "noop_after": _noop_rate(connection, after),
+        "approve_api": decided,
+    }
+
+
+def drain(b: Bench) -> dict[str, Any]:
+    """Approved per-call updates of distinct resources, drained by the Procfile's workers, ÷
+    the no-op job rate of the same workers just before and just after, in one queue."""
+    names = [f"aw-{_tag()}-{i}" for i in range(b.size.approved)]
+    fixtures.create_resources(b.main, "bench-call", names, {"touched": None})
+    pendings = fixtures.pending(b.main, "bench-call", names, update=True)
+    b.stack.stop("worker")
+    try:
+        result = _approve_and_queue(b, pendings)
+    finally:
+        if not b.stack.processes.get("worker"):
+            b.stack.start_workers(WORKERS)
+    ceilings = [r for r in (result["noop_before"], result["noop_after"]) if r]
+    ceiling = round(statistics.mean(ceilings), 1) if ceilings else None
+    rate = result["rate"]
+    log(f"drain: {rate} approved writes/s, no-op jobs {ceilings} per s")
+    unapplied = result["actions"] - result["applied"]
+    return {
+        "approved_writes_vs_noop_jobs": figure(
+            "approved_writes_vs_noop_jobs",
+            round(rate / ceiling, 2) if rate and ceiling else None,
+            errors=unapplied,
+            noop_jobs_per_s=ceiling,
+            workers=WORKERS,
+        ),
+        "approved_writes_per_s": figure(
+            "approved_writes_per_s", rate, errors=unapplied, detail=result
+        ),
+    }
+
+
+# --- in-process figures -------------------------------------------------------------------
+
+
+def _core_resources(b: Bench) -> tuple[int, int]:
+    names = [f"core-{_tag()}", f"bare-{_tag()}"]
+    fixtures.create_resources(b.core, "bench-core", names, {"n": 0})
+    rows = Resource.objects.filter(kind_id="bench-core", name__in=names)
+    ids = dict(rows.values_list("name", "id"))
+    return ids[names[0]], ids[names[1]]
+
+
+def _core_spec(b: Bench, n: int) -> dict[str, Any]:
+    core_id, bare_id = _core_resources(b)
+    spec: dict[str, Any] = {"task": "core_write", "n": n, "run_id": str(b.core.run_id)}
+    spec.update(core_resource_id=core_id, bare_resource_id=bare_id)
+    spec.update(conflict_class="recompute_field", max_seconds=120)
+    return spec
+
+
+def core_write(b: Bench) -> dict[str, Any]:
+    result = b.run_json("bench.measure", _core_spec(b, b.size.core_n), 300)
+    log(f"core write p50 {result['core_write_p50_ms']} ms, bare {result['bare_update_p50_ms']} ms")
+    return {
+        "core_write_vs_bare_update": figure(
+            "core_write_vs_bare_update",
+            result["core_write_vs_bare_update"],
+            errors=result["refused"],
+            detail=result,
+        )
+    }
+
+
+def _audit_writers(b: Bench, writers: int) -> float:
+    spec = {"task": "audit_append", "writers": writers, "seconds": b.size.audit_seconds}
+    return float(b.run_json("bench.measure", spec, b.size.audit_seconds + 180)["per_s"])
+
+
+def audit(b: Bench) -> dict[str, Any]:
+    rates = {writers: _audit_writers(b, writers) for writers in b.size.audit_writers}
+    t0 = time.perf_counter()
+    verified = verify_rows(AuditEvent.objects.order_by("seq").iterator(chunk_size=5000))
+    verify = {
+        "chain_ok": verified.ok,
+        "events": verified.events,
+        "verify_seconds": round(time.perf_counter() - t0, 2),
+    }
+    log(f"audit: {rates} appends/s, chain ok {verified.ok}")
+    low, high = min(rates), max(rates)
+    note = "" if high == 8 else f"size {b.size.name}: {high} writers, not 8"
+    return {
+        "audit_appends_per_s_1": figure(
+            "audit_appends_per_s_1", rates[low], errors=int(not verified.ok), chain=verify
+        ),
+        "audit_appends_per_s_8": figure(
+            "audit_appends_per_s_8",
+            rates[high],
+            errors=int(not verified.ok),
+            writers=high,
+            chain=verify,
+            note=note,
+        ),
+    }
+
+
+# --- hot resource --------------------------------------------------------------------------
+
+
+def _hot_round(b: Bench, writers: int) -> dict[str, Any]:
+    """`writers` clients of one fresh run loop read → write on one fresh resource."""
+    name = f"{'hot' if writers > 1 else 'solo'}-{_tag()}"
+    handle = fixtures.run_for(b.world, [f"bench-doc/{name}"], task=f"bench: hot {name}")
+    fixtures.create_resources(handle, "bench-doc", [name], {"counter": 0})
+    result = b.loadgen(
+        {
+            "mode": "hot",
+            "port": b.stack.web_port,
+            "token": handle.token,
+            "resource": f"bench-doc/{name}",
+            "writers": writers,
+            "duration": b.size.hot_seconds,
+        },
+        timeout=b.size.hot_seconds + 180,
+    )
+    actions = Action.objects.filter(kind_id="bench-doc", name=name, operation="update")
+    fixtures.wait_final([str(pk) for pk in actions.values_list("id", flat=True)], timeout=30)
+    row = Resource.objects.get(kind_id="bench-doc", name=name)
+    applied = actions.filter(status="applied").count()
+    counter = int(row.document.get("counter") or 0)
+    # Lost: an applied increment missing from the document, or a write a client was told
+    # was applied that the database does not hold as applied.
+    result["lost_updates"] = (applied - counter) + max(0, result["accepted"] - applied)
+    result["db_applied"] = applied
+    result["final_version"] = row.version
+    result["accepted_per_s"] = round(applied / result["seconds"], 2)
+    return result
+
+
+def hot_resource(b: Bench) -> dict[str, Any]:
+    single = _hot_round(b, 1)
+    contended = _hot_round(b, b.size.hot_writers)
+    log(f"hot: {contended['accepted_per_s']}/s contended, {single['accepted_per_s']}/s single")
+    limited = contended["rate_limited_429"] + single["rate_limited_429"]
+    note = f"{limited} writes refused 429 by the default per-token rate limit" if limited else ""
+    return {
+        "hot_resource_lost_updates": figure(
+            "hot_resource_lost_updates",
+            contended["lost_updates"] + single["lost_updates"],
+            writers=b.size.hot_writers,
+        ),
+        "hot_resource_vs_single": figure(
+            "hot_resource_vs_single",
+            round(contended["accepted_per_s"] / single["accepted_per_s"], 2)
+            if single["accepted_per_s"]
+            else None,
+            contended=contended,
+            single=single,
+            note=note,
+        ),
+    }
+
+
+# --- scale -------------------------------------------------------------------------------------
+
+
+def _scale_point(b: Bench, totals: tuple[int, int]) -> dict[str, Any]:
+    """Bring the database up to `totals`, then time a core write and a poll there."""
+    events, actions = totals
+    core = _core_spec(b, b.size.core_n)
+    seed = {"task": "seed_scale", "audit_events": events, "resources": actions}
+    seed.update(actions=actions, kind="bench-core", run_id=str(b.core.run_id))
+    seed.update(agent_id=str(b.world.agent.pk), conflict_class="recompute_field")
+    measured = b.run_json("bench.measure", {"tasks": [seed, core]}, 3600)
+    url = f"{b.stack.base}/api/v1/actions/{b.poll_action.action_id}"
+    polled = run_wrk(url, clients=8, seconds=b.size.poll_seconds, token=b.main.token)
+    return {
+        "seeded": measured["seed_scale"],
+        "poll_p50_ms": polled.p50_ms,
+        "poll_errors": polled.errors,
+        "core_write_p50_ms": measured["core_write"]["core_write_p50_ms"],
+    }
+
+
+def scale(b: Bench) -> dict[str, Any]:
+    small = _scale_point(b, b.size.scale_small)
+    big = _scale_point(b, b.size.scale_big)
+    log(f"scale: poll p50 {small['poll_p50_ms']} → {big['poll_p50_ms']} ms")
+
+    def ratio(key: str) -> float | None:
+        return round(big[key] / small[key], 2) if big[key] and small[key] else None
+
+    detail: dict[str, Any] = {"small": small, "big": big, "note": b.size.scale_note}
+    return {
+        "scale_poll_p50_ratio": figure(
+            "scale_poll_p50_ratio",
+            ratio("poll_p50_ms"),
+            errors=small["poll_errors"] + big["poll_errors"],
+            **detail,
+        ),
+        "scale_core_write_p50_ratio": figure(
+            "scale_core_write_p50_ratio", ratio("core_write_p50_ms"), **detail
+        ),
+    }
+
+
+FIGURES = {
+    "poll": (poll, ["poll_vs_bare_8", "poll_vs_bare_32", "poll_vs_bare_128", "poll_304_vs_200"]),
+    "longpoll": (longpoll, ["longpoll_held", "longpoll_wake_p99_ms"]),
+    "roundtrip": (round_trip, ["approval_round_trip_p50_ms", "approval_round_trip_p99_ms"]),
+    "drain": (drain, ["approved_writes_vs_noop_jobs", "approved_writes_per_s"]),
+    "core": (core_write, ["core_write_vs_bare_update"]),
+    "audit": (audit, ["audit_appends_per_s_1", "audit_appends_per_s_8"]),
+    "hot": (hot_resource, ["hot_resource_lost_updates", "hot_resource_vs_single"]),
+    "scale": (scale, ["scale_poll_p50_ratio", "scale_core_write_p50_ratio"]),
+}

@@ -1,0 +1,92 @@
+"""How much each bench size measures. `small` < 3 minutes, `default` < 15 minutes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    clients: tuple[int, ...]  # concurrent poll connections
+    poll_rounds: int  # interleaved bare / product rounds; the figure is the median ratio
+    poll_seconds: int  # per wrk run
+    longpoll: int  # polls held at once
+    longpoll_wakes: int  # of which this many are woken (and timed); the rest stay held
+    roundtrip_waiting: int  # agents still waiting while each decision is timed
+    roundtrip_samples: int
+    noop_jobs: int
+    approved: int  # approved writes drained
+    core_n: int
+    audit_writers: tuple[int, ...]
+    audit_seconds: float
+    hot_writers: int
+    hot_seconds: float
+    scale_small: tuple[int, int]  # (audit events, actions) at the reference point
+    scale_big: tuple[int, int]
+    scale_note: str = ""
+
+
+SIZES = {
+    "tiny": Size(
+        name="tiny",
+        clients=(8,),
+        poll_rounds=1,
+        poll_seconds=1,
+        longpoll=20,
+        longpoll_wakes=10,
+        roundtrip_waiting=10,
+        roundtrip_samples=5,
+        noop_jobs=50,
+        approved=10,
+        core_n=10,
+        audit_writers=(1, 2),
+        audit_seconds=0.5,
+        hot_writers=4,
+        hot_seconds=1.0,
+        scale_small=(200, 200),
+        scale_big=(400, 400),
+        scale_note="tiny: 4·10² vs 2·10², a smoke test only",
+    ),
+    "small": Size(
+        name="small",
+        clients=(8, 32, 128),
+        poll_rounds=3,
+        poll_seconds=1,
+        longpoll=500,
+        longpoll_wakes=100,
+        roundtrip_waiting=200,
+        roundtrip_samples=30,
+        noop_jobs=300,
+        approved=100,
+        core_n=50,
+        audit_writers=(1, 8),
+        audit_seconds=1.0,
+        hot_writers=32,
+        hot_seconds=3.0,
+        scale_small=(1_000, 1_000),
+        scale_big=(20_000, 10_000),
+        scale_note="small: 2·10⁴ audit events / 10⁴ actions vs 10³ (goal asks 10⁷ / 10⁶)",
+    ),
+    "default": Size(
+        name="default",
+        clients=(8, 32, 128),
+        poll_rounds=5,
+        poll_seconds=3,
+        longpoll=2000,
+        longpoll_wakes=300,
+        roundtrip_waiting=200,
+        roundtrip_samples=200,
+        noop_jobs=1000,
+        approved=1000,
+        core_n=300,
+        audit_writers=(1, 8),
+        audit_seconds=3.0,
+        hot_writers=32,
+        hot_seconds=5.0,
+        scale_small=(1_000, 1_000),
+        scale_big=(1_000_000, 100_000),
+        scale_note="default: 10⁶ audit events / 10⁵ actions vs 10³ (goal asks 10⁷ / 10⁶; "
+        "seeding 10⁷ chained events alone takes longer than the 15-minute budget)",
+    ),
+}
