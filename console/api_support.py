@@ -20,6 +20,8 @@ from django.http import HttpRequest, HttpResponse
 from pydantic import BeforeValidator
 
 from approvals.services.tokens import Principal
+from console.core import jsonsafe
+from console.core.errors import DomainError
 from console.problems import ApiError
 
 logger = logging.getLogger("airlock.api")
@@ -123,12 +125,8 @@ def parse_json_object(
             status=422,
             extra={"errors": [{"field": field, "message": "required"}]},
         )
-    try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(
-            f"The body is not valid JSON: {exc}", code="validation_error", status=400
-        ) from exc
+    # Malformed -> 400, past the depth/length limits -> 422 (console/core/jsonsafe.py).
+    value = jsonsafe.loads(body, field=field)
     if not isinstance(value, dict):
         raise ApiError(
             "The body must be a JSON object.",
@@ -205,8 +203,8 @@ def cursor_decode(cursor: str | None, *, size: int) -> list[Any] | None:
         return None
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
-        values = json.loads(base64.urlsafe_b64decode(padded.encode()))
-    except (ValueError, UnicodeDecodeError, TypeError) as exc:
+        values = jsonsafe.loads(base64.urlsafe_b64decode(padded.encode()), field="cursor")
+    except (ValueError, TypeError, DomainError) as exc:
         raise ApiError(
             "The cursor is not one this API issued.",
             code="validation_error",

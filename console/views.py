@@ -32,6 +32,7 @@ from approvals.models import Action, ActionStatus
 from approvals.selectors import pending_approval_count
 from audit.models import AuditEvent
 from console import permissions
+from console.core import jsonsafe
 from console.core.errors import DomainError
 from console.forms import KillSwitchForm, PersonCreateForm, PersonUpdateForm
 from console.models import KillSwitch
@@ -330,8 +331,8 @@ def _decode_cursor(cursor: str) -> list[Any] | None:
 
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
-        values = json.loads(base64.urlsafe_b64decode(padded.encode()))
-    except (ValueError, binascii.Error, UnicodeDecodeError):
+        values = jsonsafe.loads(base64.urlsafe_b64decode(padded.encode()), field="cursor")
+    except (ValueError, binascii.Error, DomainError):
         return None
     return values if isinstance(values, list) else None
 

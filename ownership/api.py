@@ -15,7 +15,7 @@ from django.http import HttpRequest, HttpResponse
 from ninja import Field, Path, Query, Router, Schema
 from pydantic import ConfigDict
 
-from approvals.api import ETAG_LIST_PATTERN, ActionOut, action_body, errors
+from approvals.api import ActionOut, action_body, errors
 from approvals.models import Action
 from approvals.services import actions as action_services
 from approvals.services import idempotency
@@ -42,6 +42,8 @@ router = Router()
 KIND_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254}$"
 PREFIX_PATTERN = r"^[A-Za-z0-9._:@+=,-]{0,255}$"
+# If-Match on a write: one strong entity tag (RFC 9110 allows more; the contract does not).
+STRONG_ETAG_PATTERN = r'^[ \t]*"[!#-~]*"[ \t]*$'
 KindPath = Path(..., pattern=KIND_PATTERN)
 NamePath = Path(..., pattern=NAME_PATTERN)
 
@@ -292,9 +294,11 @@ _WRITE_HEADERS = [
         "in": "header",
         "name": "If-Match",
         "required": False,
-        "schema": {"type": "string", "pattern": ETAG_LIST_PATTERN},
-        "description": 'The ETag you read, e.g. "41" (strong comparison; weak tags never '
-        "match). Required to update or delete.",
+        "schema": {"type": "string", "pattern": STRONG_ETAG_PATTERN},
+        "description": 'Exactly one strong ETag, the version you read, e.g. `"41"`. Required '
+        "to update or delete. `*` is refused with `428 precondition_required`; a list of "
+        "tags or a weak tag (`W/…`) with `400 if_match_invalid`. Either refusal changes "
+        "nothing and stores nothing under the Idempotency-Key.",
     },
     {
         "in": "header",
@@ -351,7 +355,8 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     # Header and body syntax: requests that are not well-formed never reach the
     # idempotency layer (and are not stored).
-    if_match = action_services.parse_tag_condition(raw_if_match, header="If-Match")
+    # One strong tag, the version read: `*` -> 428, a list or W/ -> 400 if_match_invalid.
+    if_match = action_services.parse_write_if_match(raw_if_match)
     if_none_match = action_services.parse_tag_condition(raw_if_none_match, header="If-None-Match")
     if if_none_match is not None and not (method == "PUT" and if_none_match.any):
         raise ApiError(

@@ -25,6 +25,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from approvals.models import Agent, IdempotencyRecord, IdempotencyStatus
+from console.core import jsonsafe
 from console.core.errors import DomainError
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{8,255}$")
@@ -71,8 +72,8 @@ def canonical_body_hash(body: bytes) -> str:
     if not body:
         return hashlib.sha256(b"").hexdigest()
     try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        parsed = jsonsafe.loads(body)
+    except DomainError:
         return hashlib.sha256(body).hexdigest()
     canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
