@@ -26,10 +26,11 @@ from pydantic import BeforeValidator, ConfigDict
 from approvals.api import errors
 from approvals.api import router as approvals_router
 from audit.api import router as audit_router
-from console.api_support import iso, json_bool, json_response, rate_limit_writes
-from console.auth import any_token, person_token, principal_of
+from console.api_support import RoleBearer, iso, json_bool, json_response, rate_limit_writes
+from console.auth import any_token, principal_of
 from console.core import jsonsafe
 from console.core.errors import DomainError
+from console.permissions import is_operator
 from console.problems import (
     PROBLEM_CONTENT_TYPE,
     problem_from_error,
@@ -347,7 +348,8 @@ def kill_switch_get(request: HttpRequest) -> HttpResponse:
 
 @kill_switch_router.post(
     "/kill-switch",
-    auth=person_token,
+    # The role is decided before the body is validated (no schema leak).
+    auth=RoleBearer(is_operator, "Only operators may use the kill switch."),
     response={200: KillSwitchList, **errors(400, 401, 403, 413, 422, 429)},
     summary="Engage or release one scope (operators and admins)",
     tags=["kill switch"],
