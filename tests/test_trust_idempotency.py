@@ -93,10 +93,9 @@ def test_completing_a_record_that_was_taken_over_raises_and_rolls_the_request_ba
     IdempotencyRecord.objects.filter(pk=begin.record_id).delete()  # a retry took it over
     events = AuditEvent.objects.count()
     stored = idempotency.StoredResponse(status=202, headers={}, body=b"{}")
-    with pytest.raises(idempotency.IdempotencyKeyError) as refused:
-        with transaction.atomic():
-            audit_append(event_type="action.proposed", actor=Actor.run(run.run), details={})
-            idempotency.idempotency_complete(record_id=begin.record_id, response=stored)
+    with pytest.raises(idempotency.IdempotencyKeyError) as refused, transaction.atomic():
+        audit_append(event_type="action.proposed", actor=Actor.run(run.run), details={})
+        idempotency.idempotency_complete(record_id=begin.record_id, response=stored)
     assert refused.value.code == "idempotency_key_in_flight"
     assert AuditEvent.objects.count() == events  # what the request wrote rolled back
 
