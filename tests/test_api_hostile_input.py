@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from approvals.models import (
@@ -25,6 +25,7 @@ from approvals.models import (
     Operation,
     Run,
 )
+from approvals.services.idempotency import KEY_PATTERN
 from audit.models import AuditEvent
 from ownership.models import OwnershipRecord, Resource, ResourceVersion
 from tests.fixtures.api import ApiClient
@@ -160,7 +161,27 @@ def check(response: Any, before: Counts, *, recorded_refusals: tuple[int, ...] =
 # -- properties -----------------------------------------------------------------------
 
 
+def _with_hostile_examples(test: Any) -> Any:
+    """A fixed set of examples run every time, before the generated ones: each
+    hostile body with otherwise well-formed headers, so it reaches the parser."""
+    for index, raw in enumerate(HOSTILE):
+        for method in ("PUT", "PATCH"):
+            test = example(
+                method=method,
+                name="prod-alerts",
+                body=raw,
+                content_type="application/json",
+                tag=None,
+                none_match=None,
+                key=f"key-example-{method}-{index}",
+                reason=None,
+                well_formed=True,
+            )(test)
+    return test
+
+
 @PROPERTY
+@_with_hostile_examples
 @given(
     method=st.sampled_from(["PUT", "PATCH", "DELETE"]),
     name=st.sampled_from(["prod-alerts", "staging-new", "missing", "staging-a"]),
@@ -170,6 +191,7 @@ def check(response: Any, before: Counts, *, recorded_refusals: tuple[int, ...] =
     none_match=st.none() | st.sampled_from(["*", '"1"', "x"]),
     key=st.none() | keys,
     reason=st.none() | header_text,
+    well_formed=st.booleans(),
 )
 def test_no_generated_resource_write_is_a_5xx_and_a_refusal_changes_nothing(
     run: Any,
@@ -183,8 +205,15 @@ def test_no_generated_resource_write_is_a_5xx_and_a_refusal_changes_nothing(
     none_match: str | None,
     key: str | None,
     reason: str | None,
+    well_formed: bool,
 ) -> None:
     settings.AIRLOCK_WRITE_RATE_PER_MINUTE = 1_000_000
+    if well_formed:
+        # Headers that pass every check before the body: the body decides.
+        name, tag, none_match = "prod-alerts", '"41"', None
+        key = key if key is not None and KEY_PATTERN.match(key) else "key-well-formed"
+        if method == "PATCH":
+            content_type = "application/merge-patch+json"
     headers = _headers(tag, key, reason)
     if none_match is not None:
         headers["If-None-Match"] = none_match
