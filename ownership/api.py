@@ -6,6 +6,7 @@ resource kinds."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -94,14 +95,22 @@ class ConflictClassList(Schema):
     items: list[ConflictClassOut]
 
 
+_RFC3339 = re.compile(
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?"
+    r"([Zz]|[+-][0-9]{2}:[0-9]{2})$"
+)
+
+
 def _timestamp(value: Any) -> Any:
-    """A read-only `updated_at` sent back as GET returned it: an ISO 8601 string."""
-    if not isinstance(value, str):
-        raise ValueError("must be an ISO 8601 date-time string")
+    """A read-only `updated_at` sent back as GET returned it: an RFC 3339 date-time."""
+    if not isinstance(value, str) or not _RFC3339.match(value):
+        raise ValueError("must be an RFC 3339 date-time string")
+    # fromisoformat knows no lowercase separators and no leap second.
+    normal = value.upper().replace(":60", ":59", 1) if value[17:19] == "60" else value.upper()
     try:
-        datetime.fromisoformat(value)
+        datetime.fromisoformat(normal)
     except ValueError as exc:
-        raise ValueError("must be an ISO 8601 date-time string") from exc
+        raise ValueError("must be an RFC 3339 date-time string") from exc
     return value
 
 
@@ -120,7 +129,9 @@ class ConflictClassIn(Schema):
         description=_READ_ONLY + "derived (`resolver` is `agent`); 422 when it contradicts.",
     )
     updated_at: ReadOnlyTimestamp | None = Field(
-        None, description=_READ_ONLY + "stamped by the server; any date-time is ignored."
+        None,
+        description=_READ_ONLY + "stamped by the server; any date-time is ignored.",
+        json_schema_extra={"format": "date-time"},
     )
 
     name: str = Field(..., min_length=1, max_length=200, pattern=TEXT_PATTERN)
@@ -153,7 +164,9 @@ class ResourceKindIn(Schema):
         None, pattern=KIND_PATTERN, description=_READ_ONLY + "must equal the path's kind."
     )
     updated_at: ReadOnlyTimestamp | None = Field(
-        None, description=_READ_ONLY + "stamped by the server; any date-time is ignored."
+        None,
+        description=_READ_ONLY + "stamped by the server; any date-time is ignored.",
+        json_schema_extra={"format": "date-time"},
     )
 
     classes: KindClasses
