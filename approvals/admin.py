@@ -83,6 +83,6 @@ class OperationAdmin(ReadOnlyAdmin):
 
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(ReadOnlyAdmin):
-    list_display = ("agent", "key", "status", "response_status", "expires_at")
+    list_display = ("agent", "person", "key", "status", "response_status", "expires_at")
     exclude = ("response_body",)
     raw_id_fields = ("action",)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, Path, Query, Router, Schema
 from pydantic import ConfigDict
@@ -35,17 +35,20 @@ from approvals.models import (
 )
 from approvals.notify import action_waiters
 from approvals.services import actions as action_services
+from approvals.services import idempotency
 from approvals.services import runs as run_services
-from approvals.services.idempotency import key_check
 from approvals.services.tokens import Principal
 from console.api_support import (
     TEXT_PATTERN,
     TIME_CURSOR_PATTERN,
     JsonInt,
+    RoleBearer,
     iso,
     json_bytes,
     json_response,
     rate_limit_writes,
+    read_body,
+    replay_response,
     time_page,
 )
 from console.auth import (
@@ -59,7 +62,7 @@ from console.auth import (
     run_or_person_token,
 )
 from console.core.errors import NotFound
-from console.permissions import can_decide_approvals, can_read_everything
+from console.permissions import can_decide_approvals, can_read_everything, is_admin
 from console.problems import ApiError, Problem
 
 router = Router()
@@ -546,15 +549,13 @@ class RevokeIn(Schema):
 
 @router.post(
     "/runs/{run_id}/revoke",
-    auth=person_token,
+    auth=RoleBearer(can_decide_approvals, "Revoking a run needs the operator role."),
     response={200: RunOut, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
     summary="Revoke a run (operators): ownership freed, unexecuted actions cancelled",
     tags=["runs"],
 )
 def run_revoke(request: HttpRequest, run_id: uuid.UUID, payload: RevokeIn) -> HttpResponse:
     principal = principal_of(request)
-    if not can_decide_approvals(principal.user):
-        raise ApiError("Revoking a run needs the operator role.", code="forbidden")
     run = Run.objects.select_related("agent").filter(pk=run_id).first()
     if run is None:
         raise NotFound(f"Run {run_id} not found.")
@@ -825,11 +826,15 @@ def action_cancel(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
 @router.post(
     "/actions/{action_id}/undo",
     auth=run_or_person_token,
-    response={202: ActionOut, **errors(400, 401, 403, 404, 409, 422, 429)},
+    response={202: ActionOut, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
     summary="Undo an applied action inside its undo window",
     description="Checked in this order: authentication -> the action exists and is visible "
     "(404) -> permission (403) -> the run token's run is active (409 run_not_active) -> "
-    "Idempotency-Key (400) -> undo window (409).",
+    "Idempotency-Key (400) -> idempotency (the same key and request replay the first "
+    "answer, status and body, with `Idempotent-Replayed: true`; the same key for another "
+    "action or body: 422 `idempotency_key_reused`; still in flight: 409) -> undo window "
+    "(409, judged when the undo is accepted). Keys are scoped to the agent (run token) or "
+    "to the person (personal token).",
     tags=["actions"],
     openapi_extra={
         "parameters": [
@@ -839,7 +844,19 @@ def action_cancel(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
                 "required": True,
                 "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:-]{8,255}$"},
             }
-        ]
+        ],
+        "responses": {
+            "202": {
+                "description": "Accepted: the action, with its undo's state in `undo`",
+                "headers": {
+                    "Location": {"schema": {"type": "string"}},
+                    "Idempotent-Replayed": {
+                        "schema": {"type": "string"},
+                        "description": "`true` on a replay of the first answer",
+                    },
+                },
+            }
+        },
     },
 )
 def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
@@ -866,15 +883,49 @@ def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
                 code="forbidden",
             )
     rate_limit_writes(principal)
-    key = key_check(request.headers.get("Idempotency-Key"))
+    key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     actor: Any = principal.run if principal.kind == "run" else principal.user
-    action_undo_request(action_id=action_id, actor=actor, idempotency_key=key)
-    action = _load_action(action_id)
-    return json_response(
-        action_json(action),
-        status=202,
-        headers={"Location": f"/api/v1/actions/{action.pk}", "ETag": action.etag},
+    # Exactly like a write: the same key and request replay the first answer; the
+    # same key for another action (another path) is 422 idempotency_key_reused.
+    body = read_body(request)
+    fingerprint = idempotency.request_fingerprint(method="POST", path=request.path, body=body)
+    begin = idempotency.idempotency_begin(
+        agent=principal.agent if principal.kind == "run" else None,
+        person=principal.user if principal.kind == "person" else None,
+        key=key,
+        method="POST",
+        path=request.path,
+        fingerprint=fingerprint,
     )
+    if begin.replay is not None:
+        return replay_response(begin.replay)
+    assert begin.record_id is not None
+    try:
+        # The undo request and its stored answer commit together (or neither).
+        with transaction.atomic():
+            action_undo_request(action_id=action_id, actor=actor, idempotency_key=key)
+            action = _load_action(action_id)
+            response = json_response(
+                action_json(action),
+                status=202,
+                headers={"Location": f"/api/v1/actions/{action.pk}", "ETag": action.etag},
+            )
+            stored = idempotency.StoredResponse(
+                status=202,
+                headers={
+                    "Content-Type": response["Content-Type"],
+                    "Location": response["Location"],
+                    "ETag": response["ETag"],
+                },
+                body=response.content,
+            )
+            idempotency.idempotency_complete(
+                record_id=begin.record_id, response=stored, action_id=action.pk
+            )
+    except BaseException:
+        idempotency.idempotency_release(record_id=begin.record_id)
+        raise
+    return response
 
 
 # --- Approvals -----------------------------------------------------------------
@@ -1043,18 +1094,11 @@ class AutoApproveRulePage(Schema):
     next: str | None
 
 
-def _rules_reader(principal: Principal) -> None:
-    if not can_read_everything(principal.user):
-        raise ApiError(
-            "Auto-approve rules are shown to operators, admins and auditors.", code="forbidden"
-        )
-
-
-def _rules_writer(principal: Principal) -> None:
-    from console.permissions import is_admin
-
-    if not is_admin(principal.user):
-        raise ApiError("Only admins edit auto-approve rules.", code="forbidden")
+# Decided while authenticating, before query or body validation (no schema leak).
+rules_reader_token = RoleBearer(
+    can_read_everything, "Auto-approve rules are shown to operators, admins and auditors."
+)
+rules_admin_token = RoleBearer(is_admin, "Only admins edit auto-approve rules.")
 
 
 def _rule_json(rule_id: int) -> dict[str, Any]:
@@ -1072,7 +1116,7 @@ _RULE_ID = Path(..., ge=1, le=_MAX_RULE_ID)
 
 @router.get(
     "/auto-approve-rules",
-    auth=person_token,
+    auth=rules_reader_token,
     response={200: AutoApproveRulePage, **errors(400, 401, 403, 422)},
     summary="Auto-approve rules (operators, admins, auditors), by id",
     tags=["auto-approve rules"],
@@ -1085,7 +1129,6 @@ def auto_approve_rule_list(
     from approvals.models import AutoApproveRule
     from approvals.services.rules import rule_as_dict
 
-    _rules_reader(principal_of(request))
     rules = AutoApproveRule.objects.select_related("agent").order_by("id")
     if cursor is not None:
         rules = rules.filter(id__gt=min(int(cursor), _MAX_RULE_ID))
@@ -1099,19 +1142,18 @@ def auto_approve_rule_list(
 
 @router.get(
     "/auto-approve-rules/{rule_id}",
-    auth=person_token,
+    auth=rules_reader_token,
     response={200: AutoApproveRuleOut, **errors(401, 403, 404, 422)},
     summary="One auto-approve rule",
     tags=["auto-approve rules"],
 )
 def auto_approve_rule_get(request: HttpRequest, rule_id: int = _RULE_ID) -> HttpResponse:
-    _rules_reader(principal_of(request))
     return json_response(_rule_json(rule_id))
 
 
 @router.post(
     "/auto-approve-rules",
-    auth=person_token,
+    auth=rules_admin_token,
     response={201: AutoApproveRuleOut, **errors(400, 401, 403, 413, 422, 429)},
     summary="Create an auto-approve rule (admins; audited)",
     description="A run whose every write-set entry is covered by an enabled rule (kind, name "
@@ -1123,7 +1165,6 @@ def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> 
     from approvals.services.rules import auto_approve_rule_create
 
     principal = principal_of(request)
-    _rules_writer(principal)
     rate_limit_writes(principal)
     rule = auto_approve_rule_create(user=principal.user, **payload.model_dump())
     body = _rule_json(rule.pk)
@@ -1134,7 +1175,7 @@ def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> 
 
 @router.put(
     "/auto-approve-rules/{rule_id}",
-    auth=person_token,
+    auth=rules_admin_token,
     response={200: AutoApproveRuleOut, **errors(400, 401, 403, 404, 413, 422, 429)},
     summary="Replace an auto-approve rule (admins; audited when something changed)",
     tags=["auto-approve rules"],
@@ -1145,7 +1186,6 @@ def auto_approve_rule_put(
     from approvals.services.rules import auto_approve_rule_update
 
     principal = principal_of(request)
-    _rules_writer(principal)
     rate_limit_writes(principal)
     auto_approve_rule_update(user=principal.user, rule_id=rule_id, **payload.model_dump())
     return json_response(_rule_json(rule_id))
@@ -1153,7 +1193,7 @@ def auto_approve_rule_put(
 
 @router.delete(
     "/auto-approve-rules/{rule_id}",
-    auth=person_token,
+    auth=rules_admin_token,
     response={204: None, **errors(401, 403, 404, 422, 429)},
     summary="Delete an auto-approve rule (admins; audited)",
     tags=["auto-approve rules"],
@@ -1162,7 +1202,6 @@ def auto_approve_rule_delete(request: HttpRequest, rule_id: int = _RULE_ID) -> H
     from approvals.services.rules import auto_approve_rule_delete as delete_rule
 
     principal = principal_of(request)
-    _rules_writer(principal)
     rate_limit_writes(principal)
     if not delete_rule(user=principal.user, rule_id=rule_id):
         raise NotFound(f"Auto-approve rule {rule_id} not found.")

@@ -433,9 +433,15 @@ class IdempotencyStatus(models.TextChoices):
 
 
 class IdempotencyRecord(models.Model):
-    """One per agent + key: the fingerprint and the stored response to replay."""
+    """One per agent + key (writes, a run token's undo) or person + key (a
+    personal token's undo): the fingerprint and the stored response to replay."""
 
-    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="+")
+    agent = models.ForeignKey(
+        Agent, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    person = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
     key = models.CharField(max_length=255)
     fingerprint = models.CharField(max_length=64)
     method = models.CharField(max_length=8)
@@ -453,6 +459,14 @@ class IdempotencyRecord(models.Model):
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["agent", "key"], name="idempotency_one_per_agent_key"),
+            models.UniqueConstraint(
+                fields=["person", "key"], name="idempotency_one_per_person_key"
+            ),
+            models.CheckConstraint(
+                condition=Q(agent__isnull=False, person__isnull=True)
+                | Q(agent__isnull=True, person__isnull=False),
+                name="idempotency_scoped_to_agent_or_person",
+            ),
         ]
 
     def __str__(self) -> str:

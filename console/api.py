@@ -20,15 +20,18 @@ from ninja import Field, NinjaAPI, Router, Schema
 from ninja.errors import AuthenticationError, HttpError
 from ninja.errors import ValidationError as NinjaValidationError
 from ninja.openapi.docs import DocsBase
+from ninja.parser import Parser
 from pydantic import BeforeValidator, ConfigDict
 
 from approvals.api import errors
 from approvals.api import router as approvals_router
 from audit.api import router as audit_router
-from console.api_support import iso, json_bool, json_response, rate_limit_writes
-from console.auth import any_token, person_token, principal_of
+from console.api_support import RoleBearer, iso, json_bool, json_response, rate_limit_writes
+from console.auth import any_token, principal_of
+from console.core import jsonsafe
 from console.core.errors import DomainError
 from console.core.killswitch import SCOPE_MAX_LENGTH, SCOPE_PATTERN
+from console.permissions import is_operator
 from console.problems import (
     PROBLEM_CONTENT_TYPE,
     problem_from_error,
@@ -91,6 +94,15 @@ class OfflineSwagger(DocsBase):
         # reject: the settings contain no '<', so plain JSON is safe here.
         html = html.replace(escape(settings_json), settings_json)
         return HttpResponse(html, content_type="text/html; charset=utf-8")
+
+
+class SafeJsonParser(Parser):
+    """Ninja's body parser, through the one JSON parser (console/core/jsonsafe.py):
+    depth, length, NaN and lone-surrogate limits for every schema-typed body too."""
+
+    def parse_body(self, request: HttpRequest) -> dict[str, Any]:
+        value: dict[str, Any] = jsonsafe.loads(request.body)
+        return value
 
 
 class AirlockAPI(NinjaAPI):
@@ -182,6 +194,7 @@ api = AirlockAPI(
     docs=OfflineSwagger(),
     docs_url="/docs",
     openapi_url="/openapi.json",
+    parser=SafeJsonParser(),
 )
 
 
@@ -218,6 +231,9 @@ def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResp
 def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
     if isinstance(exc.__cause__, RequestDataTooBig):
         return problem_response(code="payload_too_large", detail="The body is too large.")
+    if isinstance(exc.__cause__, DomainError):
+        # The body parser's refusal (jsonsafe): 400 malformed or 422 past a limit.
+        return problem_from_error(exc.__cause__)
     if exc.status_code == 400:
         return problem_response(
             code="validation_error",
@@ -333,7 +349,8 @@ def kill_switch_get(request: HttpRequest) -> HttpResponse:
 
 @kill_switch_router.post(
     "/kill-switch",
-    auth=person_token,
+    # The role is decided before the body is validated (no schema leak).
+    auth=RoleBearer(is_operator, "Only operators may use the kill switch."),
     response={200: KillSwitchList, **errors(400, 401, 403, 413, 422, 429)},
     summary="Engage or release one scope (operators and admins)",
     tags=["kill switch"],

@@ -31,6 +31,7 @@ PROBLEMS: dict[str, tuple[int, str, bool]] = {
     "bad_header": (400, "Malformed header", False),
     "idempotency_key_missing": (400, "Idempotency-Key required", False),
     "idempotency_key_invalid": (400, "Idempotency-Key invalid", False),
+    "if_match_invalid": (400, "If-Match must name one strong ETag", False),
     "unauthenticated": (401, "Authentication required", False),
     "forbidden": (403, "Forbidden", False),
     "self_approval": (403, "Forbidden: self approval", False),

@@ -6,16 +6,17 @@ resource kinds."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, Path, Query, Router, Schema
-from pydantic import ConfigDict
+from pydantic import BeforeValidator, ConfigDict
 
-from approvals.api import ETAG_LIST_PATTERN, ActionOut, action_body, errors
+from approvals.api import ActionOut, action_body, errors
 from approvals.models import Action
 from approvals.services import actions as action_services
 from approvals.services import idempotency
@@ -24,24 +25,33 @@ from console.api_support import (
     TEXT_PATTERN,
     TIME_CURSOR_PATTERN,
     JsonInt,
+    RoleBearer,
     iso,
     json_response,
     parse_json_object,
     rate_limit_writes,
     read_body,
+    replay_response,
     time_page,
 )
 from console.auth import any_token, person_token, principal_of, run_token
-from console.core.errors import DomainError, Forbidden, NotFound
+from console.core.errors import DomainError, NotFound
+from console.permissions import is_admin
 from console.problems import ApiError, problem_from_error
 from ownership import catalog
 from ownership.models import Conflict, ConflictClass, Resource, ResourceKind
 
 router = Router()
 
+# Admin endpoints decide 401/403 before the body is validated (no schema leak).
+class_admin_token = RoleBearer(is_admin, "Only admins edit the conflict-class table.")
+kind_admin_token = RoleBearer(is_admin, "Only admins edit resource kinds.")
+
 KIND_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254}$"
 PREFIX_PATTERN = r"^[A-Za-z0-9._:@+=,-]{0,255}$"
+# If-Match on a write: one strong entity tag (RFC 9110 allows more; the contract does not).
+STRONG_ETAG_PATTERN = r'^[ \t]*"[!#-~]*"[ \t]*$'
 KindPath = Path(..., pattern=KIND_PATTERN)
 NamePath = Path(..., pattern=NAME_PATTERN)
 
@@ -85,8 +95,44 @@ class ConflictClassList(Schema):
     items: list[ConflictClassOut]
 
 
+_RFC3339 = re.compile(
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?"
+    r"([Zz]|[+-][0-9]{2}:[0-9]{2})$"
+)
+
+
+def _timestamp(value: Any) -> Any:
+    """A read-only `updated_at` sent back as GET returned it: an RFC 3339 date-time."""
+    if not isinstance(value, str) or not _RFC3339.match(value):
+        raise ValueError("must be an RFC 3339 date-time string")
+    # fromisoformat knows no lowercase separators and no leap second.
+    normal = value.upper().replace(":60", ":59", 1) if value[17:19] == "60" else value.upper()
+    try:
+        datetime.fromisoformat(normal)
+    except ValueError as exc:
+        raise ValueError("must be an RFC 3339 date-time string") from exc
+    return value
+
+
+ReadOnlyTimestamp = Annotated[str, BeforeValidator(_timestamp)]
+_READ_ONLY = "Read-only, accepted so that GET -> edit -> PUT works: "
+
+
 class ConflictClassIn(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    slug: str | None = Field(
+        None, pattern=KIND_PATTERN, description=_READ_ONLY + "must equal the path's slug."
+    )
+    retryable_by_agent: bool | None = Field(
+        None,
+        description=_READ_ONLY + "derived (`resolver` is `agent`); 422 when it contradicts.",
+    )
+    updated_at: ReadOnlyTimestamp | None = Field(
+        None,
+        description=_READ_ONLY + "stamped by the server; any date-time is ignored.",
+        json_schema_extra={"format": "date-time"},
+    )
 
     name: str = Field(..., min_length=1, max_length=200, pattern=TEXT_PATTERN)
     description: str = Field("", max_length=5000, pattern=TEXT_PATTERN)
@@ -113,6 +159,15 @@ class KindClasses(Schema):
 
 class ResourceKindIn(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    kind: str | None = Field(
+        None, pattern=KIND_PATTERN, description=_READ_ONLY + "must equal the path's kind."
+    )
+    updated_at: ReadOnlyTimestamp | None = Field(
+        None,
+        description=_READ_ONLY + "stamped by the server; any date-time is ignored.",
+        json_schema_extra={"format": "date-time"},
+    )
 
     classes: KindClasses
     owner_group: str = Field(..., pattern=r"^[A-Za-z0-9._-]{1,150}$")
@@ -292,9 +347,11 @@ _WRITE_HEADERS = [
         "in": "header",
         "name": "If-Match",
         "required": False,
-        "schema": {"type": "string", "pattern": ETAG_LIST_PATTERN},
-        "description": 'The ETag you read, e.g. "41" (strong comparison; weak tags never '
-        "match). Required to update or delete.",
+        "schema": {"type": "string", "pattern": STRONG_ETAG_PATTERN},
+        "description": 'Exactly one strong ETag, the version you read, e.g. `"41"`. Required '
+        "to update or delete. `*` is refused with `428 precondition_required`; a list of "
+        "tags or a weak tag (`W/…`) with `400 if_match_invalid`. Either refusal changes "
+        "nothing and stores nothing under the Idempotency-Key.",
     },
     {
         "in": "header",
@@ -351,7 +408,8 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     # Header and body syntax: requests that are not well-formed never reach the
     # idempotency layer (and are not stored).
-    if_match = action_services.parse_tag_condition(raw_if_match, header="If-Match")
+    # One strong tag, the version read: `*` -> 428, a list or W/ -> 400 if_match_invalid.
+    if_match = action_services.parse_write_if_match(raw_if_match)
     if_none_match = action_services.parse_tag_condition(raw_if_none_match, header="If-None-Match")
     if if_none_match is not None and not (method == "PUT" and if_none_match.any):
         raise ApiError(
@@ -398,11 +456,7 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
         agent=principal.agent, key=key, method=method, path=request.path, fingerprint=fingerprint
     )
     if begin.replay is not None:
-        replay = HttpResponse(begin.replay.body, status=begin.replay.status)
-        for header, value in begin.replay.headers.items():
-            replay[header] = value
-        replay["Idempotent-Replayed"] = "true"
-        return replay
+        return replay_response(begin.replay)
     assert begin.record_id is not None
     record_id = begin.record_id
     produced: dict[str, HttpResponse] = {}
@@ -655,17 +709,19 @@ def conflict_class_get(request: HttpRequest, slug: str = KindPath) -> HttpRespon
 
 @router.put(
     "/conflict-classes/{slug}",
-    auth=person_token,
+    auth=class_admin_token,
     response={200: ConflictClassOut, 201: ConflictClassOut, **errors(400, 401, 403, 413, 422, 429)},
     summary="Create or replace a conflict class (admins)",
+    description="Takes the representation `GET` returned as it is: the read-only members "
+    "(`slug`, `retryable_by_agent`, `updated_at`) are ignored when they match and a 422 "
+    "names them when they contradict. A person who is not an admin gets 403 before the "
+    "body is looked at.",
     tags=["catalog"],
 )
 def conflict_class_put(
     request: HttpRequest, payload: ConflictClassIn, slug: str = KindPath
 ) -> HttpResponse:
     principal = principal_of(request)
-    if not _is_admin(principal.user):
-        raise Forbidden("Only admins edit the conflict-class table.")
     rate_limit_writes(principal)
     klass, created = catalog.conflict_class_put(
         slug=slug, data=payload.model_dump(), user=principal.user
@@ -701,25 +757,20 @@ def resource_kind_get(request: HttpRequest, kind: str = KindPath) -> HttpRespons
 
 @router.put(
     "/resource-kinds/{kind}",
-    auth=person_token,
+    auth=kind_admin_token,
     response={200: ResourceKindOut, 201: ResourceKindOut, **errors(400, 401, 403, 413, 422, 429)},
     summary="Create or replace a resource kind (admins)",
+    description="Takes the representation `GET` returned as it is: the read-only members "
+    "(`kind`, `updated_at`) are ignored when they match and a 422 names them when they "
+    "contradict. A person who is not an admin gets 403 before the body is looked at.",
     tags=["catalog"],
 )
 def resource_kind_put(
     request: HttpRequest, payload: ResourceKindIn, kind: str = KindPath
 ) -> HttpResponse:
     principal = principal_of(request)
-    if not _is_admin(principal.user):
-        raise Forbidden("Only admins edit resource kinds.")
     rate_limit_writes(principal)
     found, created = catalog.resource_kind_put(
         slug=kind, data=payload.model_dump(), user=principal.user
     )
     return json_response(catalog.resource_kind_as_dict(found), status=201 if created else 200)
-
-
-def _is_admin(user: Any) -> bool:
-    from console.permissions import is_admin
-
-    return is_admin(user)

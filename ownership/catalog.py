@@ -46,6 +46,24 @@ def _invalid(errors: list[dict[str, str]]) -> ValidationFailed:
     )
 
 
+def _read_only_contradictions(
+    data: dict[str, Any], *, slug_field: str, slug: str
+) -> list[dict[str, str]]:
+    """The representation GET returned may be sent back as it is (GET -> edit -> PUT):
+    its read-only identifier must name this slug; `updated_at` is stamped by the
+    server and ignored."""
+    given = data.get(slug_field)
+    if given is None or given == slug:
+        return []
+    return [
+        {
+            "field": slug_field,
+            "message": f"read-only: {given!r} contradicts the path's {slug!r} (omit it or "
+            "send the same value)",
+        }
+    ]
+
+
 def conflict_class_as_dict(klass: ConflictClass) -> dict[str, Any]:
     return {
         "slug": klass.slug,
@@ -91,6 +109,16 @@ def conflict_class_put(*, slug: str, data: dict[str, Any], user: Any) -> tuple[C
     errors: list[dict[str, str]] = []
     if not SLUG_PATTERN.match(slug):
         errors.append({"field": "slug", "message": "must be a lowercase slug"})
+    errors.extend(_read_only_contradictions(data, slug_field="slug", slug=slug))
+    derived_retryable = data.get("resolver") == "agent"
+    if data.get("retryable_by_agent") not in (None, derived_retryable):
+        errors.append(
+            {
+                "field": "retryable_by_agent",
+                "message": f"read-only, derived from resolver: {str(derived_retryable).lower()} "
+                f"for resolver {data.get('resolver')!r}",
+            }
+        )
     if data.get("approval_mode") not in ApprovalMode.values:
         errors.append({"field": "approval_mode", "message": "must be per_run or per_call"})
     if data.get("on_conflict") not in OnConflict.values:
@@ -144,6 +172,7 @@ def resource_kind_put(*, slug: str, data: dict[str, Any], user: Any) -> tuple[Re
     errors: list[dict[str, str]] = []
     if not SLUG_PATTERN.match(slug):
         errors.append({"field": "kind", "message": "must be a lowercase slug"})
+    errors.extend(_read_only_contradictions(data, slug_field="kind", slug=slug))
     classes = data.get("classes")
     existing = set(ConflictClass.objects.values_list("slug", flat=True))
     if not isinstance(classes, dict):

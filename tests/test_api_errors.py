@@ -421,13 +421,12 @@ def test_bad_or_weak_if_match(api: Any, run: Any, prod_alerts: Any, if_match: st
     before = Snapshot.take()
     response = patch_prod(api, run.token, **{"If-Match": if_match})
     if if_match == 'W/"41"':
-        # Well-formed, but a weak tag never matches under strong comparison.
-        problem(response, 412, "stale_version", False)
-        after = Snapshot.take()
-        assert (after.actions, after.version) == (before.actions, before.version)
+        # Well-formed, but a write names one strong tag: refused before anything is
+        # recorded (issue 9 item 1; it used to be a recorded 412).
+        problem(response, 400, "if_match_invalid", False)
     else:
         problem(response, 400, "bad_header", False)
-        assert Snapshot.take() == before
+    assert Snapshot.take() == before
 
 
 def test_unknown_paths_and_methods_under_the_api_are_problem_json(api: Any, agent: Any) -> None:

@@ -94,6 +94,9 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             block("^POST /api/v1/actions/", run_token),
             # A kind naming conflict classes that do not exist is a 422.
             block("^PUT /api/v1/resource-kinds/", admin_token, (422,)),
+            # Read-only members (slug, retryable_by_agent) that contradict the path or
+            # the resolver are a 422 naming them (GET -> edit -> PUT, issue 9).
+            block("^PUT /api/v1/conflict-classes/", admin_token, (422,)),
             # A rule naming a kind or an agent that does not exist is a 422.
             block("^(POST|PUT) /api/v1/auto-approve-rules", admin_token, (422,)),
             block(f"^(GET|POST|PUT|DELETE) /api/v1/({people})", admin_token),

@@ -150,6 +150,40 @@ def parse_tag_condition(raw: str | None, *, header: str) -> TagCondition | None:
     return TagCondition(any=False, tags=tuple(tags))
 
 
+class IfMatchInvalid(DomainError):
+    code = "if_match_invalid"
+
+
+def parse_write_if_match(raw: str | None) -> TagCondition | None:
+    """If-Match on a write: exactly one strong entity tag, the version the agent read.
+
+    RFC 9110 also allows `*` and lists, but either would let an agent that read
+    version 41 overwrite 42 without having seen it. Raises PreconditionRequired
+    (428) for `*`, IfMatchInvalid (400) for a list or a weak tag, and
+    HeaderSyntaxError (400) for anything that is not an entity-tag list.
+    """
+    condition = parse_tag_condition(raw, header="If-Match")
+    if condition is None:
+        return None
+    if condition.any:
+        raise PreconditionRequired(
+            'If-Match: * does not name a version: send the ETag you read, e.g. If-Match: "41".',
+            extra={"header": "If-Match"},
+        )
+    if len(condition.tags) != 1:
+        raise IfMatchInvalid(
+            "If-Match must name exactly one ETag, the version you read "
+            f"(got {len(condition.tags)}).",
+            extra={"header": "If-Match"},
+        )
+    if condition.tags[0].weak:
+        raise IfMatchInvalid(
+            "If-Match must be a strong ETag (no W/ prefix): a weak tag never matches a write.",
+            extra={"header": "If-Match"},
+        )
+    return condition
+
+
 def read_condition(raw: str | None) -> TagCondition | None:
     """If-None-Match on a read: a malformed value is ignored (no condition)."""
     try:

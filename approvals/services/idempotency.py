@@ -1,10 +1,16 @@
-"""Idempotency keys: one record per agent + key, bound to a request fingerprint.
+"""Idempotency keys: one record per agent (or person) + key, bound to a request
+fingerprint.
 
-The first request with a key inserts an `in_flight` record in its own short
-transaction; the unique constraint (agent, key) decides races, so of N
+Writes and a run token's undo scope keys to the agent; a personal token's undo
+to the person. The first request with a key inserts an `in_flight` record in
+its own short transaction; the unique constraint decides races, so of N
 concurrent identical requests exactly one goes on to record an action. The
 winner completes the record with the response it sent, in the same
 transaction as the action, and later requests replay it byte for byte.
+
+A request that stalls past the in-flight window may be taken over by a retry;
+completing then finds its record gone and raises, rolling the stalled
+request's transaction back: exactly one action per key, whichever commits.
 
 Only answers that are the decision about the write are stored (202 accepted,
 412 refused stale); anything else releases the key. 409/429/503 are never
@@ -25,6 +31,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from approvals.models import Agent, IdempotencyRecord, IdempotencyStatus
+from console.core import jsonsafe
 from console.core.errors import DomainError
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{8,255}$")
@@ -71,8 +78,8 @@ def canonical_body_hash(body: bytes) -> str:
     if not body:
         return hashlib.sha256(b"").hexdigest()
     try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        parsed = jsonsafe.loads(body)
+    except DomainError:
         return hashlib.sha256(body).hexdigest()
     canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
@@ -83,13 +90,26 @@ def request_fingerprint(*, method: str, path: str, body: bytes) -> str:
     return hashlib.sha256(material.encode("utf-8")).hexdigest()
 
 
-def idempotency_begin(*, agent: Agent, key: str, method: str, path: str, fingerprint: str) -> Begin:
+def idempotency_begin(
+    *,
+    agent: Agent | None = None,
+    person: Any = None,
+    key: str,
+    method: str,
+    path: str,
+    fingerprint: str,
+) -> Begin:
     """Claim `key` for this request or find what it already produced.
 
+    Keys are scoped to the agent (writes, a run token's undo) or, for a
+    personal token's undo, to the person: pass exactly one.
     Raises idempotency_key_reused (422) when the key was used for a different
     request, idempotency_key_in_flight (409, retryable) while the first
     request with it is still being processed.
     """
+    if (agent is None) == (person is None):
+        raise ValueError("an idempotency key belongs to exactly one agent or person")
+    scope: dict[str, Any] = {"agent": agent} if agent is not None else {"person": person}
     now = timezone.now()
     # +1 s so `expires_at - created_at` (created_at is stamped a moment later) is
     # never under the configured retention.
@@ -98,7 +118,7 @@ def idempotency_begin(*, agent: Agent, key: str, method: str, path: str, fingerp
         try:
             with transaction.atomic():
                 record = IdempotencyRecord.objects.create(
-                    agent=agent,
+                    **scope,
                     key=key,
                     fingerprint=fingerprint,
                     method=method.upper(),
@@ -109,7 +129,7 @@ def idempotency_begin(*, agent: Agent, key: str, method: str, path: str, fingerp
             return Begin(record_id=record.pk, replay=None)
         except IntegrityError:
             pass
-        existing = IdempotencyRecord.objects.filter(agent=agent, key=key).first()
+        existing = IdempotencyRecord.objects.filter(**scope, key=key).first()
         if existing is None:
             continue  # released or pruned between our insert and read: try again
         if existing.expires_at <= now:
@@ -153,7 +173,14 @@ def idempotency_begin(*, agent: Agent, key: str, method: str, path: str, fingerp
 def idempotency_complete(
     *, record_id: int, response: StoredResponse, action_id: Any = None
 ) -> bool:
-    """Store the response for replay (call inside the transaction that made it)."""
+    """Store the response for replay. Call inside the transaction that made it.
+
+    Raises IdempotencyKeyError idempotency_key_in_flight (409, retryable) when
+    this request's in-flight record is gone: a retry took the key over after
+    the in-flight window (the original stalled). The caller's transaction then
+    rolls back, so of the original and the takeover exactly one records an
+    action; the original's client retries and gets the winner's answer.
+    """
     if response.status in NEVER_STORED or response.status >= 500:
         idempotency_release(record_id=record_id)
         return False
@@ -166,7 +193,16 @@ def idempotency_complete(
         response_body=response.body,
         action_id=action_id,
     )
-    return bool(updated)
+    if not updated:
+        raise IdempotencyKeyError(
+            "This request stalled past the in-flight window and a retry with the same "
+            "Idempotency-Key took over; nothing was recorded by this one. Send it again "
+            "to get the retry's answer.",
+            code="idempotency_key_in_flight",
+            retryable=True,
+            extra={"retry_after": IN_FLIGHT_RETRY_AFTER_SECONDS},
+        )
+    return True
 
 
 def idempotency_release(*, record_id: int) -> None:

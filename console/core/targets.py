@@ -27,6 +27,8 @@ from urllib.parse import quote
 import httpx
 from django.conf import settings
 
+from console.core import jsonsafe
+
 APPLIED = "applied"
 STALE = "stale"
 CONFLICT = "conflict"
@@ -121,10 +123,10 @@ class HttpTarget:
             httpx.ReadError,
         ) as exc:
             raise TargetOutcomeUnknown(f"{method} {name}: {type(exc).__name__}") from exc
-        try:
-            document = response.json() if response.content else None
-        except ValueError:
-            document = None
+        # The same parser as the API's bodies: a hostile target's NaN, lone
+        # surrogate or 10,000-deep document is no document, never a crash or a
+        # value PostgreSQL cannot store.
+        document = jsonsafe.loads_or_none(response.content) if response.content else None
         return TargetResponse(
             status=response.status_code,
             etag=response.headers.get("etag"),
