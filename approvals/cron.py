@@ -13,7 +13,8 @@ from typing import Any
 
 from rq import cron
 
-from approvals.jobs import QUEUE_NAME, housekeeping_job, reconcile_job
+from approvals.jobs import housekeeping_job, reconcile_job
+from approvals.outbox import QUEUE_NAME
 
 RECONCILE_EVERY_SECONDS = 5
 HOUSEKEEPING_EVERY_SECONDS = 30

@@ -1,62 +1,25 @@
-"""RQ jobs: thin, take ids, call services. Owner: engine helper.
+"""RQ jobs: thin, take ids, call one service each; they tolerate a missing row and
+re-delivery (RQ does not deduplicate: idempotency lives in PostgreSQL).
 
-Interface contract used by other areas:
-
-enqueue_action_execution(action_id: uuid.UUID) -> None
-    Call inside transaction.on_commit(...) only. Enqueues the job that executes
-    an approved/queued action. Safe to call twice (the job is idempotent).
-enqueue_undo_execution(operation_id: int) -> None
-    Same for an undo operation recorded by action_undo_request.
-
-Delivery bookkeeping: each enqueue leaves a marker `airlock:outbox:<what>:<id>`
-= the RQ job id (TTL one hour). The reconciler re-enqueues work that
-PostgreSQL says is due when the marker is gone or names a job RQ no longer
-has pending (FLUSHALL, Redis restart, a job lost with a dead worker). RQ does
-not deduplicate; duplicates are harmless because the services re-check state
-with conditional UPDATEs.
+Enqueueing lives in `approvals/outbox.py`, which names these jobs by dotted path, so no
+service imports this module.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
-import redis
-from django.conf import settings
 from django.db import close_old_connections
-from rq import Queue
-from rq.exceptions import NoSuchJobError
-from rq.job import Job, JobStatus
 
-log = logging.getLogger("airlock.jobs")
+from approvals.services.execution import action_execute, reconcile
+from approvals.services.housekeeping import housekeeping_run
+from approvals.services.undo import undo_execute
+
 P = ParamSpec("P")
 R = TypeVar("R")
-
-QUEUE_NAME = "default"
-MARKER_TTL_SECONDS = 3600
-# A job that is still due in RQ's eyes: the outbox does not need to resend it.
-PENDING_JOB_STATUSES = {
-    JobStatus.QUEUED,
-    JobStatus.SCHEDULED,
-    JobStatus.STARTED,
-    JobStatus.DEFERRED,
-}
-
-
-def engine_redis() -> redis.Redis:
-    """The Redis the engine's queue and locks live in (the URL is read at call time, so
-    tests can point a process at a private server; one pooled client per URL, so a job
-    does not open a new connection for every lock, publish and enqueue)."""
-    return _redis_for(settings.REDIS_URL)
-
-
-@functools.lru_cache(maxsize=8)
-def _redis_for(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url)
 
 
 def _fresh_database(job: Callable[P, R]) -> Callable[P, R]:
@@ -75,126 +38,21 @@ def _fresh_database(job: Callable[P, R]) -> Callable[P, R]:
     return run
 
 
-def engine_queue(connection: redis.Redis | None = None) -> Queue:
-    return Queue(QUEUE_NAME, connection=connection or engine_redis())
-
-
-def marker_key(kind: str, object_id: Any) -> str:
-    return f"airlock:outbox:{kind}:{object_id}"
-
-
-def _enqueue(
-    kind: str,
-    object_id: Any,
-    func: Any,
-    *,
-    delay_seconds: float = 0.0,
-    connection: redis.Redis | None = None,
-) -> str:
-    conn = connection or engine_redis()
-    queue = engine_queue(conn)
-    job_id = f"airlock-{kind}-{object_id}-{uuid.uuid4().hex[:12]}"
-    try:
-        _send(queue, conn, kind, object_id, func, job_id, delay_seconds)
-    except redis.RedisError:
-        # PostgreSQL is the outbox: the reconciler sends it once Redis is back.
-        log.warning("could not enqueue %s %s; the reconciler will resend it", kind, object_id)
-    return job_id
-
-
-def _send(
-    queue: Queue,
-    conn: redis.Redis,
-    kind: str,
-    object_id: Any,
-    func: Any,
-    job_id: str,
-    delay_seconds: float,
-) -> None:
-    kwargs: dict[str, Any] = {
-        "job_id": job_id,
-        "result_ttl": 600,
-        "failure_ttl": 24 * 3600,
-        "job_timeout": 120,
-    }
-    if delay_seconds > 0:
-        queue.enqueue_in(timedelta(seconds=delay_seconds), func, str(object_id), **kwargs)
-    else:
-        queue.enqueue(func, str(object_id), **kwargs)
-    conn.set(marker_key(kind, object_id), job_id, ex=MARKER_TTL_SECONDS)
-
-
-def job_is_pending(
-    kind: str, object_id: Any, *, connection: redis.Redis | None = None, overdue: bool = False
-) -> bool:
-    """Does RQ still hold a queued/scheduled/running job for this object?
-
-    `overdue`: the work was due a while ago, so a job still merely *scheduled*
-    is stuck (no worker runs RQ's scheduler) and counts as missing.
-    """
-    conn = connection or engine_redis()
-    raw: Any = conn.get(marker_key(kind, object_id))
-    if raw is None:
-        return False
-    try:
-        job = Job.fetch(bytes(raw).decode(), connection=conn)
-    except NoSuchJobError:
-        return False
-    status = job.get_status(refresh=True)
-    if overdue and status == JobStatus.SCHEDULED:
-        return False
-    if status == JobStatus.STARTED and job.started_at is not None:
-        # A job "started" by a worker that died (SIGKILL, OOM) stays so until RQ's
-        # maintenance runs; past its timeout it is certainly not running any more.
-        started = job.started_at
-        if started.tzinfo is None:
-            started = started.replace(tzinfo=UTC)
-        timeout = job.timeout if isinstance(job.timeout, int | float) else 120
-        if datetime.now(UTC) - started > timedelta(seconds=timeout + 5):
-            return False
-    return status in PENDING_JOB_STATUSES
-
-
-def enqueue_action_execution(
-    action_id: uuid.UUID | str, *, delay_seconds: float = 0.0, connection: redis.Redis | None = None
-) -> None:
-    """Enqueue the execution job. Call from transaction.on_commit only."""
-    _enqueue(
-        "action", action_id, execute_action_job, delay_seconds=delay_seconds, connection=connection
-    )
-
-
-def enqueue_undo_execution(
-    operation_id: int | str, *, delay_seconds: float = 0.0, connection: redis.Redis | None = None
-) -> None:
-    _enqueue(
-        "undo", operation_id, execute_undo_job, delay_seconds=delay_seconds, connection=connection
-    )
-
-
 @_fresh_database
 def execute_action_job(action_id: str) -> str:
-    from approvals.services.execution import action_execute
-
     return action_execute(action_id=uuid.UUID(action_id))
 
 
 @_fresh_database
 def execute_undo_job(operation_id: str) -> str:
-    from approvals.services.undo import undo_execute
-
     return undo_execute(undo_operation_id=int(operation_id))
 
 
 @_fresh_database
 def reconcile_job() -> dict[str, int]:
-    from approvals.services.execution import reconcile
-
     return reconcile()
 
 
 @_fresh_database
 def housekeeping_job() -> dict[str, int]:
-    from approvals.services.housekeeping import housekeeping_run
-
     return housekeeping_run()

@@ -20,6 +20,11 @@ from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from approvals.outbox import (
+    enqueue_action_execution,
+    enqueue_undo_execution,
+    notify_action_on_commit,
+)
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, ValidationFailed
 from console.core.killswitch import lock_switches_exclusive, scope_is_valid
@@ -131,15 +136,12 @@ def kill_switch_set(*, scope: str, engaged: bool, reason: str, actor: Any) -> Ki
             resource=scope,
             details=details,
         )
-        from approvals.services.decisions import notify_action_on_commit
 
         for action_id in affected:
             notify_action_on_commit(action_id)
         for undo_op in resumed_undos:
             notify_action_on_commit(undo_op.action_id)
         if not engaged and (affected or resumed_undos):
-            from approvals.jobs import enqueue_action_execution, enqueue_undo_execution
-
             # Oldest first across both: an action by when it was proposed, an undo
             # by when it was accepted.
             created = dict(Action.objects.filter(pk__in=affected).values_list("pk", "created_at"))

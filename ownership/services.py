@@ -34,10 +34,10 @@ from approvals.models import (
     PayloadFormat,
     WriteOperation,
 )
+from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.decisions import (
     action_transition,
     answers_for_agent,
-    notify_action_on_commit,
 )
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
@@ -510,8 +510,6 @@ def conflict_resolve(
                     },
                 )
             else:
-                from approvals.jobs import enqueue_action_execution
-
                 new_id = new_action.pk
                 transaction.on_commit(lambda: enqueue_action_execution(new_id))
     conflict.refresh_from_db()

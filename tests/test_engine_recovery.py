@@ -11,8 +11,8 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
-from approvals.jobs import engine_redis, enqueue_action_execution
 from approvals.models import Action, Operation
+from approvals.outbox import engine_redis, enqueue_action_execution
 from approvals.services.execution import action_execute, reconcile
 from approvals.services.housekeeping import housekeeping_run
 from audit.models import AuditEvent

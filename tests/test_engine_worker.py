@@ -136,7 +136,7 @@ def test_flushall_with_twenty_approved_actions_loses_nothing_and_doubles_nothing
     assert AuditEvent.objects.filter(event_type="write.applied").count() == 20
     assert Operation.objects.filter(status="done").count() == 20
     # Re-delivering every job again changes nothing.
-    from approvals.jobs import enqueue_action_execution
+    from approvals.outbox import enqueue_action_execution
 
     for action in actions:
         enqueue_action_execution(action.pk)

@@ -16,8 +16,8 @@ from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
-from approvals.jobs import engine_redis
 from approvals.models import Action, Operation
+from approvals.outbox import engine_redis
 from approvals.services.execution import action_execute, reconcile
 from approvals.services.undo import _retry_undo, action_undo_request, undo_execute
 from audit.models import AuditEvent

@@ -32,6 +32,7 @@ from approvals.models import (
     RunStatus,
 )
 from approvals.notify import notify_action_changed
+from approvals.outbox import enqueue_action_execution
 from approvals.services.runs import RunNotActive, run_effective_status
 from audit.models import ActorType
 from audit.services import Actor, audit_append
@@ -330,8 +331,6 @@ def _enqueue(action_id: uuid.UUID) -> None:
     # PostgreSQL is the outbox: if enqueueing fails, the reconciler re-enqueues
     # queued actions, so a Redis hiccup never loses the write.
     try:
-        from approvals.jobs import enqueue_action_execution
-
         enqueue_action_execution(action_id)
     except Exception:
         logger.warning(

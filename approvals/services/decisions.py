@@ -43,6 +43,7 @@ from approvals.models import (
     Run,
     RunStatus,
 )
+from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.run_policy import classes_for_write_set, run_quorum
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
@@ -55,22 +56,6 @@ escalation_log = logging.getLogger("airlock.escalation")
 
 RUN_APPROVAL_TTL_SECONDS = int(getattr(settings, "AIRLOCK_RUN_APPROVAL_TTL_SECONDS", 172_800))
 MAX_COMMENT_LENGTH = 2000
-
-
-def notify_action_on_commit(action_id: uuid.UUID) -> None:
-    """Wake long-pollers of the action once the transition is committed."""
-
-    def _notify() -> None:
-        try:
-            from approvals.notify import notify_action_changed
-        except ImportError:  # the api area's module is not there yet
-            return
-        try:
-            notify_action_changed(action_id)
-        except Exception:  # a lost wake-up only delays a poller until its timeout
-            log.warning("could not notify action %s", action_id, exc_info=True)
-
-    transaction.on_commit(_notify)
 
 
 def action_transition(
@@ -367,8 +352,6 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
         },
     )
     if moved:
-        from approvals.jobs import enqueue_action_execution
-
         action_id = action.pk
         transaction.on_commit(lambda: enqueue_action_execution(action_id))
 

@@ -38,7 +38,14 @@ from django.db.models import Q
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
-from approvals.services.decisions import action_transition, notify_action_on_commit
+from approvals.outbox import (
+    engine_redis,
+    enqueue_action_execution,
+    enqueue_undo_execution,
+    job_is_pending,
+    notify_action_on_commit,
+)
+from approvals.services.decisions import action_transition
 from audit.services import Actor, audit_append
 from console.core.errors import DomainError, KillSwitchEngaged, LockBusy, LockLost
 from console.requestctx import reset_request_id, set_request_id
@@ -115,7 +122,6 @@ def _refusal_code(outcome: Any) -> str:
 
 
 def _enqueue_on_commit(action_id: uuid.UUID, delay_seconds: float = 0.0) -> None:
-    from approvals.jobs import enqueue_action_execution
 
     transaction.on_commit(lambda: enqueue_action_execution(action_id, delay_seconds=delay_seconds))
 
@@ -283,7 +289,6 @@ def _execute(action: Action, *, connection: redis.Redis | None) -> str:
     now = timezone.now()
     if action.not_before and action.not_before > now + timedelta(milliseconds=50):
         # An early duplicate delivery: honour the backoff.
-        from approvals.jobs import enqueue_action_execution
 
         enqueue_action_execution(
             action.pk,
@@ -297,8 +302,6 @@ def _execute(action: Action, *, connection: redis.Redis | None) -> str:
         return "paused"
 
     if connection is None:
-        from approvals.jobs import engine_redis
-
         connection = engine_redis()
     lock = FencedLock(connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
     try:
@@ -690,7 +693,6 @@ def reconcile(
     - queued actions (not_before passed) and pending undo operations whose job
       is missing from RQ are enqueued again.
     """
-    from approvals.jobs import engine_redis, job_is_pending
 
     now = now or timezone.now()
     conn = connection or engine_redis()
@@ -796,7 +798,6 @@ def reconcile(
         .order_by("created_at")
         .values_list("pk", "not_before")
     )
-    from approvals.jobs import enqueue_action_execution, enqueue_undo_execution
 
     overdue_before = now - timedelta(seconds=SCHEDULED_OVERDUE_SECONDS)
     for action_id, not_before in due:

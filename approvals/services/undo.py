@@ -31,7 +31,7 @@ from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus, Run, RunStatus
-from approvals.services.decisions import notify_action_on_commit
+from approvals.outbox import engine_redis, enqueue_undo_execution, notify_action_on_commit
 from audit.models import ActorType
 from audit.services import Actor, audit_append
 from console.core.errors import (
@@ -185,7 +185,6 @@ def action_undo_request(
                 "asked_again_after": latest.pk if latest is not None else None,
             },
         )
-        from approvals.jobs import enqueue_undo_execution
 
         undo_id = undo_op.pk
         transaction.on_commit(lambda: enqueue_undo_execution(undo_id))
@@ -211,7 +210,6 @@ def _retry_undo(
     `count_attempt=False` (a busy lock: another writer holds the resource) waits
     without spending the budget; its backoff grows with the waits, capped.
     """
-    from approvals.jobs import enqueue_undo_execution
     from approvals.services.execution import MAX_ATTEMPTS, backoff_seconds
 
     outcome = dict(undo_op.outcome or {})
@@ -264,7 +262,6 @@ def _pause_undo(undo_op: Operation, connection: redis.Redis | None) -> str:
     either a release committed first and we see no switch (deliver again now), or
     our pause commits first and the release finds the paused undo and resumes it.
     """
-    from approvals.jobs import enqueue_undo_execution
 
     identifier = undo_op.action.resource_identifier
     with transaction.atomic():
@@ -292,7 +289,6 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
     A kill switch pauses the undo, a busy lock is waited out; neither spends an
     attempt. Idempotent: anything but a pending undo is a no-op.
     """
-    from approvals.jobs import engine_redis
     from approvals.services.execution import lock_ttl_ms, operation_lease_seconds, worker_name
     from console.core.lock import FencedLock
     from console.core.undo import RESOURCE_MOVED, STALE_FENCE, apply_undo

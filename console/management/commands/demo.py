@@ -37,8 +37,8 @@ from django.db import transaction
 from django.test import Client
 from rq import SimpleWorker
 
-from approvals.jobs import engine_queue
 from approvals.models import Agent
+from approvals.outbox import engine_queue
 from approvals.services.tokens import agent_create, agent_token_create, personal_token_create
 from audit.services import Actor
 from console.people import person_create
