@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import uuid
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -40,6 +41,7 @@ from approvals.models import (
     Run,
     RunStatus,
 )
+from approvals.notify import notify_run_changed
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
 from console.permissions import can_decide_approvals
@@ -404,6 +406,7 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
             status=RunStatus.EXPIRED, status_reason="approval expired", ended_at=now
         )
         if updated:
+            transaction.on_commit(partial(notify_run_changed, approval.run_id))
             OwnershipRecord.objects.filter(run_id=approval.run_id, active=True).update(
                 active=False, released_at=now
             )

@@ -38,7 +38,7 @@ from approvals.models import (
     Run,
     RunStatus,
 )
-from approvals.notify import notify_action_changed
+from approvals.notify import notify_action_changed, notify_run_changed
 from approvals.services.tokens import RUN_PREFIX, token_generate
 from audit.services import Actor, audit_append
 from console.core.errors import DomainError, InvalidTransition, ValidationFailed
@@ -481,6 +481,7 @@ def run_activate(*, run: Run, actor: Actor) -> Run:
             max_expires_at=max_expires,
         )
         locked.refresh_from_db()
+        transaction.on_commit(partial(notify_run_changed, run.pk))
         _create_records(locked, entries)
         audit_append(
             event_type="run.activated",
@@ -505,6 +506,7 @@ def run_heartbeat(*, run: Run, actor: Actor) -> Run:
             OwnershipRecord.objects.filter(run_id=run.pk, active=True).update(expires_at=expires)
         else:
             Run.objects.filter(pk=run.pk).update(last_heartbeat_at=now)
+        transaction.on_commit(partial(notify_run_changed, run.pk))  # its expiry moved
     run.refresh_from_db()
     return run
 
@@ -535,6 +537,7 @@ def _end(
     )
     if not changed:
         return False
+    transaction.on_commit(partial(notify_run_changed, run_id))
     OwnershipRecord.objects.filter(run_id=run_id, active=True).update(active=False, released_at=now)
     # The project's lock order: run -> actions -> approvals -> audit head last
     # (approval_decide and action_cancel take the action before its approval).
