@@ -4,8 +4,13 @@ Airlock (uvicorn, PostgreSQL, a private Redis and a real RQ worker)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import socket
+import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -14,10 +19,12 @@ import pytest
 from airlock_client import Airlock
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
 
 from ownership.models import Resource as ResourceRow
 from tests.client.conftest import POLICY, Live
 from tests.client.test_client_live import apply_severity_change
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -171,3 +178,41 @@ def test_a_tool_call_outside_the_write_set_is_refused_with_the_missing_entry(
     with_mcp(live, {"AIRLOCK_RUN_TOKEN": str(run.token)}, scenario)
     assert ResourceRow.objects.get(name="app-9").document == {"type": "A", "ip": "10.0.0.9"}
     airlock.close()
+
+
+def test_it_serves_the_same_tools_over_streamable_http(
+    live: Live, agent_tokens: dict[str, str]
+) -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [AIRLOCK_MCP, "--transport", "streamable-http", "--port", str(port)],
+        env={
+            **os.environ,
+            "AIRLOCK_URL": live.url,
+            "AIRLOCK_AGENT_TOKEN": agent_tokens["alerts-bot-a"],
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            assert server.poll() is None and time.monotonic() < deadline, "no MCP server"
+            time.sleep(0.1)
+
+        async def main() -> dict[str, Any]:
+            url = f"http://127.0.0.1:{port}/mcp"
+            async with (
+                streamable_http_client(url) as (read, write),
+                ClientSession(read, write) as session,
+            ):
+                await session.initialize()
+                return await Tools(session).ok("read_resource", resource=POLICY)
+
+        seen = asyncio.run(main())
+        assert seen["etag"] == '"41"' and seen["resource"] == POLICY
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
