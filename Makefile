@@ -6,14 +6,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_SIZE ?= default
 
-.PHONY: run test bench lint venv clean-data
+.PHONY: run test bench lint venv clean-data agent-example
 
-# Create the virtualenv and install the project with its dev extras; redone when
-# pyproject.toml changes.
-$(STAMP): pyproject.toml
+# Create the virtualenv and install the project with its dev extras, and the agents'
+# client (clients/python, with its MCP server); redone when either pyproject.toml changes.
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' -e 'clients/python[mcp]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -37,6 +37,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
+	cd clients/python && ../../$(VENV)/bin/mypy src
+
+# The example agent (examples/agent_loop.py) against a running `make run`: registers the
+# agent example-bot (a new token each time) and runs the loop; approve it in the console.
+agent-example: $(STAMP)
+	AIRLOCK_URL=http://$${HOST:-127.0.0.1}:$${PORT:-8000} \
+	AIRLOCK_AGENT_TOKEN="$$($(PY) manage.py agent_create example-bot --new-token | tail -n 1)" \
+	$(PY) examples/agent_loop.py
 
 # Forget the embedded database, Redis socket and admin login (make run starts afresh).
 clean-data:

@@ -9,6 +9,8 @@ Handlers are thin: parse, authorise, call one service, render.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import re
 import uuid
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection, transaction
 from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
 from ninja import Field, Path, Query, Router, Schema
 from pydantic import ConfigDict
 
@@ -424,6 +427,13 @@ def _load_action(action_id: uuid.UUID) -> Action:
 
 # --- Runs ----------------------------------------------------------------------
 
+_PREFER_DOC_BASE: dict[str, Any] = {
+    "in": "header",
+    "name": "Prefer",
+    "required": False,
+    "schema": {"type": "string"},
+}
+
 
 def _run_for(principal: Principal, run_id: uuid.UUID) -> Run:
     run = Run.objects.select_related("agent").filter(pk=run_id).first()
@@ -498,17 +508,127 @@ def run_list(
     return json_response({"items": [run_json(run) for run in page], "next": next_cursor})
 
 
+@dataclass(frozen=True)
+class RunState:
+    etag: str
+    status: str
+    body: bytes
+    # An active run turns `expired` at this moment without any publish: a waiter
+    # re-reads then instead of sleeping through it.
+    expires_at: datetime | None
+
+
+def _run_state(principal: Principal, run_id: uuid.UUID, close: bool) -> RunState:
+    """Read the run. Its ETag is a digest of its representation, so it changes with
+    its status (and with anything else the body shows, such as a heartbeat's expiry)."""
+    try:
+        run = _run_for(principal, run_id)
+        body = json_bytes(run_json(run))
+        status = run_services.run_effective_status(run)
+        return RunState(
+            etag=f'"r{hashlib.sha256(body).hexdigest()[:24]}"',
+            status=status,
+            body=body,
+            expires_at=run.expires_at if status == RunStatus.ACTIVE else None,
+        )
+    finally:
+        if close and not connection.in_atomic_block:
+            # Hand the connection back (to the pool) before the request waits.
+            connection.close()
+
+
+def _run_should_hold(state: RunState, condition: action_services.TagCondition | None) -> bool:
+    if condition is not None:
+        return condition.weak_match(state.etag)
+    # Without If-None-Match a run is held while it waits for a person's decision.
+    return state.status == RunStatus.PENDING_APPROVAL
+
+
+def _run_response(
+    state: RunState, condition: action_services.TagCondition | None, wait: int | None
+) -> HttpResponse:
+    status = 304 if condition is not None and condition.weak_match(state.etag) else 200
+    if status == 304:
+        response = HttpResponse(status=304)
+    else:
+        response = HttpResponse(state.body, status=200, content_type="application/json")
+    response["ETag"] = state.etag
+    response["Cache-Control"] = "no-cache"
+    if wait is not None:
+        response["Preference-Applied"] = f"wait={wait}"
+        response["Vary"] = "Prefer"
+    return response
+
+
+_RUN_PREFER_DOC = {
+    **_PREFER_DOC_BASE,
+    "description": "`wait=N` (N ≤ 60): hold the request until the run changes (with "
+    "If-None-Match: while its ETag still matches; without: while it is `pending_approval`) "
+    "or N seconds pass. Answered with `Preference-Applied: wait=N`.",
+}
+_RUN_IF_NONE_MATCH_DOC = {
+    **_PREFER_DOC_BASE,
+    "name": "If-None-Match",
+    "description": "The run ETag you hold: 304 while unchanged; with Prefer: wait, held "
+    "while unchanged. A malformed value is ignored.",
+}
+
+
 @router.get(
     "/runs/{run_id}",
     auth=any_token_or_ended_run,
-    response={200: RunOut, **errors(401, 403, 404, 422)},
-    summary="Read a run",
+    response={200: RunOut, 304: None, **errors(400, 401, 403, 404, 422)},
+    summary="Read a run (long-poll with Prefer: wait=N)",
     description="A run token reads its own run, also after the run ended (`status` and "
-    "`status_reason` say why).",
+    "`status_reason` say why). The `ETag` changes with the run's status; an agent waits for "
+    "its run's approval with `Prefer: wait=N` and `If-None-Match`, as for actions.",
     tags=["runs"],
+    openapi_extra={
+        "parameters": [_RUN_PREFER_DOC, _RUN_IF_NONE_MATCH_DOC],
+        "responses": {
+            "200": {
+                "description": "The run",
+                "headers": {
+                    "ETag": {"schema": {"type": "string"}},
+                    "Preference-Applied": {"schema": {"type": "string"}},
+                },
+            },
+            "304": {"description": "Not modified (ETag still matches If-None-Match)"},
+        },
+    },
 )
-def run_get(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
-    return json_response(run_json(_run_for(principal_of(request), run_id)))
+async def run_get(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    wait = parse_prefer_wait(request.headers.get("Prefer"))
+    condition = action_services.read_condition(request.headers.get("If-None-Match"))
+    read = sync_to_async(_run_state)
+    if not wait:
+        return _run_response(await read(principal, run_id, False), condition, wait)
+    # Subscribe before the first read, so a change committed in between still wakes us.
+    event, live = await action_waiters.register_run(run_id)
+    try:
+        state = await read(principal, run_id, True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        action_waiters.held += 1
+        try:
+            while _run_should_hold(state, condition):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                timeout = min(remaining, SAFETY_RECHECK_SECONDS if live else 1.0)
+                if state.expires_at is not None:
+                    until_expiry = (state.expires_at - timezone.now()).total_seconds()
+                    timeout = max(0.0, min(timeout, until_expiry + 0.05))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout=timeout)
+                event.clear()
+                state = await read(principal, run_id, True)
+        finally:
+            action_waiters.held -= 1
+    finally:
+        action_waiters.unregister_run(run_id, event)
+    return _run_response(state, condition, wait)
 
 
 @router.post(

@@ -1,8 +1,9 @@
-"""Wake-ups for long-polling clients: one Redis pub/sub channel per action.
+"""Wake-ups for long-polling clients: one Redis pub/sub channel per action and per run.
 
-Every service that changes an action calls, after commit:
+Every service that changes an action (or a run's status) calls, after commit:
 
     transaction.on_commit(lambda: notify_action_changed(action.id))
+    transaction.on_commit(partial(notify_run_changed, run.id))
 
 Redis is only the doorbell: a lost message costs a waiter at most its safety
 re-check interval, never correctness (the answer is always read from PostgreSQL).
@@ -23,6 +24,8 @@ logger = logging.getLogger("airlock.notify")
 
 CHANNEL_PREFIX = "airlock:action:"
 CHANNEL_PATTERN = CHANNEL_PREFIX + "*"
+RUN_CHANNEL_PREFIX = "airlock:run:"
+RUN_CHANNEL_PATTERN = RUN_CHANNEL_PREFIX + "*"
 
 _client: redis.Redis | None = None
 _client_url = ""
@@ -31,6 +34,10 @@ _client_lock = threading.Lock()
 
 def action_channel(action_id: uuid.UUID | str) -> str:
     return f"{CHANNEL_PREFIX}{action_id}"
+
+
+def run_channel(run_id: uuid.UUID | str) -> str:
+    return f"{RUN_CHANNEL_PREFIX}{run_id}"
 
 
 def _redis() -> redis.Redis:
@@ -51,6 +58,14 @@ def notify_action_changed(action_id: uuid.UUID | str) -> None:
         logger.warning("could not publish change of action %s", action_id, exc_info=True)
 
 
+def notify_run_changed(run_id: uuid.UUID | str) -> None:
+    """Publish a change of run `run_id` (its status) to its waiters. Never raises."""
+    try:
+        _redis().publish(run_channel(run_id), b"changed")
+    except redis.RedisError:
+        logger.warning("could not publish change of run %s", run_id, exc_info=True)
+
+
 def notify_on_commit(action_id: uuid.UUID | str) -> None:
     """Schedule `notify_action_changed` for when the current transaction commits."""
     from django.db import transaction
@@ -62,11 +77,12 @@ def notify_on_commit(action_id: uuid.UUID | str) -> None:
 
 
 class ActionWaiters:
-    """One process-wide Redis subscription dispatching to per-action asyncio events.
+    """One process-wide Redis subscription dispatching to per-action (and per-run)
+    asyncio events.
 
-    A long-poll registers an event for its action *before* reading the
-    action's state, so a change committed between the read and the wait
-    still wakes it. One pattern subscription (`airlock:action:*`) serves every
+    A long-poll registers an event for its action or run *before* reading its
+    state, so a change committed between the read and the wait still wakes it.
+    One pattern subscription (`airlock:action:*`, `airlock:run:*`) serves every
     waiter of the process: no Redis connection per waiting client.
     """
 
@@ -108,7 +124,7 @@ class ActionWaiters:
             client = aioredis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2)
             pubsub = client.pubsub()
             try:
-                await pubsub.psubscribe(CHANNEL_PATTERN)
+                await pubsub.psubscribe(CHANNEL_PATTERN, RUN_CHANNEL_PATTERN)
                 async for message in pubsub.listen():
                     kind = message.get("type")
                     if kind == "psubscribe":
@@ -120,7 +136,7 @@ class ActionWaiters:
                         channel = message["channel"]
                         if isinstance(channel, bytes):
                             channel = channel.decode()
-                        for event in self._events.get(channel[len(CHANNEL_PREFIX) :], ()):
+                        for event in self._events.get(channel, ()):
                             event.set()
             except asyncio.CancelledError:
                 raise
@@ -139,17 +155,30 @@ class ActionWaiters:
     async def register(self, action_id: uuid.UUID | str) -> tuple[asyncio.Event, bool]:
         """An event set on every change of the action; the bool says whether the
         subscription is live (False: Redis unreachable, fall back to re-checks)."""
+        return await self._register(action_channel(action_id))
+
+    async def register_run(self, run_id: uuid.UUID | str) -> tuple[asyncio.Event, bool]:
+        """The same for a run: set on every change of its status."""
+        return await self._register(run_channel(run_id))
+
+    async def _register(self, channel: str) -> tuple[asyncio.Event, bool]:
         live = await self._ensure_listening()
         event = asyncio.Event()
-        self._events.setdefault(str(action_id), set()).add(event)
+        self._events.setdefault(channel, set()).add(event)
         return event, live
 
     def unregister(self, action_id: uuid.UUID | str, event: asyncio.Event) -> None:
-        events = self._events.get(str(action_id))
+        self._unregister(action_channel(action_id), event)
+
+    def unregister_run(self, run_id: uuid.UUID | str, event: asyncio.Event) -> None:
+        self._unregister(run_channel(run_id), event)
+
+    def _unregister(self, channel: str, event: asyncio.Event) -> None:
+        events = self._events.get(channel)
         if events is not None:
             events.discard(event)
             if not events:
-                self._events.pop(str(action_id), None)
+                self._events.pop(channel, None)
 
 
 action_waiters = ActionWaiters()

@@ -102,7 +102,17 @@ class ProblemFieldError(Schema):
 class Problem(Schema):
     """RFC 9457 problem details, with Airlock's `code` and `retryable` always present."""
 
-    model_config = ConfigDict(extra="allow")
+    # Every code the API answers, with its status, title and default `retryable`, so
+    # clients (airlock-client, generated tools) can check their error tables against it.
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "x-problem-codes": {
+                code: {"status": status, "title": title, "retryable": retryable}
+                for code, (status, title, retryable) in PROBLEMS.items()
+            }
+        },
+    )
 
     type: str = Field(description="/api/v1/problems/<code>")
     title: str

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import uuid
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -43,6 +44,7 @@ from approvals.models import (
     Run,
     RunStatus,
 )
+from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.run_policy import classes_for_write_set, run_quorum
 from audit.services import Actor, audit_append
@@ -415,6 +417,7 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
             status=RunStatus.EXPIRED, status_reason="approval expired", ended_at=now
         )
         if updated:
+            transaction.on_commit(partial(notify_run_changed, approval.run_id))
             OwnershipRecord.objects.filter(run_id=approval.run_id, active=True).update(
                 active=False, released_at=now
             )

@@ -38,7 +38,7 @@ from approvals.models import (
     RunStatus,
     run_end_exempt,
 )
-from approvals.notify import notify_action_changed
+from approvals.notify import notify_action_changed, notify_run_changed
 from approvals.services import decisions
 from approvals.services.run_policy import classes_for_write_set, run_quorum
 from approvals.services.tokens import RUN_PREFIX, token_generate
@@ -470,6 +470,7 @@ def run_activate(*, run: Run, actor: Actor) -> Run:
             max_expires_at=max_expires,
         )
         locked.refresh_from_db()
+        transaction.on_commit(partial(notify_run_changed, run.pk))
         _create_records(locked, entries)
         audit_append(
             event_type="run.activated",
@@ -494,6 +495,7 @@ def run_heartbeat(*, run: Run, actor: Actor) -> Run:
             OwnershipRecord.objects.filter(run_id=run.pk, active=True).update(expires_at=expires)
         else:
             Run.objects.filter(pk=run.pk).update(last_heartbeat_at=now)
+        transaction.on_commit(partial(notify_run_changed, run.pk))  # its expiry moved
     run.refresh_from_db()
     return run
 
@@ -524,6 +526,7 @@ def _end(
     )
     if not changed:
         return False
+    transaction.on_commit(partial(notify_run_changed, run_id))
     OwnershipRecord.objects.filter(run_id=run_id, active=True).update(active=False, released_at=now)
     # The project's lock order: run -> actions -> approvals -> audit head last
     # (approval_decide and action_cancel take the action before its approval).

@@ -1,0 +1,371 @@
+"""The protocol, without I/O: what to send, how to read the answer, when to retry.
+
+Each API operation is a generator that yields `Call`s and receives the final
+`httpx.Response` of each (after retries); the sync and async clients only drive
+these generators, so both have exactly the same behaviour.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import random
+import time
+import uuid
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from airlock_client.errors import ProblemError, TransportFailed, problem_error
+from airlock_client.models import Action, Resource, Run
+
+T = TypeVar("T")
+
+API_PREFIX = "/api/v1"
+#: The server holds a long-poll at most this long (Prefer: wait=N, N ≤ 60).
+MAX_SERVER_WAIT = 60
+#: Statuses that a proxy may answer without a problem body and that are worth a retry.
+_GATEWAY_STATUSES = frozenset({502, 503, 504})
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str
+    path: str
+    token: str
+    headers: dict[str, str] = field(default_factory=dict)
+    content: bytes | None = None
+    #: A long-poll's own hold time: the read timeout is this plus a margin.
+    hold_seconds: float | None = None
+    #: May the identical request be sent again after a broken connection? True for
+    #: reads, for writes carrying an Idempotency-Key (the server replays the first
+    #: answer) and for idempotent verbs (heartbeat, finish).
+    replay_safe: bool = True
+
+
+Op = Generator[Call, httpx.Response, T]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retryable problems (`retryable: true`: 429, 503, 409 key in flight, 423 leased)
+    and broken connections of replay-safe requests are retried with exponential
+    backoff and full jitter, honouring Retry-After, while the next attempt would
+    start within `budget` seconds of the first. Nothing else is ever retried."""
+
+    budget: float = 30.0
+    base: float = 0.25
+    cap: float = 8.0
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return retry_after + random.uniform(0, min(1.0, 0.1 * retry_after + 0.05))
+        return random.uniform(0, min(self.cap, self.base * (2**attempt)))
+
+
+def new_idempotency_key() -> str:
+    return f"airlock-{uuid.uuid4().hex}"
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+def error_for(response: httpx.Response) -> ProblemError:
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = {"detail": response.text[:500], "title": response.reason_phrase}
+    return problem_error(
+        response.status_code,
+        body,
+        retry_after=parse_retry_after(response.headers.get("Retry-After")),
+        request_id=response.headers.get("X-Request-Id"),
+    )
+
+
+class Attempts:
+    """The retry bookkeeping of one logical request (shared by both drivers)."""
+
+    def __init__(self, call: Call, policy: RetryPolicy) -> None:
+        self.call = call
+        self.policy = policy
+        self.attempt = 0
+        self.deadline = time.monotonic() + policy.budget
+
+    def _fits(self, delay: float) -> bool:
+        return time.monotonic() + delay <= self.deadline
+
+    def after_response(self, response: httpx.Response) -> float | None:
+        """None: this response is the answer. A float: sleep that long, then resend.
+        Raises the typed error when the answer is a problem not worth retrying."""
+        if response.status_code < 400:
+            return None
+        error = error_for(response)
+        retryable = error.retryable or (
+            self.call.replay_safe
+            and response.status_code in _GATEWAY_STATUSES
+            and not error.problem_code
+        )
+        if not retryable:
+            raise error
+        delay = self.policy.delay(self.attempt, error.retry_after)
+        if not self._fits(delay):
+            raise error
+        self.attempt += 1
+        return delay
+
+    def after_transport_error(self, exc: httpx.TransportError) -> float:
+        """A broken connection: resend only a replay-safe request (same headers, so
+        the same Idempotency-Key); otherwise nobody knows whether it happened."""
+        detail = f"{self.call.method} {self.call.path}: {type(exc).__name__}: {exc}"
+        if not self.call.replay_safe:
+            raise TransportFailed(
+                f"{detail} (not retried: the request may or may not have taken effect)"
+            ) from exc
+        delay = self.policy.delay(self.attempt, None)
+        if not self._fits(delay):
+            raise TransportFailed(f"{detail} (retry budget spent)") from exc
+        self.attempt += 1
+        return delay
+
+    def timeout(self, default: httpx.Timeout) -> httpx.Timeout:
+        if self.call.hold_seconds is None:
+            return default
+        return httpx.Timeout(
+            connect=default.connect,
+            read=self.call.hold_seconds + 15.0,
+            write=default.write,
+            pool=default.pool,
+        )
+
+    def headers(self, user_agent: str) -> dict[str, str]:
+        return {
+            "Authorization": f"Bearer {self.call.token}",
+            "Accept": "application/json",
+            "User-Agent": user_agent,
+            **self.call.headers,
+        }
+
+
+# --- Operations ---------------------------------------------------------------------
+
+
+def _json(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    if not isinstance(body, dict):
+        raise TransportFailed(f"expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def resource_path(resource: str) -> str:
+    kind, sep, name = resource.partition("/")
+    if not sep or not kind or not name:
+        raise ValueError(f"resource must be 'kind/name', got {resource!r}")
+    return f"{API_PREFIX}/resources/{quote(kind, safe='')}/{quote(name, safe='')}"
+
+
+def whoami(token: str) -> Op[dict[str, Any]]:
+    response = yield Call("GET", f"{API_PREFIX}/whoami", token)
+    return _json(response)
+
+
+def create_run(
+    token: str, task: str, write_set: list[dict[str, Any]], ttl_seconds: int | None
+) -> Op[Run]:
+    body: dict[str, Any] = {"task": task, "write_set": write_set}
+    if ttl_seconds is not None:
+        body["ttl_seconds"] = ttl_seconds
+    # No Idempotency-Key on POST /runs: a broken connection is not retried (a second
+    # run could be created); 429/503 answers mean nothing happened and are retried.
+    response = yield Call(
+        "POST",
+        f"{API_PREFIX}/runs",
+        token,
+        {"Content-Type": "application/json"},
+        json.dumps(body).encode(),
+        replay_safe=False,
+    )
+    return Run.from_json(_json(response), response.headers.get("ETag"))
+
+
+def get_run(token: str, run_id: str) -> Op[Run]:
+    response = yield Call("GET", f"{API_PREFIX}/runs/{run_id}", token)
+    return Run.from_json(_json(response), response.headers.get("ETag"))
+
+
+def own_run(token: str) -> Op[Run]:
+    """The run a run token belongs to (GET /runs with a run token lists only it)."""
+    response = yield Call("GET", f"{API_PREFIX}/runs?limit=1", token)
+    items = _json(response).get("items") or []
+    if not items:
+        raise TransportFailed("GET /runs listed no run for this token: is it a run token?")
+    return Run.from_json(items[0])
+
+
+def wait_for_run(
+    token: str, run_id: str, timeout: float, until: Callable[[Run], bool] | None = None
+) -> Op[Run]:
+    """Long-poll the run until `until(run)` (default: no longer pending approval) or
+    `timeout` seconds; answers the last state either way."""
+    wanted = until or (lambda run: not run.pending)
+    run = yield from get_run(token, run_id)
+    deadline = time.monotonic() + timeout
+    while not wanted(run):
+        remaining = deadline - time.monotonic()
+        if remaining < 1:
+            break
+        hold = min(MAX_SERVER_WAIT, int(remaining))
+        headers = {"Prefer": f"wait={hold}"}
+        if run.etag:
+            headers["If-None-Match"] = run.etag
+        response = yield Call("GET", f"{API_PREFIX}/runs/{run_id}", token, headers, None, hold)
+        if response.status_code == 200:
+            run = Run.from_json(_json(response), response.headers.get("ETag"))
+    return run
+
+
+def heartbeat(token: str, run_id: str) -> Op[Run]:
+    response = yield Call("POST", f"{API_PREFIX}/runs/{run_id}/heartbeat", token)
+    return Run.from_json(_json(response), response.headers.get("ETag"))
+
+
+def finish(token: str, run_id: str) -> Op[Run]:
+    response = yield Call("POST", f"{API_PREFIX}/runs/{run_id}/finish", token)
+    return Run.from_json(_json(response), response.headers.get("ETag"))
+
+
+def read(token: str, resource: str) -> Op[Resource]:
+    response = yield Call("GET", resource_path(resource), token)
+    return Resource.from_json(_json(response), response.headers.get("ETag"))
+
+
+def write(
+    token: str,
+    method: str,
+    resource: str,
+    *,
+    precondition: tuple[str, str],
+    document: Any = None,
+    reason: str | None = None,
+    idempotency_key: str | None = None,
+) -> Op[Action]:
+    """PUT/PATCH/DELETE one resource. `precondition` is (`If-Match`, the ETag read) or
+    (`If-None-Match`, `*`) to create. The Idempotency-Key is made once here, so every
+    retry of this write (after a broken connection, 429, 503 or 409 in flight) is the
+    identical request and the server answers it at most once."""
+    headers = {
+        precondition[0]: precondition[1],
+        "Idempotency-Key": idempotency_key or new_idempotency_key(),
+    }
+    if reason:
+        headers["Airlock-Reason"] = reason
+    content = None
+    if method != "DELETE":
+        headers["Content-Type"] = (
+            "application/merge-patch+json" if method == "PATCH" else "application/json"
+        )
+        content = json.dumps(document).encode()
+    response = yield Call(method, resource_path(resource), token, headers, content)
+    return Action.from_json(
+        _json(response), replayed=response.headers.get("Idempotent-Replayed") == "true"
+    )
+
+
+def get_action(token: str, action_id: str) -> Op[Action]:
+    response = yield Call("GET", f"{API_PREFIX}/actions/{action_id}", token)
+    return _action(response)
+
+
+def _action(response: httpx.Response) -> Action:
+    action = Action.from_json(_json(response))
+    etag = response.headers.get("ETag")
+    if etag and etag != action.etag:
+        action = Action.from_json({**action.raw, "etag": etag})
+    return action
+
+
+def wait_for_action(
+    token: str, action_id: str, timeout: float, until: Callable[[Action], bool] | None = None
+) -> Op[Action]:
+    """Long-poll the action until `until(action)` (default: a final state) or `timeout`
+    seconds pass; answers the last state either way (check `.final`)."""
+    wanted = until or (lambda action: action.final)
+    action = yield from get_action(token, action_id)
+    deadline = time.monotonic() + timeout
+    while not wanted(action):
+        remaining = deadline - time.monotonic()
+        if remaining < 1:
+            break
+        hold = min(MAX_SERVER_WAIT, int(remaining))
+        headers = {"Prefer": f"wait={hold}", "If-None-Match": action.etag}
+        response = yield Call(
+            "GET", f"{API_PREFIX}/actions/{action_id}", token, headers, None, hold
+        )
+        if response.status_code == 200:
+            action = _action(response)
+    return action
+
+
+def list_actions(token: str, run_id: str | None, limit: int = 200) -> Op[list[Action]]:
+    actions: list[Action] = []
+    cursor = ""
+    while True:
+        query = f"limit={limit}" + (f"&run={run_id}" if run_id else "")
+        if cursor:
+            query += f"&cursor={quote(cursor, safe='')}"
+        response = yield Call("GET", f"{API_PREFIX}/actions?{query}", token)
+        page = _json(response)
+        actions += [Action.from_json(item) for item in page.get("items") or []]
+        cursor = str(page.get("next") or "")
+        if not cursor or len(actions) >= 1000:
+            return actions
+
+
+def undo(token: str, action_id: str, idempotency_key: str | None = None) -> Op[Action]:
+    headers = {"Idempotency-Key": idempotency_key or new_idempotency_key()}
+    response = yield Call("POST", f"{API_PREFIX}/actions/{action_id}/undo", token, headers)
+    return _action(response)
+
+
+def undo_settled(action: Action) -> bool:
+    """An undo has reached its end: the action is undone, or the undo itself became a
+    conflict for a person, or failed."""
+    if action.status == "undone":
+        return True
+    status = (action.undo or {}).get("status")
+    return bool((action.undo or {}).get("conflict_id")) or status in ("failed", "undone")
+
+
+#: Every (method, path template) the client sends; the tests check them against the
+#: served OpenAPI document.
+ENDPOINTS: tuple[tuple[str, str], ...] = (
+    ("GET", "/api/v1/whoami"),
+    ("POST", "/api/v1/runs"),
+    ("GET", "/api/v1/runs"),
+    ("GET", "/api/v1/runs/{run_id}"),
+    ("POST", "/api/v1/runs/{run_id}/heartbeat"),
+    ("POST", "/api/v1/runs/{run_id}/finish"),
+    ("GET", "/api/v1/resources/{kind}/{name}"),
+    ("PUT", "/api/v1/resources/{kind}/{name}"),
+    ("PATCH", "/api/v1/resources/{kind}/{name}"),
+    ("DELETE", "/api/v1/resources/{kind}/{name}"),
+    ("GET", "/api/v1/actions"),
+    ("GET", "/api/v1/actions/{action_id}"),
+    ("POST", "/api/v1/actions/{action_id}/undo"),
+)

@@ -1,0 +1,309 @@
+"""Typed errors: one exception class per problem `code` of the Airlock API.
+
+Every 4xx/5xx answer of the API is `application/problem+json` with `code` and
+`retryable`; `problem_error()` turns it into the matching class below, carrying
+the problem's fields as attributes (and the whole body as `problem`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class AirlockError(Exception):
+    """Anything this client raises."""
+
+
+class TransportFailed(AirlockError):
+    """The server could not be reached, or the connection broke, and the request
+    could not be (or was no longer) safely retried within the retry budget."""
+
+
+class RunNotApproved(AirlockError):
+    """A run did not become active: rejected, expired or revoked, or still
+    `pending_approval` when the caller's wait ran out. `run` is its last state."""
+
+    def __init__(self, message: str, run: Any) -> None:
+        super().__init__(message)
+        self.run = run
+
+
+class ProblemError(AirlockError):
+    """An `application/problem+json` answer. Subclasses are chosen by `code`."""
+
+    code: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        problem: dict[str, Any],
+        *,
+        status: int,
+        retry_after: float | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        self.problem = problem
+        self.status = status
+        self.problem_code = str(problem.get("code") or "")
+        self.title = str(problem.get("title") or "")
+        self.detail = str(problem.get("detail") or "")
+        self.retryable = bool(problem.get("retryable", False))
+        self.retry_after = retry_after
+        self.request_id = request_id or problem.get("request_id")
+        super().__init__(f"{status} {self.problem_code}: {self.detail or self.title}")
+
+
+class BadRequest(ProblemError):
+    code = "bad_request"
+
+
+class MalformedJson(BadRequest):
+    code = "malformed_json"
+
+
+class BadHeader(BadRequest):
+    code = "bad_header"
+
+
+class ValidationError(ProblemError):
+    """400 / 422: `errors` is a list of {field, message}."""
+
+    code = "validation_error"
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return list(self.problem.get("errors") or [])
+
+
+class IdempotencyKeyMissing(ProblemError):
+    code = "idempotency_key_missing"
+
+
+class IdempotencyKeyInvalid(ProblemError):
+    code = "idempotency_key_invalid"
+
+
+class IdempotencyKeyReused(ProblemError):
+    """The key was used before with a different method, path or body."""
+
+    code = "idempotency_key_reused"
+
+
+class IdempotencyKeyInFlight(ProblemError):
+    """The first request with this key is still being processed (retryable)."""
+
+    code = "idempotency_key_in_flight"
+
+
+class Unauthenticated(ProblemError):
+    code = "unauthenticated"
+
+
+class Forbidden(ProblemError):
+    code = "forbidden"
+
+
+class SelfApproval(Forbidden):
+    code = "self_approval"
+
+
+class OutsideWriteSet(Forbidden):
+    """403 `not_in_write_set`: the run's write set does not cover `resource` for
+    `operation`. Start a run whose write set names it."""
+
+    code = "not_in_write_set"
+
+    @property
+    def resource(self) -> str:
+        return str(self.problem.get("resource") or "")
+
+    @property
+    def operation(self) -> str:
+        return str(self.problem.get("operation") or "")
+
+
+class NotFound(ProblemError):
+    code = "not_found"
+
+
+class MethodNotAllowed(ProblemError):
+    code = "method_not_allowed"
+
+
+class NotAcceptable(ProblemError):
+    code = "not_acceptable"
+
+
+class Conflict(ProblemError):
+    """A 409 whose code has no class of its own."""
+
+    code = "conflict"
+
+
+class RunNotActive(Conflict):
+    """409: the run is pending approval, rejected, finished, expired or revoked."""
+
+    code = "run_not_active"
+
+    @property
+    def run(self) -> str:
+        return str(self.problem.get("run") or "")
+
+    @property
+    def run_status(self) -> str:
+        return str(self.problem.get("run_status") or "")
+
+
+class WriteSetConflict(Conflict):
+    """409: another active run holds overlapping write authority (`overlaps`)."""
+
+    code = "write_set_conflict"
+
+    @property
+    def overlaps(self) -> list[dict[str, Any]]:
+        return list(self.problem.get("overlaps") or [])
+
+
+class InvalidTransition(Conflict):
+    code = "invalid_transition"
+
+
+class AlreadyDecided(Conflict):
+    code = "already_decided"
+
+
+class ApprovalExpired(Conflict):
+    code = "approval_expired"
+
+
+class UndoWindowExpired(Conflict):
+    code = "undo_window_expired"
+
+
+class UndoRefused(Conflict):
+    code = "undo_refused"
+
+
+class AlreadyUndone(Conflict):
+    code = "already_undone"
+
+
+class StaleFence(Conflict):
+    code = "stale_fence"
+
+
+class LockBusy(Conflict):
+    code = "lock_busy"
+
+
+class LockLost(Conflict):
+    code = "lock_lost"
+
+
+class StaleVersion(ProblemError):
+    """412: the version you read is no longer current. Re-read, re-plan on the
+    current document, and propose again (never resend the same write)."""
+
+    code = "stale_version"
+
+    @property
+    def resource(self) -> str:
+        return str(self.problem.get("resource") or "")
+
+    @property
+    def expected_etag(self) -> str | None:
+        value = self.problem.get("expected_etag")
+        return None if value is None else str(value)
+
+    @property
+    def current_etag(self) -> str | None:
+        value = self.problem.get("current_etag")
+        return None if value is None else str(value)
+
+    @property
+    def conflict_class(self) -> str:
+        return str(self.problem.get("conflict_class") or "")
+
+    @property
+    def resolver(self) -> str:
+        return str(self.problem.get("resolver") or "")
+
+
+class PayloadTooLarge(ProblemError):
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(ProblemError):
+    code = "unsupported_media_type"
+
+
+class Leased(ProblemError):
+    """423: another run holds an exclusive lease: `lease` = {run, expires_at}."""
+
+    code = "leased"
+
+    @property
+    def lease(self) -> dict[str, Any]:
+        value = self.problem.get("lease")
+        return dict(value) if isinstance(value, dict) else {}
+
+
+class PreconditionRequired(ProblemError):
+    code = "precondition_required"
+
+
+class RateLimited(ProblemError):
+    """429: slow down; `retry_after` seconds (from the Retry-After header)."""
+
+    code = "rate_limited"
+
+
+class InternalError(ProblemError):
+    code = "internal_error"
+
+
+class NotImplementedOnServer(ProblemError):
+    code = "not_implemented"
+
+
+class KillSwitchEngaged(ProblemError):
+    """503: a kill switch covers this write; queued work pauses until release."""
+
+    code = "kill_switch_engaged"
+
+
+class TransientConflict(ProblemError):
+    """503: the transaction lost a race and was rolled back; nothing was written."""
+
+    code = "transient_conflict"
+
+
+class Unavailable(ProblemError):
+    code = "unavailable"
+
+
+def _all_subclasses(cls: type[ProblemError]) -> list[type[ProblemError]]:
+    found: list[type[ProblemError]] = []
+    for sub in cls.__subclasses__():
+        found.append(sub)
+        found.extend(_all_subclasses(sub))
+    return found
+
+
+#: Every problem code this client knows, and the class raised for it.
+ERRORS_BY_CODE: dict[str, type[ProblemError]] = {
+    cls.code: cls for cls in _all_subclasses(ProblemError) if cls.code
+}
+
+
+def problem_error(
+    status: int,
+    body: Any,
+    *,
+    retry_after: float | None = None,
+    request_id: str | None = None,
+) -> ProblemError:
+    """The typed exception for an error answer (an unknown code: ProblemError)."""
+    problem: dict[str, Any] = body if isinstance(body, dict) else {"detail": str(body or "")}
+    problem.setdefault("status", status)
+    cls = ERRORS_BY_CODE.get(str(problem.get("code") or ""), ProblemError)
+    return cls(problem, status=status, retry_after=retry_after, request_id=request_id)

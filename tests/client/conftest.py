@@ -1,0 +1,109 @@
+"""A live Airlock for the client and MCP tests: uvicorn serving the app on the test
+database, a private redis-server and a real RQ worker (`live`), plus people, agents and
+the design's resource (notification-policy/prod-alerts at version 41)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fixtures.api import (
+    ensure_api_kinds,
+    make_agent_with_token,
+    make_person_with_token,
+    start_api_server,
+    stop_api_server,
+)
+
+
+@dataclass
+class Live:
+    url: str
+    operator_token: str
+
+    def pending_approval(self, *, run: str | None = None, action: str | None = None) -> str:
+        """The id of the pending approval of a run or an action, once it exists."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            page = httpx.get(
+                f"{self.url}/api/v1/approvals?status=pending&limit=200",
+                headers={"Authorization": f"Bearer {self.operator_token}"},
+                timeout=10,
+            ).json()
+            for item in page["items"]:
+                if (run and item["subject"] == "run" and item["run"] == run) or (
+                    action and item.get("action") == action
+                ):
+                    return str(item["id"])
+            time.sleep(0.05)
+        raise AssertionError(f"no pending approval for run={run} action={action}")
+
+    def decide(
+        self,
+        *,
+        run: str | None = None,
+        action: str | None = None,
+        decision: str = "approve",
+        comment: str = "",
+    ) -> None:
+        approval = self.pending_approval(run=run, action=action)
+        response = httpx.post(
+            f"{self.url}/api/v1/approvals/{approval}/decision",
+            headers={"Authorization": f"Bearer {self.operator_token}"},
+            json={"decision": decision, "comment": comment},
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+
+    def approve_next_run_of(self, agent_token: str) -> threading.Thread:
+        """In the background: approve the agent's next pending run (the client's
+        start_run blocks on the long-poll meanwhile)."""
+
+        def approve() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                runs = httpx.get(
+                    f"{self.url}/api/v1/runs?status=pending_approval",
+                    headers={"Authorization": f"Bearer {agent_token}"},
+                    timeout=10,
+                ).json()["items"]
+                if runs:
+                    self.decide(run=runs[0]["id"], comment="go ahead")
+                    return
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=approve, daemon=True)
+        thread.start()
+        return thread
+
+
+@pytest.fixture
+def live(rq_worker: Any, transactional_db: Any, prod_alerts: Any) -> Iterator[Live]:
+    # rq_worker points settings.REDIS_URL at a private redis-server first, so the web
+    # server, the worker and this process share it.
+    rq_worker()
+    ensure_api_kinds()
+    operator = make_person_with_token("ana", "operators")
+    server = start_api_server()
+    try:
+        yield Live(url=server.url, operator_token=operator.token)
+    finally:
+        stop_api_server(server)
+
+
+@pytest.fixture
+def agent_tokens(live: Live) -> dict[str, str]:
+    return {
+        name: make_agent_with_token(name).token
+        for name in ("alerts-bot-a", "alerts-bot-b", "dns-bot")
+    }
+
+
+POLICY = "notification-policy/prod-alerts"
+POLICY_WRITE_SET = [(POLICY, ["update"])]

@@ -1,0 +1,264 @@
+"""The client and the served OpenAPI document agree: every request the client can send
+(method, path, headers) is an operation and parameters of the document, and every problem
+code the document lists has a typed exception (and API.md's codes all do). Plus the retry
+rules, on a scripted transport: what is retried, with which key, for how long."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from airlock_client import (
+    ERRORS_BY_CODE,
+    Airlock,
+    ProblemError,
+    RateLimited,
+    StaleVersion,
+    TransportFailed,
+)
+from airlock_client import _protocol as protocol
+from airlock_client.client import RunSession
+from airlock_client.models import Resource, Run
+
+pytestmark = pytest.mark.django_db
+
+API_MD_CODES = {
+    "unauthenticated",
+    "forbidden",
+    "not_found",
+    "validation_error",
+    "not_in_write_set",
+    "run_not_active",
+    "write_set_conflict",
+    "leased",
+    "precondition_required",
+    "stale_version",
+    "idempotency_key_missing",
+    "idempotency_key_invalid",
+    "idempotency_key_reused",
+    "idempotency_key_in_flight",
+    "kill_switch_engaged",
+    "undo_window_expired",
+    "rate_limited",
+}
+# Sent on every request; not operation parameters.
+GENERAL_HEADERS = {
+    "authorization",
+    "accept",
+    "user-agent",
+    "content-type",
+    "content-length",
+    "host",
+    "accept-encoding",
+    "connection",
+}
+
+RUN_ID = "00000000-0000-4000-8000-000000000001"
+ACTION_ID = "00000000-0000-4000-8000-000000000002"
+RUN = {
+    "id": RUN_ID,
+    "status": "active",
+    "agent": "a",
+    "task": "t",
+    "write_set": [],
+    "ttl_seconds": 3600,
+    "expires_at": "2030-01-01T00:00:00Z",
+    "status_reason": "",
+    "token": "rt_x",
+}
+ACTION = {"id": ACTION_ID, "status": "applied", "etag": '"a3"', "run": RUN_ID}
+RESOURCE = {"kind": "notification-policy", "name": "prod-alerts", "version": 41, "etag": '"41"'}
+
+
+def canned(request: httpx.Request) -> httpx.Response:
+    path = request.url.path
+    if path.endswith("/whoami"):
+        return httpx.Response(200, json={"principal": "agent", "name": "a"})
+    if path.startswith("/api/v1/runs"):
+        if path == "/api/v1/runs" and request.method == "GET":
+            return httpx.Response(200, json={"items": [RUN], "next": None})
+        return httpx.Response(201 if request.method == "POST" else 200, json=RUN)
+    if path.startswith("/api/v1/resources/"):
+        if request.method == "GET":
+            return httpx.Response(200, json=RESOURCE, headers={"ETag": '"41"'})
+        return httpx.Response(202, json=ACTION)
+    if path == "/api/v1/actions":
+        return httpx.Response(200, json={"items": [ACTION], "next": None})
+    if path.endswith("/undo"):
+        return httpx.Response(202, json={**ACTION, "status": "undone"})
+    return httpx.Response(200, json=ACTION, headers={"ETag": '"a3"'})
+
+
+def exercise_every_call(record: list[httpx.Request]) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        record.append(request)
+        return canned(request)
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    airlock = Airlock("http://airlock.test", "ak_x", http=http)
+    airlock.whoami()
+    session = airlock.start_run("t", [("notification-policy/prod-alerts", ["update"])])
+    airlock.join_run("rt_x")
+    airlock.get_run(RUN_ID)
+    base = session.read("notification-policy/prod-alerts")
+    session.put(base, {"a": 1}, reason="why")
+    session.patch(base, {"a": 2}, reason="why")
+    session.delete(base, reason="why")
+    session.create("notification-policy/new-one", {"a": 3}, reason="why")
+    session.wait(ACTION_ID, timeout=5, until=lambda action: False)
+    airlock.get_action(ACTION_ID)
+    session.undo(ACTION_ID)
+    session.actions()
+    session.heartbeat()
+    session.refresh()
+    session.finish()
+    # Waiting on a pending run long-polls GET /runs/{id} with Prefer + If-None-Match.
+    airlock._run(protocol.wait_for_run("t", RUN_ID, 2, until=lambda run: False))
+
+
+def template_of(path: str, templates: list[str]) -> str | None:
+    for template in templates:
+        pattern = "^" + re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(template)) + "$"
+        if re.match(pattern, path):
+            return template
+    return None
+
+
+def test_every_request_the_client_sends_is_documented_in_the_served_openapi(client: Any) -> None:
+    document = client.get("/api/v1/openapi.json").json()
+    paths = document["paths"]
+    record: list[httpx.Request] = []
+    exercise_every_call(record)
+    used: set[tuple[str, str]] = set()
+    for request in record:
+        template = template_of(request.url.path, sorted(paths, key=len, reverse=True))
+        assert template is not None, f"{request.method} {request.url.path} is not in the document"
+        operation = paths[template].get(request.method.lower())
+        assert operation is not None, f"{request.method} {template} is not in the document"
+        used.add((request.method, template))
+        documented = {
+            p["name"].lower() for p in operation.get("parameters", []) if p["in"] == "header"
+        }
+        sent = {name.lower() for name in request.headers} - GENERAL_HEADERS
+        assert sent <= documented, f"{request.method} {template} sends undocumented {sent}"
+        query = {p["name"] for p in operation.get("parameters", []) if p["in"] == "query"}
+        assert set(request.url.params) <= query, f"{request.method} {template} query"
+    assert used == set(protocol.ENDPOINTS)
+
+
+def test_every_problem_code_of_the_document_and_of_api_md_has_a_typed_exception(
+    client: Any,
+) -> None:
+    document = client.get("/api/v1/openapi.json").json()
+    served = document["components"]["schemas"]["Problem"]["x-problem-codes"]
+    assert set(served) == set(ERRORS_BY_CODE)
+    assert set(ERRORS_BY_CODE) >= API_MD_CODES
+    for code, entry in served.items():
+        assert issubclass(ERRORS_BY_CODE[code], ProblemError)
+        raised = protocol.problem_error(entry["status"], {"code": code, "retryable": True})
+        assert type(raised) is ERRORS_BY_CODE[code]
+
+
+# --- Retries, on a scripted transport --------------------------------------------------
+
+
+def scripted(
+    answers: list[Callable[[httpx.Request], httpx.Response]],
+) -> tuple[Airlock, list[httpx.Request]]:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return answers[min(len(seen), len(answers)) - 1](request)
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    return Airlock("http://airlock.test", "rt_x", http=http, retry_budget=10), seen
+
+
+def problem(status: int, code: str, retryable: bool, **extra: Any) -> Any:
+    headers = {"Retry-After": str(extra.pop("retry_after"))} if "retry_after" in extra else {}
+    body = {"code": code, "retryable": retryable, "status": status, "detail": code, **extra}
+    return lambda request: httpx.Response(
+        status, json=body, headers={"Content-Type": "application/problem+json", **headers}
+    )
+
+
+def dropped(request: httpx.Request) -> httpx.Response:
+    raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+
+def accepted(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(202, json=ACTION)
+
+
+BASE = Resource("notification-policy", "prod-alerts", 41, '"41"', {}, "platform", {})
+
+
+def session_of(airlock: Airlock) -> RunSession:
+    return RunSession(airlock, Run.from_json(RUN), "rt_x")
+
+
+def test_a_rate_limited_write_is_retried_after_retry_after_with_the_same_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr("airlock_client.client.time.sleep", slept.append)
+    airlock, seen = scripted([problem(429, "rate_limited", True, retry_after=2), accepted])
+    session_of(airlock).patch(BASE, {"a": 1})
+    assert len(seen) == 2
+    assert seen[0].headers["Idempotency-Key"] == seen[1].headers["Idempotency-Key"]
+    assert seen[0].content == seen[1].content
+    assert len(slept) == 1 and 2.0 <= slept[0] <= 3.0
+
+
+def test_a_write_whose_connection_broke_is_resent_with_the_same_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("airlock_client.client.time.sleep", lambda seconds: None)
+    airlock, seen = scripted([dropped, accepted])
+    session_of(airlock).put(BASE, {"a": 1})
+    assert len(seen) == 2
+    assert seen[0].headers["Idempotency-Key"] == seen[1].headers["Idempotency-Key"]
+    assert seen[0].headers["If-Match"] == '"41"'
+
+
+def test_a_run_creation_whose_connection_broke_is_not_resent() -> None:
+    airlock, seen = scripted([dropped])
+    with pytest.raises(TransportFailed, match="may or may not have taken effect"):
+        airlock.start_run("t", [("notification-policy/prod-alerts", ["update"])])
+    assert len(seen) == 1
+
+
+def test_a_stale_version_is_raised_at_once_with_its_fields() -> None:
+    airlock, seen = scripted(
+        [
+            problem(
+                412,
+                "stale_version",
+                False,
+                resource="notification-policy/prod-alerts",
+                expected_etag='"41"',
+                current_etag='"42"',
+                conflict_class="replace_shared_document",
+                resolver="group:operators",
+            )
+        ]
+    )
+    with pytest.raises(StaleVersion) as refused:
+        session_of(airlock).put(BASE, {"a": 1})
+    assert len(seen) == 1
+    assert (refused.value.current_etag, refused.value.resolver) == ('"42"', "group:operators")
+
+
+def test_a_retry_after_beyond_the_budget_raises_rate_limited_without_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr("airlock_client.client.time.sleep", slept.append)
+    airlock, seen = scripted([problem(429, "rate_limited", True, retry_after=120)])
+    with pytest.raises(RateLimited) as limited:
+        session_of(airlock).patch(BASE, {"a": 1})
+    assert limited.value.retry_after == 120 and len(seen) == 1 and slept == []
