@@ -164,18 +164,20 @@ SERVES_ASGI = "console.asgi" in sys.modules  # being imported by the ASGI entry 
 WEB_CONCURRENCY = env_int("WEB_CONCURRENCY", 2, minimum=1)
 # The web processes share about 40 connections by default, 4 to 20 each; the rest of
 # PostgreSQL's default 100 is left to workers, cron and maintenance sessions.
-# `manage.py check` warns when WEB_CONCURRENCY x this exceeds max_connections (airlock.W002).
+# `manage.py check` warns when WEB_CONCURRENCY x this exceeds max_connections (airlock.W010).
 AIRLOCK_DB_POOL_MAX = env_int(
     "AIRLOCK_DB_POOL_MAX", max(4, min(20, 40 // WEB_CONCURRENCY)), minimum=1
 )
 AIRLOCK_DB_POOL_MIN = min(env_int("AIRLOCK_DB_POOL_MIN", 2, minimum=1), AIRLOCK_DB_POOL_MAX)
 AIRLOCK_DB_POOL_TIMEOUT = env_int("AIRLOCK_DB_POOL_TIMEOUT", 10, minimum=1)
+# Whether the web processes pool (what `manage.py check` judges), and whether this one does.
+AIRLOCK_DB_POOL_WEB = env_bool("AIRLOCK_DB_POOL", True)
+AIRLOCK_DB_POOL = env_bool("AIRLOCK_DB_POOL", SERVES_ASGI)
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
     _db: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL))
     if _db.get("ENGINE") != "django.db.backends.postgresql":
         raise ImproperlyConfigured("DATABASE_URL must be a postgres:// URL")
-    AIRLOCK_DB_POOL = env_bool("AIRLOCK_DB_POOL", SERVES_ASGI)
     if AIRLOCK_DB_POOL:
         _db["CONN_MAX_AGE"] = 0  # a closed connection goes back to the pool
         _db["OPTIONS"] = {
@@ -191,7 +193,7 @@ if DATABASE_URL:
     else:
         _db["CONN_MAX_AGE"] = env_int("CONN_MAX_AGE", 60, minimum=0)
 else:
-    AIRLOCK_DB_POOL = False
+    AIRLOCK_DB_POOL = AIRLOCK_DB_POOL_WEB = False
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     _db = {
         "ENGINE": "django.db.backends.sqlite3",
