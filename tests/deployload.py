@@ -160,6 +160,10 @@ class WrkResult:
     def answered_between(self, start: float, end: float) -> int:
         return sum(n for at, n in self.answered_per_100ms.items() if start <= at < end)
 
+    def first_answer_after(self, start: float) -> float:
+        """When the first answer after `start` came (to 100 ms), +inf if none did."""
+        return min((at for at in self.answered_per_100ms if at >= start), default=float("inf"))
+
     def failures_after(self, start: float) -> list[tuple[int, float]]:
         return [(status, at) for status, at in self.failures if at >= start]
 
