@@ -6,6 +6,9 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
+# Settings are loaded below, while this module is being imported: that is how they know this
+# is a web process (SERVES_ASGI), whose database connections are pooled by default (each
+# request's sync work runs in a thread of its own; see the Database section of settings).
 # /static/ is answered by Django's static files handler (found through the finders, no
 # collectstatic step); everything else goes to Django. Behind a reverse proxy that serves
 # /static/ itself, this wrapper is never reached for those paths.

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import psycopg
 from django.conf import settings
 from django.core.checks import CheckMessage, Tags, Warning, register
+
+logger = logging.getLogger("airlock.checks")
 
 
 @register(Tags.security, deploy=True)
@@ -36,3 +40,64 @@ def metrics_token_set(app_configs: Any, **kwargs: Any) -> list[CheckMessage]:
             id="airlock.W010",
         )
     ]
+
+
+# Connecting to read max_connections must not hold up a command when the database is away.
+MAX_CONNECTIONS_PROBE_TIMEOUT_SECONDS = 3
+
+
+@register("airlock")
+def web_connections_fit_the_database(app_configs: Any, **kwargs: Any) -> list[CheckMessage]:
+    """The web processes' pools (WEB_CONCURRENCY x AIRLOCK_DB_POOL_MAX) must fit in the
+    server's max_connections, or requests past it fail to connect (503) under load.
+    Silent when the database is not PostgreSQL or cannot be reached (nothing to judge)."""
+    database = settings.DATABASES["default"]
+    if database.get("ENGINE") != "django.db.backends.postgresql":
+        return []
+    processes = int(settings.WEB_CONCURRENCY)
+    if not settings.AIRLOCK_DB_POOL_WEB:
+        return [
+            Warning(
+                "AIRLOCK_DB_POOL=false: every request thread of a web process keeps a "
+                "PostgreSQL connection of its own, so the web processes' connections grow "
+                "with the load until max_connections is exhausted.",
+                hint="Unset AIRLOCK_DB_POOL (the web processes then pool their connections).",
+                id="airlock.W011",
+            )
+        ]
+    max_connections = _server_max_connections(database)
+    if max_connections is None:
+        return []
+    pool_max = int(settings.AIRLOCK_DB_POOL_MAX)
+    if processes * pool_max <= max_connections:
+        return []
+    return [
+        Warning(
+            f"{processes} web processes (WEB_CONCURRENCY) x {pool_max} pooled connections "
+            f"(AIRLOCK_DB_POOL_MAX) = {processes * pool_max} exceeds the server's "
+            f"max_connections ({max_connections}): under load, requests fail to connect.",
+            hint="Lower AIRLOCK_DB_POOL_MAX or WEB_CONCURRENCY, or raise max_connections; "
+            "leave room for the workers, cron and maintenance sessions too.",
+            id="airlock.W011",
+        )
+    ]
+
+
+def _server_max_connections(database: dict[str, Any]) -> int | None:
+    options = {k: v for k, v in database.get("OPTIONS", {}).items() if k != "pool"}
+    params = {
+        "dbname": database.get("NAME") or "postgres",
+        "user": database.get("USER") or None,
+        "password": database.get("PASSWORD") or None,
+        "host": database.get("HOST") or None,
+        "port": database.get("PORT") or None,
+        **options,
+        "connect_timeout": MAX_CONNECTIONS_PROBE_TIMEOUT_SECONDS,
+    }
+    try:
+        with psycopg.connect(**{k: v for k, v in params.items() if v is not None}) as conn:
+            row = conn.execute("SHOW max_connections").fetchone()
+    except psycopg.Error as exc:
+        logger.info("max_connections not checked: the database did not answer (%s)", exc)
+        return None
+    return int(row[0]) if row else None

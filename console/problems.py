@@ -13,6 +13,7 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from ninja import Schema
+from psycopg_pool import PoolTimeout
 from pydantic import ConfigDict, Field
 
 from console.core.errors import DomainError
@@ -229,6 +230,18 @@ def database_sqlstate(exc: BaseException) -> str | None:
     return None
 
 
+def _pool_exhausted(exc: BaseException) -> bool:
+    """Did the request wait AIRLOCK_DB_POOL_TIMEOUT for a pooled connection in vain?"""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PoolTimeout):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def transient_database_response(exc: BaseException) -> HttpResponse | None:
     """503 problem+json with Retry-After for a Django OperationalError: the
     transaction was rolled back (deadlock, serialization failure, lock or
@@ -248,6 +261,16 @@ def transient_database_response(exc: BaseException) -> HttpResponse | None:
             detail="The request collided with a concurrent change and was rolled back; "
             "nothing was written. Send it again.",
             extra={"sqlstate": sqlstate, "retry_after": TRANSIENT_RETRY_AFTER_SECONDS},
+            headers=headers,
+        )
+    if _pool_exhausted(exc):
+        # Overload, not an outage: every pooled connection of this process stayed busy.
+        logger.warning("no pooled database connection free within the timeout; answered 503")
+        return problem_response(
+            code="unavailable",
+            detail="The server is at its database connection limit; nothing was written. "
+            "Try again shortly.",
+            extra={"retry_after": TRANSIENT_RETRY_AFTER_SECONDS},
             headers=headers,
         )
     logger.warning("database operational error (SQLSTATE %s); answered 503", sqlstate)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -149,24 +150,50 @@ TEMPLATES = [
 
 # --- Database -------------------------------------------------------------
 # PostgreSQL in production and tests; a SQLite file is the embedded default.
+#
+# Connections. Django under ASGI runs each request's database work in a thread of its own,
+# so persistent per-thread connections (CONN_MAX_AGE) grow with the number of concurrent
+# requests until PostgreSQL's max_connections is exhausted. The web processes (those that
+# load console.asgi, as the Procfile's `web` line does) therefore use psycopg's pool by
+# default: at most AIRLOCK_DB_POOL_MAX connections per process, whatever the load; a request
+# waits for a free one (up to AIRLOCK_DB_POOL_TIMEOUT seconds, then 503 + Retry-After).
+# Workers and cron run one job at a time and keep one persistent connection (CONN_MAX_AGE),
+# checked before each job (approvals.jobs); AIRLOCK_DB_POOL=true/false forces either way.
+SERVES_ASGI = "console.asgi" in sys.modules  # being imported by the ASGI entry point
+# uvicorn's --workers in the Procfile (`${WEB_CONCURRENCY:-2}`): keep the two defaults equal.
+WEB_CONCURRENCY = env_int("WEB_CONCURRENCY", 2, minimum=1)
+# The web processes share about 40 connections by default, 4 to 20 each; the rest of
+# PostgreSQL's default 100 is left to workers, cron and maintenance sessions.
+# `manage.py check` warns when WEB_CONCURRENCY x this exceeds max_connections (airlock.W011).
+AIRLOCK_DB_POOL_MAX = env_int(
+    "AIRLOCK_DB_POOL_MAX", max(4, min(20, 40 // WEB_CONCURRENCY)), minimum=1
+)
+AIRLOCK_DB_POOL_MIN = min(env_int("AIRLOCK_DB_POOL_MIN", 2, minimum=1), AIRLOCK_DB_POOL_MAX)
+AIRLOCK_DB_POOL_TIMEOUT = env_int("AIRLOCK_DB_POOL_TIMEOUT", 10, minimum=1)
+# Whether the web processes pool (what `manage.py check` judges), and whether this one does.
+AIRLOCK_DB_POOL_WEB = env_bool("AIRLOCK_DB_POOL", True)
+AIRLOCK_DB_POOL = env_bool("AIRLOCK_DB_POOL", SERVES_ASGI)
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
     _db: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL))
     if _db.get("ENGINE") != "django.db.backends.postgresql":
         raise ImproperlyConfigured("DATABASE_URL must be a postgres:// URL")
-    if env_bool("AIRLOCK_DB_POOL", False):
-        # Under ASGI, Django opens a connection per request unless pooled.
-        _db["CONN_MAX_AGE"] = 0
+    if AIRLOCK_DB_POOL:
+        _db["CONN_MAX_AGE"] = 0  # a closed connection goes back to the pool
         _db["OPTIONS"] = {
             "pool": {
-                "min_size": env_int("AIRLOCK_DB_POOL_MIN", 2, minimum=1),
-                "max_size": env_int("AIRLOCK_DB_POOL_MAX", 10, minimum=1),
-                "timeout": 10,
+                "min_size": AIRLOCK_DB_POOL_MIN,
+                "max_size": AIRLOCK_DB_POOL_MAX,
+                "timeout": AIRLOCK_DB_POOL_TIMEOUT,
+                # Django adds check=ConnectionPool.check_connection (CONN_HEALTH_CHECKS
+                # below): a connection that died with a PostgreSQL restart is replaced
+                # before a request gets it, instead of failing that request.
             }
         }
     else:
         _db["CONN_MAX_AGE"] = env_int("CONN_MAX_AGE", 60, minimum=0)
 else:
+    AIRLOCK_DB_POOL = AIRLOCK_DB_POOL_WEB = False
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     _db = {
         "ENGINE": "django.db.backends.sqlite3",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite against real PostgreSQL and Redis, starting them if they are
-# down (with the commands this machine kind documents), Chromium installed when missing.
+# down (with the commands this machine kind documents), Chromium and wrk installed when missing.
 # Exits non-zero on any failure, including pytest's "no tests collected" (5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,13 @@ if [[ -x scripts/install-browser.sh || -f scripts/install-browser.sh ]]; then
   bash scripts/install-browser.sh
 else
   echo "scripts/install-browser.sh is missing: browser tests will fail to find Chromium" >&2
+fi
+
+# The deployment load tests drive the web processes with wrk (a compiled load generator).
+if ! command -v wrk >/dev/null 2>&1; then
+  if [[ "$(id -u)" -ne 0 ]]; then SUDO=sudo; else SUDO=; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq wrk
 fi
 
 set +e
