@@ -11,6 +11,21 @@ from typing import Any
 
 GENESIS_HASH = "0" * 64
 
+# The stored columns an event's hash covers (with prev_hash), in hashed_fields' order.
+HASHED_COLUMNS = (
+    "seq",
+    "created_at",
+    "actor_type",
+    "actor_id",
+    "actor_label",
+    "request_id",
+    "event_type",
+    "resource",
+    "run_id",
+    "action_id",
+    "details",
+)
+
 
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
@@ -56,19 +71,7 @@ def hashed_fields(
 
 
 def _row_hash(row: Any) -> str:
-    fields = hashed_fields(
-        seq=row.seq,
-        created_at=row.created_at,
-        actor_type=row.actor_type,
-        actor_id=row.actor_id,
-        actor_label=row.actor_label,
-        request_id=row.request_id,
-        event_type=row.event_type,
-        resource=row.resource,
-        run_id=row.run_id,
-        action_id=row.action_id,
-        details=row.details,
-    )
+    fields = hashed_fields(**{name: getattr(row, name) for name in HASHED_COLUMNS})
     return event_hash(fields, row.prev_hash)
 
 

@@ -13,28 +13,14 @@ from django.db import transaction
 from django.db.models import Max, Q, QuerySet
 
 from approvals.models import Agent, Run
-from audit.chain import GENESIS_HASH, VerifyResult, against_head, verify_rows
+from audit.chain import GENESIS_HASH, HASHED_COLUMNS, VerifyResult, against_head, verify_rows
 from audit.models import AuditEvent, AuditHead
 from console.core.errors import ValidationFailed
 
 _MAX_LIMIT = 200
 
-# Only what the hash covers: named tuples, not model instances (about twice as fast).
-_CHAIN_FIELDS = (
-    "seq",
-    "created_at",
-    "actor_type",
-    "actor_id",
-    "actor_label",
-    "request_id",
-    "event_type",
-    "resource",
-    "run_id",
-    "action_id",
-    "details",
-    "prev_hash",
-    "hash",
-)
+# Only what the walk needs: named tuples, not model instances (about twice as fast).
+_CHAIN_FIELDS = (*HASHED_COLUMNS, "prev_hash", "hash")
 
 
 @dataclass(frozen=True)

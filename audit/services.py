@@ -159,7 +159,13 @@ class _Prepared:
     fields: dict[str, Any]
 
 
+_EVENT_KEYS = EventSpec.__required_keys__ | EventSpec.__optional_keys__
+
+
 def _prepare(event: EventSpec) -> _Prepared:
+    unknown = event.keys() - _EVENT_KEYS
+    if unknown:  # untyped callers (tests, bench) get what a keyword-only signature gave
+        raise TypeError(f"audit_append() got unexpected keyword arguments {sorted(unknown)}")
     actor = event["actor"]
     request_id = event.get("request_id")
     rid = request_id if request_id is not None else current_request_id()

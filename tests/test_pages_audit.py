@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from django.db import connection
 
 from audit.models import AuditEvent
 from audit.services import Actor, audit_append
@@ -133,8 +134,6 @@ def test_the_badge_reuses_its_result_until_the_head_moves(
 def test_the_badge_names_the_first_bad_seq_of_a_tampered_chain(
     people: People, events: list[AuditEvent]
 ) -> None:
-    from django.db import connection
-
     forget_verification()
     with connection.cursor() as cursor:  # the test session may bypass the append-only trigger
         cursor.execute(
