@@ -15,6 +15,7 @@ from rq import cron
 
 from approvals.jobs import housekeeping_job, reconcile_job
 from approvals.outbox import QUEUE_NAME
+from audit.jobs import audit_verify_job
 
 RECONCILE_EVERY_SECONDS = 5
 HOUSEKEEPING_EVERY_SECONDS = 30
@@ -30,3 +31,4 @@ def _register(func: Callable[..., Any], **options: Any) -> None:
 
 _register(reconcile_job, interval=RECONCILE_EVERY_SECONDS, job_timeout=60, result_ttl=60)
 _register(housekeeping_job, interval=HOUSEKEEPING_EVERY_SECONDS, job_timeout=120, result_ttl=60)
+_register(audit_verify_job, interval=3600, job_timeout=3600, result_ttl=3600)  # whole chain hourly

@@ -1,22 +1,37 @@
-"""Hashing and verification of the audit chain (pure functions plus one walk)."""
+"""Hashing and verification of the audit chain: pure functions, no database."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 GENESIS_HASH = "0" * 64
+
+# The stored columns an event's hash covers (with prev_hash), in hashed_fields' order.
+HASHED_COLUMNS = (
+    "seq",
+    "created_at",
+    "actor_type",
+    "actor_id",
+    "actor_label",
+    "request_id",
+    "event_type",
+    "resource",
+    "run_id",
+    "action_id",
+    "details",
+)
 
 
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
-def normalise_time(moment: datetime) -> str:
+def _normalise_time(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat(timespec="microseconds")
 
 
@@ -42,7 +57,7 @@ def hashed_fields(
 ) -> dict[str, Any]:
     return {
         "seq": seq,
-        "created_at": normalise_time(created_at),
+        "created_at": _normalise_time(created_at),
         "actor_type": actor_type,
         "actor_id": actor_id,
         "actor_label": actor_label,
@@ -55,45 +70,60 @@ def hashed_fields(
     }
 
 
+def _row_hash(row: Any) -> str:
+    fields = hashed_fields(**{name: getattr(row, name) for name in HASHED_COLUMNS})
+    return event_hash(fields, row.prev_hash)
+
+
 @dataclass(frozen=True)
 class VerifyResult:
+    """`events`: how many events from the start are verified; `walked`: rows read."""
+
     ok: bool
     events: int
     first_bad_seq: int | None
     head_hash: str
     problem: str = ""
+    walked: int = 0
 
 
-def verify_rows(rows: Iterable[Any]) -> VerifyResult:
-    """Walk rows in seq order; report the first seq whose link or hash is wrong.
+def verify_rows(
+    rows: Iterable[Any], *, after_seq: int = 0, after_hash: str = GENESIS_HASH
+) -> VerifyResult:
+    """Walk rows in seq order from a verified point (the genesis by default);
+    report the first seq whose link or hash is wrong.
 
     Detects edits (hash mismatch), deletions and insertions (seq gap or broken
     prev_hash link) and reordering (prev_hash link).
     """
-    expected_prev = GENESIS_HASH
-    expected_seq = 1
-    count = 0
+    expected_seq, expected_prev, walked = after_seq + 1, after_hash, 0
+    problem, first_bad = "", None
     for row in rows:
-        count += 1
+        walked += 1
         if row.seq != expected_seq:
-            return VerifyResult(False, count - 1, expected_seq, expected_prev, "seq gap")
-        if row.prev_hash != expected_prev:
-            return VerifyResult(False, count - 1, row.seq, expected_prev, "broken link")
-        fields = hashed_fields(
-            seq=row.seq,
-            created_at=row.created_at,
-            actor_type=row.actor_type,
-            actor_id=row.actor_id,
-            actor_label=row.actor_label,
-            request_id=row.request_id,
-            event_type=row.event_type,
-            resource=row.resource,
-            run_id=row.run_id,
-            action_id=row.action_id,
-            details=row.details,
-        )
-        if event_hash(fields, row.prev_hash) != row.hash:
-            return VerifyResult(False, count - 1, row.seq, expected_prev, "hash mismatch")
+            first_bad, problem = expected_seq, "seq gap"
+        elif row.prev_hash != expected_prev:
+            first_bad, problem = row.seq, "broken link"
+        elif _row_hash(row) != row.hash:
+            first_bad, problem = row.seq, "hash mismatch"
+        if first_bad is not None:
+            break
         expected_prev = row.hash
         expected_seq += 1
-    return VerifyResult(True, count, None, expected_prev)
+    return VerifyResult(
+        first_bad is None, expected_seq - 1, first_bad, expected_prev, problem, walked
+    )
+
+
+def against_head(result: VerifyResult, *, head_seq: int, head_hash: str) -> VerifyResult:
+    """A walk that verified is still broken if it does not end exactly at the head
+    row (a deleted tail, or a head row moved by hand)."""
+    if not result.ok or (head_seq, head_hash) == (result.events, result.head_hash):
+        return result
+    return replace(
+        result,
+        ok=False,
+        first_bad_seq=min(head_seq, result.events) + 1,
+        problem=f"head row says #{head_seq} {head_hash[:12]}…, the chain ends at "
+        f"#{result.events} {result.head_hash[:12]}…",
+    )

@@ -1,4 +1,4 @@
-"""Appending to the audit chain.
+"""Appending to the audit chain, and verifying it with a shared checkpoint.
 
 Every service writes its audit event through `audit_append`, inside the same
 transaction as the change it records. Appends are serialised on the AuditHead
@@ -14,19 +14,26 @@ one multi-row INSERT and one head update.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
+from django.core.cache import cache
 from django.db import connection, transaction
 from django.utils import timezone
+from redis.exceptions import RedisError
 
-from audit.chain import GENESIS_HASH, canonical_json, event_hash, hashed_fields
+from audit.chain import GENESIS_HASH, VerifyResult, canonical_json, event_hash, hashed_fields
 from audit.models import ActorType, AuditEvent, AuditHead
+from audit.selectors import audit_head, verify_chain
 from console.requestctx import current_request_id
+
+logger = logging.getLogger(__name__)
 
 # Keys whose values must never reach the audit trail.
 _SECRET_KEY_PATTERN = re.compile(r"(token|secret|password|authorization|api[_-]?key)", re.I)
@@ -82,15 +89,30 @@ class Actor:
         return cls(ActorType.RUN, str(run.pk), f"{run.agent.name}/{str(run.pk)[:8]}")
 
 
-def scrub(value: Any) -> Any:
+class _EventRequired(TypedDict):
+    event_type: str
+    actor: Actor
+
+
+class EventSpec(_EventRequired, total=False):
+    """One event, as audit_append's keyword arguments."""
+
+    resource: str
+    run_id: uuid.UUID | str | None
+    action_id: uuid.UUID | str | None
+    details: dict[str, Any] | None
+    request_id: str | None
+
+
+def _scrub(value: Any) -> Any:
     """Drop secret-looking keys and token-looking strings from audit details."""
     if isinstance(value, dict):
         return {
-            key: ("[redacted]" if _SECRET_KEY_PATTERN.search(str(key)) else scrub(item))
+            key: ("[redacted]" if _SECRET_KEY_PATTERN.search(str(key)) else _scrub(item))
             for key, item in value.items()
         }
     if isinstance(value, list | tuple):
-        return [scrub(item) for item in value]
+        return [_scrub(item) for item in value]
     if isinstance(value, str):
         return _TOKEN_VALUE_PATTERN.sub("[redacted]", value)
     return value
@@ -117,9 +139,9 @@ def _storable(value: Any) -> Any:
     return value
 
 
-def clean_details(details: dict[str, Any] | None) -> dict[str, Any]:
+def _clean_details(details: dict[str, Any] | None) -> dict[str, Any]:
     # Round-trip through JSON so the hash covers exactly what is stored.
-    cleaned: dict[str, Any] = _storable(json.loads(json.dumps(scrub(details or {}), default=str)))
+    cleaned: dict[str, Any] = _storable(json.loads(json.dumps(_scrub(details or {}), default=str)))
     return cleaned
 
 
@@ -137,16 +159,15 @@ class _Prepared:
     fields: dict[str, Any]
 
 
-def _prepare(
-    *,
-    event_type: str,
-    actor: Actor,
-    resource: str = "",
-    run_id: uuid.UUID | str | None = None,
-    action_id: uuid.UUID | str | None = None,
-    details: dict[str, Any] | None = None,
-    request_id: str | None = None,
-) -> _Prepared:
+_EVENT_KEYS = EventSpec.__required_keys__ | EventSpec.__optional_keys__
+
+
+def _prepare(event: EventSpec) -> _Prepared:
+    unknown = event.keys() - _EVENT_KEYS
+    if unknown:  # untyped callers (tests, bench) get what a keyword-only signature gave
+        raise TypeError(f"audit_append() got unexpected keyword arguments {sorted(unknown)}")
+    actor = event["actor"]
+    request_id = event.get("request_id")
     rid = request_id if request_id is not None else current_request_id()
     # Cleaned and clipped to the column limits before hashing, so the hash
     # covers exactly what is stored.
@@ -156,11 +177,11 @@ def _prepare(
         "actor_id": _storable(actor.id)[:64],
         "actor_label": _storable(actor.label)[:200],
         "request_id": _storable(rid)[:128],
-        "event_type": _storable(event_type)[:64],
-        "resource": _storable(resource)[:320],
-        "run_id": _as_uuid(run_id),
-        "action_id": _as_uuid(action_id),
-        "details": clean_details(details),
+        "event_type": _storable(event["event_type"])[:64],
+        "resource": _storable(event.get("resource", ""))[:320],
+        "run_id": _as_uuid(event.get("run_id")),
+        "action_id": _as_uuid(event.get("action_id")),
+        "details": _clean_details(event.get("details")),
     }
     return _Prepared(columns, hashed_fields(seq=0, **columns))
 
@@ -172,30 +193,13 @@ def _event(prepared: _Prepared, *, seq: int, prev_hash: str, digest: str) -> Aud
     return event
 
 
-def audit_append(
-    *,
-    event_type: str,
-    actor: Actor,
-    resource: str = "",
-    run_id: uuid.UUID | str | None = None,
-    action_id: uuid.UUID | str | None = None,
-    details: dict[str, Any] | None = None,
-    request_id: str | None = None,
-) -> AuditEvent:
+def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
     """Append one event to the chain, inside the caller's transaction.
 
     Locks the AuditHead row until the caller commits: keep it the last step
     of a transaction so the lock is held briefly.
     """
-    prepared = _prepare(
-        event_type=event_type,
-        actor=actor,
-        resource=resource,
-        run_id=run_id,
-        action_id=action_id,
-        details=details,
-        request_id=request_id,
-    )
+    prepared = _prepare(event)
     if connection.vendor != "postgresql":
         return _append_batch([prepared])[0]
     template = canonical_json({"event": prepared.fields, "prev_hash": ""})
@@ -226,12 +230,11 @@ def audit_append(
     return _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
 
 
-def audit_append_many(events: Sequence[Mapping[str, Any]]) -> list[AuditEvent]:
-    """Append several events (each a mapping of audit_append's keyword arguments),
-    in order, with one head lock: for services that record many events in one
-    transaction (housekeeping, bulk decisions). Same locking rule as audit_append.
+def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:
+    """Append several events (each audit_append's keyword arguments), in order,
+    with one head lock and one multi-row INSERT. Same locking rule as audit_append.
     """
-    return _append_batch([_prepare(**event) for event in events])
+    return _append_batch([_prepare(event) for event in events])
 
 
 def _append_batch(prepared: list[_Prepared]) -> list[AuditEvent]:
@@ -260,3 +263,132 @@ def _execute_append(params: list[Any]) -> Any:
     with connection.cursor() as cursor:
         cursor.execute(_APPEND, params)
         return cursor.fetchone()
+
+
+# --- Verification: one walk, one checkpoint shared by every process ------------------
+#
+# The checkpoint (the last verified seq and hash) lives in Django's cache, which
+# is Redis: every web process and worker reads and moves the same one. Losing it
+# (a Redis restart or FLUSHALL) costs one walk from the start. A break, once
+# found, is kept under its own key so that a concurrent tail walk can never
+# overwrite it; only a whole walk that finds the chain whole again clears it.
+
+CHECKPOINT_KEY = "airlock:audit:verify:checkpoint"
+BROKEN_KEY = "airlock:audit:verify:broken"
+
+
+@dataclass(frozen=True)
+class ChainStatus:
+    """The chain as last verified. `events`/`head_hash`: the verified prefix;
+    `walked`: rows read to give this answer (0 when it came from the checkpoint)."""
+
+    ok: bool
+    events: int
+    first_bad_seq: int | None
+    head_hash: str
+    problem: str
+    checked_at: datetime
+    full_walk_at: datetime | None
+    walked: int = 0
+    cached: bool = False
+
+
+_STORED = ("ok", "events", "first_bad_seq", "head_hash", "problem", "checked_at", "full_walk_at")
+
+
+def _status(result: VerifyResult, *, full_walk_at: datetime | None) -> ChainStatus:
+    return ChainStatus(
+        ok=result.ok,
+        events=result.events,
+        first_bad_seq=result.first_bad_seq,
+        head_hash=result.head_hash,
+        problem=result.problem,
+        checked_at=timezone.now(),
+        full_walk_at=full_walk_at,
+        walked=result.walked,
+    )
+
+
+def _load(key: str) -> ChainStatus | None:
+    try:
+        stored = cache.get(key)
+    except RedisError:
+        logger.warning("audit verify: the checkpoint cache is unreachable", exc_info=True)
+        return None
+    if not isinstance(stored, dict):
+        return None
+    try:
+        return ChainStatus(**{name: stored[name] for name in _STORED}, cached=True)
+    except (KeyError, TypeError):  # written by an older version: walk again
+        return None
+
+
+def _store(key: str, status: ChainStatus) -> None:
+    try:
+        cache.set(key, {name: getattr(status, name) for name in _STORED}, timeout=None)
+    except RedisError:
+        logger.warning("audit verify: the checkpoint cache is unreachable", exc_info=True)
+
+
+def _forget(key: str) -> None:
+    try:
+        cache.delete(key)
+    except RedisError:
+        logger.warning("audit verify: the checkpoint cache is unreachable", exc_info=True)
+
+
+def _in_this_chain(status: ChainStatus) -> bool:
+    """Does this database still hold the status's last verified event? (Redis may
+    be shared with another database, or kept while the database was restored.)"""
+    if status.events == 0:
+        return True
+    return AuditEvent.objects.filter(seq=status.events, hash=status.head_hash).exists()
+
+
+def audit_chain_status(*, fresh: bool = False) -> ChainStatus:
+    """The chain's state for the console's badge and GET /audit/verify.
+
+    Walks only the events appended after the shared checkpoint; while the head
+    has not moved the checkpoint is the answer (`fresh`: read the head and walk
+    the tail anyway). A recorded break is the answer until a whole walk
+    (`audit_chain_verify`) finds the chain whole. No checkpoint, one this chain
+    does not extend, or a tail that does not verify: the whole walk decides.
+    """
+    broken = _load(BROKEN_KEY)
+    if broken is not None:
+        return broken if _in_this_chain(broken) else audit_chain_verify()
+    checkpoint = _load(CHECKPOINT_KEY)
+    if checkpoint is None:
+        return audit_chain_verify()
+    verified = (checkpoint.events, checkpoint.head_hash)
+    head = audit_head()
+    if head[0] < verified[0]:
+        return audit_chain_verify()
+    if head == verified and not fresh:
+        return checkpoint
+    tail = verify_chain(after=verified)
+    if not tail.ok:
+        return audit_chain_verify()
+    status = _status(tail, full_walk_at=checkpoint.full_walk_at)
+    _store(CHECKPOINT_KEY, status)
+    return status
+
+
+def audit_chain_verify(*, chunk_size: int = 2000) -> ChainStatus:
+    """Walk the whole chain (`manage.py audit_verify`, the periodic job) and record
+    the answer for every process: the checkpoint when whole, else the break.
+
+    This is the walk that finds a change to events already verified: the badge
+    and the API only walk what was appended since.
+    """
+    status = _status(verify_chain(chunk_size=chunk_size), full_walk_at=timezone.now())
+    if not status.ok:
+        _store(BROKEN_KEY, status)
+        return status
+    _store(CHECKPOINT_KEY, status)
+    known = _load(BROKEN_KEY)
+    # Keep a break found further along by a walk that started later than this one.
+    found_later = known is not None and (known.first_bad_seq or 0) > status.events
+    if known is not None and not (found_later and _in_this_chain(known)):
+        _forget(BROKEN_KEY)
+    return status

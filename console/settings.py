@@ -217,6 +217,16 @@ RQ_QUEUES = {
 }
 RQ_SHOW_ADMIN_LINK = False
 
+# Django's cache holds the audit chain's verification checkpoint, shared by every
+# web process and worker (losing it costs one walk of the chain from the start).
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "OPTIONS": {"socket_timeout": 2, "socket_connect_timeout": 2},
+    }
+}
+
 # --- Auth, sessions, security ---------------------------------------------
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"

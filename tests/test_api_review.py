@@ -478,10 +478,9 @@ def test_audit_verify_is_cached_per_head_and_walks_only_the_new_tail(
     from django.test.utils import CaptureQueriesContext
 
     from audit.selectors import verify_chain
-    from audit.services import audit_append
-    from audit.views import _VERIFY_CACHE_KEY
+    from audit.services import BROKEN_KEY, CHECKPOINT_KEY, audit_append
 
-    cache.delete(_VERIFY_CACHE_KEY)
+    cache.delete_many([CHECKPOINT_KEY, BROKEN_KEY])
     for number in range(5):
         audit_append(event_type="test.event", actor=Actor.system("tests"), details={"n": number})
     first = json.loads(api.get("/api/v1/audit/verify", token=auditor.token).content)

@@ -11,12 +11,14 @@ import uuid
 from typing import Any
 
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
 
 from audit.chain import GENESIS_HASH, event_hash, hashed_fields
 from audit.models import AuditEvent, AuditHead
 from audit.selectors import audit_list, verify_chain
-from audit.services import Actor, audit_append
+from audit.services import Actor, audit_append, audit_append_many
 from console.core.errors import ValidationFailed
 from tests.conftest import ROOT, subprocess_env
 
@@ -112,8 +114,6 @@ def test_two_swapped_rows_are_detected_at_the_first() -> None:
 
 
 def _forged_row(seq: int, prev_hash: str, *, valid_hash: bool) -> list[Any]:
-    from django.utils import timezone
-
     now = timezone.now()
     fields = hashed_fields(
         seq=seq,
@@ -275,8 +275,6 @@ def test_audit_verify_prints_the_head_and_exits_non_zero_naming_the_first_bad_se
 
 @pytest.mark.django_db
 def test_audit_verify_checks_an_anchored_hash() -> None:
-    from django.core.management import CommandError, call_command
-
     events = _append(3)
     call_command("audit_verify", anchor=events[1].hash, stdout=open("/dev/null", "w"))  # noqa: SIM115
     with pytest.raises(CommandError, match="no longer in the chain"):
@@ -323,8 +321,6 @@ def test_overlong_fields_are_clipped_before_hashing() -> None:
 
 @pytest.mark.django_db
 def test_a_batch_append_chains_in_order_between_single_appends() -> None:
-    from audit.services import audit_append_many
-
     _append(2)
     batch = audit_append_many(
         [

@@ -6,9 +6,11 @@ import json
 from typing import Any
 
 import pytest
+from django.db import connection
 
 from audit.models import AuditEvent
 from audit.services import Actor, audit_append
+from tests.fixtures.audit import forget_verification
 from tests.fixtures.console import People, World, client_for
 
 pytestmark = pytest.mark.django_db
@@ -116,9 +118,7 @@ def test_the_audit_page_paginates_with_bounded_queries(
 def test_the_badge_reuses_its_result_until_the_head_moves(
     people: People, events: list[AuditEvent]
 ) -> None:
-    from django.core.cache import cache
-
-    cache.clear()
+    forget_verification()
     client = client_for(people.auditor)
     first = client.get("/audit/verify/").content.decode()
     assert "Chain verified</span>: 3 events" in first and "cached" not in first
@@ -134,10 +134,7 @@ def test_the_badge_reuses_its_result_until_the_head_moves(
 def test_the_badge_names_the_first_bad_seq_of_a_tampered_chain(
     people: People, events: list[AuditEvent]
 ) -> None:
-    from django.core.cache import cache
-    from django.db import connection
-
-    cache.clear()
+    forget_verification()
     with connection.cursor() as cursor:  # the test session may bypass the append-only trigger
         cursor.execute(
             "UPDATE audit_auditevent SET details = '{\"forged\": true}' WHERE seq = %s",
@@ -146,4 +143,4 @@ def test_the_badge_names_the_first_bad_seq_of_a_tampered_chain(
     html = client_for(people.auditor).get("/audit/verify/").content.decode()
     assert "Chain broken</span> at seq 2" in html
     assert "1 event verified before it" in html
-    cache.clear()  # do not leave a broken-chain result for the next test
+    forget_verification()  # do not leave a broken-chain result for the next test

@@ -1,4 +1,4 @@
-"""`python manage.py audit_verify`: walk the chain; exit 1 naming the first bad seq."""
+"""`python manage.py audit_verify`: walk the whole chain; exit 1 naming the first bad seq."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from audit.models import AuditEvent
-from audit.selectors import audit_head, verify_chain
+from audit.selectors import audit_head
+from audit.services import audit_chain_verify
 
 
 class Command(BaseCommand):
     help = (
-        "Verify the hash-chained audit trail. Always prints the event count and the head "
-        "hash (anchor it outside the database); exits 1 naming the first bad seq."
+        "Verify the whole hash-chained audit trail and record the result for the console and "
+        "the API. Always prints the event count and the head hash (anchor it outside the "
+        "database); exits 1 naming the first bad seq."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -26,7 +28,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        result = verify_chain(chunk_size=options["chunk_size"])
+        result = audit_chain_verify(chunk_size=options["chunk_size"])
         if result.ok:
             self.stdout.write(f"events: {result.events}")
             self.stdout.write(f"head: {result.head_hash}")

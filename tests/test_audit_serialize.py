@@ -1,0 +1,43 @@
+"""One representation of an audit event: the API's items, the JSON Lines export and
+the OpenAPI schema agree (the contract's `run`/`action` keys won over `run_id`)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+
+from audit.services import Actor, audit_append
+from tests.fixtures.console import client_for
+
+pytestmark = pytest.mark.django_db
+
+
+def _schema_keys(api: Any, name: str) -> set[str]:
+    document = json.loads(api.get("/api/v1/openapi.json").content)
+    return set(document["components"]["schemas"][name]["properties"])
+
+
+def test_an_exported_line_is_the_api_item_of_the_same_event(api: Any, auditor: Any) -> None:
+    run_id, action_id = uuid.uuid4(), uuid.uuid4()
+    event = audit_append(
+        event_type="write.applied",
+        actor=Actor.system("tests"),
+        resource="notification-policy/prod-alerts",
+        run_id=run_id,
+        action_id=action_id,
+        details={"version": 2, "note": "ünïcode"},
+    )
+    listed = json.loads(
+        api.get(f"/api/v1/audit?run={run_id}", token=auditor.token).content.decode()
+    )
+    export = client_for(auditor.user).get(f"/audit/export.jsonl?run={run_id}")
+    lines = b"".join(export.streaming_content).decode().splitlines()
+    assert len(lines) == 1 and len(listed["items"]) == 1
+    item, line = listed["items"][0], json.loads(lines[0])
+    assert line == item
+    assert set(item) == _schema_keys(api, "AuditEventOut")
+    assert item["run"] == str(run_id) and item["action"] == str(action_id)
+    assert item["seq"] == event.seq and item["hash"] == event.hash
