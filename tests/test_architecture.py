@@ -39,12 +39,14 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.requestctx", BASE),
     ("console.permissions", BASE),  # role predicates over a user's groups
     ("audit.chain", BASE),
+    ("audit.serialize", BASE),  # the one JSON shape of an event (API items, export)
     ("ownership.seed_data", BASE),
     # floor — what console.core itself calls: the audit append (the barrier writes its
     # event in the same transaction) and the document rules (merge patch, diff,
     # proposed_document) the barrier applies.
     ("audit.services", FLOOR),
     ("audit.services.*", FLOOR),
+    ("audit.verify", FLOOR),  # the chain walk under the checkpoint in audit.services
     ("ownership.diff", FLOOR),
     # core — lock, fence, barrier, undo, targets, the kill-switch check. No web, no service.
     ("console.core", CORE),

@@ -17,8 +17,9 @@ from django.utils import timezone
 
 from audit.chain import GENESIS_HASH, event_hash, hashed_fields
 from audit.models import AuditEvent, AuditHead
-from audit.selectors import audit_list, verify_chain
+from audit.selectors import audit_list
 from audit.services import Actor, audit_append, audit_append_many
+from audit.verify import verify_chain
 from console.core.errors import ValidationFailed
 from tests.conftest import ROOT, subprocess_env
 
