@@ -6,6 +6,7 @@ from django import forms
 from django.contrib.auth.models import User
 
 from approvals.models import ActionStatus, Agent, RunStatus
+from ownership.models import ResourceKind
 
 
 class DecisionForm(forms.Form):
@@ -85,8 +86,6 @@ class AutoApproveRuleForm(forms.Form):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        from ownership.models import ResourceKind
-
         kinds = list(ResourceKind.objects.order_by("slug").values_list("slug", flat=True))
         agents = list(Agent.objects.order_by("name").values_list("name", flat=True))
         kind_field = self.fields["kind"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
 from django.shortcuts import render
+from django.urls import reverse
 from django.utils.cache import patch_vary_headers
 
 from console.api_support import cursor_decode, cursor_encode
@@ -129,6 +131,34 @@ def respond_page(
             messages.success(request, notice)
         return HttpResponseRedirect(redirect_to)
     return render(request, template, context(), status=status)
+
+
+@dataclass(frozen=True)
+class EditablePage:
+    """A page whose forms POST back to it: its template, its URL name (the
+    redirect-after-POST) and the HX-Trigger event a change fires."""
+
+    template: str
+    url_name: str
+    event: str
+
+    def respond(
+        self,
+        request: HttpRequest,
+        context: Callable[[], dict[str, Any]],
+        *,
+        notice: str = "",
+        status: int = 200,
+    ) -> HttpResponse:
+        return respond_page(
+            request,
+            template=self.template,
+            context=context,
+            redirect_to=reverse(self.url_name),
+            notice=notice,
+            status=status,
+            events=(self.event,),
+        )
 
 
 def error_status(error: DomainError) -> int:

@@ -20,6 +20,7 @@ from console import permissions
 from console.core.errors import DomainError, NotFound
 from console.pages import (
     EVENT_COUNTS,
+    EditablePage,
     after_post,
     console_page,
     error_status,
@@ -31,7 +32,6 @@ from console.pages import (
     query_without,
     raise_if_denied,
     render_fragment_or_page,
-    respond_page,
 )
 from ownership.catalog import conflict_class_put, resource_kind_put
 from ownership.diff import default_choice, document_diff, three_way_diff
@@ -55,7 +55,9 @@ from ownership.selectors import conflict_get_for_person, conflict_list_for_perso
 from ownership.services import conflict_may_resolve, conflict_merge_preview, conflict_resolve
 
 EVENT_CONFLICTS = "conflicts-changed"
-EVENT_CATALOG = "catalog-changed"
+CATALOG = EditablePage(
+    template="ownership/catalog.html", url_name="catalog", event="catalog-changed"
+)
 
 
 # --- conflicts ---------------------------------------------------------------------------
@@ -385,27 +387,23 @@ def catalog(request: HttpRequest) -> HttpResponse:
         kind = ResourceKind.objects.filter(slug=edit_kind).first()
         if kind is not None:
             context["kind_form"] = ResourceKindForm(initial=ResourceKindForm.initial_from(kind))
-    return render_fragment_or_page(request, "ownership/catalog.html", context, partial="page")
+    return render_fragment_or_page(request, CATALOG.template, context, partial="page")
 
 
 def _catalog_respond(
     request: HttpRequest, *, notice: str = "", status: int = 200, **extra: Any
 ) -> HttpResponse:
-    return respond_page(
+    return CATALOG.respond(
         request,
-        template="ownership/catalog.html",
-        context=lambda: _catalog_context(request, **(extra if status >= 400 else {})),
-        redirect_to=reverse("catalog"),
+        lambda: _catalog_context(request, **(extra if status >= 400 else {})),
         notice=notice,
         status=status,
-        events=(EVENT_CATALOG,),
     )
 
 
 @console_page
 @require_POST
 def conflict_class_save(request: HttpRequest) -> HttpResponse:
-    forbid_unless(permissions.is_admin(request.user), "Only admins edit conflict classes.")
     form = ConflictClassForm(request.POST)
     if not form.is_valid():
         return _catalog_respond(request, status=422, class_form=form)
@@ -415,6 +413,7 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
     try:
         conflict_class_put(slug=slug, data=data, user=request.user)
     except DomainError as exc:
+        raise_if_denied(exc)  # the verb's admin check: a 403 page, not a form error
         form_errors_from(form, exc)
         return _catalog_respond(request, status=error_status(exc), class_form=form)
     return _catalog_respond(request, notice=f"Conflict class {slug} saved.")
@@ -423,7 +422,6 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
 @console_page
 @require_POST
 def resource_kind_save(request: HttpRequest) -> HttpResponse:
-    forbid_unless(permissions.is_admin(request.user), "Only admins edit resource kinds.")
     form = ResourceKindForm(request.POST)
     if not form.is_valid():
         return _catalog_respond(request, status=422, kind_form=form)
@@ -434,6 +432,7 @@ def resource_kind_save(request: HttpRequest) -> HttpResponse:
     try:
         resource_kind_put(slug=slug, data=data, user=request.user)
     except DomainError as exc:
+        raise_if_denied(exc)
         form_errors_from(form, exc)
         return _catalog_respond(request, status=error_status(exc), kind_form=form)
     return _catalog_respond(request, notice=f"Resource kind {slug} saved.")

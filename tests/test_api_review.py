@@ -477,8 +477,8 @@ def test_audit_verify_is_cached_per_head_and_walks_only_the_new_tail(
     from django.core.cache import cache
     from django.test.utils import CaptureQueriesContext
 
-    from audit.selectors import verify_chain
     from audit.services import BROKEN_KEY, CHECKPOINT_KEY, audit_append
+    from audit.verify import verify_chain
 
     cache.delete_many([CHECKPOINT_KEY, BROKEN_KEY])
     for number in range(5):

@@ -10,8 +10,8 @@ from django.db import connection
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.models import AuditEvent
-from audit.selectors import verify_chain
 from audit.services import Actor
+from audit.verify import verify_chain
 from console.core.barrier import apply_action, merge_patch, open_operation
 from console.core.errors import InvalidTransition, KillSwitchEngaged
 from console.core.fence import next_fence

@@ -11,8 +11,8 @@ from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.models import AuditEvent
-from audit.selectors import verify_chain
 from audit.services import Actor
+from audit.verify import verify_chain
 from console.core.barrier import open_operation
 from console.core.errors import KillSwitchEngaged
 from console.core.fence import next_fence
