@@ -1,8 +1,6 @@
 """Undo through the same barrier.
 
-    apply_undo(*, operation_id, undo_operation_id, fence, actor) -> UndoOutcome
-
-Restores the document from before `operation_id` (or the tombstone, for a
+`apply_undo` restores the document from before `operation_id` (or the tombstone, for a
 create; or revives the resource, for a delete) with the same conditional UPDATE
 as every write — `WHERE version = <the version the operation produced> AND
 last_fence < :fence` — when the undo was accepted inside the operation's undo
@@ -28,8 +26,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
-from audit.models import ActorType
 from audit.services import Actor, audit_append
+from console.core.actors import person_id
 from console.core.errors import KillSwitchEngaged, NotFound
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
 from ownership.models import Resource, ResourceVersion
@@ -208,7 +206,7 @@ def apply_undo(
             fence=fence,
             run_id=action.run_id,
             action_id=action.pk,
-            person_id=_person_id(actor),
+            person_id=person_id(actor),
         )
         Operation.objects.filter(pk=original.pk, status=OperationStatus.DONE).update(
             status=OperationStatus.UNDONE
@@ -272,12 +270,3 @@ def _refuse(
         details={k: v for k, v in recorded.items() if k != "action_id"},
     )
     return outcome
-
-
-def _person_id(actor: Actor) -> int | None:
-    if actor.type != ActorType.PERSON:
-        return None
-    try:
-        return int(actor.id)
-    except ValueError:
-        return None
