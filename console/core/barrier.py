@@ -157,58 +157,7 @@ def apply_action(
                 action, operation, result.refusal, actor=actor, resource_id=result.resource_id
             )
 
-        deadline = now + undo_window(action)
-        ResourceVersion.objects.create(
-            resource_id=result.resource_id,
-            version=result.result_version,
-            document=result.document,
-            deleted=result.deleted,
-            operation=action.operation,
-            fence=fence,
-            run_id=action.run_id,
-            action_id=action.pk,
-        )
-        Operation.objects.filter(pk=operation.pk).update(
-            status=OperationStatus.DONE,
-            fence=fence,
-            base_version=result.base_version,
-            result_version=result.result_version,
-            undo_deadline=deadline,
-            finished_at=now,
-            outcome={"result": "applied"},
-        )
-        Action.objects.filter(pk=action.pk).update(
-            status=ActionStatus.APPLIED,
-            revision=F("revision") + 1,
-            resource_id=result.resource_id,
-            error=None,
-            updated_at=now,
-        )
-        audit_append(
-            event_type="write.applied",
-            actor=_write_actor(action),
-            resource=identifier,
-            run_id=action.run_id,
-            action_id=action.pk,
-            details={
-                "operation": action.operation,
-                "operation_id": operation.pk,
-                "fence": fence,
-                "from_version": result.base_version,
-                "to_version": result.result_version,
-                **_executor(actor, action),
-            },
-        )
-    return WriteOutcome(
-        applied=True,
-        action_id=action.pk,
-        operation_id=operation.pk,
-        fence=fence,
-        resource_id=result.resource_id,
-        base_version=result.base_version,
-        result_version=result.result_version,
-        undo_deadline=deadline,
-    )
+        return _record_applied(action, operation, result, fence=fence, actor=actor, now=now)
 
 
 def lock_run_for_share(run_id: Any) -> tuple[str, datetime] | None:
@@ -324,6 +273,71 @@ class _Written:
 class _Refused:
     refusal: Refusal
     resource_id: int | None = None
+
+
+def _record_applied(
+    action: Action,
+    operation: Operation,
+    result: _Written,
+    *,
+    fence: int,
+    actor: Actor,
+    now: datetime,
+) -> WriteOutcome:
+    """The write happened: its history row, the operation done (undo deadline from
+    the kind/class window), the action applied, and the audit event last."""
+    deadline = now + undo_window(action)
+    ResourceVersion.objects.create(
+        resource_id=result.resource_id,
+        version=result.result_version,
+        document=result.document,
+        deleted=result.deleted,
+        operation=action.operation,
+        fence=fence,
+        run_id=action.run_id,
+        action_id=action.pk,
+    )
+    Operation.objects.filter(pk=operation.pk).update(
+        status=OperationStatus.DONE,
+        fence=fence,
+        base_version=result.base_version,
+        result_version=result.result_version,
+        undo_deadline=deadline,
+        finished_at=now,
+        outcome={"result": "applied"},
+    )
+    Action.objects.filter(pk=action.pk).update(
+        status=ActionStatus.APPLIED,
+        revision=F("revision") + 1,
+        resource_id=result.resource_id,
+        error=None,
+        updated_at=now,
+    )
+    audit_append(
+        event_type="write.applied",
+        actor=_write_actor(action),
+        resource=action.resource_identifier,
+        run_id=action.run_id,
+        action_id=action.pk,
+        details={
+            "operation": action.operation,
+            "operation_id": operation.pk,
+            "fence": fence,
+            "from_version": result.base_version,
+            "to_version": result.result_version,
+            **_executor(actor, action),
+        },
+    )
+    return WriteOutcome(
+        applied=True,
+        action_id=action.pk,
+        operation_id=operation.pk,
+        fence=fence,
+        resource_id=result.resource_id,
+        base_version=result.base_version,
+        result_version=result.result_version,
+        undo_deadline=deadline,
+    )
 
 
 def _write_existing(action: Action, *, fence: int, now: datetime) -> _Written | _Refused:

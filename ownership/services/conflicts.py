@@ -85,6 +85,35 @@ def _run_holds_lease(*, action: Action, now: datetime) -> bool:
     )
 
 
+def _conflict_create_for_write(action: Action, resource: Resource, *, now: datetime) -> Conflict:
+    """The conflict row of a stale write: base = what the agent observed, current =
+    now, proposed = the write applied to base. Settled at once when the class
+    returns it to the agent."""
+    cls = action.conflict_class
+    base_version = action.observed_version or 0
+    base = _document_at(resource, base_version)
+    current = copy.deepcopy(resource.document) if not resource.deleted else {}
+    proposed = proposed_document(action, base)
+    agent_resolves = cls.retryable_by_agent
+    return Conflict.objects.create(
+        action=action,
+        resource=resource,
+        conflict_class=cls,
+        origin=ConflictOrigin.WRITE,
+        resolver=cls.resolver,
+        resolver_group=resolver_group(cls.resolver, resource.owner_group),
+        status=ConflictStatus.RESOLVED if agent_resolves else ConflictStatus.OPEN,
+        resolved_at=now if agent_resolves else None,
+        resolution_comment=AGENT_RETURNED_COMMENT if agent_resolves else "",
+        base_version=min(base_version, resource.version),
+        base_document=base,
+        current_version=resource.version,
+        current_document=current,
+        proposed_document=proposed,
+        fields=three_way_diff(base, current, proposed),
+    )
+
+
 def conflict_open_for_action(
     *, action_id: uuid.UUID, operation_id: int | None = None, refusal: str = "stale_version"
 ) -> Conflict | None:
@@ -116,30 +145,8 @@ def conflict_open_for_action(
             )
             return None
         cls = action.conflict_class
-        base_version = action.observed_version or 0
-        base = _document_at(resource, base_version)
-        current = copy.deepcopy(resource.document) if not resource.deleted else {}
-        proposed = proposed_document(action, base)
-        group = resolver_group(cls.resolver, resource.owner_group)
-        agent_resolves = cls.retryable_by_agent
         now = timezone.now()
-        conflict = Conflict.objects.create(
-            action=action,
-            resource=resource,
-            conflict_class=cls,
-            origin=ConflictOrigin.WRITE,
-            resolver=cls.resolver,
-            resolver_group=group,
-            status=ConflictStatus.RESOLVED if agent_resolves else ConflictStatus.OPEN,
-            resolved_at=now if agent_resolves else None,
-            resolution_comment=AGENT_RETURNED_COMMENT if agent_resolves else "",
-            base_version=min(base_version, resource.version),
-            base_document=base,
-            current_version=resource.version,
-            current_document=current,
-            proposed_document=proposed,
-            fields=three_way_diff(base, current, proposed),
-        )
+        conflict = _conflict_create_for_write(action, resource, now=now)
         payload = _conflict_payload(action=action, conflict=conflict, cls=cls)
         if cls.on_conflict == OnConflict.STOP_UNLESS_LEASE:
             # Tell the resolver whether the run held an explicit lease: with one,
@@ -166,9 +173,9 @@ def conflict_open_for_action(
                 "conflict": str(conflict.pk),
                 "conflict_class": cls.slug,
                 "resolver": cls.resolver,
-                "resolver_group": group,
-                "retryable_by_agent": agent_resolves,
-                "base_version": base_version,
+                "resolver_group": conflict.resolver_group,
+                "retryable_by_agent": cls.retryable_by_agent,
+                "base_version": action.observed_version or 0,
                 "current_version": resource.version,
                 "fields": [row["path"] for row in conflict.fields],
                 "lease_covered": payload.get("lease_covered"),
