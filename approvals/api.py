@@ -1052,8 +1052,7 @@ def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
 
 
 def _approval_item(approval: Approval) -> dict[str, Any]:
-    from console.core.barrier import proposed_document
-    from ownership.diff import three_way_diff
+    from ownership.diff import proposed_document, three_way_diff
     from ownership.models import Resource
 
     run = approval.run
@@ -1082,7 +1081,7 @@ def _approval_item(approval: Approval) -> dict[str, Any]:
     if action is not None:
         resource = Resource.objects.filter(kind_id=action.kind_id, name=action.name).first()
         current = resource.document if resource is not None and not resource.deleted else {}
-        proposed = proposed_document(action, current) if action.operation != "delete" else {}
+        proposed = proposed_document(action, current)
         item.update(
             {
                 "resource": action.resource_identifier,

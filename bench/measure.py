@@ -33,8 +33,9 @@ from approvals.models import Action, ActionStatus, PayloadFormat, Run  # noqa: E
 from audit.chain import system_event_hash  # noqa: E402
 from audit.models import AuditEvent, AuditHead  # noqa: E402
 from audit.services import Actor, audit_append  # noqa: E402
-from console.core.barrier import apply_action, open_operation  # noqa: E402
+from console.core.barrier import apply_action  # noqa: E402
 from console.core.lock import FencedLock  # noqa: E402
+from console.core.operations import open_operation  # noqa: E402
 from ownership.models import Resource  # noqa: E402
 
 

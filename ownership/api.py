@@ -20,6 +20,7 @@ from approvals.api import ActionOut, action_body, errors
 from approvals.models import Action
 from approvals.services import actions as action_services
 from approvals.services import idempotency
+from audit.services import Actor
 from console.api_support import (
     RESOURCE_CURSOR_PATTERN,
     TEXT_PATTERN,
@@ -38,8 +39,8 @@ from console.auth import any_token, person_token, principal_of, run_token
 from console.core.errors import DomainError, NotFound
 from console.permissions import is_admin
 from console.problems import ApiError, problem_from_error
-from ownership import catalog
 from ownership.models import Conflict, ConflictClass, Resource, ResourceKind
+from ownership.services import catalog
 
 router = Router()
 
@@ -663,14 +664,14 @@ def conflict_get(request: HttpRequest, conflict_id: uuid.UUID) -> HttpResponse:
 def conflict_resolution(
     request: HttpRequest, conflict_id: uuid.UUID, payload: ResolutionIn
 ) -> HttpResponse:
-    from ownership.services import conflict_resolve
+    from ownership.services.resolution import conflict_resolve
 
     principal = principal_of(request)
     _conflict_for(principal.user, conflict_id)
     rate_limit_writes(principal)
     conflict_resolve(
         conflict_id=conflict_id,
-        person=principal.user,
+        actor=Actor.person(principal.user),
         choice=payload.choice,
         fields=dict(payload.fields),
         comment=payload.comment,
@@ -723,8 +724,8 @@ def conflict_class_put(
 ) -> HttpResponse:
     principal = principal_of(request)
     rate_limit_writes(principal)
-    klass, created = catalog.conflict_class_put(
-        slug=slug, data=payload.model_dump(), user=principal.user
+    klass, created = catalog.conflict_class_save(
+        slug=slug, data=payload.model_dump(), actor=Actor.person(principal.user)
     )
     return json_response(catalog.conflict_class_as_dict(klass), status=201 if created else 200)
 
@@ -770,7 +771,7 @@ def resource_kind_put(
 ) -> HttpResponse:
     principal = principal_of(request)
     rate_limit_writes(principal)
-    found, created = catalog.resource_kind_put(
-        slug=kind, data=payload.model_dump(), user=principal.user
+    found, created = catalog.resource_kind_save(
+        slug=kind, data=payload.model_dump(), actor=Actor.person(principal.user)
     )
     return json_response(catalog.resource_kind_as_dict(found), status=201 if created else 200)

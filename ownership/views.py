@@ -16,6 +16,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from approvals.models import Operation
 from approvals.services.undo import action_undo_request, operations_open_to_undo
+from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError, NotFound
 from console.pages import (
@@ -33,7 +34,6 @@ from console.pages import (
     raise_if_denied,
     render_fragment_or_page,
 )
-from ownership.catalog import conflict_class_put, resource_kind_put
 from ownership.diff import default_choice, document_diff, three_way_diff
 from ownership.forms import (
     ConflictClassForm,
@@ -51,8 +51,14 @@ from ownership.models import (
     ResourceKind,
     ResourceVersion,
 )
-from ownership.selectors import conflict_get_for_person, conflict_list_for_person, resource_list
-from ownership.services import conflict_may_resolve, conflict_merge_preview, conflict_resolve
+from ownership.selectors import (
+    conflict_get_for_person,
+    conflict_list_for_person,
+    conflict_may_resolve,
+    resource_list,
+)
+from ownership.services import catalog as catalog_services
+from ownership.services.resolution import conflict_merge_preview, conflict_resolve
 
 EVENT_CONFLICTS = "conflicts-changed"
 CATALOG = EditablePage(
@@ -196,7 +202,7 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
     try:
         conflict_resolve(
             conflict_id=conflict.id,
-            person=request.user,
+            actor=Actor.person(request.user),
             choice=choice,
             fields=fields,
             comment=form.cleaned_data["comment"],
@@ -411,7 +417,7 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
     data = dict(form.cleaned_data)
     slug = data.pop("slug")
     try:
-        conflict_class_put(slug=slug, data=data, user=request.user)
+        catalog_services.conflict_class_save(slug=slug, data=data, actor=Actor.person(request.user))
     except DomainError as exc:
         raise_if_denied(exc)  # the verb's admin check: a 403 page, not a form error
         form_errors_from(form, exc)
@@ -430,7 +436,7 @@ def resource_kind_save(request: HttpRequest) -> HttpResponse:
     slug = data.pop("slug")
     data["classes"] = {op: data.pop(f"class_{op}").slug for op in ("create", "update", "delete")}
     try:
-        resource_kind_put(slug=slug, data=data, user=request.user)
+        catalog_services.resource_kind_save(slug=slug, data=data, actor=Actor.person(request.user))
     except DomainError as exc:
         raise_if_denied(exc)
         form_errors_from(form, exc)

@@ -29,14 +29,15 @@ from approvals.services.execution import (
 )
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.barrier import RUN_NOT_ACTIVE, apply_action, open_operation
+from console.core.barrier import RUN_NOT_ACTIVE, apply_action
 from console.core.errors import InvalidTransition, KillSwitchEngaged
 from console.core.fence import next_fence
 from console.core.lock import lock_key
+from console.core.operations import open_operation
 from console.models import KillSwitch
 from console.services import kill_switch_set
 from ownership.models import Conflict, ConflictClass, Resource, ResourceVersion
-from ownership.services import conflict_resolve
+from ownership.services.resolution import conflict_resolve
 from tests.races import WAIT, Holder, Worker, wait_for_lock_waiters
 from tests.targetserver import TargetServer
 
@@ -389,7 +390,9 @@ def test_two_resolvers_resolving_one_conflict_at_once_make_one_resolution(world:
     blocker.hold()
     resolvers = [
         Worker(
-            lambda p=person, c=choice: conflict_resolve(conflict_id=conflict.pk, person=p, choice=c)
+            lambda p=person, c=choice: conflict_resolve(
+                conflict_id=conflict.pk, actor=Actor.person(p), choice=c
+            )
         )
         for person, choice in ((world.operator, "take_proposed"), (world.operator2, "merge"))
     ]
@@ -422,7 +425,7 @@ def test_a_resolution_of_a_quorum_two_class_waits_for_a_second_person(world: Any
     conflict = Conflict.objects.get(pk=action.error["conflict_id"])
 
     resolved = conflict_resolve(
-        conflict_id=conflict.pk, person=account_owner, choice="take_proposed"
+        conflict_id=conflict.pk, actor=Actor.person(account_owner), choice="take_proposed"
     )
     follow_up = Action.objects.get(pk=resolved.resolution_action_id)
     approval = Approval.objects.get(action=follow_up)
@@ -456,7 +459,9 @@ def test_resolving_the_undo_conflict_of_a_create_deletes_the_resource(world: Any
     undo = action_undo_request(action_id=created.pk, actor=requester, idempotency_key="undo-c-1")
     assert undo_execute(undo_operation_id=undo.pk) == "conflict"
     conflict = Conflict.objects.get(action=created, origin="undo")
-    resolved = conflict_resolve(conflict_id=conflict.pk, person=resolver, choice="take_proposed")
+    resolved = conflict_resolve(
+        conflict_id=conflict.pk, actor=Actor.person(resolver), choice="take_proposed"
+    )
     follow_up = Action.objects.get(pk=resolved.resolution_action_id)
     assert follow_up.operation == "delete" and follow_up.observed_version == 2
     assert action_execute(action_id=follow_up.pk) == "applied"
@@ -471,7 +476,9 @@ def test_a_resolution_decided_after_its_run_ended_still_runs(world: Any, ended: 
     action = _collide(world, kind, "y")
     Run.objects.filter(pk=world.run.pk).update(status=ended, ended_at=timezone.now())
     resolved = conflict_resolve(
-        conflict_id=action.error["conflict_id"], person=world.operator2, choice="take_proposed"
+        conflict_id=action.error["conflict_id"],
+        actor=Actor.person(world.operator2),
+        choice="take_proposed",
     )
     assert action_execute(action_id=resolved.resolution_action_id) == "applied"
 

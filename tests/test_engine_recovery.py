@@ -117,8 +117,8 @@ def test_housekeeping_expires_leases_and_closes_undo_windows_once(
 def test_reconcile_takes_back_an_operation_whose_lease_expired(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    from console.core.barrier import open_operation
     from console.core.fence import next_fence
+    from console.core.operations import open_operation
 
     kind = engine_world.kind("cfg", update="recompute_field")
     engine_world.resource(kind, "a", {"n": 0})
@@ -179,8 +179,8 @@ def test_an_action_that_keeps_losing_its_worker_fails_instead_of_looping(
     engine_world: Any, engine_redis: Any
 ) -> None:
     from approvals.services import execution
-    from console.core.barrier import open_operation
     from console.core.fence import next_fence
+    from console.core.operations import open_operation
 
     kind = engine_world.kind("cfg", update="recompute_field")
     engine_world.resource(kind, "poison", {"n": 0})

@@ -11,9 +11,10 @@ from approvals.selectors import action_get_for_actor, approval_list_for_person
 from approvals.services.execution import action_execute, route_refusal
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.barrier import apply_action, open_operation
+from console.core.barrier import apply_action
 from console.core.errors import Forbidden, NotFound, ValidationFailed
 from console.core.fence import next_fence
+from console.core.operations import open_operation
 from console.models import KillSwitch
 from console.services import kill_switch_set
 from ownership.models import Resource

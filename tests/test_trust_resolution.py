@@ -20,7 +20,7 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import Forbidden
 from ownership.models import ConflictClass, Resource, ResourceVersion
-from ownership.services import conflict_resolve
+from ownership.services.resolution import conflict_resolve
 from tests.fixtures.api import make_active_run
 
 pytestmark = pytest.mark.django_db
@@ -56,7 +56,7 @@ def _conflict(world: Any, *, quorum: int, run: Any = None, name: str = "admins")
 
 def _resolve(world: Any, conflict: Any) -> Action:
     resolved = conflict_resolve(
-        conflict_id=conflict.pk, person=world.account_owner, choice="take_proposed"
+        conflict_id=conflict.pk, actor=Actor.person(world.account_owner), choice="take_proposed"
     )
     return Action.objects.get(pk=resolved.resolution_action_id)
 
@@ -158,7 +158,7 @@ def test_a_rejected_resolution_reopens_the_conflict(world: Any) -> None:
     _reopened(conflict, "resolution rejected")
     # The resolver group can settle it again.
     again = conflict_resolve(
-        conflict_id=conflict.pk, person=world.account_owner, choice="keep_current"
+        conflict_id=conflict.pk, actor=Actor.person(world.account_owner), choice="keep_current"
     )
     assert again.status == "resolved"
 

@@ -180,7 +180,7 @@ def test_a_minter_cannot_resolve_the_agents_conflict_where_the_class_forbids_it(
     from approvals.services.tokens import agent_token_create
     from console.core.errors import Forbidden
     from ownership.models import Conflict, Resource, ResourceVersion
-    from ownership.services import conflict_resolve
+    from ownership.services.resolution import conflict_resolve
 
     world = engine_world
     kind = world.kind("policy", update="replace_shared_document")
@@ -203,9 +203,13 @@ def test_a_minter_cannot_resolve_the_agents_conflict_where_the_class_forbids_it(
     agent_token_create(agent=world.agent, actor=Actor.person(world.operator), label="ana's")
 
     with pytest.raises(Forbidden) as excinfo:
-        conflict_resolve(conflict_id=conflict.pk, person=world.operator, choice="keep_current")
+        conflict_resolve(
+            conflict_id=conflict.pk, actor=Actor.person(world.operator), choice="keep_current"
+        )
 
     assert excinfo.value.code == "self_approval"
-    conflict_resolve(conflict_id=conflict.pk, person=world.operator2, choice="keep_current")
+    conflict_resolve(
+        conflict_id=conflict.pk, actor=Actor.person(world.operator2), choice="keep_current"
+    )
     conflict.refresh_from_db()
     assert conflict.status == "resolved"

@@ -50,7 +50,7 @@ from approvals.services.run_policy import classes_for_write_set, run_quorum
 from audit.services import Actor, audit_append
 from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
 from console.permissions import can_decide_approvals
-from ownership.models import ApprovalMode, OwnershipRecord
+from ownership.models import ApprovalMode, Conflict, OwnershipRecord
 from ownership.reopen import conflict_reopen_for_resolution
 
 log = logging.getLogger("airlock.approvals")
@@ -110,11 +110,12 @@ def approval_open_for_run(*, run: Run) -> Approval:
     return approval
 
 
-def approval_open_for_action(*, action: Action) -> Approval:
+def approval_open_for_action(*, action: Action, from_conflict: Conflict | None = None) -> Approval:
     """A pending per-call approval bound to the action's observed version.
 
     Call inside the caller's transaction; quorum, TTL and escalation come from
-    the action's conflict class.
+    the action's conflict class. `from_conflict`: the action resolves that
+    conflict (its approval outlives the run's end).
     """
     cls = action.conflict_class
     now = timezone.now()
@@ -128,20 +129,24 @@ def approval_open_for_action(*, action: Action) -> Approval:
         escalate_at=(
             now + timedelta(seconds=cls.escalation_seconds) if cls.escalation_seconds else None
         ),
+        from_conflict=from_conflict,
     )
+    details: dict[str, Any] = {
+        "approval": str(approval.pk),
+        "subject": "action",
+        "quorum": cls.quorum,
+        "observed_version": action.observed_version,
+        "conflict_class": cls.slug,
+    }
+    if from_conflict is not None:
+        details["from_conflict"] = str(from_conflict.pk)
     audit_append(
         event_type="approval.requested",
         actor=Actor.system(),
         resource=action.resource_identifier,
         run_id=action.run_id,
         action_id=action.pk,
-        details={
-            "approval": str(approval.pk),
-            "subject": "action",
-            "quorum": cls.quorum,
-            "observed_version": action.observed_version,
-            "conflict_class": cls.slug,
-        },
+        details=details,
     )
     return approval
 

@@ -338,7 +338,7 @@ def _execute(action: Action, *, connection: redis.Redis | None) -> str:
 def _claim(action: Action, fence: int) -> Operation | None:
     """Open this attempt's operation (the action becomes `executing`), or None when
     the action moved on between our check and the claim."""
-    from console.core.barrier import open_operation
+    from console.core.operations import open_operation
 
     try:
         operation = open_operation(
@@ -637,7 +637,7 @@ def _execute_http(*, action: Action, lock: Any, fence: int) -> str:
 
 def route_refusal(*, action_id: uuid.UUID, operation_id: int | None, refusal: str) -> str:
     """What happens to an action whose write the barrier (or a target) refused."""
-    from ownership.services import conflict_open_for_action
+    from ownership.services.conflicts import conflict_open_for_action
 
     if refusal == "run_not_active":
         # The barrier already ended the action (cancelled / expired) in its transaction.

@@ -83,8 +83,8 @@ def action_undo_request(
     `undo_window_expired`), InvalidTransition (409: nothing applied to undo).
     Repeating the request returns the same undo operation, with no new audit row.
     """
-    from console.core.barrier import open_operation
     from console.core.fence import next_fence
+    from console.core.operations import open_operation
 
     audit_actor, run, person = _normalise_actor(actor)
     try:
@@ -292,7 +292,7 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
     from approvals.services.execution import lock_ttl_ms, operation_lease_seconds, worker_name
     from console.core.lock import FencedLock
     from console.core.undo import RESOURCE_MOVED, STALE_FENCE, apply_undo
-    from ownership.services import conflict_open_for_undo
+    from ownership.services.conflicts import conflict_open_for_undo
 
     undo_op = (
         Operation.objects.select_related("undo_of", "action__kind", "action__conflict_class")
