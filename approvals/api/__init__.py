@@ -1,0 +1,17 @@
+"""API of the approvals app: runs, actions (with long-poll), approvals, undo,
+auto-approve rules. One module per sub-domain; this router assembles them."""
+
+from __future__ import annotations
+
+from ninja import Router
+
+from approvals.api import actions, decisions, rules, runs
+
+router = Router()
+for part in (runs, actions, decisions, rules):
+    router.add_router("", part.router)
+
+# audit/api.py (another helper's file this wave) still imports `errors` from here.
+from console.api_support import errors  # noqa: E402
+
+__all__ = ["errors", "router"]
