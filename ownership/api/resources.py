@@ -287,13 +287,17 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
 def _propose(run: Any, proposal: action_services.Proposal, record_id: int) -> HttpResponse:
     produced: dict[str, HttpResponse] = {}
 
+    # A response counts as produced only once stored: if storing fails (the key was
+    # taken over), the proposal rolls back and the error is the answer.
     def on_recorded(action: Action) -> None:
-        produced["response"] = action_response(action_load(action.pk), status=202)
-        store_for_replay(record_id, produced["response"], action_id=action.pk)
+        response = action_response(action_load(action.pk), status=202)
+        store_for_replay(record_id, response, action_id=action.pk)
+        produced["response"] = response
 
     def on_refused(error: DomainError) -> None:
-        produced["response"] = problem_from_error(error)
-        store_for_replay(record_id, produced["response"])
+        response = problem_from_error(error)
+        store_for_replay(record_id, response)
+        produced["response"] = response
 
     try:
         action_services.action_propose(
