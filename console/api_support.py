@@ -22,6 +22,7 @@ from django.http import HttpRequest, HttpResponse
 from pydantic import BeforeValidator
 
 from approvals.services import idempotency
+from approvals.services.actions import TagCondition
 from approvals.services.idempotency import StoredResponse
 from approvals.services.tokens import Principal
 from console.auth import PERSON, Bearer
@@ -77,6 +78,22 @@ def json_response(
 def errors(*statuses: int) -> dict[int, type[Problem]]:
     """The problem+json answers of an operation, for its `response=` declaration."""
     return dict.fromkeys(statuses, Problem)
+
+
+def conditional_response(
+    *, etag: str, body: bytes, condition: TagCondition | None, wait: int | None
+) -> HttpResponse:
+    """200 with the body, or 304 while `condition` (If-None-Match) still matches."""
+    if condition is not None and condition.weak_match(etag):
+        response = HttpResponse(status=304)
+    else:
+        response = HttpResponse(body, status=200, content_type="application/json")
+    response["ETag"] = etag
+    response["Cache-Control"] = "no-cache"
+    if wait is not None:
+        response["Preference-Applied"] = f"wait={wait}"
+        response["Vary"] = "Prefer"
+    return response
 
 
 def replay_response(stored: StoredResponse) -> HttpResponse:
@@ -273,6 +290,19 @@ def keyset_paginate(
         return page, None
     page = page[:limit]
     return page, keyset.encode([getattr(page[-1], field) for field in keyset.fields])
+
+
+def page_response(
+    queryset: Any,
+    *,
+    keyset: Keyset,
+    cursor: str | None,
+    limit: int,
+    render: Callable[[Any], dict[str, Any]],
+) -> HttpResponse:
+    """A list endpoint's answer: `{"items": [...], "next": cursor or null}`."""
+    page, next_cursor = keyset_paginate(queryset, keyset=keyset, cursor=cursor, limit=limit)
+    return json_response({"items": [render(row) for row in page], "next": next_cursor})
 
 
 def cursor_encode(values: list[Any]) -> str:

@@ -19,7 +19,6 @@ from django.http import HttpRequest, HttpResponse
 from ninja import Query, Router
 
 from approvals.api.longpoll import (
-    conditional_response,
     hold,
     if_none_match_doc,
     longpoll_responses,
@@ -40,9 +39,9 @@ from approvals.services.undo import action_undo_request
 from console.api_support import (
     NEWEST_FIRST,
     TIME_CURSOR_PATTERN,
+    conditional_response,
     errors,
-    json_response,
-    keyset_paginate,
+    page_response,
     rate_limit_writes,
     read_body,
     replay_response,
@@ -189,8 +188,9 @@ def action_list(
         actions = actions.filter(run_id=run)
     if status:
         actions = actions.filter(status=status)
-    page, next_cursor = keyset_paginate(actions, keyset=NEWEST_FIRST, cursor=cursor, limit=limit)
-    return json_response({"items": [action_json(a) for a in page], "next": next_cursor})
+    return page_response(
+        actions, keyset=NEWEST_FIRST, cursor=cursor, limit=limit, render=action_json
+    )
 
 
 # --- Cancel and undo -------------------------------------------------------------------

@@ -20,7 +20,7 @@ from console.api_support import (
     TIME_CURSOR_PATTERN,
     errors,
     json_response,
-    keyset_paginate,
+    page_response,
     rate_limit_writes,
 )
 from console.auth import person_token, principal_of
@@ -43,8 +43,9 @@ def approval_list(
 ) -> HttpResponse:
     # The console's rule: operators decide; escalation groups see escalated calls.
     approvals = approval_list_for_person(principal_of(request).user, status=status)
-    page, next_cursor = keyset_paginate(approvals, keyset=OLDEST_FIRST, cursor=cursor, limit=limit)
-    return json_response({"items": [approval_json(a) for a in page], "next": next_cursor})
+    return page_response(
+        approvals, keyset=OLDEST_FIRST, cursor=cursor, limit=limit, render=approval_json
+    )
 
 
 @router.get(

@@ -11,11 +11,9 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from django.db import connection
-from django.http import HttpResponse
 from django.utils import timezone
 
 from approvals.notify import action_waiters
-from approvals.services.actions import TagCondition
 from console.problems import ApiError
 
 MAX_WAIT_SECONDS = 60
@@ -103,22 +101,6 @@ async def hold(
         else:
             action_waiters.unregister(channel, event)
     return state
-
-
-def conditional_response(
-    *, etag: str, body: bytes, condition: TagCondition | None, wait: int | None
-) -> HttpResponse:
-    """200 with the body, or 304 while `condition` (If-None-Match) still matches."""
-    if condition is not None and condition.weak_match(etag):
-        response = HttpResponse(status=304)
-    else:
-        response = HttpResponse(body, status=200, content_type="application/json")
-    response["ETag"] = etag
-    response["Cache-Control"] = "no-cache"
-    if wait is not None:
-        response["Preference-Applied"] = f"wait={wait}"
-        response["Vary"] = "Prefer"
-    return response
 
 
 def prefer_doc(subject: str, holds: str) -> dict[str, Any]:

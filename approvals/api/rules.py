@@ -18,7 +18,7 @@ from console.api_support import (
     RoleBearer,
     errors,
     json_response,
-    keyset_paginate,
+    page_response,
     rate_limit_writes,
 )
 from console.auth import principal_of
@@ -54,8 +54,7 @@ def auto_approve_rule_list(
     cursor: str | None = Query(None, pattern=r"^[0-9]{1,19}$", description="`next` of a page"),
 ) -> HttpResponse:
     rules = AutoApproveRule.objects.select_related("agent")
-    page, next_cursor = keyset_paginate(rules, keyset=_BY_ID, cursor=cursor, limit=limit)
-    return json_response({"items": [rule_as_dict(rule) for rule in page], "next": next_cursor})
+    return page_response(rules, keyset=_BY_ID, cursor=cursor, limit=limit, render=rule_as_dict)
 
 
 @router.get(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -16,7 +17,6 @@ from django.http import HttpRequest, HttpResponse
 from ninja import Query, Router
 
 from approvals.api.longpoll import (
-    conditional_response,
     hold,
     if_none_match_doc,
     longpoll_responses,
@@ -35,10 +35,11 @@ from console.api_support import (
     NEWEST_FIRST,
     TIME_CURSOR_PATTERN,
     RoleBearer,
+    conditional_response,
     errors,
     json_bytes,
     json_response,
-    keyset_paginate,
+    page_response,
     rate_limit_writes,
 )
 from console.auth import (
@@ -102,8 +103,7 @@ def run_list(
     runs = run_list_for_actor(reader_of(principal_of(request)))
     if status:
         runs = runs.filter(status=status)
-    page, next_cursor = keyset_paginate(runs, keyset=NEWEST_FIRST, cursor=cursor, limit=limit)
-    return json_response({"items": [run_json(run) for run in page], "next": next_cursor})
+    return page_response(runs, keyset=NEWEST_FIRST, cursor=cursor, limit=limit, render=run_json)
 
 
 @dataclass(frozen=True)
@@ -186,10 +186,7 @@ async def run_get(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     tags=["runs"],
 )
 def run_heartbeat(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
-    principal = principal_of(request)
-    run = _run_for(principal, run_id)
-    rate_limit_writes(principal)
-    return json_response(run_json(run_services.run_heartbeat(run=run, actor=principal.actor)))
+    return _change_own_run(request, run_id, run_services.run_heartbeat)
 
 
 @router.post(
@@ -200,10 +197,17 @@ def run_heartbeat(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     tags=["runs"],
 )
 def run_finish(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    return _change_own_run(request, run_id, run_services.run_finish)
+
+
+def _change_own_run(
+    request: HttpRequest, run_id: uuid.UUID, change: Callable[..., Run]
+) -> HttpResponse:
+    """Heartbeat or finish: the agent's or the run's own token, on a run it may read."""
     principal = principal_of(request)
     run = _run_for(principal, run_id)
     rate_limit_writes(principal)
-    return json_response(run_json(run_services.run_finish(run=run, actor=principal.actor)))
+    return json_response(run_json(change(run=run, actor=principal.actor)))
 
 
 @router.post(

@@ -16,7 +16,7 @@ from console.api_support import (
     TIME_CURSOR_PATTERN,
     errors,
     json_response,
-    keyset_paginate,
+    page_response,
     rate_limit_writes,
 )
 from console.auth import person_token, principal_of
@@ -43,8 +43,9 @@ def conflict_list(
     cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
 ) -> HttpResponse:
     conflicts = conflict_list_for_person(principal_of(request).user, mine=mine, status=status)
-    page, next_cursor = keyset_paginate(conflicts, keyset=NEWEST_FIRST, cursor=cursor, limit=limit)
-    return json_response({"items": [conflict_json(c) for c in page], "next": next_cursor})
+    return page_response(
+        conflicts, keyset=NEWEST_FIRST, cursor=cursor, limit=limit, render=conflict_json
+    )
 
 
 @router.get(

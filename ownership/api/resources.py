@@ -21,9 +21,10 @@ from approvals.services.actions import TagCondition
 from console.api_support import (
     RESOURCE_CURSOR_PATTERN,
     Keyset,
+    conditional_response,
     errors,
-    json_response,
-    keyset_paginate,
+    json_bytes,
+    page_response,
     parse_json_object,
     rate_limit_writes,
     read_body,
@@ -88,14 +89,12 @@ def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePat
     resource = Resource.objects.filter(kind_id=kind, name=name, deleted=False).first()
     if resource is None:
         raise NotFound(f"{kind}/{name} does not exist.")
-    condition = action_services.read_condition(request.headers.get("If-None-Match"))
-    headers = {"ETag": resource.etag, "Cache-Control": "no-cache"}
-    if condition is not None and condition.weak_match(resource.etag):
-        response = HttpResponse(status=304)
-        for key, value in headers.items():
-            response[key] = value
-        return response
-    return json_response(resource_json(resource), headers=headers)
+    return conditional_response(
+        etag=resource.etag,
+        body=json_bytes(resource_json(resource)),
+        condition=action_services.read_condition(request.headers.get("If-None-Match")),
+        wait=None,
+    )
 
 
 @router.get(
@@ -117,10 +116,9 @@ def resource_list(
         resources = resources.filter(kind_id=kind)
     if prefix:
         resources = resources.filter(name__startswith=prefix)
-    page, next_cursor = keyset_paginate(
-        resources, keyset=_BY_KIND_AND_NAME, cursor=cursor, limit=limit
+    return page_response(
+        resources, keyset=_BY_KIND_AND_NAME, cursor=cursor, limit=limit, render=resource_json
     )
-    return json_response({"items": [resource_json(r) for r in page], "next": next_cursor})
 
 
 # --- Conditional writes -------------------------------------------------------------
