@@ -7,11 +7,12 @@ from ninja import Router
 
 from approvals.api import actions, decisions, rules, runs
 
+# audit/api.py (another helper's file this wave) still imports `errors` from here;
+# it lives in console/api_support.py.
+from console.api_support import errors
+
+__all__ = ["errors", "router"]
+
 router = Router()
 for part in (runs, actions, decisions, rules):
     router.add_router("", part.router)
-
-# audit/api.py (another helper's file this wave) still imports `errors` from here.
-from console.api_support import errors  # noqa: E402
-
-__all__ = ["errors", "router"]
