@@ -20,7 +20,9 @@ from approvals.models import (
     Decision,
     Operation,
     Run,
+    RunStatus,
 )
+from approvals.services.runs import run_effective_status
 from console.core.errors import NotFound
 from console.permissions import can_decide_approvals, can_read_everything, user_groups
 
@@ -150,3 +152,20 @@ def run_get_for_actor(actor: Any, run_id: Any) -> Run:
 
 def pending_approval_count(person: Any) -> int:
     return approval_list_for_person(person, status=ApprovalStatus.PENDING).count()
+
+
+# --- Who may read an action: the one rule (API and console pages) -------------------
+
+
+def actions_visible_to(reader: Any) -> QuerySet[Action]:
+    """The actions `reader` may read. An Agent reads its own actions; a Run's
+    token reads its agent's actions while the run is pending or active, and only
+    that run's once it has ended (rejected, finished, expired, revoked); a person
+    reads what `action_list_for_actor` shows them. Writes (cancel, undo) narrow
+    a run token further, to its own run, in their own checks."""
+    if not isinstance(reader, Run):
+        return action_list_for_actor(reader)
+    live = (RunStatus.PENDING_APPROVAL, RunStatus.ACTIVE)
+    if run_effective_status(reader) in live:
+        return action_list_for_actor(reader.agent)
+    return action_list_for_actor(reader.agent).filter(run=reader)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from approvals.api import SAFETY_RECHECK_SECONDS
+from approvals.api.longpoll import SAFETY_RECHECK_SECONDS
 from approvals.models import Approval
 from approvals.services.decisions import approval_decide
 from approvals.services.runs import run_create

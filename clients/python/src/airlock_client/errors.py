@@ -251,6 +251,13 @@ class PreconditionRequired(ProblemError):
     code = "precondition_required"
 
 
+class IfMatchInvalid(ProblemError):
+    """400: a write's If-Match must be the one strong ETag you read (no `*`, no list, no weak
+    tag). The client always sends what it read, so this means a hand-built precondition."""
+
+    code = "if_match_invalid"
+
+
 class RateLimited(ProblemError):
     """429: slow down; `retry_after` seconds (from the Retry-After header)."""
 
