@@ -1004,7 +1004,7 @@ def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
             )
     rate_limit_writes(principal)
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
-    actor: Any = principal.run if principal.kind == "run" else principal.user
+    actor = principal.actor
     # Exactly like a write: the same key and request replay the first answer; the
     # same key for another action (another path) is 422 idempotency_key_reused.
     body = read_body(request)
@@ -1157,7 +1157,7 @@ def approval_decision(
     rate_limit_writes(principal)
     approval = approval_decide(
         approval_id=approval_id,
-        person=principal.user,
+        actor=principal.actor,
         decision=payload.decision,
         comment=payload.comment,
     )
@@ -1286,7 +1286,7 @@ def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> 
 
     principal = principal_of(request)
     rate_limit_writes(principal)
-    rule = auto_approve_rule_create(user=principal.user, **payload.model_dump())
+    rule = auto_approve_rule_create(actor=principal.actor, **payload.model_dump())
     body = _rule_json(rule.pk)
     return json_response(
         body, status=201, headers={"Location": f"/api/v1/auto-approve-rules/{rule.pk}"}
@@ -1307,7 +1307,7 @@ def auto_approve_rule_put(
 
     principal = principal_of(request)
     rate_limit_writes(principal)
-    auto_approve_rule_update(user=principal.user, rule_id=rule_id, **payload.model_dump())
+    auto_approve_rule_update(actor=principal.actor, rule_id=rule_id, **payload.model_dump())
     return json_response(_rule_json(rule_id))
 
 
@@ -1323,6 +1323,6 @@ def auto_approve_rule_delete(request: HttpRequest, rule_id: int = _RULE_ID) -> H
 
     principal = principal_of(request)
     rate_limit_writes(principal)
-    if not delete_rule(user=principal.user, rule_id=rule_id):
+    if not delete_rule(actor=principal.actor, rule_id=rule_id):
         raise NotFound(f"Auto-approve rule {rule_id} not found.")
     return HttpResponse(status=204)

@@ -16,6 +16,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from approvals.models import Operation
 from approvals.services.undo import action_undo_request, operations_open_to_undo
+from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError, NotFound
 from console.pages import (
@@ -344,7 +345,7 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
         return respond("Tick the confirmation box to undo.", error=True, status=422)
     try:
         # The service decides who may undo (operators, the resource's owner group).
-        action_undo_request(action_id=operation.action_id, actor=request.user)
+        action_undo_request(action_id=operation.action_id, actor=Actor.person(request.user))
     except DomainError as exc:
         raise_if_denied(exc)
         return respond(exc.message, error=True, status=error_status(exc))

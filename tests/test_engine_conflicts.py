@@ -13,6 +13,7 @@ from approvals.services.decisions import approval_decide
 from approvals.services.execution import action_execute
 from approvals.services.undo import action_undo_request, undo_execute
 from audit.models import AuditEvent
+from audit.services import Actor
 from console.core.errors import Forbidden, InvalidTransition, UndoWindowExpired, ValidationFailed
 from ownership.diff import apply_merge_patch, merge_documents, three_way_diff
 from ownership.models import Conflict, Resource, ResourceVersion
@@ -275,9 +276,11 @@ def _applied(world: Any, kind: Any, name: str) -> Action:
 def test_undo_restores_the_previous_document_once(world: Any) -> None:
     kind = world.kind("cfg", update="recompute_field")
     action = _applied(world, kind, "a")
-    first = action_undo_request(action_id=action.pk, actor=world.run, idempotency_key="undo-key-1")
+    first = action_undo_request(
+        action_id=action.pk, actor=Actor.run(world.run), idempotency_key="undo-key-1"
+    )
     second = action_undo_request(
-        action_id=action.pk, actor=world.operator, idempotency_key="undo-key-2"
+        action_id=action.pk, actor=Actor.person(world.operator), idempotency_key="undo-key-2"
     )
     assert first.pk == second.pk
     assert AuditEvent.objects.filter(event_type="undo.requested").count() == 1
@@ -293,11 +296,11 @@ def test_undo_by_strangers_is_refused(world: Any) -> None:
     kind = world.kind("cfg", update="recompute_field")
     action = _applied(world, kind, "a")
     with pytest.raises(Forbidden):
-        action_undo_request(action_id=action.pk, actor=world.outsider)
+        action_undo_request(action_id=action.pk, actor=Actor.person(world.outsider))
     from approvals.services.undo import NotFound
 
     with pytest.raises(NotFound):
-        action_undo_request(action_id=action.pk, actor=world.other_run)
+        action_undo_request(action_id=action.pk, actor=Actor.run(world.other_run))
 
 
 def test_undo_after_the_window_is_refused(world: Any) -> None:
@@ -307,7 +310,7 @@ def test_undo_after_the_window_is_refused(world: Any) -> None:
         undo_deadline=timezone.now() - timedelta(seconds=1)
     )
     with pytest.raises(UndoWindowExpired) as excinfo:
-        action_undo_request(action_id=action.pk, actor=world.run)
+        action_undo_request(action_id=action.pk, actor=Actor.run(world.run))
     assert excinfo.value.code == "undo_window_expired"
 
 
@@ -318,7 +321,9 @@ def test_undo_after_a_later_write_opens_a_conflict_for_a_person(world: Any) -> N
     later = world.propose(kind, "a", payload={"v": 3}, observed_version=2, run=world.other_run)
     assert action_execute(action_id=later.pk) == "applied"
 
-    undo = action_undo_request(action_id=action.pk, actor=owner, idempotency_key="undo-key-3")
+    undo = action_undo_request(
+        action_id=action.pk, actor=Actor.person(owner), idempotency_key="undo-key-3"
+    )
     assert undo_execute(undo_operation_id=undo.pk) == "conflict"
     conflict = Conflict.objects.get(action=action, origin="undo")
     assert conflict.status == "open" and conflict.resolver_group == "owners"

@@ -210,7 +210,7 @@ class Command(BaseCommand):
                 agent = Agent.objects.filter(name=name).first()
                 if agent is None:
                     _agent, tokens[name] = agent_create(
-                        name=name, actor=system, owner=lead, description=description
+                        name=name, actor=system, owner=lead.get_username(), description=description
                     )
                 else:
                     _at, tokens[name] = agent_token_create(agent=agent, actor=system, label="demo")
