@@ -63,11 +63,6 @@ def resolver_group(resolver: str, owner_group: str) -> str:
     return ""
 
 
-def can_resolve(user: Any, *, resolver: str, owner_group: str) -> bool:
-    group = resolver_group(resolver, owner_group)
-    return bool(group) and group in user_groups(user)
-
-
 def can_decide_approvals(user: Any) -> bool:
     """Deciding run and call approvals needs the operator role (admins have it)."""
     return is_operator(user)

@@ -190,7 +190,3 @@ def _paused_undos_released_by(
         if switch.covers(op.action.resource_identifier)
         and not any(other.covers(op.action.resource_identifier) for other in still_engaged)
     ]
-
-
-def kill_switch_list() -> list[KillSwitch]:
-    return list(KillSwitch.objects.select_related("changed_by").order_by("scope"))

@@ -100,7 +100,7 @@ def _collide(
     if action.status == "pending_approval":
         approval_decide(
             approval_id=Approval.objects.get(action=action).pk,
-            person=world.operator,
+            actor=Actor.person(world.operator),
             decision="approve",
         )
     resource = Resource.objects.get(kind=kind, name=name)

@@ -143,7 +143,7 @@ def _active_run(world: Any, resource: str) -> Run:
     )
     approval_decide(
         approval_id=Approval.objects.get(run=run, subject="run").pk,
-        person=world.operator,
+        actor=Actor.person(world.operator),
         decision="approve",
     )
     run.refresh_from_db()
@@ -372,7 +372,7 @@ def _collide(world: Any, kind: Any, name: str) -> Action:
     if action.status == "pending_approval":
         approval_decide(
             approval_id=Approval.objects.get(action=action).pk,
-            person=world.operator,
+            actor=Actor.person(world.operator),
             decision="approve",
         )
     resource = Resource.objects.get(kind=kind, name=name)

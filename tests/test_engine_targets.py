@@ -76,7 +76,7 @@ def test_a_412_from_the_target_becomes_a_conflict(
     )
     approval_decide(
         approval_id=Approval.objects.get(action=action).pk,
-        person=engine_world.operator,
+        actor=Actor.person(engine_world.operator),
         decision="approve",
     )
     assert action_execute(action_id=action.pk) == "conflict"

@@ -188,7 +188,7 @@ def test_a_minter_cannot_resolve_the_agents_conflict_where_the_class_forbids_it(
     action = world.propose(kind, "p", payload={"severity": "low"}, observed_version=1)
     approval_decide(
         approval_id=Approval.objects.get(action=action).pk,
-        person=world.operator,
+        actor=Actor.person(world.operator),
         decision="approve",
     )
     resource = Resource.objects.get(kind=kind, name="p")

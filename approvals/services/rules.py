@@ -21,8 +21,6 @@ from console.core.errors import NotFound, ValidationFailed
 from console.permissions import is_admin, require_person
 from ownership.models import ResourceKind
 
-RULE_FIELDS = ("kind", "name_prefix", "operations", "agent", "enabled", "description")
-
 
 def rule_as_dict(rule: AutoApproveRule) -> dict[str, Any]:
     return {

@@ -303,7 +303,3 @@ def agent_create(
             },
         ) from exc
     return agent, secret
-
-
-def user_model() -> Any:
-    return get_user_model()
