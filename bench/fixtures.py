@@ -77,7 +77,7 @@ class World:
 def bootstrap() -> World:
     """The first admin (no admin exists yet to authorise the service), then everything else
     through the services with that admin as the actor."""
-    call_command("person_create", "bench-admin", role="admin", stdout=io.StringIO())
+    call_command("person_create", "bench-admin", role=["admin"], stdout=io.StringIO())
     admin = get_user_model().objects.get(username="bench-admin")
     operator = person_create(
         user=admin,

@@ -23,7 +23,7 @@ from approvals.models import (
 )
 from approvals.services.run_policy import classes_for_write_set, run_quorum
 from audit.services import Actor, audit_append
-from ownership.models import ApprovalMode, Conflict
+from ownership.models import ApprovalMode, Conflict, ConflictClass
 
 
 def approval_open_for_run(*, run: Run) -> Approval:
@@ -93,6 +93,12 @@ def approval_open_for_action(*, action: Action, from_conflict: Conflict | None =
     return approval
 
 
+def resolution_needs_votes(conflict_class: ConflictClass) -> bool:
+    """A person's resolution waits for more people when its class is per-call with a
+    quorum above one (the resolver's decision is the first vote)."""
+    return conflict_class.approval_mode == ApprovalMode.PER_CALL and conflict_class.quorum > 1
+
+
 def approval_open_for_resolution(
     *, action: Action, conflict: Conflict, actor: Actor, comment: str
 ) -> Approval:
@@ -104,8 +110,7 @@ def approval_open_for_resolution(
     otherwise the approval is recorded as already approved by the resolver (the
     caller audits `conflict.resolved`).
     """
-    cls = action.conflict_class
-    if cls.approval_mode == ApprovalMode.PER_CALL and cls.quorum > 1:
+    if resolution_needs_votes(action.conflict_class):
         approval = approval_open_for_action(action=action, from_conflict=conflict)
     else:
         now = timezone.now()
