@@ -97,13 +97,7 @@ def execute_http(*, action: Action, lock: Any, fence: int) -> str:
             operation_id=operation.pk,
         )
         return "retry"
-    action_fail(
-        action_id=action.pk,
-        code="target_error",
-        reason=f"target answered {response.status}",
-        operation_id=operation.pk,
-    )
-    return "failed"
+    return _fail(action, operation, "target_error", response)
 
 
 def _send(
@@ -262,11 +256,15 @@ def _record_refused(
             {"target": "http", "status": response.status, "operation_id": operation.pk},
         )
     if response.outcome == targets.NOT_FOUND and action.operation != "create":
-        action_fail(
-            action_id=action.pk,
-            code="not_found",
-            reason=f"target answered {response.status}",
-            operation_id=operation.pk,
-        )
-        return "failed"
+        return _fail(action, operation, "not_found", response)
     return route_refusal(action_id=action.pk, operation_id=operation.pk, refusal="stale_version")
+
+
+def _fail(action: Action, operation: Operation, code: str, response: Any) -> str:
+    action_fail(
+        action_id=action.pk,
+        code=code,
+        reason=f"target answered {response.status}",
+        operation_id=operation.pk,
+    )
+    return "failed"

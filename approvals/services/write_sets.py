@@ -310,29 +310,29 @@ def raise_on_overlap(
 ) -> None:
     """WriteSetConflict naming every overlap with another run's authority (kind locks held)."""
     overlaps = write_set_overlaps(entries, exclude_run_id=exclude_run_id, now=now)
-    if overlaps:
-        described = ", ".join(
-            f"{o['resource']} ({'/'.join(o['operations'])}) held by run {o['run']}"
-            for o in overlaps
-        )
-        raise WriteSetConflict(
-            f"Another active run already holds write authority: {described}.",
-            extra={"overlaps": overlaps},
-        )
+    _refuse(
+        "Another active run already holds write authority",
+        overlaps,
+        [f"{o['resource']} ({'/'.join(o['operations'])}) held by run {o['run']}" for o in overlaps],
+    )
 
 
 def raise_on_lease_blockers(entries: list[WriteSetEntry], *, exclude_run_id: Any) -> None:
     """WriteSetConflict when another run's write is in flight on a lease entry (kind locks held)."""
     blockers = _lease_blockers(entries, exclude_run_id=exclude_run_id)
-    if blockers:
-        described = ", ".join(
+    _refuse(
+        "A lease cannot be granted while another run's write to it is in flight",
+        blockers,
+        [
             f"{b['resource']} ({b['operations'][0]}, action {b['action']} of run {b['run']})"
             for b in blockers
-        )
-        raise WriteSetConflict(
-            f"A lease cannot be granted while another run's write to it is in flight: {described}.",
-            extra={"overlaps": blockers},
-        )
+        ],
+    )
+
+
+def _refuse(why: str, overlaps: list[dict[str, Any]], described: list[str]) -> None:
+    if overlaps:
+        raise WriteSetConflict(f"{why}: {', '.join(described)}.", extra={"overlaps": overlaps})
 
 
 def ownership_records_create(run: Run, entries: list[WriteSetEntry]) -> None:
