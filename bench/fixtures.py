@@ -97,7 +97,10 @@ def bootstrap() -> World:
             actor=Actor.person(admin),
         )
         auto_approve_rule_create(
-            user=admin, kind=slug, operations=["create", "update"], description="bench"
+            actor=Actor.person(admin),
+            kind=slug,
+            operations=["create", "update"],
+            description="bench",
         )
     agent, _secret = agent_create(name="bench-agent", actor=Actor.person(admin))
     return World(admin=admin, operator=operator, agent=agent)

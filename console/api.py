@@ -381,7 +381,7 @@ def kill_switch_post(
         scope=payload.scope,
         engaged=payload.engaged,
         reason=payload.reason,
-        actor=principal.user,
+        actor=principal.actor,
     )
     return json_response(_switches())
 

@@ -352,7 +352,7 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
         return respond("Tick the confirmation box to undo.", error=True, status=422)
     try:
         # The service decides who may undo (operators, the resource's owner group).
-        action_undo_request(action_id=operation.action_id, actor=request.user)
+        action_undo_request(action_id=operation.action_id, actor=Actor.person(request.user))
     except DomainError as exc:
         raise_if_denied(exc)
         return respond(exc.message, error=True, status=error_status(exc))

@@ -100,7 +100,7 @@ def _collide(
     if action.status == "pending_approval":
         approval_decide(
             approval_id=Approval.objects.get(action=action).pk,
-            person=world.operator,
+            actor=Actor.person(world.operator),
             decision="approve",
         )
     resource = Resource.objects.get(kind=kind, name=name)
@@ -285,9 +285,11 @@ def _applied(world: Any, kind: Any, name: str) -> Action:
 def test_undo_restores_the_previous_document_once(world: Any) -> None:
     kind = world.kind("cfg", update="recompute_field")
     action = _applied(world, kind, "a")
-    first = action_undo_request(action_id=action.pk, actor=world.run, idempotency_key="undo-key-1")
+    first = action_undo_request(
+        action_id=action.pk, actor=Actor.run(world.run), idempotency_key="undo-key-1"
+    )
     second = action_undo_request(
-        action_id=action.pk, actor=world.operator, idempotency_key="undo-key-2"
+        action_id=action.pk, actor=Actor.person(world.operator), idempotency_key="undo-key-2"
     )
     assert first.pk == second.pk
     assert AuditEvent.objects.filter(event_type="undo.requested").count() == 1
@@ -303,11 +305,11 @@ def test_undo_by_strangers_is_refused(world: Any) -> None:
     kind = world.kind("cfg", update="recompute_field")
     action = _applied(world, kind, "a")
     with pytest.raises(Forbidden):
-        action_undo_request(action_id=action.pk, actor=world.outsider)
+        action_undo_request(action_id=action.pk, actor=Actor.person(world.outsider))
     from approvals.services.undo import NotFound
 
     with pytest.raises(NotFound):
-        action_undo_request(action_id=action.pk, actor=world.other_run)
+        action_undo_request(action_id=action.pk, actor=Actor.run(world.other_run))
 
 
 def test_undo_after_the_window_is_refused(world: Any) -> None:
@@ -317,7 +319,7 @@ def test_undo_after_the_window_is_refused(world: Any) -> None:
         undo_deadline=timezone.now() - timedelta(seconds=1)
     )
     with pytest.raises(UndoWindowExpired) as excinfo:
-        action_undo_request(action_id=action.pk, actor=world.run)
+        action_undo_request(action_id=action.pk, actor=Actor.run(world.run))
     assert excinfo.value.code == "undo_window_expired"
 
 
@@ -328,7 +330,9 @@ def test_undo_after_a_later_write_opens_a_conflict_for_a_person(world: Any) -> N
     later = world.propose(kind, "a", payload={"v": 3}, observed_version=2, run=world.other_run)
     assert action_execute(action_id=later.pk) == "applied"
 
-    undo = action_undo_request(action_id=action.pk, actor=owner, idempotency_key="undo-key-3")
+    undo = action_undo_request(
+        action_id=action.pk, actor=Actor.person(owner), idempotency_key="undo-key-3"
+    )
     assert undo_execute(undo_operation_id=undo.pk) == "conflict"
     conflict = Conflict.objects.get(action=action, origin="undo")
     assert conflict.status == "open" and conflict.resolver_group == "owners"

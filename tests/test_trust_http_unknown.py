@@ -15,7 +15,8 @@ import pytest
 from django.utils import timezone
 
 from approvals.models import Action, Operation, Run
-from approvals.services.execution import action_execute, reconcile
+from approvals.services.execution import action_execute
+from approvals.services.reconcile import reconcile
 from approvals.services.runs import run_expire_due, run_finish, run_revoke
 from audit.models import AuditEvent
 from audit.services import Actor

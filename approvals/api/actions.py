@@ -283,7 +283,7 @@ def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     if begin.replay is not None:
         return replay_response(begin.replay)
     assert begin.record_id is not None
-    actor: Any = principal.run if principal.kind == "run" else principal.user
+    actor = principal.actor
     try:
         # The undo request and its stored answer commit together (or neither).
         with transaction.atomic():

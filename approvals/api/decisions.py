@@ -74,7 +74,7 @@ def approval_decision(
     rate_limit_writes(principal)
     approval = approval_decide(
         approval_id=approval_id,
-        person=principal.user,
+        actor=principal.actor,
         decision=payload.decision,
         comment=payload.comment,
     )

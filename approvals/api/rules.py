@@ -81,7 +81,7 @@ def auto_approve_rule_get(request: HttpRequest, rule_id: int = _RULE_ID) -> Http
 def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> HttpResponse:
     principal = principal_of(request)
     rate_limit_writes(principal)
-    rule = rule_services.auto_approve_rule_create(user=principal.user, **payload.model_dump())
+    rule = rule_services.auto_approve_rule_create(actor=principal.actor, **payload.model_dump())
     return json_response(
         rule_as_dict(rule_load(rule.pk)),
         status=201,
@@ -102,7 +102,7 @@ def auto_approve_rule_put(
     principal = principal_of(request)
     rate_limit_writes(principal)
     rule_services.auto_approve_rule_update(
-        user=principal.user, rule_id=rule_id, **payload.model_dump()
+        actor=principal.actor, rule_id=rule_id, **payload.model_dump()
     )
     return json_response(rule_as_dict(rule_load(rule_id)))
 
@@ -117,6 +117,6 @@ def auto_approve_rule_put(
 def auto_approve_rule_delete(request: HttpRequest, rule_id: int = _RULE_ID) -> HttpResponse:
     principal = principal_of(request)
     rate_limit_writes(principal)
-    if not rule_services.auto_approve_rule_delete(user=principal.user, rule_id=rule_id):
+    if not rule_services.auto_approve_rule_delete(actor=principal.actor, rule_id=rule_id):
         raise NotFound(f"Auto-approve rule {rule_id} not found.")
     return HttpResponse(status=204)

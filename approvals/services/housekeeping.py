@@ -15,6 +15,9 @@ from django.db.models import Q
 from django.utils import timezone
 
 from approvals.models import Operation, OperationStatus
+from approvals.services.decisions import approval_expire_due
+from approvals.services.idempotency import idempotency_prune
+from approvals.services.runs import run_expire_due
 from audit.services import Actor, audit_append
 from ownership.models import OwnershipRecord
 
@@ -61,10 +64,6 @@ def undo_windows_finalise(*, now: datetime | None = None) -> int:
 
 def housekeeping_run(*, now: datetime | None = None) -> dict[str, int]:
     """One sweep: runs, approvals, leases, idempotency records, undo windows."""
-    from approvals.services.decisions import approval_expire_due
-    from approvals.services.idempotency import idempotency_prune
-    from approvals.services.runs import run_expire_due
-
     now = now or timezone.now()
     counts: dict[str, int] = {}
     counts["runs_expired"] = int(run_expire_due(now=now) or 0)

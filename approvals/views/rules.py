@@ -11,6 +11,7 @@ from django.views.decorators.http import require_GET, require_POST
 from approvals.forms import AutoApproveRuleForm
 from approvals.models import AutoApproveRule
 from approvals.services import rules as rule_services
+from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError
 from console.pages import (
@@ -107,11 +108,13 @@ def _rule_save(request: HttpRequest, rule_id: int | None) -> HttpResponse:
         return respond(status=422)
     try:
         if rule_id is None:
-            rule = rule_services.auto_approve_rule_create(user=request.user, **_rule_values(form))
+            rule = rule_services.auto_approve_rule_create(
+                actor=Actor.person(request.user), **_rule_values(form)
+            )
             notice = f"Rule {rule.pk} created."
         else:
             rule, changed = rule_services.auto_approve_rule_update(
-                user=request.user, rule_id=rule_id, **_rule_values(form)
+                actor=Actor.person(request.user), rule_id=rule_id, **_rule_values(form)
             )
             notice = f"Rule {rule.pk} saved." if changed else f"Rule {rule.pk} is unchanged."
     except DomainError as exc:
@@ -150,7 +153,7 @@ def rule_enable_view(request: HttpRequest, rule_id: int) -> HttpResponse:
         values["enabled"] = enabled == "1"
         try:
             _rule, changed = rule_services.auto_approve_rule_update(
-                user=request.user, rule_id=rule.pk, **values
+                actor=Actor.person(request.user), rule_id=rule.pk, **values
             )
         except DomainError as exc:
             status = error_status(exc)
@@ -165,6 +168,8 @@ def rule_enable_view(request: HttpRequest, rule_id: int) -> HttpResponse:
 def rule_delete_view(request: HttpRequest, rule_id: int) -> HttpResponse:
     _rules_visible(request)
     forbid_unless(permissions.is_admin(request.user), "Only admins edit auto-approve rules.")
-    deleted = rule_services.auto_approve_rule_delete(user=request.user, rule_id=rule_id)
+    deleted = rule_services.auto_approve_rule_delete(
+        actor=Actor.person(request.user), rule_id=rule_id
+    )
     notice = f"Rule {rule_id} deleted." if deleted else f"Rule {rule_id} was already gone."
     return RULES.respond(request, lambda: _rules_context(request), notice=notice)

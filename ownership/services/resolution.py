@@ -22,23 +22,21 @@ from django.utils import timezone
 from approvals.models import (
     Action,
     ActionStatus,
-    Approval,
-    ApprovalDecision,
-    ApprovalStatus,
-    ApprovalSubject,
-    Decision,
     PayloadFormat,
     WriteOperation,
 )
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
-from approvals.services.decisions import answers_for_agent, approval_open_for_action
+from approvals.services.approval_open import (
+    approval_open_for_resolution,
+    resolution_needs_votes,
+)
+from approvals.services.decisions import answers_for_agent
 from audit.models import ActorType, AuditEvent
 from audit.services import Actor, audit_append
 from console.core.actors import acting_person
 from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
 from ownership.diff import merge_documents
 from ownership.models import (
-    ApprovalMode,
     Conflict,
     ConflictOrigin,
     ConflictStatus,
@@ -183,7 +181,7 @@ def _resolution_action_create(conflict: Conflict, document: dict[str, Any] | Non
     the class needs more than one person (it keeps needing them)."""
     action = conflict.action
     cls = conflict.conflict_class
-    needs_more_votes = cls.approval_mode == ApprovalMode.PER_CALL and cls.quorum > 1
+    needs_more_votes = resolution_needs_votes(cls)
     deleting = document is None
     return Action.objects.create(
         run=action.run,
@@ -258,10 +256,8 @@ def _resolution_action_submit(
     new_action: Action,
     *,
     choice: str,
-    person: Any,
     actor: Actor,
     comment: str,
-    now: datetime,
 ) -> None:
     """Audit the new action and record the resolver's decision as its approval:
     the first vote on a pending approval, or an approval granted at once (then
@@ -278,27 +274,10 @@ def _resolution_action_submit(
             "choice": choice,
         },
     )
-    if new_action.status == ActionStatus.PENDING_APPROVAL:
-        approval = approval_open_for_action(action=new_action, from_conflict=conflict)
-    else:
-        # The resolver's decision is the whole approval (quorum 1): recorded as
-        # granted, with no request for anyone else to answer.
-        approval = Approval.objects.create(
-            subject=ApprovalSubject.ACTION,
-            run=new_action.run,
-            action=new_action,
-            status=ApprovalStatus.APPROVED,
-            quorum=1,
-            observed_version=conflict.current_version,
-            expires_at=now,
-            decided_at=now,
-            from_conflict=conflict,
-        )
+    approval_open_for_resolution(action=new_action, conflict=conflict, actor=actor, comment=comment)
+    if new_action.status != ActionStatus.PENDING_APPROVAL:
         new_id = new_action.pk
         transaction.on_commit(lambda: enqueue_action_execution(new_id))
-    ApprovalDecision.objects.create(
-        approval=approval, person=person, decision=Decision.APPROVE, comment=comment
-    )
 
 
 def conflict_resolve(
@@ -341,10 +320,8 @@ def conflict_resolve(
                 conflict,
                 new_action,
                 choice=choice,
-                person=person,
                 actor=actor,
                 comment=comment,
-                now=now,
             )
     conflict.refresh_from_db()
     return conflict
