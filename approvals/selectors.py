@@ -63,7 +63,7 @@ def approval_get_for_person(person: Any, approval_id: Any) -> Approval:
     return approval
 
 
-def action_list_for_actor(actor: Any) -> QuerySet[Action]:
+def _action_list_for_actor(actor: Any) -> QuerySet[Action]:
     qs = Action.objects.select_related("run", "agent", "kind", "conflict_class", "resource")
     if isinstance(actor, Run):
         return qs.filter(run=actor)
@@ -83,15 +83,6 @@ def action_list_for_actor(actor: Any) -> QuerySet[Action]:
         | Exists(resolvable.filter(action=OuterRef("pk")))
         | Exists(resolvable.filter(resolution_action=OuterRef("pk")))
     )
-
-
-def action_get_for_actor(actor: Any, action_id: Any) -> Action:
-    """The action if the actor may see it; NotFound otherwise (never 403: no leak)."""
-    action_uuid = _as_uuid(action_id)
-    action = action_list_for_actor(actor).filter(pk=action_uuid).first() if action_uuid else None
-    if action is None:
-        raise NotFound("No such action.")
-    return action
 
 
 def run_list_for_actor(actor: Any) -> QuerySet[Run]:
@@ -126,11 +117,11 @@ def actions_visible_to(reader: Any) -> QuerySet[Action]:
     """The actions `reader` may read. An Agent reads its own actions; a Run's
     token reads its agent's actions while the run is pending or active, and only
     that run's once it has ended (rejected, finished, expired, revoked); a person
-    reads what `action_list_for_actor` shows them. Writes (cancel, undo) narrow
+    reads what `_action_list_for_actor` shows them. Writes (cancel, undo) narrow
     a run token further, to its own run, in their own checks."""
     if not isinstance(reader, Run):
-        return action_list_for_actor(reader)
+        return _action_list_for_actor(reader)
     live = (RunStatus.PENDING_APPROVAL, RunStatus.ACTIVE)
     if run_effective_status(reader) in live:
-        return action_list_for_actor(reader.agent)
-    return action_list_for_actor(reader.agent).filter(run=reader)
+        return _action_list_for_actor(reader.agent)
+    return _action_list_for_actor(reader.agent).filter(run=reader)

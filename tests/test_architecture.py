@@ -37,7 +37,6 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.core.errors", BASE),  # the one DomainError hierarchy: every layer raises it
     ("console.core.jsonsafe", BASE),
     ("console.requestctx", BASE),
-    ("console.permissions", BASE),  # role predicates over a user's groups
     ("audit.chain", BASE),
     ("audit.serialize", BASE),  # the one JSON shape of an event (API items, export)
     ("ownership.seed_data", BASE),
@@ -57,13 +56,13 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("approvals.notify", LEAF),
     ("ownership.reopen", LEAF),
     ("console.reference", LEAF),
+    ("console.permissions", LEAF),  # role predicates over a user's groups and an Actor
     # services push, selectors pull: each business verb once, authorisation inside it.
     ("*.services", SERVICE),
     ("*.services.*", SERVICE),
     ("*.selectors", SERVICE),
     ("*.selectors.*", SERVICE),
     ("console.people", SERVICE),
-    ("ownership.catalog", SERVICE),
     # web — request plumbing shared by API modules and pages.
     ("console.problems", WEB),  # problem+json rendering of a DomainError (the status table)
     ("console.pages", WEB),

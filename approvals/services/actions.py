@@ -31,7 +31,6 @@ from approvals.models import (
 )
 from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution
-from approvals.selectors import action_list_for_actor
 from approvals.services.approval_open import approval_open_for_action
 from approvals.services.runs import RunNotActive, run_effective_status
 from approvals.services.write_sets import lock_kind_for_proposal
@@ -46,7 +45,6 @@ from console.core.errors import (
     ValidationFailed,
 )
 from console.core.killswitch import engaged_switch_for
-from console.permissions import can_read_everything, user_groups
 from console.requestctx import current_request_id
 from ownership.models import ConflictClass, OwnershipRecord, Resource, ResourceKind
 from ownership.reopen import conflict_reopen_for_resolution
@@ -210,7 +208,7 @@ def _covering_records(run: Run, kind: str, name: str, operation: str) -> bool:
     return False
 
 
-def lease_held_by_another_run(*, run_id: Any, kind: str, name: str) -> OwnershipRecord | None:
+def _lease_held_by_another_run(*, run_id: Any, kind: str, name: str) -> OwnershipRecord | None:
     """The active exclusive lease of another active, unexpired run covering kind/name."""
     now = timezone.now()
     for lease in (
@@ -243,7 +241,7 @@ def _check_authority(run: Run, status: str, kind: str, name: str, operation: str
             code="not_in_write_set",
             extra={"resource": f"{kind}/{name}", "operation": operation},
         )
-    lease = lease_held_by_another_run(run_id=run.pk, kind=kind, name=name)
+    lease = _lease_held_by_another_run(run_id=run.pk, kind=kind, name=name)
     if lease is not None:
         raise Leased(
             f"Run {lease.run_id} holds an exclusive lease on {lease.pattern}.",
@@ -314,7 +312,7 @@ class Proposal:
     reason: str
 
 
-def stale_extra(
+def _stale_extra(
     *, resource: str, expected: str | None, current: str | None, conflict_class: ConflictClass
 ) -> dict[str, Any]:
     return {
@@ -413,7 +411,7 @@ def _check_precondition(
         return None, DomainError(
             f"{identifier} already exists (If-None-Match: * failed).",
             code="stale_version",
-            extra=stale_extra(
+            extra=_stale_extra(
                 resource=identifier,
                 expected=None,
                 current=current_etag,
@@ -428,7 +426,7 @@ def _check_precondition(
     return None, DomainError(
         f"{identifier} is at {current_etag}, not {proposal.if_match.describe()}.",
         code="stale_version",
-        extra=stale_extra(
+        extra=_stale_extra(
             resource=identifier,
             expected=proposal.if_match.describe(),
             current=current_etag,
@@ -501,7 +499,7 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
     """Cancel an action before execution starts; 409 invalid_transition after.
     Cancelling a cancelled action is a no-op (no second audit row).
 
-    Lock order, the project's one order (decisions.lock_approval_subject, runs._end):
+    Lock order, the project's one order (decisions._lock_approval_subject, runs._end):
     the action row (this conditional UPDATE is the first lock), then its
     approvals, the audit head last. A cancel racing a decision or a revoke
     waits instead of deadlocking.
@@ -543,26 +541,6 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
             "cancelled.",
             extra={"action_status": action.status},
         )
-    return action
-
-
-def action_readable_by(action: Action, principal: Any) -> bool:
-    """Agents and runs read their agent's actions; people who may read everything,
-    or who own the resource's group, read any."""
-    if principal.kind in ("agent", "run"):
-        return bool(principal.agent is not None and action.agent_id == principal.agent.pk)
-    user = principal.user
-    if can_read_everything(user) or action.kind.owner_group in user_groups(user):
-        return True
-    return bool(action_list_for_actor(user).filter(pk=action.pk).exists())
-
-
-def action_get_for(principal: Any, action_id: uuid.UUID) -> Action:
-    action = (
-        Action.objects.select_related("kind", "conflict_class", "run").filter(pk=action_id).first()
-    )
-    if action is None or not action_readable_by(action, principal):
-        raise NotFound(f"Action {action_id} not found.")
     return action
 
 

@@ -117,7 +117,7 @@ def _subject_identifier(approval: Approval) -> str:
     return approval.action.resource_identifier if approval.action is not None else ""
 
 
-def lock_approval_subject(approval_id: uuid.UUID) -> Approval:
+def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
     """Lock an approval and what deciding it changes, in the project's one lock order.
 
     Inside the caller's transaction. The order (every service that takes two of
@@ -161,7 +161,7 @@ def approval_decide(
 ) -> Approval:
     """Record one person's decision; at quorum admit the run or queue the action.
 
-    Takes its locks first, in the project's one order (lock_approval_subject:
+    Takes its locks first, in the project's one order (_lock_approval_subject:
     kind advisory locks, run, action, approval), and appends audit events only
     after them, so it never deadlocks with run_create, action_cancel, a revoke
     or the expiry sweep. Raises NotFound, Forbidden
@@ -188,7 +188,7 @@ def approval_decide(
     expired = False
     with transaction.atomic():
         try:
-            approval = lock_approval_subject(approval_uuid)
+            approval = _lock_approval_subject(approval_uuid)
         except Approval.DoesNotExist as exc:
             raise NotFound("No such approval.") from exc
         _check_separation_of_duties(approval=approval, person=person)
@@ -357,7 +357,7 @@ def approval_expire_due(*, now: datetime | None = None) -> dict[str, int]:
     """Expire pending approvals past their deadline; escalate those past escalate_at.
 
     Each approval is handled in its own short transaction, locked in the
-    decision's order (lock_approval_subject) and re-checked, so concurrent
+    decision's order (_lock_approval_subject) and re-checked, so concurrent
     housekeepers never double-expire and a racing decision never deadlocks.
     """
     now = now or timezone.now()
@@ -371,7 +371,7 @@ def approval_expire_due(*, now: datetime | None = None) -> dict[str, int]:
         with transaction.atomic():
             # The decision's lock order (run, action, approval): a decision racing
             # this expiry waits, or is waited for, and never deadlocks.
-            due = lock_approval_subject(approval_id)
+            due = _lock_approval_subject(approval_id)
             if due.status != ApprovalStatus.PENDING or due.expires_at > now:
                 continue
             _expire_locked(approval=due, now=now)

@@ -24,7 +24,7 @@ from ownership.models import OwnershipRecord
 log = logging.getLogger("airlock.housekeeping")
 
 
-def lease_expire_due(*, now: datetime | None = None) -> int:
+def _lease_expire_due(*, now: datetime | None = None) -> int:
     """Exclusive leases (and plain ownership records) past expires_at stop being active."""
     now = now or timezone.now()
     return OwnershipRecord.objects.filter(active=True, expires_at__lte=now).update(
@@ -32,7 +32,7 @@ def lease_expire_due(*, now: datetime | None = None) -> int:
     )
 
 
-def undo_windows_finalise(*, now: datetime | None = None) -> int:
+def _undo_windows_finalise(*, now: datetime | None = None) -> int:
     """Mark done operations whose undo window closed (outcome.undo_window_closed)
     and audit it once per operation, so the trail says when undo stopped being possible."""
     now = now or timezone.now()
@@ -70,9 +70,9 @@ def housekeeping_run(*, now: datetime | None = None) -> dict[str, int]:
     approvals = approval_expire_due(now=now)
     counts["approvals_expired"] = approvals["expired"]
     counts["approvals_escalated"] = approvals["escalated"]
-    counts["leases_expired"] = lease_expire_due(now=now)
+    counts["leases_expired"] = _lease_expire_due(now=now)
     counts["idempotency_pruned"] = int(idempotency_prune(now=now) or 0)
-    counts["undo_windows_closed"] = undo_windows_finalise(now=now)
+    counts["undo_windows_closed"] = _undo_windows_finalise(now=now)
     if any(counts.values()):
         log.info("housekeeping: %s", counts)
     return counts

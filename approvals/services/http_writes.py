@@ -39,7 +39,7 @@ from ownership.models import Resource, ResourceVersion
 log = logging.getLogger("airlock.execution")
 
 
-def mirror_resource(action: Action, response: Any) -> Resource | None:
+def _mirror_resource(action: Action, response: Any) -> Resource | None:
     """Keep a local mirror row of an external resource (for conflicts and pages)."""
     version = response.version
     document = response.document if isinstance(response.document, dict) else {}
@@ -164,7 +164,7 @@ def _record_applied(*, action: Action, operation: Operation, fence: int, respons
             )
             log.info("action %s: stale delivery of operation %s", action.pk, operation.pk)
             return "superseded"
-        resource = mirror_resource(action, response)
+        resource = _mirror_resource(action, response)
         effect_op = _settle_unknown(action=action, operation=operation, response=response)
         settled = Operation.objects.filter(
             pk=effect_op.pk, status__in=(OperationStatus.PENDING, OperationStatus.UNKNOWN)
@@ -244,7 +244,7 @@ def _record_refused(
     try:
         current = target.read(action.name)
         with transaction.atomic():
-            mirror_resource(action, current)
+            _mirror_resource(action, current)
     except targets.TargetNotSent:
         pass
     with transaction.atomic():

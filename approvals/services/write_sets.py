@@ -61,7 +61,7 @@ class WriteSetEntry:
         return entry
 
 
-def parse_resource_pattern(raw: str) -> tuple[str, str, bool]:
+def _parse_resource_pattern(raw: str) -> tuple[str, str, bool]:
     """`kind/name` or `kind/prefix*` -> (kind, name-or-prefix, is_prefix). Raises ValueError."""
     if not isinstance(raw, str) or "/" not in raw:
         raise ValueError("must look like kind/name or kind/prefix*")
@@ -101,7 +101,7 @@ def write_set_parse(raw: Any) -> list[WriteSetEntry]:
             errors.append({"field": field, "message": "must be an object"})
             continue
         try:
-            kind, name, is_prefix = parse_resource_pattern(item.get("resource"))  # type: ignore[arg-type]
+            kind, name, is_prefix = _parse_resource_pattern(item.get("resource"))  # type: ignore[arg-type]
         except ValueError as exc:
             errors.append({"field": f"{field}.resource", "message": str(exc)})
             continue
@@ -227,7 +227,7 @@ def _active_authority_q(now: datetime) -> Q:
     )
 
 
-def write_set_overlaps(
+def _write_set_overlaps(
     entries: list[WriteSetEntry], *, exclude_run_id: Any = None, now: datetime | None = None
 ) -> list[dict[str, Any]]:
     """Every (entry, other run's record) pair whose names overlap and operations intersect."""
@@ -292,7 +292,7 @@ def auto_approved(agent: Agent, entries: list[WriteSetEntry]) -> bool:
 def entries_of(run: Run) -> list[WriteSetEntry]:
     entries = []
     for item in run.write_set:
-        kind, name, is_prefix = parse_resource_pattern(item["resource"])
+        kind, name, is_prefix = _parse_resource_pattern(item["resource"])
         entries.append(
             WriteSetEntry(
                 kind=kind,
@@ -309,7 +309,7 @@ def raise_on_overlap(
     entries: list[WriteSetEntry], *, exclude_run_id: Any = None, now: datetime
 ) -> None:
     """WriteSetConflict naming every overlap with another run's authority (kind locks held)."""
-    overlaps = write_set_overlaps(entries, exclude_run_id=exclude_run_id, now=now)
+    overlaps = _write_set_overlaps(entries, exclude_run_id=exclude_run_id, now=now)
     _refuse(
         "Another active run already holds write authority",
         overlaps,
