@@ -14,7 +14,7 @@ from approvals.models import (
     PersonalToken,
     Run,
 )
-from ownership.admin import ReadOnlyAdmin
+from console.admin import ReadOnlyAdmin
 
 
 # Agents (their owner is the basis of separation of duties) and auto-approve rules

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from django import forms
-from django.contrib.auth.models import User
 
 from approvals.models import ActionStatus, Agent, RunStatus
+from ownership.models import ResourceKind
 
 
 class DecisionForm(forms.Form):
@@ -37,28 +37,15 @@ class PersonalTokenCreateForm(forms.Form):
 
 
 class AgentCreateForm(forms.Form):
-    name = forms.SlugField(max_length=100)
+    """Parses the agent form; `approvals.services.tokens.agent_create` validates it."""
+
+    name = forms.CharField(max_length=100)
     description = forms.CharField(max_length=1000, required=False)
     owner = forms.CharField(
         max_length=150,
         required=False,
         help_text="The accountable person (username); the class may forbid them approving it.",
     )
-
-    def clean_owner(self) -> User | None:
-        username: str = self.cleaned_data["owner"].strip()
-        if not username:
-            return None
-        person = User.objects.filter(username=username, is_active=True).first()
-        if person is None:
-            raise forms.ValidationError(f"No active person is called {username}.")
-        return person
-
-    def clean_name(self) -> str:
-        name: str = self.cleaned_data["name"]
-        if Agent.objects.filter(name=name).exists():
-            raise forms.ValidationError(f"An agent named {name} already exists.")
-        return name
 
 
 class AgentTokenCreateForm(forms.Form):
@@ -85,8 +72,6 @@ class AutoApproveRuleForm(forms.Form):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        from ownership.models import ResourceKind
-
         kinds = list(ResourceKind.objects.order_by("slug").values_list("slug", flat=True))
         agents = list(Agent.objects.order_by("name").values_list("name", flat=True))
         kind_field = self.fields["kind"]

@@ -14,8 +14,9 @@ from typing import ParamSpec, TypeVar
 
 from django.db import close_old_connections
 
-from approvals.services.execution import action_execute, reconcile
+from approvals.services.execution import action_execute
 from approvals.services.housekeeping import housekeeping_run
+from approvals.services.reconcile import reconcile
 from approvals.services.undo import undo_execute
 
 P = ParamSpec("P")

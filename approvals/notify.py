@@ -66,13 +66,6 @@ def notify_run_changed(run_id: uuid.UUID | str) -> None:
         logger.warning("could not publish change of run %s", run_id, exc_info=True)
 
 
-def notify_on_commit(action_id: uuid.UUID | str) -> None:
-    """Schedule `notify_action_changed` for when the current transaction commits."""
-    from django.db import transaction
-
-    transaction.on_commit(lambda: notify_action_changed(action_id))
-
-
 # --- The waiting side (ASGI web processes) -----------------------------------
 
 

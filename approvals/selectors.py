@@ -15,14 +15,15 @@ from approvals.models import (
     Action,
     Agent,
     Approval,
-    ApprovalDecision,
     ApprovalStatus,
     Decision,
-    Operation,
     Run,
+    RunStatus,
 )
+from approvals.services.runs import run_effective_status
 from console.core.errors import NotFound
 from console.permissions import can_decide_approvals, can_read_everything, user_groups
+from ownership.models import Conflict
 
 
 def _as_uuid(value: Any) -> uuid.UUID | None:
@@ -62,16 +63,7 @@ def approval_get_for_person(person: Any, approval_id: Any) -> Approval:
     return approval
 
 
-def approval_decisions(approval: Approval) -> QuerySet[ApprovalDecision]:
-    return approval.decisions.select_related("person").order_by("created_at")
-
-
-def approval_for_action(action: Action) -> Approval | None:
-    """The latest approval of an action (pending, decided, or the resolution's)."""
-    return action.approvals.order_by("-created_at").first()
-
-
-def action_list_for_actor(actor: Any) -> QuerySet[Action]:
+def _action_list_for_actor(actor: Any) -> QuerySet[Action]:
     qs = Action.objects.select_related("run", "agent", "kind", "conflict_class", "resource")
     if isinstance(actor, Run):
         return qs.filter(run=actor)
@@ -84,8 +76,6 @@ def action_list_for_actor(actor: Any) -> QuerySet[Action]:
         return qs.none()
     # Resolvers also see the refused action of a conflict assigned to their group
     # and the action their resolution created (console: live status after resolving).
-    from ownership.models import Conflict
-
     resolvable = Conflict.objects.filter(resolver_group__in=groups)
     return qs.filter(
         Q(resource__owner_group__in=groups)
@@ -93,30 +83,6 @@ def action_list_for_actor(actor: Any) -> QuerySet[Action]:
         | Exists(resolvable.filter(action=OuterRef("pk")))
         | Exists(resolvable.filter(resolution_action=OuterRef("pk")))
     )
-
-
-def action_get_for_actor(actor: Any, action_id: Any) -> Action:
-    """The action if the actor may see it; NotFound otherwise (never 403: no leak)."""
-    action_uuid = _as_uuid(action_id)
-    action = action_list_for_actor(actor).filter(pk=action_uuid).first() if action_uuid else None
-    if action is None:
-        raise NotFound("No such action.")
-    return action
-
-
-def action_execution(action: Action) -> Operation | None:
-    """The operation that applied the action (or the latest attempt)."""
-    ops = Operation.objects.filter(action=action, undo_of__isnull=True)
-    return ops.filter(status__in=("done", "undone")).first() or ops.order_by("-started_at").first()
-
-
-def action_conflict(action: Action) -> dict[str, Any] | None:
-    """The `conflict` member of the API's action body: the 412 members + conflict_id."""
-    if action.status != "conflict" or not isinstance(action.error, dict):
-        return None
-    if "conflict_id" not in action.error:
-        return None
-    return dict(action.error)
 
 
 def run_list_for_actor(actor: Any) -> QuerySet[Run]:
@@ -140,13 +106,22 @@ def run_list_for_actor(actor: Any) -> QuerySet[Run]:
     return qs.filter(Q(agent__owner=actor) | Exists(touching))
 
 
-def run_get_for_actor(actor: Any, run_id: Any) -> Run:
-    run_uuid = _as_uuid(run_id)
-    run = run_list_for_actor(actor).filter(pk=run_uuid).first() if run_uuid else None
-    if run is None:
-        raise NotFound("No such run.")
-    return run
-
-
 def pending_approval_count(person: Any) -> int:
     return approval_list_for_person(person, status=ApprovalStatus.PENDING).count()
+
+
+# --- Who may read an action: the one rule (API and console pages) -------------------
+
+
+def actions_visible_to(reader: Any) -> QuerySet[Action]:
+    """The actions `reader` may read. An Agent reads its own actions; a Run's
+    token reads its agent's actions while the run is pending or active, and only
+    that run's once it has ended (rejected, finished, expired, revoked); a person
+    reads what `_action_list_for_actor` shows them. Writes (cancel, undo) narrow
+    a run token further, to its own run, in their own checks."""
+    if not isinstance(reader, Run):
+        return _action_list_for_actor(reader)
+    live = (RunStatus.PENDING_APPROVAL, RunStatus.ACTIVE)
+    if run_effective_status(reader) in live:
+        return _action_list_for_actor(reader.agent)
+    return _action_list_for_actor(reader.agent).filter(run=reader)

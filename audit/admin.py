@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 
 from audit.models import AuditEvent, AuditHead
-from ownership.admin import ReadOnlyAdmin
+from console.admin import ReadOnlyAdmin
 
 
 @admin.register(AuditEvent)

@@ -12,7 +12,6 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, Query, Router, Schema
 
-from approvals.api import errors
 from audit.selectors import audit_list
 from audit.serialize import event_json
 from audit.services import audit_chain_status
@@ -20,6 +19,7 @@ from console.api_support import iso, json_response
 from console.auth import person_token, principal_of
 from console.core.errors import Forbidden
 from console.permissions import can_read_everything
+from console.problems import errors
 
 router = Router()
 

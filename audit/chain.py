@@ -70,6 +70,34 @@ def hashed_fields(
     }
 
 
+def system_event_hash(
+    *,
+    seq: int,
+    created_at: datetime,
+    label: str,
+    event_type: str,
+    details: dict[str, Any],
+    prev_hash: str,
+    resource: str = "",
+) -> str:
+    """The hash of a system event with no run, action or request id, for rows
+    written without audit_append: the bench's bulk seed, tests that forge rows."""
+    fields = hashed_fields(
+        seq=seq,
+        created_at=created_at,
+        actor_type="system",
+        actor_id="",
+        actor_label=label,
+        request_id="",
+        event_type=event_type,
+        resource=resource,
+        run_id=None,
+        action_id=None,
+        details=details,
+    )
+    return event_hash(fields, prev_hash)
+
+
 def _row_hash(row: Any) -> str:
     fields = hashed_fields(**{name: getattr(row, name) for name in HASHED_COLUMNS})
     return event_hash(fields, row.prev_hash)

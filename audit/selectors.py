@@ -1,26 +1,20 @@
-"""Reading the audit trail: filtered, keyset-paginated lists and the chain walk."""
+"""Reading the audit trail: filtered, keyset-paginated lists."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.db import transaction
-from django.db.models import Max, Q, QuerySet
+from django.db.models import Q, QuerySet
 
-from approvals.models import Agent, Run
-from audit.chain import GENESIS_HASH, HASHED_COLUMNS, VerifyResult, against_head, verify_rows
-from audit.models import AuditEvent, AuditHead
+from audit.models import ActorType, AuditEvent
 from console.core.errors import ValidationFailed
 
 _MAX_LIMIT = 200
-
-# Only what the walk needs: named tuples, not model instances (about twice as fast).
-_CHAIN_FIELDS = (*HASHED_COLUMNS, "prev_hash", "hash")
 
 
 @dataclass(frozen=True)
@@ -45,13 +39,14 @@ def _exact_or_prefix(field: str, value: Any) -> Q:
     return Q(**{f"{field}__startswith": text[:-1]}) if text.endswith("*") else Q(**{field: text})
 
 
-def _by_agent(name: Any) -> Q | None:
-    """The agent's own events and its runs' events; None when no such agent."""
-    agent = Agent.objects.filter(name=str(name)).first()
-    if agent is None:
-        return None
-    runs = Run.objects.filter(agent=agent).values("id")
-    return Q(actor_type="agent", actor_id=str(agent.pk)) | Q(run_id__in=runs)
+def _by_agent(name: Any) -> Q:
+    """The agent's own events and its runs' events, read from the events' own actor
+    columns (audit imports no other app): an agent acts under its unique name, a run as
+    `<agent>/<run id prefix>`, and every run's `run.created` names the agent or the run."""
+    agent = Q(actor_type=ActorType.AGENT, actor_label=str(name))
+    its_runs = Q(actor_type=ActorType.RUN, actor_label__startswith=f"{name}/")
+    run_ids = AuditEvent.objects.filter(agent | its_runs, run_id__isnull=False).values("run_id")
+    return agent | its_runs | Q(run_id__in=run_ids)
 
 
 def _by_person(username: Any) -> Q | None:
@@ -126,56 +121,3 @@ def audit_list(
     more = len(items) > limit
     items = items[:limit]
     return AuditPage(items=items, next=f"s{items[-1].seq}" if more and items else None)
-
-
-def audit_head() -> tuple[int, str]:
-    head = AuditHead.objects.filter(pk=1).values_list("seq", "hash").first()
-    return (int(head[0]), str(head[1])) if head else (0, GENESIS_HASH)
-
-
-def verify_chain(*, after: tuple[int, str] | None = None, chunk_size: int = 2000) -> VerifyResult:
-    """Walk the chain in seq order (streamed) and compare its end with the head row.
-
-    The whole chain by default; with `after=(seq, hash)`, a point already verified,
-    only the events after it (the walk then starts from that hash). The walk stops
-    at the head read before it, so appends made meanwhile are the next walk's tail.
-
-    Detects an edited row (hash mismatch), a deleted or inserted row (seq gap or
-    broken link), reordered rows (broken link) and a truncated tail (the head
-    row says the chain is longer); a whole walk also finds a row inserted behind
-    the head row's back. The head hash printed by `audit_verify` is what to anchor
-    outside the database: a forger who rewrites the tail *and* the head row is
-    caught only by comparing with an anchored hash.
-    """
-    head_seq, head_hash = audit_head()
-    after_seq, after_hash = after or (0, GENESIS_HASH)
-    rows = AuditEvent.objects.filter(seq__lte=head_seq).order_by("seq")
-    if after is not None:
-        rows = rows.filter(seq__gt=after_seq)
-    # Inside a transaction the server-side cursor streams instead of being
-    # materialised WITH HOLD first, as it is in autocommit.
-    with transaction.atomic():
-        walked = verify_rows(
-            rows.values_list(*_CHAIN_FIELDS, named=True).iterator(chunk_size=chunk_size),
-            after_seq=after_seq,
-            after_hash=after_hash,
-        )
-    result = against_head(walked, head_seq=head_seq, head_hash=head_hash)
-    if after is None and result.ok:
-        result = _nothing_beyond_the_head(result)
-    return result
-
-
-def _nothing_beyond_the_head(result: VerifyResult) -> VerifyResult:
-    # The highest seq first, then the head: an append commits its row and the head
-    # together, so a row above a head read afterwards was not appended by audit_append.
-    highest = AuditEvent.objects.aggregate(highest=Max("seq"))["highest"] or 0
-    head_seq, _ = audit_head()
-    if highest <= head_seq:
-        return result
-    return replace(
-        result,
-        ok=False,
-        first_bad_seq=head_seq + 1,
-        problem=f"event #{highest} stands beyond the head row (#{head_seq})",
-    )

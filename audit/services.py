@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from audit.chain import GENESIS_HASH, VerifyResult, canonical_json, event_hash, hashed_fields
 from audit.models import ActorType, AuditEvent, AuditHead
-from audit.selectors import audit_head, verify_chain
+from audit.verify import audit_head, verify_chain
 from console.requestctx import current_request_id
 
 logger = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ from approvals.services.runs import run_create
 from approvals.services.tokens import agent_create, personal_token_create
 from audit.services import Actor
 from console.people import person_create
-from ownership.catalog import resource_kind_put
 from ownership.models import ResourceKind
+from ownership.services.catalog import resource_kind_save
 
 FINAL = {"applied", "conflict", "failed", "rejected", "cancelled", "expired"}
 # The product's default write rate limit per token (600/min): a token is used for at most
@@ -87,17 +87,20 @@ def bootstrap() -> World:
         groups=[OWNER_GROUP],
     )
     for slug, (create_class, update_class) in KINDS.items():
-        resource_kind_put(
+        resource_kind_save(
             slug=slug,
             data={
                 "description": f"bench: {slug}",
                 "classes": {"create": create_class, "update": update_class, "delete": update_class},
                 "owner_group": OWNER_GROUP,
             },
-            user=admin,
+            actor=Actor.person(admin),
         )
         auto_approve_rule_create(
-            user=admin, kind=slug, operations=["create", "update"], description="bench"
+            actor=Actor.person(admin),
+            kind=slug,
+            operations=["create", "update"],
+            description="bench",
         )
     agent, _secret = agent_create(name="bench-agent", actor=Actor.person(admin))
     return World(admin=admin, operator=operator, agent=agent)

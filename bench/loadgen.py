@@ -449,6 +449,7 @@ MODES = {
 def main(argv: list[str]) -> int:
     spec: dict[str, Any] = json.loads(Path(argv[0].removeprefix("@")).read_text())
     with contextlib.suppress(ImportError):
+        # optional: uvicorn[standard] brings uvloop except on Windows and PyPy
         import uvloop
 
         uvloop.install()

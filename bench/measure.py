@@ -30,11 +30,12 @@ from django.conf import settings  # noqa: E402
 from django.db import connection, connections, transaction  # noqa: E402
 
 from approvals.models import Action, ActionStatus, PayloadFormat, Run  # noqa: E402
-from audit.chain import event_hash, hashed_fields  # noqa: E402
+from audit.chain import system_event_hash  # noqa: E402
 from audit.models import AuditEvent, AuditHead  # noqa: E402
 from audit.services import Actor, audit_append  # noqa: E402
-from console.core.barrier import apply_action, open_operation  # noqa: E402
+from console.core.barrier import apply_action  # noqa: E402
 from console.core.lock import FencedLock  # noqa: E402
+from console.core.operations import open_operation  # noqa: E402
 from ownership.models import Resource  # noqa: E402
 
 
@@ -184,20 +185,14 @@ def _seed_audit(want_events: int) -> None:
                 for _ in range(min(batch, missing - done)):
                     seq += 1
                     details = {"n": seq}
-                    fields = hashed_fields(
+                    digest = system_event_hash(
                         seq=seq,
                         created_at=now,
-                        actor_type="system",
-                        actor_id="",
-                        actor_label="bench-seed",
-                        request_id="",
+                        label="bench-seed",
                         event_type="bench.seed",
-                        resource="",
-                        run_id=None,
-                        action_id=None,
                         details=details,
+                        prev_hash=prev,
                     )
-                    digest = event_hash(fields, prev)
                     buf.write(
                         f"{seq}\t{now.isoformat()}\tsystem\t\tbench-seed\t\tbench.seed\t\t\\N\t\\N"
                         f"\t{json.dumps(details)}\t{prev}\t{digest}\n"

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -211,8 +212,6 @@ class Stack:
         wait_port(self.bare_port, 60)
 
     def _wait_answering(self, url: str) -> None:
-        import httpx
-
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):

@@ -23,23 +23,31 @@ from ninja.openapi.docs import DocsBase
 from ninja.parser import Parser
 from pydantic import BeforeValidator, ConfigDict
 
-from approvals.api import errors
 from approvals.api import router as approvals_router
 from audit.api import router as audit_router
-from console.api_support import RoleBearer, iso, json_bool, json_response, rate_limit_writes
+from console.api_support import (
+    RoleBearer,
+    iso,
+    json_bool,
+    json_response,
+    rate_limit_writes,
+)
 from console.auth import any_token, principal_of
 from console.core import jsonsafe
 from console.core.errors import DomainError
 from console.core.killswitch import SCOPE_MAX_LENGTH, SCOPE_PATTERN
+from console.models import KillSwitch
 from console.permissions import is_operator
 from console.problems import (
     PROBLEM_CONTENT_TYPE,
+    errors,
     problem_from_error,
     problem_response,
     transient_database_response,
     unexpected_error_response,
     validation_errors_from_ninja,
 )
+from console.services import kill_switch_set
 from ownership.api import router as ownership_router
 
 API_TITLE = "Airlock API"
@@ -110,6 +118,11 @@ class AirlockAPI(NinjaAPI):
         schema = super().get_openapi_schema(*args, **kwargs)
         return _finish_openapi(schema)
 
+    def get_openapi_operation_id(self, operation: Any) -> str:
+        """`<app>_api_<handler>`, whichever module of an app's api package holds it."""
+        module = operation.view_func.__module__.split(".api.", 1)[0].removesuffix(".api")
+        return f"{module}_api_{operation.view_func.__name__}".replace(".", "_")
+
 
 def _finish_openapi(schema: Any) -> Any:
     """Error responses are application/problem+json; 304s have no body."""
@@ -117,73 +130,79 @@ def _finish_openapi(schema: Any) -> Any:
         for operation in path_item.values():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
-            # openapi_extra adds "200" beside ninja's 200: merge them into one key
-            # (a JSON document with duplicate keys is not valid YAML for clients).
-            merged: dict[str, Any] = {}
-            for raw_status, response in operation["responses"].items():
-                key = str(raw_status)
-                if key in merged:
-                    combined = dict(merged[key])
-                    for field, value in response.items():
-                        if isinstance(value, dict) and isinstance(combined.get(field), dict):
-                            combined[field] = {**combined[field], **value}
-                        else:
-                            combined.setdefault(field, value)
-                    merged[key] = combined
-                else:
-                    merged[key] = dict(response)
-            operation["responses"] = responses = merged
-            for raw_status, response in list(responses.items()):
-                status = str(raw_status)
-                if status == "304":
-                    response.pop("content", None)
-                    continue
-                if status.isdigit() and int(status) >= 400:
-                    content = response.get("content") or {}
-                    body = content.get("application/json") or next(iter(content.values()), None)
-                    if body is not None:
-                        response["content"] = {PROBLEM_CONTENT_TYPE: body}
-                    if "Retry-After" not in response.get("headers", {}) and status in (
-                        "429",
-                        "503",
-                    ):
-                        response.setdefault("headers", {})["Retry-After"] = {
-                            "schema": {"type": "string"}
-                        }
-            # Any operation with parameters or a body can fail validation.
-            if (operation.get("parameters") or operation.get("requestBody")) and (
-                "422" not in {str(key) for key in responses}
-            ):
-                responses["422"] = {
-                    "description": "Validation failed",
-                    "content": {
-                        PROBLEM_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}
-                    },
-                }
-            # Any operation that touches the database may lose a race (deadlock,
-            # serialization failure): 503 transient_conflict, retryable, Retry-After.
-            if "503" not in {str(key) for key in responses}:
-                responses["503"] = {
-                    "description": "transient_conflict (the transaction lost a race with a "
-                    "concurrent change and was rolled back) or unavailable: nothing was "
-                    "written; retry after Retry-After",
-                    "headers": {"Retry-After": {"schema": {"type": "string"}}},
-                    "content": {
-                        PROBLEM_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}
-                    },
-                }
-            # Ninja merges openapi_extra parameters after its own; keep one per name.
-            seen: set[tuple[str, str]] = set()
-            unique = []
-            for parameter in operation.get("parameters", []):
-                param_key = (parameter.get("in", ""), parameter.get("name", "").lower())
-                if param_key in seen:
-                    continue
-                seen.add(param_key)
-                unique.append(parameter)
+            operation["responses"] = _merged_responses(operation["responses"])
+            _problem_bodies(operation["responses"])
+            _implied_errors(operation)
+            unique = _unique_parameters(operation.get("parameters", []))
             if unique:
                 operation["parameters"] = unique
     return schema
+
+
+def _merged_responses(responses: dict[Any, Any]) -> dict[str, Any]:
+    """openapi_extra adds "200" beside ninja's 200: merge them into one key (a JSON
+    document with duplicate keys is not valid YAML for clients)."""
+    merged: dict[str, Any] = {}
+    for raw_status, response in responses.items():
+        key = str(raw_status)
+        if key not in merged:
+            merged[key] = dict(response)
+            continue
+        combined = dict(merged[key])
+        for field, value in response.items():
+            if isinstance(value, dict) and isinstance(combined.get(field), dict):
+                combined[field] = {**combined[field], **value}
+            else:
+                combined.setdefault(field, value)
+        merged[key] = combined
+    return merged
+
+
+def _problem_bodies(responses: dict[str, Any]) -> None:
+    for status, response in responses.items():
+        if status == "304":
+            response.pop("content", None)
+            continue
+        if not (status.isdigit() and int(status) >= 400):
+            continue
+        content = response.get("content") or {}
+        body = content.get("application/json") or next(iter(content.values()), None)
+        if body is not None:
+            response["content"] = {PROBLEM_CONTENT_TYPE: body}
+        if status in ("429", "503") and "Retry-After" not in response.get("headers", {}):
+            response.setdefault("headers", {})["Retry-After"] = {"schema": {"type": "string"}}
+
+
+_PROBLEM_CONTENT = {PROBLEM_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}
+
+
+def _implied_errors(operation: dict[str, Any]) -> None:
+    responses = operation["responses"]
+    # Any operation with parameters or a body can fail validation.
+    if (operation.get("parameters") or operation.get("requestBody")) and "422" not in responses:
+        responses["422"] = {"description": "Validation failed", "content": _PROBLEM_CONTENT}
+    # Any operation that touches the database may lose a race (deadlock,
+    # serialization failure): 503 transient_conflict, retryable, Retry-After.
+    if "503" not in responses:
+        responses["503"] = {
+            "description": "transient_conflict (the transaction lost a race with a "
+            "concurrent change and was rolled back) or unavailable: nothing was "
+            "written; retry after Retry-After",
+            "headers": {"Retry-After": {"schema": {"type": "string"}}},
+            "content": _PROBLEM_CONTENT,
+        }
+
+
+def _unique_parameters(parameters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ninja merges openapi_extra parameters after its own; keep one per name."""
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for parameter in parameters:
+        key = (parameter.get("in", ""), parameter.get("name", "").lower())
+        if key not in seen:
+            seen.add(key)
+            unique.append(parameter)
+    return unique
 
 
 api = AirlockAPI(
@@ -318,7 +337,7 @@ class KillSwitchReleaseIn(Schema):
     reason: str = Field("", max_length=1000, pattern=r"^[^\x00]*$")
 
 
-def _switch_json(switch: Any) -> dict[str, Any]:
+def _switch_json(switch: KillSwitch) -> dict[str, Any]:
     return {
         "scope": switch.scope,
         "engaged": switch.engaged,
@@ -329,8 +348,6 @@ def _switch_json(switch: Any) -> dict[str, Any]:
 
 
 def _switches() -> dict[str, Any]:
-    from console.models import KillSwitch
-
     return {
         "switches": [_switch_json(s) for s in KillSwitch.objects.select_related("changed_by").all()]
     }
@@ -358,15 +375,13 @@ def kill_switch_get(request: HttpRequest) -> HttpResponse:
 def kill_switch_post(
     request: HttpRequest, payload: KillSwitchEngageIn | KillSwitchReleaseIn
 ) -> HttpResponse:
-    from console.services import kill_switch_set
-
     principal = principal_of(request)
     rate_limit_writes(principal)
     kill_switch_set(
         scope=payload.scope,
         engaged=payload.engaged,
         reason=payload.reason,
-        actor=principal.user,
+        actor=principal.actor,
     )
     return json_response(_switches())
 

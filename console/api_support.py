@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -20,6 +21,8 @@ from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from pydantic import BeforeValidator
 
+from approvals.services import idempotency
+from approvals.services.actions import TagCondition
 from approvals.services.idempotency import StoredResponse
 from approvals.services.tokens import Principal
 from console.auth import PERSON, Bearer
@@ -72,6 +75,22 @@ def json_response(
     return response
 
 
+def conditional_response(
+    *, etag: str, body: bytes, condition: TagCondition | None, wait: int | None
+) -> HttpResponse:
+    """200 with the body, or 304 while `condition` (If-None-Match) still matches."""
+    if condition is not None and condition.weak_match(etag):
+        response = HttpResponse(status=304)
+    else:
+        response = HttpResponse(body, status=200, content_type="application/json")
+    response["ETag"] = etag
+    response["Cache-Control"] = "no-cache"
+    if wait is not None:
+        response["Preference-Applied"] = f"wait={wait}"
+        response["Vary"] = "Prefer"
+    return response
+
+
 def replay_response(stored: StoredResponse) -> HttpResponse:
     """The stored answer to an idempotent request, marked as a replay."""
     response = HttpResponse(stored.body, status=stored.status)
@@ -79,6 +98,17 @@ def replay_response(stored: StoredResponse) -> HttpResponse:
         response[header] = value
     response["Idempotent-Replayed"] = "true"
     return response
+
+
+def store_for_replay(record_id: int, response: HttpResponse, *, action_id: Any = None) -> None:
+    """Keep this answer under its Idempotency-Key (inside the transaction that made it)."""
+    headers = {
+        name: response[name]
+        for name in ("Content-Type", "Location", "ETag")
+        if response.has_header(name)
+    }
+    stored = StoredResponse(status=response.status_code, headers=headers, body=response.content)
+    idempotency.idempotency_complete(record_id=record_id, response=stored, action_id=action_id)
 
 
 def read_body(request: HttpRequest) -> bytes:
@@ -90,26 +120,22 @@ def read_body(request: HttpRequest) -> bytes:
     except ValueError as exc:
         raise ApiError("Content-Length is not a number.", code="bad_header") from exc
     if declared_length > limit:
-        raise ApiError(
-            f"The body is larger than {limit} bytes.",
-            code="payload_too_large",
-            extra={"limit_bytes": limit},
-        )
+        raise _too_large(limit)
     try:
         body = request.body
     except RequestDataTooBig as exc:
-        raise ApiError(
-            f"The body is larger than {limit} bytes.",
-            code="payload_too_large",
-            extra={"limit_bytes": limit},
-        ) from exc
+        raise _too_large(limit) from exc
     if len(body) > limit:
-        raise ApiError(
-            f"The body is larger than {limit} bytes.",
-            code="payload_too_large",
-            extra={"limit_bytes": limit},
-        )
+        raise _too_large(limit)
     return body
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        f"The body is larger than {limit} bytes.",
+        code="payload_too_large",
+        extra={"limit_bytes": limit},
+    )
 
 
 def _json_media_type(content_type: str, allowed: tuple[str, ...]) -> bool:
@@ -180,51 +206,98 @@ TIME_CURSOR_PATTERN = r"^[0-9]{1,16}\.[0-9a-f]{32}$"
 RESOURCE_CURSOR_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254}$"
 
 
-def time_cursor(moment: datetime, row_id: Any) -> str:
+def _time_encode(values: list[Any]) -> str:
+    moment, row_id = values
     micros = int(moment.timestamp() * 1_000_000)
     return f"{micros}.{uuid.UUID(str(row_id)).hex}"
 
 
-def parse_time_cursor(cursor: str | None) -> tuple[datetime, uuid.UUID] | None:
-    if not cursor:
-        return None
+def _time_decode(cursor: str) -> list[Any]:
     try:
         micros, _, hex_id = cursor.partition(".")
         moment = datetime.fromtimestamp(int(micros) / 1_000_000, tz=UTC)
-        return moment, uuid.UUID(hex=hex_id)
+        return [moment, uuid.UUID(hex=hex_id)]
     except (ValueError, OverflowError, OSError) as exc:
-        raise ApiError(
-            "The cursor is not one this API issued.",
-            code="validation_error",
-            status=422,
-            extra={"errors": [{"field": "cursor", "message": "invalid cursor"}]},
-        ) from exc
+        raise _bad_cursor() from exc
 
 
-def time_page(
-    queryset: Any, *, cursor: str | None, limit: int, newest_first: bool = True
+def _bad_cursor() -> ApiError:
+    return ApiError(
+        "The cursor is not one this API issued.",
+        code="validation_error",
+        status=422,
+        extra={"errors": [{"field": "cursor", "message": "invalid cursor"}]},
+    )
+
+
+@dataclass(frozen=True)
+class Keyset:
+    """How a list is ordered (a unique key, compared as a tuple) and how the
+    position after a page's last row is written into a cursor."""
+
+    fields: tuple[str, ...]
+    descending: bool
+    encode: Callable[[list[Any]], str]
+    # Raises ApiError (422) for a cursor it did not issue.
+    decode: Callable[[str], list[Any]]
+
+
+NEWEST_FIRST = Keyset(("created_at", "id"), True, _time_encode, _time_decode)
+OLDEST_FIRST = Keyset(("created_at", "id"), False, _time_encode, _time_decode)
+
+
+def opaque_keyset(fields: tuple[str, ...], *, descending: bool = True) -> Keyset:
+    """A keyset whose cursor is the opaque base64 JSON of the key (console pages)."""
+
+    def decode(cursor: str) -> list[Any]:
+        return cursor_decode(cursor, size=len(fields)) or []
+
+    return Keyset(fields, descending, cursor_encode, decode)
+
+
+def _after(keyset: Keyset, values: list[Any]) -> Q:
+    """Rows strictly after `values` in the keyset's order (a lexicographic tuple compare)."""
+    beyond = "lt" if keyset.descending else "gt"
+    condition = Q()
+    for index, field in enumerate(keyset.fields):
+        equal = {name: value for name, value in zip(keyset.fields[:index], values, strict=False)}
+        condition |= Q(**equal, **{f"{field}__{beyond}": values[index]})
+    return condition
+
+
+def keyset_paginate(
+    queryset: Any, *, keyset: Keyset, cursor: str | None, limit: int, lenient: bool = False
 ) -> tuple[list[Any], str | None]:
-    """One keyset page ordered by (created_at, id), and the cursor of the next page.
+    """One page in the keyset's order and the cursor of the next page (None: the last).
 
-    Keyset, not OFFSET: page N costs what page 1 costs on a large table.
+    Keyset, not OFFSET: page N costs what page 1 costs on a large table. A cursor
+    this list did not issue is a 422, or (``lenient``, the console pages) starts over.
     """
-    after = parse_time_cursor(cursor)
-    if after is not None:
-        moment, row_id = after
-        if newest_first:
-            queryset = queryset.filter(
-                Q(created_at__lt=moment) | Q(created_at=moment, id__lt=row_id)
-            )
-        else:
-            queryset = queryset.filter(
-                Q(created_at__gt=moment) | Q(created_at=moment, id__gt=row_id)
-            )
-    order = ("-created_at", "-id") if newest_first else ("created_at", "id")
+    if cursor:
+        try:
+            queryset = queryset.filter(_after(keyset, keyset.decode(cursor)))
+        except ApiError:
+            if not lenient:
+                raise
+    order = [f"-{field}" if keyset.descending else field for field in keyset.fields]
     page = list(queryset.order_by(*order)[: limit + 1])
     if len(page) <= limit:
         return page, None
     page = page[:limit]
-    return page, time_cursor(page[-1].created_at, page[-1].pk)
+    return page, keyset.encode([getattr(page[-1], field) for field in keyset.fields])
+
+
+def page_response(
+    queryset: Any,
+    *,
+    keyset: Keyset,
+    cursor: str | None,
+    limit: int,
+    render: Callable[[Any], dict[str, Any]],
+) -> HttpResponse:
+    """A list endpoint's answer: `{"items": [...], "next": cursor or null}`."""
+    page, next_cursor = keyset_paginate(queryset, keyset=keyset, cursor=cursor, limit=limit)
+    return json_response({"items": [render(row) for row in page], "next": next_cursor})
 
 
 def cursor_encode(values: list[Any]) -> str:
@@ -239,19 +312,9 @@ def cursor_decode(cursor: str | None, *, size: int) -> list[Any] | None:
         padded = cursor + "=" * (-len(cursor) % 4)
         values = jsonsafe.loads(base64.urlsafe_b64decode(padded.encode()), field="cursor")
     except (ValueError, TypeError, DomainError) as exc:
-        raise ApiError(
-            "The cursor is not one this API issued.",
-            code="validation_error",
-            status=422,
-            extra={"errors": [{"field": "cursor", "message": "invalid cursor"}]},
-        ) from exc
+        raise _bad_cursor() from exc
     if not isinstance(values, list) or len(values) != size:
-        raise ApiError(
-            "The cursor is not one this API issued.",
-            code="validation_error",
-            status=422,
-            extra={"errors": [{"field": "cursor", "message": "invalid cursor"}]},
-        )
+        raise _bad_cursor()
     return values
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from django.http import HttpRequest
 from ninja.security import HttpBearer
 
-from approvals.models import RunStatus
+from approvals.models import Agent, Run, RunStatus
 from approvals.services.runs import run_effective_status
 from approvals.services.tokens import Principal, principal_for_token
 from console.core.errors import Forbidden
@@ -82,6 +82,15 @@ def run_has_ended(principal: Principal) -> bool:
 def principal_of(request: HttpRequest) -> Principal:
     principal: Principal = request.auth  # type: ignore[attr-defined]
     return principal
+
+
+def reader_of(principal: Principal) -> Agent | Run | Any:
+    """Whom the read selectors filter for: the run, the agent or the person."""
+    if principal.kind == RUN and principal.run is not None:
+        return principal.run
+    if principal.kind == AGENT and principal.agent is not None:
+        return principal.agent
+    return principal.user
 
 
 any_token = Bearer(AGENT, RUN, PERSON)

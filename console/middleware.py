@@ -6,6 +6,7 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
+from console.problems import transient_database_response
 from console.requestctx import clean_request_id, reset_request_id, set_request_id
 
 
@@ -39,8 +40,6 @@ class RequestIdMiddleware:
         failure) or the database: 503 with Retry-After instead of a 500. The
         transaction was rolled back; submitting again is safe. (API requests never
         get here: their wrapper answers problem+json first.)"""
-        from console.problems import transient_database_response
-
         problem = transient_database_response(exception)
         if problem is None:
             return None

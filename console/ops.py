@@ -25,7 +25,10 @@ from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
+from approvals.models import Action, ActionStatus, Approval, Operation
+from approvals.notify import action_waiters
 from console.problems import problem_response
+from ownership.models import Conflict, ConflictStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -101,9 +104,6 @@ _LIVE_ACTION_STATUSES = ("pending_approval", "queued", "executing", "paused")
 
 def _live_metrics() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """Actions in flight by status and open conflicts by class: index scans over live rows."""
-    from approvals.models import Action
-    from ownership.models import Conflict, ConflictStatus
-
     actions = dict(
         Action.objects.filter(status__in=_LIVE_ACTION_STATUSES)
         .values_list("status")
@@ -122,9 +122,6 @@ def _live_metrics() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
 
 def _history_metrics() -> dict[str, Any]:
     """Totals over all history (finished actions, resolved conflicts, latency sums)."""
-    from approvals.models import Action, Approval, Operation
-    from ownership.models import Conflict, ConflictStatus
-
     return {
         "actions": dict(
             Action.objects.exclude(status__in=_LIVE_ACTION_STATUSES)
@@ -174,8 +171,6 @@ def forget_history_cache() -> None:
 def _domain_metrics() -> list[str]:
     """Domain gauges. Labels are enumerations and slugs only — never free text such
     as a kill switch's reason, which may name people or incidents."""
-    from approvals.models import ActionStatus
-
     live_actions, open_conflicts = _live_metrics()
     history = _cached_history()
     actions = {**history["actions"], **live_actions}
@@ -259,8 +254,6 @@ def metrics(request: HttpRequest) -> HttpResponse:
                 detail="Send Authorization: Bearer <METRICS_TOKEN>.",
                 headers={"WWW-Authenticate": 'Bearer realm="metrics"'},
             )
-    from approvals.notify import action_waiters
-
     lines = [
         *_domain_metrics(),
         *_request_metrics(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -18,14 +19,14 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
-from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
 from django.shortcuts import render
+from django.urls import reverse
 from django.utils.cache import patch_vary_headers
 
-from console.api_support import cursor_decode, cursor_encode
+from console.api_support import keyset_paginate, opaque_keyset
 from console.core.errors import DomainError
-from console.problems import ApiError, status_for_code
+from console.problems import status_for_code
 
 V = TypeVar("V", bound=Callable[..., HttpResponseBase])
 
@@ -131,6 +132,34 @@ def respond_page(
     return render(request, template, context(), status=status)
 
 
+@dataclass(frozen=True)
+class EditablePage:
+    """A page whose forms POST back to it: its template, its URL name (the
+    redirect-after-POST) and the HX-Trigger event a change fires."""
+
+    template: str
+    url_name: str
+    event: str
+
+    def respond(
+        self,
+        request: HttpRequest,
+        context: Callable[[], dict[str, Any]],
+        *,
+        notice: str = "",
+        status: int = 200,
+    ) -> HttpResponse:
+        return respond_page(
+            request,
+            template=self.template,
+            context=context,
+            redirect_to=reverse(self.url_name),
+            notice=notice,
+            status=status,
+            events=(self.event,),
+        )
+
+
 def error_status(error: DomainError) -> int:
     """The HTTP status of a service's error on a page: the API's table (problems.py)."""
     return status_for_code(error.code)
@@ -164,14 +193,6 @@ def pretty(value: Any) -> str:
 # --- keyset pages ----------------------------------------------------------------------
 
 
-def _cursor_values(cursor: str | None) -> list[Any] | None:
-    """The API's cursor codec; on a page a cursor it did not issue starts over."""
-    try:
-        return cursor_decode(cursor, size=2)
-    except ApiError:
-        return None
-
-
 def keyset_page(
     queryset: Any,
     *,
@@ -179,24 +200,9 @@ def keyset_page(
     fields: tuple[str, str] = ("created_at", "id"),
     limit: int = PAGE_SIZE,
 ) -> tuple[list[Any], str | None]:
-    """Newest first by (fields[0], fields[1]) descending; a bad cursor starts over.
-
-    Keyset, not OFFSET: page N costs the same as page 1 on a large table.
-    """
-    first, second = fields
-    qs = queryset.order_by(f"-{first}", f"-{second}")
-    values = _cursor_values(cursor)
-    if values is not None:
-        qs = qs.filter(
-            Q(**{f"{first}__lt": values[0]}) | Q(**{first: values[0], f"{second}__lt": values[1]})
-        )
-    rows = list(qs[: limit + 1])
-    next_cursor = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        last = rows[-1]
-        next_cursor = cursor_encode([getattr(last, first), getattr(last, second)])
-    return rows, next_cursor
+    """Newest first by `fields`: the API's pager, and a cursor it did not issue starts over."""
+    keyset = opaque_keyset(fields)
+    return keyset_paginate(queryset, keyset=keyset, cursor=cursor, limit=limit, lenient=True)
 
 
 def query_without(request: HttpRequest, key: str) -> str:

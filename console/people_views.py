@@ -8,24 +8,22 @@ from typing import Any
 
 from django.contrib.auth.models import User
 from django.http import Http404, HttpRequest, HttpResponse
-from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
 from console import permissions
 from console.core.errors import DomainError
 from console.forms import PersonCreateForm, PersonUpdateForm
 from console.pages import (
+    EditablePage,
     console_page,
     error_status,
     forbid_unless,
     form_errors_from,
     render_fragment_or_page,
-    respond_page,
 )
 from console.people import person_create, person_groups, person_set_active, person_update
 
-EVENT_PEOPLE = "people-changed"
-PEOPLE_TEMPLATE = "console/people.html"
+PEOPLE = EditablePage(template="console/people.html", url_name="people", event="people-changed")
 PEOPLE_PAGE_SIZE = 100
 
 
@@ -89,7 +87,7 @@ def people_page(request: HttpRequest) -> HttpResponse:
     if edit.isdigit() and permissions.is_admin(request.user):
         editing = User.objects.filter(pk=int(edit)).first()
     context = _people_context(request, editing=editing)
-    return render_fragment_or_page(request, PEOPLE_TEMPLATE, context, partial="page")
+    return render_fragment_or_page(request, PEOPLE.template, context, partial="page")
 
 
 @console_page
@@ -115,14 +113,11 @@ def person_create_view(request: HttpRequest) -> HttpResponse:
             status = error_status(exc)
         else:
             notice = f"{person.get_username()} can now sign in."
-    return respond_page(
+    return PEOPLE.respond(
         request,
-        template=PEOPLE_TEMPLATE,
-        context=lambda: _people_context(request, create_form=form if status >= 400 else None),
-        redirect_to=reverse("people"),
+        lambda: _people_context(request, create_form=form if status >= 400 else None),
         notice=notice,
         status=status,
-        events=(EVENT_PEOPLE,),
     )
 
 
@@ -152,16 +147,13 @@ def person_update_view(request: HttpRequest, person_id: int) -> HttpResponse:
             name = person.get_username()
             notice = f"{name}'s roles and groups saved." if changed else f"{name} is unchanged."
     failed = status >= 400
-    return respond_page(
+    return PEOPLE.respond(
         request,
-        template=PEOPLE_TEMPLATE,
-        context=lambda: _people_context(
+        lambda: _people_context(
             request, edit_form=form if failed else None, editing=person if failed else None
         ),
-        redirect_to=reverse("people"),
         notice=notice,
         status=status,
-        events=(EVENT_PEOPLE,),
     )
 
 
@@ -192,12 +184,4 @@ def person_active_view(request: HttpRequest, person_id: int) -> HttpResponse:
         values["page_error"] = error
         return values
 
-    return respond_page(
-        request,
-        template=PEOPLE_TEMPLATE,
-        context=context,
-        redirect_to=reverse("people"),
-        notice=notice,
-        status=status,
-        events=(EVENT_PEOPLE,),
-    )
+    return PEOPLE.respond(request, context, notice=notice, status=status)

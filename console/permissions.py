@@ -5,7 +5,14 @@ Selectors and services ask these predicates; views never test groups by hand.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from django.contrib.auth import get_user_model
+
+from audit.models import ActorType
+from audit.services import Actor
+from console.core.errors import Forbidden
 
 ROLE_OPERATOR = "operators"
 ROLE_OWNER = "owners"
@@ -56,11 +63,6 @@ def resolver_group(resolver: str, owner_group: str) -> str:
     return ""
 
 
-def can_resolve(user: Any, *, resolver: str, owner_group: str) -> bool:
-    group = resolver_group(resolver, owner_group)
-    return bool(group) and group in user_groups(user)
-
-
 def can_decide_approvals(user: Any) -> bool:
     """Deciding run and call approvals needs the operator role (admins have it)."""
     return is_operator(user)
@@ -68,3 +70,26 @@ def can_decide_approvals(user: Any) -> bool:
 
 def can_undo_as_person(user: Any, *, owner_group: str) -> bool:
     return is_operator(user) or owner_group in user_groups(user)
+
+
+def person_of(actor: Actor) -> Any:
+    """The active user a person actor names; None for the system, agents, runs, and
+    for a person since deactivated or deleted."""
+    if actor.type != ActorType.PERSON or not actor.id.isdigit():
+        return None
+    return get_user_model().objects.filter(pk=int(actor.id), is_active=True).first()
+
+
+def require_person(actor: Actor, allowed: Callable[[Any], bool], message: str) -> Any:
+    """Authorise a verb done by a person: returns the active person behind `actor`
+    when `allowed(person)`, else raises Forbidden (agents and runs never pass).
+
+    The system (management commands, housekeeping, the demo) is trusted and
+    gets None: whoever runs manage.py already holds the database.
+    """
+    if actor.type == ActorType.SYSTEM:
+        return None
+    person = person_of(actor)
+    if person is None or not allowed(person):
+        raise Forbidden(message, code="forbidden")
+    return person

@@ -11,6 +11,7 @@ import json
 import logging
 from typing import Any
 
+from django.db import OperationalError
 from django.http import HttpRequest, HttpResponse
 from ninja import Schema
 from psycopg_pool import PoolTimeout
@@ -123,6 +124,11 @@ class Problem(Schema):
     retryable: bool = Field(description="May the same request be sent again unchanged?")
     request_id: str | None = None
     errors: list[ProblemFieldError] | None = None
+
+
+def errors(*statuses: int) -> dict[int, type[Problem]]:
+    """An endpoint's error responses for its OpenAPI `response=`: each a Problem."""
+    return dict.fromkeys(statuses, Problem)
 
 
 def problem_body(
@@ -248,8 +254,6 @@ def transient_database_response(exc: BaseException) -> HttpResponse | None:
     statement timeout: `transient_conflict`) or the database was unreachable
     (`unavailable`). Nothing was written; the same request may be retried.
     None for any other exception."""
-    from django.db import OperationalError
-
     if not isinstance(exc, OperationalError):
         return None
     sqlstate = database_sqlstate(exc)

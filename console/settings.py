@@ -352,3 +352,7 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
+
+# approvals services knobs (h9)
+# How long a run's approval stays open before the run expires unapproved (default 48 h).
+AIRLOCK_RUN_APPROVAL_TTL_SECONDS = env_int("AIRLOCK_RUN_APPROVAL_TTL_SECONDS", 172_800, minimum=60)

@@ -31,7 +31,7 @@ _ASSETS = {
 }
 
 
-def _too_large(request: HttpRequest) -> HttpResponse | None:
+def _too_large(request: HttpRequest) -> HttpResponseBase | None:
     try:
         length = int(request.META.get("CONTENT_LENGTH") or 0)
     except ValueError:
@@ -63,43 +63,43 @@ def _as_problem(response: HttpResponseBase) -> HttpResponseBase:
     return response
 
 
+def _finish(
+    request: HttpRequest, route: str, started: float, response: HttpResponseBase
+) -> HttpResponseBase:
+    ops.observe_request(
+        method=request.method or "",
+        route=route,
+        status=response.status_code,
+        seconds=time.perf_counter() - started,
+    )
+    return response
+
+
 def _wrap(view: Callable[..., Any], route: str) -> Callable[..., Any]:
     if iscoroutinefunction(view):
 
         async def async_wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
-            response: HttpResponseBase | None = _too_large(request)
+            response = _too_large(request)
             if response is None:
                 try:
                     response = _as_problem(await view(request, *args, **kwargs))
                 except Exception as exc:
                     response = unexpected_error_response(request, exc)
-            ops.observe_request(
-                method=request.method or "",
-                route=route,
-                status=response.status_code,
-                seconds=time.perf_counter() - started,
-            )
-            return response
+            return _finish(request, route, started, response)
 
         async_wrapped.csrf_exempt = True  # type: ignore[attr-defined]
         return async_wrapped
 
     def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
-        response: HttpResponseBase | None = _too_large(request)
+        response = _too_large(request)
         if response is None:
             try:
                 response = _as_problem(view(request, *args, **kwargs))
             except Exception as exc:
                 response = unexpected_error_response(request, exc)
-        ops.observe_request(
-            method=request.method or "",
-            route=route,
-            status=response.status_code,
-            seconds=time.perf_counter() - started,
-        )
-        return response
+        return _finish(request, route, started, response)
 
     wrapped.csrf_exempt = True  # type: ignore[attr-defined]
     return wrapped

@@ -19,6 +19,7 @@ from django.views.decorators.http import require_GET, require_POST
 from approvals.models import Action, ActionStatus
 from approvals.selectors import pending_approval_count
 from audit.models import AuditEvent
+from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError
 from console.forms import KillSwitchForm
@@ -152,7 +153,7 @@ def killswitch_set(request: HttpRequest) -> HttpResponse:
             scope=data["scope"],
             engaged=engaged,
             reason=data["reason"],
-            actor=request.user,
+            actor=Actor.person(request.user),
         )
     except DomainError as error:
         form.add_error(None, error.message)

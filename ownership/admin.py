@@ -1,10 +1,8 @@
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin
-from django.http import HttpRequest
 
+from console.admin import ReadOnlyAdmin
 from ownership.models import (
     Conflict,
     ConflictClass,
@@ -13,19 +11,6 @@ from ownership.models import (
     ResourceKind,
     ResourceVersion,
 )
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """History is append-only: visible in the admin, never editable there."""
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 # Classes and kinds are edited on the console's catalog page, where the change is

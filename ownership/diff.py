@@ -1,6 +1,9 @@
 """JSON documents: RFC 7396 merge patch, the document a write proposes, the
 field-level two-way diff the pages show, the three-way diff and per-field merge.
 
+The one copy of each rule. A pure leaf: it imports no model and no service, so
+console/core (the barrier), the services and the pages all import it.
+
 Fields are addressed by JSON pointer (RFC 6901). Objects are compared member by
 member; arrays and scalars are leaves (a list is one field: merging two edits of
 one list is a person's decision, not a guess). An absent member is reported as
@@ -14,28 +17,31 @@ import copy
 import json
 from typing import Any, Literal, Protocol
 
-from approvals.models import PayloadFormat, WriteOperation
-
 Change = Literal["agent_only", "other_only", "both"]
 Side = Literal["current", "proposed"]
+
+# approvals.models.PayloadFormat / WriteOperation values (TextChoices compare equal
+# to their values; named here so this module needs no model).
+MERGE_PATCH = "merge_patch"
+DELETE = "delete"
 
 _ABSENT = object()
 
 
-def escape_pointer_token(token: str) -> str:
+def _escape_pointer_token(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
-def unescape_pointer_token(token: str) -> str:
+def _unescape_pointer_token(token: str) -> str:
     return token.replace("~1", "/").replace("~0", "~")
 
 
-def pointer_tokens(pointer: str) -> list[str]:
+def _pointer_tokens(pointer: str) -> list[str]:
     if pointer == "":
         return []
     if not pointer.startswith("/"):
         raise ValueError(f"not a JSON pointer: {pointer!r}")
-    return [unescape_pointer_token(token) for token in pointer[1:].split("/")]
+    return [_unescape_pointer_token(token) for token in pointer[1:].split("/")]
 
 
 def apply_merge_patch(target: Any, patch: Any) -> Any:
@@ -67,13 +73,15 @@ class ProposedWrite(Protocol):
 def proposed_document(action: ProposedWrite, current: Any) -> dict[str, Any]:
     """What the resource would hold if `action` were applied over `current`.
 
-    A merge patch applies to `current` (RFC 7396); a delete leaves the empty
-    document `{}`; a full document (PUT, a resolution) replaces `current`.
+    A merge patch applies to `current` (RFC 7396); a delete proposes the empty
+    document `{}` (what a reader sees afterwards; the barrier stores the tombstone
+    with its last document, a separate concern); a full document (PUT, a
+    resolution) replaces `current`.
     """
-    if action.payload_format == PayloadFormat.MERGE_PATCH:
+    if action.payload_format == MERGE_PATCH:
         result = apply_merge_patch(current if isinstance(current, dict) else {}, action.payload)
         return result if isinstance(result, dict) else {}
-    if action.payload_format == PayloadFormat.DELETE or action.operation == WriteOperation.DELETE:
+    if action.payload_format == DELETE or action.operation == DELETE:
         return {}
     return copy.deepcopy(action.payload) if isinstance(action.payload, dict) else {}
 
@@ -81,7 +89,7 @@ def proposed_document(action: ProposedWrite, current: Any) -> dict[str, Any]:
 def _leaves(document: Any, prefix: str, into: dict[str, Any]) -> None:
     if isinstance(document, dict) and document:
         for key, value in document.items():
-            _leaves(value, f"{prefix}/{escape_pointer_token(str(key))}", into)
+            _leaves(value, f"{prefix}/{_escape_pointer_token(str(key))}", into)
     else:
         into[prefix] = document
 
@@ -107,7 +115,7 @@ def _aligned_paths(*documents: Any) -> list[str]:
     # non-object value (e.g. base {"a": {"b": 1}} vs current {"a": 5}).
     collapsed: set[str] = set()
     for path in paths:
-        tokens = pointer_tokens(path)
+        tokens = _pointer_tokens(path)
         chosen = path
         for depth in range(1, len(tokens)):
             ancestor = tokens[:depth]
@@ -117,7 +125,7 @@ def _aligned_paths(*documents: Any) -> list[str]:
                 for document in documents
                 if isinstance(document, dict)
             ):
-                chosen = "".join(f"/{escape_pointer_token(t)}" for t in ancestor)
+                chosen = "".join(f"/{_escape_pointer_token(t)}" for t in ancestor)
                 break
         collapsed.add(chosen)
     return sorted(collapsed)
@@ -134,7 +142,7 @@ def three_way_diff(base: Any, current: Any, proposed: Any) -> list[dict[str, Any
     documents = [d if isinstance(d, dict) else {} for d in (base, current, proposed)]
     rows: list[dict[str, Any]] = []
     for path in _aligned_paths(*documents):
-        tokens = pointer_tokens(path)
+        tokens = _pointer_tokens(path)
         b, c, p = (_value_at(d, tokens) for d in documents)
         agent_changed = p != b
         other_changed = c != b
@@ -195,14 +203,14 @@ def merge_documents(
         side = choices.get(row["path"], default_choice(row["change"]))
         if side != "proposed":
             continue
-        tokens = pointer_tokens(row["path"])
+        tokens = _pointer_tokens(row["path"])
         if not tokens:
             return copy.deepcopy(proposed_doc)
         _set_at(result, tokens, _value_at(proposed_doc, tokens))
     return result
 
 
-def compact(value: Any) -> str:
+def _compact(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
@@ -231,8 +239,8 @@ def document_diff(before: Any, after: Any) -> list[dict[str, Any]]:
         rows.append(
             {
                 "path": path,
-                "old": None if old is _ABSENT else compact(old),
-                "new": None if new is _ABSENT else compact(new),
+                "old": None if old is _ABSENT else _compact(old),
+                "new": None if new is _ABSENT else _compact(new),
                 "kind": kind,
             }
         )

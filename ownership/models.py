@@ -218,7 +218,7 @@ class OwnershipRecord(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.kind_id}/{self.name}{'*' if self.is_prefix else ''}"
+        return self.pattern
 
     @property
     def pattern(self) -> str:

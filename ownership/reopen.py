@@ -7,8 +7,8 @@ goes back to `open` for its resolver group, with the current document read
 again, and the trail says why (`conflict.reopened`).
 
 A leaf: it imports models, the diff and the audit only, so the approval, cancel
-and expiry services can call it without an import cycle (ownership.services
-imports approvals.services.decisions).
+and expiry services can call it without an import cycle (ownership.services.conflicts
+and .resolution import approvals.services.decisions).
 """
 
 from __future__ import annotations

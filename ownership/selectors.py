@@ -43,6 +43,13 @@ def conflict_get_for_person(person: Any, conflict_id: Any) -> Conflict:
     return conflict
 
 
+def conflict_may_resolve(*, conflict: Conflict, person: Any) -> bool:
+    """Is the person active and in the group this conflict is assigned to?"""
+    if not getattr(person, "is_active", False) or not conflict.resolver_group:
+        return False
+    return conflict.resolver_group in user_groups(person)
+
+
 def open_conflict_count(person: Any) -> int:
     return conflict_list_for_person(person, mine=True, status=ConflictStatus.OPEN).count()
 
@@ -54,10 +61,3 @@ def resource_list(*, kind: str | None = None, prefix: str | None = None) -> Quer
     if prefix:
         qs = qs.filter(name__startswith=prefix)
     return qs.order_by("kind_id", "name")
-
-
-def resource_get(*, kind: str, name: str) -> Resource:
-    resource = Resource.objects.select_related("kind").filter(kind_id=kind, name=name).first()
-    if resource is None:
-        raise NotFound("No such resource.")
-    return resource

@@ -16,10 +16,12 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from approvals.models import Operation
 from approvals.services.undo import action_undo_request, operations_open_to_undo
+from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError, NotFound
 from console.pages import (
     EVENT_COUNTS,
+    EditablePage,
     after_post,
     console_page,
     error_status,
@@ -31,9 +33,7 @@ from console.pages import (
     query_without,
     raise_if_denied,
     render_fragment_or_page,
-    respond_page,
 )
-from ownership.catalog import conflict_class_put, resource_kind_put
 from ownership.diff import default_choice, document_diff, three_way_diff
 from ownership.forms import (
     ConflictClassForm,
@@ -51,11 +51,19 @@ from ownership.models import (
     ResourceKind,
     ResourceVersion,
 )
-from ownership.selectors import conflict_get_for_person, conflict_list_for_person, resource_list
-from ownership.services import conflict_may_resolve, conflict_merge_preview, conflict_resolve
+from ownership.selectors import (
+    conflict_get_for_person,
+    conflict_list_for_person,
+    conflict_may_resolve,
+    resource_list,
+)
+from ownership.services import catalog as catalog_services
+from ownership.services.resolution import conflict_merge_preview, conflict_resolve
 
 EVENT_CONFLICTS = "conflicts-changed"
-EVENT_CATALOG = "catalog-changed"
+CATALOG = EditablePage(
+    template="ownership/catalog.html", url_name="catalog", event="catalog-changed"
+)
 
 
 # --- conflicts ---------------------------------------------------------------------------
@@ -194,7 +202,7 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
     try:
         conflict_resolve(
             conflict_id=conflict.id,
-            person=request.user,
+            actor=Actor.person(request.user),
             choice=choice,
             fields=fields,
             comment=form.cleaned_data["comment"],
@@ -344,7 +352,7 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
         return respond("Tick the confirmation box to undo.", error=True, status=422)
     try:
         # The service decides who may undo (operators, the resource's owner group).
-        action_undo_request(action_id=operation.action_id, actor=request.user)
+        action_undo_request(action_id=operation.action_id, actor=Actor.person(request.user))
     except DomainError as exc:
         raise_if_denied(exc)
         return respond(exc.message, error=True, status=error_status(exc))
@@ -385,27 +393,23 @@ def catalog(request: HttpRequest) -> HttpResponse:
         kind = ResourceKind.objects.filter(slug=edit_kind).first()
         if kind is not None:
             context["kind_form"] = ResourceKindForm(initial=ResourceKindForm.initial_from(kind))
-    return render_fragment_or_page(request, "ownership/catalog.html", context, partial="page")
+    return render_fragment_or_page(request, CATALOG.template, context, partial="page")
 
 
 def _catalog_respond(
     request: HttpRequest, *, notice: str = "", status: int = 200, **extra: Any
 ) -> HttpResponse:
-    return respond_page(
+    return CATALOG.respond(
         request,
-        template="ownership/catalog.html",
-        context=lambda: _catalog_context(request, **(extra if status >= 400 else {})),
-        redirect_to=reverse("catalog"),
+        lambda: _catalog_context(request, **(extra if status >= 400 else {})),
         notice=notice,
         status=status,
-        events=(EVENT_CATALOG,),
     )
 
 
 @console_page
 @require_POST
 def conflict_class_save(request: HttpRequest) -> HttpResponse:
-    forbid_unless(permissions.is_admin(request.user), "Only admins edit conflict classes.")
     form = ConflictClassForm(request.POST)
     if not form.is_valid():
         return _catalog_respond(request, status=422, class_form=form)
@@ -413,8 +417,9 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
     data = dict(form.cleaned_data)
     slug = data.pop("slug")
     try:
-        conflict_class_put(slug=slug, data=data, user=request.user)
+        catalog_services.conflict_class_save(slug=slug, data=data, actor=Actor.person(request.user))
     except DomainError as exc:
+        raise_if_denied(exc)  # the verb's admin check: a 403 page, not a form error
         form_errors_from(form, exc)
         return _catalog_respond(request, status=error_status(exc), class_form=form)
     return _catalog_respond(request, notice=f"Conflict class {slug} saved.")
@@ -423,7 +428,6 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
 @console_page
 @require_POST
 def resource_kind_save(request: HttpRequest) -> HttpResponse:
-    forbid_unless(permissions.is_admin(request.user), "Only admins edit resource kinds.")
     form = ResourceKindForm(request.POST)
     if not form.is_valid():
         return _catalog_respond(request, status=422, kind_form=form)
@@ -432,8 +436,9 @@ def resource_kind_save(request: HttpRequest) -> HttpResponse:
     slug = data.pop("slug")
     data["classes"] = {op: data.pop(f"class_{op}").slug for op in ("create", "update", "delete")}
     try:
-        resource_kind_put(slug=slug, data=data, user=request.user)
+        catalog_services.resource_kind_save(slug=slug, data=data, actor=Actor.person(request.user))
     except DomainError as exc:
+        raise_if_denied(exc)
         form_errors_from(form, exc)
         return _catalog_respond(request, status=error_status(exc), kind_form=form)
     return _catalog_respond(request, notice=f"Resource kind {slug} saved.")

@@ -31,7 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 STOP_TIMEOUT = 10.0
 ADMIN_USERNAME = "admin"
-ADMIN_GROUPS = ("admins", "operators", "release-owners", "account-owners")
+# The `admin` login may see and act on everything the demo leaves: both role groups that
+# act, and the demo's owner groups.
+ADMIN_ROLES = ["admin", "operator"]
+ADMIN_OWNER_GROUPS = ["release-owners", "account-owners"]
 
 
 def say(message: str) -> None:
@@ -72,42 +75,53 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
     return False
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read, from its first byte (mode 600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    path.chmod(0o600)  # an older file keeps its mode through O_TRUNC
+
+
 def prepare_database(data_dir: Path) -> tuple[str, bool]:
     """Migrate, ensure the admin login, run the demo on a fresh database.
 
     Returns (login line to print, whether the password was printed just now).
     """
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
+    # Django only now: the settings read what main() put in the environment (data dir).
     import django
 
     django.setup()
+    # after django.setup(): these import models
     from django.contrib.auth import get_user_model
-    from django.contrib.auth.models import Group
     from django.core.management import call_command
     from django.db import connection, connections
+
+    from audit.services import Actor
+    from console.people import person_create
+    from console.reference import ensure_reference_data
 
     fresh = "django_migrations" not in connection.introspection.table_names()
     say("migrating the database" + (" (fresh)" if fresh else ""))
     call_command("migrate", interactive=False, verbosity=0)
-    from console.reference import ensure_reference_data
-
     ensure_reference_data()
 
     user_model = get_user_model()
     login_file = data_dir / "admin-login.txt"
     created = False
     password = ""
-    admin = user_model.objects.filter(username=ADMIN_USERNAME).first()
-    if admin is None:
+    if not user_model.objects.filter(username=ADMIN_USERNAME).exists():
         password = secrets.token_urlsafe(12)
-        admin = user_model.objects.create_superuser(
-            username=ADMIN_USERNAME, email="", password=password
+        # The people service: the People page's validation, and `person.created` audited.
+        person_create(
+            user=Actor.system("make run"),
+            username=ADMIN_USERNAME,
+            password=password,
+            roles=ADMIN_ROLES,
+            groups=ADMIN_OWNER_GROUPS,
         )
-        for name in ADMIN_GROUPS:
-            group, _ = Group.objects.get_or_create(name=name)
-            admin.groups.add(group)
-        login_file.write_text(f"username: {ADMIN_USERNAME}\npassword: {password}\n")
-        login_file.chmod(0o600)
+        _write_private(login_file, f"username: {ADMIN_USERNAME}\npassword: {password}\n")
         created = True
 
     if fresh and os.environ.get("AIRLOCK_DEMO", "1") not in {"0", "false", "no"}:
@@ -194,6 +208,7 @@ def main() -> int:
 
     redis_server = None
     if not os.environ.get("REDIS_URL"):
+        # only without REDIS_URL: the bundled redis-server is not needed otherwise
         from console.embedded_redis import EmbeddedRedis
 
         redis_server = EmbeddedRedis(data_dir)

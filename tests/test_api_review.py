@@ -164,7 +164,9 @@ def test_a_revoked_runs_token_cannot_undo(
     # The service refuses it too (the console or a script calling it directly).
     with pytest.raises(RunNotActive):
         action_undo_request(
-            action_id=action.pk, actor=Run.objects.get(pk=run.run.pk), idempotency_key="undo-2"
+            action_id=action.pk,
+            actor=Actor.run(Run.objects.get(pk=run.run.pk)),
+            idempotency_key="undo-2",
         )
     assert not Operation.objects.filter(action=action, undo_of__isnull=False).exists()
     assert not AuditEvent.objects.filter(event_type="undo.requested").exists()
@@ -373,7 +375,8 @@ def test_a_lease_in_the_write_set_blocks_other_runs_writes_with_423_until_it_end
     # Pending approval: no lease yet, `run` may still propose.
     in_flight = patch_prod(api, run.token, key="key-lease-0001")
     assert in_flight.status_code == 202
-    from approvals.services.runs import WriteSetConflict, run_activate
+    from approvals.services.runs import run_activate
+    from approvals.services.write_sets import WriteSetConflict
 
     holder = Run.objects.get(pk=holder_body["id"])
     # No lease over a write still in flight: the grant is refused, the run stays pending.
@@ -477,8 +480,8 @@ def test_audit_verify_is_cached_per_head_and_walks_only_the_new_tail(
     from django.core.cache import cache
     from django.test.utils import CaptureQueriesContext
 
-    from audit.selectors import verify_chain
     from audit.services import BROKEN_KEY, CHECKPOINT_KEY, audit_append
+    from audit.verify import verify_chain
 
     cache.delete_many([CHECKPOINT_KEY, BROKEN_KEY])
     for number in range(5):
@@ -528,7 +531,8 @@ def test_a_lease_grant_racing_another_runs_proposal_never_leaves_a_write_in_flig
     the shared kind lock the grant does not see the uncommitted action and leases
     a resource another run is about to write."""
     from approvals.services import actions
-    from approvals.services.runs import WriteSetConflict, run_activate, run_create
+    from approvals.services.runs import run_activate, run_create
+    from approvals.services.write_sets import WriteSetConflict
 
     writer = make_active_run(make_agent_with_token("writer-bot").agent)
     holder_agent = make_agent_with_token("lease-bot")

@@ -13,7 +13,8 @@ from django.db import connection
 from django.utils import timezone
 
 from approvals.models import Action, AutoApproveRule, Run
-from approvals.services.runs import names_overlap, run_expire_due
+from approvals.services.runs import run_expire_due
+from approvals.services.write_sets import names_overlap
 from audit.models import AuditEvent
 from ownership.models import OwnershipRecord
 from tests.fixtures.api import ApiClient, ensure_api_kinds, make_active_run, make_agent_with_token
@@ -184,7 +185,8 @@ def test_expired_and_finished_runs_hold_no_authority(api: Any, agent: Any) -> No
 
 @pytest.mark.django_db
 def test_activation_rechecks_overlaps(agent: Any) -> None:
-    from approvals.services.runs import WriteSetConflict, run_activate, run_create
+    from approvals.services.runs import run_activate, run_create
+    from approvals.services.write_sets import WriteSetConflict
     from audit.services import Actor
 
     write_set = [{"resource": "notification-policy/prod-alerts", "operations": ["update"]}]

@@ -266,7 +266,7 @@ def test_undo_of_an_applied_action_is_accepted_once(api: Any, run: Any, prod_ale
 def test_a_conflict_is_shown_to_its_resolver_and_resolved(
     api: Any, run: Any, prod_alerts: Any, operator: Any, outsider: Any
 ) -> None:
-    from ownership.services import conflict_open_for_action
+    from ownership.services.conflicts import conflict_open_for_action
 
     action = make_action(
         run=run.run,

@@ -15,10 +15,11 @@ from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
-from audit.chain import GENESIS_HASH, event_hash, hashed_fields
+from audit.chain import GENESIS_HASH, system_event_hash
 from audit.models import AuditEvent, AuditHead
-from audit.selectors import audit_list, verify_chain
+from audit.selectors import audit_list
 from audit.services import Actor, audit_append, audit_append_many
+from audit.verify import verify_chain
 from console.core.errors import ValidationFailed
 from tests.conftest import ROOT, subprocess_env
 
@@ -115,20 +116,17 @@ def test_two_swapped_rows_are_detected_at_the_first() -> None:
 
 def _forged_row(seq: int, prev_hash: str, *, valid_hash: bool) -> list[Any]:
     now = timezone.now()
-    fields = hashed_fields(
+    digest = system_event_hash(
         seq=seq,
         created_at=now,
-        actor_type="system",
-        actor_id="",
-        actor_label="forger",
-        request_id="",
+        label="forger",
         event_type="write.applied",
         resource="notification-policy/prod-alerts",
-        run_id=None,
-        action_id=None,
         details={"forged": True},
+        prev_hash=prev_hash,
     )
-    digest = event_hash(fields, prev_hash) if valid_hash else "f" * 64
+    if not valid_hash:
+        digest = "f" * 64
     return [seq, now, "system", "", "forger", "", "write.applied",
             "notification-policy/prod-alerts", '{"forged": true}', prev_hash, digest]  # fmt: skip
 

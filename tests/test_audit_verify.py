@@ -16,7 +16,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from rq.cron import CronScheduler
 
-from audit import selectors
+from audit import verify
 from audit.chain import GENESIS_HASH
 from audit.jobs import audit_verify_job
 from audit.models import AuditEvent
@@ -60,7 +60,7 @@ def test_after_n_new_events_the_status_walks_only_those_n() -> None:
     _append(5)
     moved = audit_chain_status()
     assert moved.ok and not moved.cached and moved.events == 12 and moved.walked == 5
-    assert moved.head_hash == selectors.verify_chain().head_hash
+    assert moved.head_hash == verify.verify_chain().head_hash
     assert moved.full_walk_at == cold.full_walk_at  # no whole walk since the first
     forget_verification()  # Redis lost: one walk from the start
     assert audit_chain_status().walked == 12
@@ -145,16 +145,16 @@ def test_events_appended_while_a_walk_runs_are_left_to_the_next_walk(
     if walk == "tail":
         assert audit_chain_status().ok
         _append(2)
-    read_head = selectors.audit_head
+    read_head = verify.audit_head
 
     def head_then_appends() -> tuple[int, str]:
         head = read_head()
-        monkeypatch.setattr(selectors, "audit_head", read_head)
+        monkeypatch.setattr(verify, "audit_head", read_head)
         _append(3)  # committed as far as the walk's connection can tell
         return head
 
     # Forced: three appends land after the walk read the head, before it reads rows.
-    monkeypatch.setattr(selectors, "audit_head", head_then_appends)
+    monkeypatch.setattr(verify, "audit_head", head_then_appends)
     status = audit_chain_verify() if walk == "whole" else audit_chain_status()
     before = 5 if walk == "whole" else 7
     assert status.ok and status.events == before, status

@@ -10,12 +10,14 @@ from django.db import connection
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.models import AuditEvent
-from audit.selectors import verify_chain
 from audit.services import Actor
-from console.core.barrier import apply_action, merge_patch, open_operation
+from audit.verify import verify_chain
+from console.core.barrier import apply_action
 from console.core.errors import InvalidTransition, KillSwitchEngaged
 from console.core.fence import next_fence
+from console.core.operations import open_operation
 from console.models import KillSwitch
+from ownership.diff import apply_merge_patch, proposed_document
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.core import execute, make_action, make_resource, make_run
 
@@ -128,18 +130,18 @@ def test_a_kind_undo_window_overrides_the_class_window() -> None:
 def test_merge_patch_follows_rfc_7396() -> None:
     target = {"a": "b", "c": {"d": "e", "f": "g"}, "list": [1, 2], "keep": True}
     patch = {"a": "z", "c": {"f": None, "new": 1}, "list": [3], "absent": None}
-    assert merge_patch(target, patch) == {
+    assert apply_merge_patch(target, patch) == {
         "a": "z",
         "c": {"d": "e", "new": 1},
         "list": [3],
         "keep": True,
     }
     # RFC 7396 appendix examples.
-    assert merge_patch({"a": ["b"]}, {"a": "c"}) == {"a": "c"}
-    assert merge_patch({"a": "foo"}, "bar") == "bar"
-    assert merge_patch({"e": None}, {"a": 1}) == {"e": None, "a": 1}
-    assert merge_patch([1, 2], {"a": "b", "c": None}) == {"a": "b"}
-    assert merge_patch({}, {"a": {"bb": {"ccc": None}}}) == {"a": {"bb": {}}}
+    assert apply_merge_patch({"a": ["b"]}, {"a": "c"}) == {"a": "c"}
+    assert apply_merge_patch({"a": "foo"}, "bar") == "bar"
+    assert apply_merge_patch({"e": None}, {"a": 1}) == {"e": None, "a": 1}
+    assert apply_merge_patch([1, 2], {"a": "b", "c": None}) == {"a": "b"}
+    assert apply_merge_patch({}, {"a": {"bb": {"ccc": None}}}) == {"a": {"bb": {}}}
     assert target["c"] == {"d": "e", "f": "g"}  # the input is not mutated
 
 
@@ -157,6 +159,22 @@ def test_a_merge_patch_is_applied_to_the_current_document(prod_alerts: Any) -> N
         "severity": "warning",
         "escalation": {"to": "oncall"},
     }
+
+
+@pytest.mark.django_db
+def test_a_delete_proposes_the_empty_document_while_its_tombstone_keeps_the_last_one() -> None:
+    make_resource("dns-record/gone", {"ip": "10.0.0.9"}, version=3)
+    delete = make_action(
+        run=make_run(), identifier="dns-record/gone", operation="delete", observed_version=3
+    )
+    # The one proposal rule (inbox, approvals API, conflicts): a delete leaves nothing.
+    assert proposed_document(delete, {"ip": "10.0.0.9"}) == {}
+    assert execute(delete).applied
+    # What the barrier stores is a separate concern: the tombstone keeps what was deleted.
+    resource = Resource.objects.get(kind_id="dns-record", name="gone")
+    assert resource.deleted and resource.document == {"ip": "10.0.0.9"}
+    history = ResourceVersion.objects.get(resource=resource, version=4)
+    assert history.deleted and history.document == {"ip": "10.0.0.9"}
 
 
 @pytest.mark.django_db

@@ -17,7 +17,7 @@ import redis
 
 from approvals.models import Operation, OperationStatus
 from audit.models import AuditEvent
-from audit.selectors import verify_chain
+from audit.verify import verify_chain
 from console.core.errors import LockBusy, LockLost
 from console.core.fence import (
     current_fence,

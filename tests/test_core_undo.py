@@ -11,11 +11,11 @@ from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.models import AuditEvent
-from audit.selectors import verify_chain
 from audit.services import Actor
-from console.core.barrier import open_operation
+from audit.verify import verify_chain
 from console.core.errors import KillSwitchEngaged
 from console.core.fence import next_fence
+from console.core.operations import open_operation
 from console.core.undo import apply_undo
 from console.models import KillSwitch
 from ownership.models import Resource, ResourceVersion

@@ -12,6 +12,7 @@ from approvals.models import Action, Approval, ApprovalDecision, Run
 from approvals.services.decisions import approval_decide, approval_expire_due
 from approvals.services.execution import action_execute
 from audit.models import AuditEvent
+from audit.services import Actor
 from console.core.errors import Forbidden, InvalidTransition, ValidationFailed
 from ownership.models import ConflictClass, Resource, ResourceVersion
 
@@ -37,7 +38,9 @@ def test_a_per_call_action_waits_for_approval_then_is_applied(
     approval = Approval.objects.get(action=action)
     assert approval.observed_version == 1 and approval.quorum == 1
 
-    approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+    )
     action.refresh_from_db()
     assert action.status == "queued"
     assert action_execute(action_id=action.pk) == "applied"
@@ -58,7 +61,7 @@ def test_a_rejected_action_carries_the_comment_for_the_agent(
     approval = Approval.objects.get(action=action)
     approval_decide(
         approval_id=approval.pk,
-        person=engine_world.operator,
+        actor=Actor.person(engine_world.operator),
         decision="reject",
         comment="removing every destination silences prod",
     )
@@ -75,10 +78,14 @@ def test_a_decided_approval_answers_409_and_writes_no_second_audit_row(
 ) -> None:
     action = _propose_replace(engine_world, policy, {"severity": "low"})
     approval = Approval.objects.get(action=action)
-    approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+    )
     events = AuditEvent.objects.count()
     with pytest.raises(InvalidTransition) as excinfo:
-        approval_decide(approval_id=approval.pk, person=engine_world.operator2, decision="reject")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(engine_world.operator2), decision="reject"
+        )
     assert excinfo.value.code == "already_decided"
     assert AuditEvent.objects.count() == events
 
@@ -99,7 +106,9 @@ def test_pending_approvals_expire_and_their_action_with_them(
     assert action.error["code"] == "approval_expired"
     assert approval_expire_due(now=timezone.now() + timedelta(hours=50))["expired"] == 0
     with pytest.raises(InvalidTransition):
-        approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+        )
 
 
 def test_deciding_after_the_deadline_expires_it_instead(engine_world: Any, policy: Any) -> None:
@@ -107,7 +116,9 @@ def test_deciding_after_the_deadline_expires_it_instead(engine_world: Any, polic
     Approval.objects.filter(action=action).update(expires_at=timezone.now() - timedelta(seconds=1))
     approval = Approval.objects.get(action=action)
     with pytest.raises(InvalidTransition) as excinfo:
-        approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+        )
     assert excinfo.value.code == "approval_expired"
     action.refresh_from_db()
     assert action.status == "expired"
@@ -139,17 +150,23 @@ def test_quorum_of_two_needs_two_distinct_people(engine_world: Any, policy: Any)
     approval = Approval.objects.get(action=action)
     assert approval.quorum == 2
 
-    approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+    )
     approval.refresh_from_db()
     action.refresh_from_db()
     assert approval.status == "pending" and action.status == "pending_approval"
 
     with pytest.raises(InvalidTransition) as excinfo:
-        approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+        )
     assert excinfo.value.code == "already_decided"
     assert ApprovalDecision.objects.filter(approval=approval).count() == 1
 
-    approval_decide(approval_id=approval.pk, person=engine_world.operator2, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator2), decision="approve"
+    )
     approval.refresh_from_db()
     action.refresh_from_db()
     assert approval.status == "approved" and action.status == "queued"
@@ -159,9 +176,14 @@ def test_one_reject_ends_a_quorum_approval(engine_world: Any, policy: Any) -> No
     ConflictClass.objects.filter(slug="replace_shared_document").update(quorum=2)
     action = _propose_replace(engine_world, policy, {"severity": "low"})
     approval = Approval.objects.get(action=action)
-    approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
     approval_decide(
-        approval_id=approval.pk, person=engine_world.operator2, decision="reject", comment="no"
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+    )
+    approval_decide(
+        approval_id=approval.pk,
+        actor=Actor.person(engine_world.operator2),
+        decision="reject",
+        comment="no",
     )
     action.refresh_from_db()
     assert action.status == "rejected"
@@ -174,7 +196,9 @@ def test_the_agents_owner_cannot_approve_where_the_class_forbids_it(
     approval = Approval.objects.get(action=action)
     with pytest.raises(Forbidden) as excinfo:
         approval_decide(
-            approval_id=approval.pk, person=engine_world.agent_owner, decision="approve"
+            approval_id=approval.pk,
+            actor=Actor.person(engine_world.agent_owner),
+            decision="approve",
         )
     assert excinfo.value.code == "self_approval"
     assert ApprovalDecision.objects.count() == 0
@@ -188,7 +212,9 @@ def test_the_agents_owner_may_approve_where_the_class_allows_it(
     )
     action = _propose_replace(engine_world, policy, {"severity": "low"})
     approval = Approval.objects.get(action=action)
-    approval_decide(approval_id=approval.pk, person=engine_world.agent_owner, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.agent_owner), decision="approve"
+    )
     action.refresh_from_db()
     assert action.status == "queued"
 
@@ -198,23 +224,25 @@ def test_a_person_without_the_operator_role_cannot_decide(engine_world: Any, pol
     approval = Approval.objects.get(action=action)
     for person in (engine_world.outsider, engine_world.person("oscar", "owners")):
         with pytest.raises(Forbidden) as excinfo:
-            approval_decide(approval_id=approval.pk, person=person, decision="approve")
+            approval_decide(approval_id=approval.pk, actor=Actor.person(person), decision="approve")
         assert excinfo.value.code == "forbidden"
 
 
 def test_an_agent_or_run_can_never_decide(engine_world: Any, policy: Any) -> None:
     action = _propose_replace(engine_world, policy, {"severity": "low"})
     approval = Approval.objects.get(action=action)
-    for principal in (engine_world.agent, engine_world.run):
+    for principal in (Actor.agent(engine_world.agent), Actor.run(engine_world.run)):
         with pytest.raises(Forbidden):
-            approval_decide(approval_id=approval.pk, person=principal, decision="approve")
+            approval_decide(approval_id=approval.pk, actor=principal, decision="approve")
 
 
 def test_a_bad_decision_is_a_validation_error(engine_world: Any, policy: Any) -> None:
     action = _propose_replace(engine_world, policy, {"severity": "low"})
     approval = Approval.objects.get(action=action)
     with pytest.raises(ValidationFailed):
-        approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="maybe")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="maybe"
+        )
 
 
 def test_an_approval_is_bound_to_the_version_it_was_given_against(
@@ -222,7 +250,9 @@ def test_an_approval_is_bound_to_the_version_it_was_given_against(
 ) -> None:
     action = _propose_replace(engine_world, policy, {"destinations": ["oncall", "backup"]})
     approval = Approval.objects.get(action=action)
-    approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+    )
 
     # Another run writes first (a per-run class, queued straight away).
     kind = policy
@@ -257,7 +287,7 @@ def test_a_run_approval_activates_the_run_and_a_rejection_rejects_it(
 ) -> None:
     from django.db import transaction
 
-    from approvals.services.decisions import approval_open_for_run
+    from approvals.services.approval_open import approval_open_for_run
 
     def make(task: str) -> Run:
         with transaction.atomic():
@@ -282,16 +312,23 @@ def test_a_run_approval_activates_the_run_and_a_rejection_rejects_it(
     # the agent's owner is kept out: the run's write set falls in a class that forbids it
     with pytest.raises(Forbidden):
         approval_decide(
-            approval_id=approval.pk, person=engine_world.agent_owner, decision="approve"
+            approval_id=approval.pk,
+            actor=Actor.person(engine_world.agent_owner),
+            decision="approve",
         )
-    approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+    )
     first.refresh_from_db()
     assert first.status == "active"
 
     second = make("second")
     approval = Approval.objects.get(run=second, subject="run")
     approval_decide(
-        approval_id=approval.pk, person=engine_world.operator, decision="reject", comment="scope"
+        approval_id=approval.pk,
+        actor=Actor.person(engine_world.operator),
+        decision="reject",
+        comment="scope",
     )
     second.refresh_from_db()
     assert second.status == "rejected"

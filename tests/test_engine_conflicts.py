@@ -13,11 +13,12 @@ from approvals.services.decisions import approval_decide
 from approvals.services.execution import action_execute
 from approvals.services.undo import action_undo_request, undo_execute
 from audit.models import AuditEvent
+from audit.services import Actor
 from console.core.errors import Forbidden, InvalidTransition, UndoWindowExpired, ValidationFailed
 from ownership.diff import apply_merge_patch, merge_documents, three_way_diff
 from ownership.models import Conflict, Resource, ResourceVersion
 from ownership.selectors import conflict_list_for_person
-from ownership.services import conflict_merge_preview, conflict_resolve
+from ownership.services.resolution import conflict_merge_preview, conflict_resolve
 
 pytestmark = pytest.mark.django_db
 
@@ -99,7 +100,7 @@ def _collide(
     if action.status == "pending_approval":
         approval_decide(
             approval_id=Approval.objects.get(action=action).pk,
-            person=world.operator,
+            actor=Actor.person(world.operator),
             decision="approve",
         )
     resource = Resource.objects.get(kind=kind, name=name)
@@ -183,11 +184,13 @@ def test_merge_resolution_creates_a_new_action_on_the_current_version_and_execut
     assert {r["path"]: r["change"] for r in conflict.fields}["/severity"] == "both"
 
     with pytest.raises(Forbidden):
-        conflict_resolve(conflict_id=conflict.pk, person=world.operator, choice="merge")
+        conflict_resolve(
+            conflict_id=conflict.pk, actor=Actor.person(world.operator), choice="merge"
+        )
     with pytest.raises(ValidationFailed):
         conflict_resolve(
             conflict_id=conflict.pk,
-            person=world.account_owner,
+            actor=Actor.person(world.account_owner),
             choice="merge",
             fields={"/nope": "current"},
         )
@@ -197,7 +200,7 @@ def test_merge_resolution_creates_a_new_action_on_the_current_version_and_execut
 
     resolved = conflict_resolve(
         conflict_id=conflict.pk,
-        person=world.account_owner,
+        actor=Actor.person(world.account_owner),
         choice="merge",
         fields=choices,
         comment="keep critical, add backup",
@@ -216,7 +219,9 @@ def test_merge_resolution_creates_a_new_action_on_the_current_version_and_execut
     resource = Resource.objects.get(kind=kind, name="admins")
     assert resource.version == 3 and resource.document == preview
     with pytest.raises(InvalidTransition):
-        conflict_resolve(conflict_id=conflict.pk, person=world.account_owner, choice="keep_current")
+        conflict_resolve(
+            conflict_id=conflict.pk, actor=Actor.person(world.account_owner), choice="keep_current"
+        )
 
 
 def test_keep_current_closes_the_conflict_without_writing(world: Any) -> None:
@@ -225,10 +230,15 @@ def test_keep_current_closes_the_conflict_without_writing(world: Any) -> None:
     conflict = Conflict.objects.get(pk=action.error["conflict_id"])
     # the agent's owner is an operator, but may not settle their own agent's write
     with pytest.raises(Forbidden) as excinfo:
-        conflict_resolve(conflict_id=conflict.pk, person=world.agent_owner, choice="keep_current")
+        conflict_resolve(
+            conflict_id=conflict.pk, actor=Actor.person(world.agent_owner), choice="keep_current"
+        )
     assert excinfo.value.code == "self_approval"
     conflict_resolve(
-        conflict_id=conflict.pk, person=world.operator, choice="keep_current", comment="ok"
+        conflict_id=conflict.pk,
+        actor=Actor.person(world.operator),
+        choice="keep_current",
+        comment="ok",
     )
     conflict.refresh_from_db()
     assert conflict.status == "resolved" and conflict.resolution_action_id is None
@@ -242,7 +252,7 @@ def test_take_proposed_writes_the_agents_document_over_the_current_version(world
     action = _collide(world, kind, "release", {"release": "v2"}, {"release": "v3"})
     conflict = Conflict.objects.get(pk=action.error["conflict_id"])
     resolved = conflict_resolve(
-        conflict_id=conflict.pk, person=world.release_owner, choice="take_proposed"
+        conflict_id=conflict.pk, actor=Actor.person(world.release_owner), choice="take_proposed"
     )
     assert action_execute(action_id=resolved.resolution_action_id) == "applied"
     assert Resource.objects.get(kind=kind, name="release").document == {"release": "v2"}
@@ -275,9 +285,11 @@ def _applied(world: Any, kind: Any, name: str) -> Action:
 def test_undo_restores_the_previous_document_once(world: Any) -> None:
     kind = world.kind("cfg", update="recompute_field")
     action = _applied(world, kind, "a")
-    first = action_undo_request(action_id=action.pk, actor=world.run, idempotency_key="undo-key-1")
+    first = action_undo_request(
+        action_id=action.pk, actor=Actor.run(world.run), idempotency_key="undo-key-1"
+    )
     second = action_undo_request(
-        action_id=action.pk, actor=world.operator, idempotency_key="undo-key-2"
+        action_id=action.pk, actor=Actor.person(world.operator), idempotency_key="undo-key-2"
     )
     assert first.pk == second.pk
     assert AuditEvent.objects.filter(event_type="undo.requested").count() == 1
@@ -293,11 +305,11 @@ def test_undo_by_strangers_is_refused(world: Any) -> None:
     kind = world.kind("cfg", update="recompute_field")
     action = _applied(world, kind, "a")
     with pytest.raises(Forbidden):
-        action_undo_request(action_id=action.pk, actor=world.outsider)
+        action_undo_request(action_id=action.pk, actor=Actor.person(world.outsider))
     from approvals.services.undo import NotFound
 
     with pytest.raises(NotFound):
-        action_undo_request(action_id=action.pk, actor=world.other_run)
+        action_undo_request(action_id=action.pk, actor=Actor.run(world.other_run))
 
 
 def test_undo_after_the_window_is_refused(world: Any) -> None:
@@ -307,7 +319,7 @@ def test_undo_after_the_window_is_refused(world: Any) -> None:
         undo_deadline=timezone.now() - timedelta(seconds=1)
     )
     with pytest.raises(UndoWindowExpired) as excinfo:
-        action_undo_request(action_id=action.pk, actor=world.run)
+        action_undo_request(action_id=action.pk, actor=Actor.run(world.run))
     assert excinfo.value.code == "undo_window_expired"
 
 
@@ -318,7 +330,9 @@ def test_undo_after_a_later_write_opens_a_conflict_for_a_person(world: Any) -> N
     later = world.propose(kind, "a", payload={"v": 3}, observed_version=2, run=world.other_run)
     assert action_execute(action_id=later.pk) == "applied"
 
-    undo = action_undo_request(action_id=action.pk, actor=owner, idempotency_key="undo-key-3")
+    undo = action_undo_request(
+        action_id=action.pk, actor=Actor.person(owner), idempotency_key="undo-key-3"
+    )
     assert undo_execute(undo_operation_id=undo.pk) == "conflict"
     conflict = Conflict.objects.get(action=action, origin="undo")
     assert conflict.status == "open" and conflict.resolver_group == "owners"
@@ -326,8 +340,10 @@ def test_undo_after_a_later_write_opens_a_conflict_for_a_person(world: Any) -> N
     assert Resource.objects.get(kind=kind, name="a").document == {"v": 3}
     # the person who asked for the undo does not settle it
     with pytest.raises(Forbidden):
-        conflict_resolve(conflict_id=conflict.pk, person=owner, choice="take_proposed")
+        conflict_resolve(conflict_id=conflict.pk, actor=Actor.person(owner), choice="take_proposed")
     other_owner = world.person("otto", "owners")
-    resolved = conflict_resolve(conflict_id=conflict.pk, person=other_owner, choice="take_proposed")
+    resolved = conflict_resolve(
+        conflict_id=conflict.pk, actor=Actor.person(other_owner), choice="take_proposed"
+    )
     assert action_execute(action_id=resolved.resolution_action_id) == "applied"
     assert Resource.objects.get(kind=kind, name="a").document == {"v": 1}

@@ -20,23 +20,21 @@ from django.db import OperationalError, transaction
 from django.utils import timezone
 
 from approvals.models import Action, Approval, ApprovalDecision, Operation, Run
+from approvals.services.attempts import WORKER_ACTOR, operation_lease_seconds
 from approvals.services.decisions import approval_decide
-from approvals.services.execution import (
-    WORKER_ACTOR,
-    action_execute,
-    operation_lease_seconds,
-    reconcile,
-)
+from approvals.services.execution import action_execute
+from approvals.services.reconcile import reconcile
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.barrier import RUN_NOT_ACTIVE, apply_action, open_operation
+from console.core.barrier import RUN_NOT_ACTIVE, apply_action
 from console.core.errors import InvalidTransition, KillSwitchEngaged
 from console.core.fence import next_fence
 from console.core.lock import lock_key
+from console.core.operations import open_operation
 from console.models import KillSwitch
 from console.services import kill_switch_set
 from ownership.models import Conflict, ConflictClass, Resource, ResourceVersion
-from ownership.services import conflict_resolve
+from ownership.services.resolution import conflict_resolve
 from tests.races import WAIT, Holder, Worker, wait_for_lock_waiters
 from tests.targetserver import TargetServer
 
@@ -146,7 +144,7 @@ def _active_run(world: Any, resource: str) -> Run:
     )
     approval_decide(
         approval_id=Approval.objects.get(run=run, subject="run").pk,
-        person=world.operator,
+        actor=Actor.person(world.operator),
         decision="approve",
     )
     run.refresh_from_db()
@@ -192,7 +190,7 @@ def test_a_write_proposed_in_the_gap_after_a_revoke_is_never_applied(world: Any,
 def test_approving_a_run_while_another_run_of_the_kind_is_created_does_not_deadlock(
     world: Any,
 ) -> None:
-    from approvals.services import runs
+    from approvals.services import runs, write_sets
 
     world.kind("dns-zone")
     pending, _ = runs.run_create(
@@ -210,7 +208,7 @@ def test_approving_a_run_while_another_run_of_the_kind_is_created_does_not_deadl
 
     def create() -> Any:
         with transaction.atomic():
-            runs._lock_kinds({"dns-zone"})
+            write_sets.lock_kinds({"dns-zone"})
             gate.set()
             assert release.wait(WAIT)
             return runs.run_create(
@@ -226,7 +224,9 @@ def test_approving_a_run_while_another_run_of_the_kind_is_created_does_not_deadl
     creator.start()
     assert gate.wait(WAIT)
     decider = Worker(
-        lambda: approval_decide(approval_id=approval.pk, person=world.operator, decision="approve")
+        lambda: approval_decide(
+            approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve"
+        )
     )
     decider.start()
     wait_for_lock_waiters(1, threads=(decider,))  # the decision waits for the kind lock
@@ -264,7 +264,9 @@ def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
     canceller.start()
     assert gate.wait(WAIT)
     decider = Worker(
-        lambda: approval_decide(approval_id=approval.pk, person=world.operator, decision="approve")
+        lambda: approval_decide(
+            approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve"
+        )
     )
     decider.start()
     wait_for_lock_waiters(1, threads=(decider,))
@@ -337,7 +339,9 @@ def test_two_operators_deciding_a_quorum_two_approval_at_once_both_count(
     blocker.hold()
     deciders = [
         Worker(
-            lambda p=person: approval_decide(approval_id=approval.pk, person=p, decision="approve")
+            lambda p=person: approval_decide(
+                approval_id=approval.pk, actor=Actor.person(p), decision="approve"
+            )
         )
         for person in (world.operator, world.operator2)
     ]
@@ -369,7 +373,7 @@ def _collide(world: Any, kind: Any, name: str) -> Action:
     if action.status == "pending_approval":
         approval_decide(
             approval_id=Approval.objects.get(action=action).pk,
-            person=world.operator,
+            actor=Actor.person(world.operator),
             decision="approve",
         )
     resource = Resource.objects.get(kind=kind, name=name)
@@ -389,7 +393,9 @@ def test_two_resolvers_resolving_one_conflict_at_once_make_one_resolution(world:
     blocker.hold()
     resolvers = [
         Worker(
-            lambda p=person, c=choice: conflict_resolve(conflict_id=conflict.pk, person=p, choice=c)
+            lambda p=person, c=choice: conflict_resolve(
+                conflict_id=conflict.pk, actor=Actor.person(p), choice=c
+            )
         )
         for person, choice in ((world.operator, "take_proposed"), (world.operator2, "merge"))
     ]
@@ -422,7 +428,7 @@ def test_a_resolution_of_a_quorum_two_class_waits_for_a_second_person(world: Any
     conflict = Conflict.objects.get(pk=action.error["conflict_id"])
 
     resolved = conflict_resolve(
-        conflict_id=conflict.pk, person=account_owner, choice="take_proposed"
+        conflict_id=conflict.pk, actor=Actor.person(account_owner), choice="take_proposed"
     )
     follow_up = Action.objects.get(pk=resolved.resolution_action_id)
     approval = Approval.objects.get(action=follow_up)
@@ -434,7 +440,7 @@ def test_a_resolution_of_a_quorum_two_class_waits_for_a_second_person(world: Any
     assert action_execute(action_id=follow_up.pk) == "skipped:pending_approval"
     assert Resource.objects.get(kind=kind, name="admins").version == 2
 
-    approval_decide(approval_id=approval.pk, person=world.operator, decision="approve")
+    approval_decide(approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve")
     follow_up.refresh_from_db()
     assert follow_up.status == "queued"
     assert action_execute(action_id=follow_up.pk) == "applied"
@@ -453,10 +459,14 @@ def test_resolving_the_undo_conflict_of_a_create_deletes_the_resource(world: Any
     later = world.propose(kind, "new", payload={"v": 2}, observed_version=1, run=world.other_run)
     assert action_execute(action_id=later.pk) == "applied"
 
-    undo = action_undo_request(action_id=created.pk, actor=requester, idempotency_key="undo-c-1")
+    undo = action_undo_request(
+        action_id=created.pk, actor=Actor.person(requester), idempotency_key="undo-c-1"
+    )
     assert undo_execute(undo_operation_id=undo.pk) == "conflict"
     conflict = Conflict.objects.get(action=created, origin="undo")
-    resolved = conflict_resolve(conflict_id=conflict.pk, person=resolver, choice="take_proposed")
+    resolved = conflict_resolve(
+        conflict_id=conflict.pk, actor=Actor.person(resolver), choice="take_proposed"
+    )
     follow_up = Action.objects.get(pk=resolved.resolution_action_id)
     assert follow_up.operation == "delete" and follow_up.observed_version == 2
     assert action_execute(action_id=follow_up.pk) == "applied"
@@ -471,7 +481,9 @@ def test_a_resolution_decided_after_its_run_ended_still_runs(world: Any, ended: 
     action = _collide(world, kind, "y")
     Run.objects.filter(pk=world.run.pk).update(status=ended, ended_at=timezone.now())
     resolved = conflict_resolve(
-        conflict_id=action.error["conflict_id"], person=world.operator2, choice="take_proposed"
+        conflict_id=action.error["conflict_id"],
+        actor=Actor.person(world.operator2),
+        choice="take_proposed",
     )
     assert action_execute(action_id=resolved.resolution_action_id) == "applied"
 
@@ -482,7 +494,9 @@ def test_a_resolution_decided_after_its_run_ended_still_runs(world: Any, ended: 
 def test_a_barrier_that_starts_during_an_engage_writes_nothing(world: Any, cfg: Any) -> None:
     action, operation, fence = _claimed(world, cfg)
     engage = Holder(
-        lambda: kill_switch_set(scope="*", engaged=True, reason="incident", actor=world.operator)
+        lambda: kill_switch_set(
+            scope="*", engaged=True, reason="incident", actor=Actor.person(world.operator)
+        )
     ).hold()  # the engage is in its transaction (switch row and audit head held)
     execute = Worker(
         lambda: apply_action(
@@ -510,7 +524,9 @@ def test_an_engage_waits_for_a_barrier_already_past_its_check(world: Any, cfg: A
     engaged = threading.Event()
 
     def engage() -> Any:
-        switch = kill_switch_set(scope="*", engaged=True, reason="incident", actor=world.operator)
+        switch = kill_switch_set(
+            scope="*", engaged=True, reason="incident", actor=Actor.person(world.operator)
+        )
         engaged.set()
         return switch
 
@@ -628,18 +644,23 @@ def test_an_http_write_claimed_before_an_engage_is_not_sent_after_it(
 ) -> None:
     """An external target has no barrier transaction: the switch is re-checked right
     before sending. The engage is forced between the worker's claim and its send."""
-    from approvals.services import execution
+    from approvals.services import attempts
 
     kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
     target.seed("prod", {"severity": "high"}, version=4)
     action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
-    real_notify = execution.notify_action_changed_now
+    real_notify = attempts.notify_action_changed_now
 
     def claimed_then_engaged(action_id: Any) -> None:
         real_notify(action_id)
-        kill_switch_set(scope="ext-policy/*", engaged=True, reason="incident", actor=world.operator)
+        kill_switch_set(
+            scope="ext-policy/*",
+            engaged=True,
+            reason="incident",
+            actor=Actor.person(world.operator),
+        )
 
-    monkeypatch.setattr(execution, "notify_action_changed_now", claimed_then_engaged)
+    monkeypatch.setattr(attempts, "notify_action_changed_now", claimed_then_engaged)
     assert action_execute(action_id=action.pk) == "paused"
     action.refresh_from_db()
     assert action.status == "paused" and action.paused_reason == "incident"

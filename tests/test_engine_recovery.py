@@ -13,9 +13,11 @@ from django.utils import timezone
 
 from approvals.models import Action, Operation
 from approvals.outbox import engine_redis, enqueue_action_execution
-from approvals.services.execution import action_execute, reconcile
+from approvals.services.execution import action_execute
 from approvals.services.housekeeping import housekeeping_run
+from approvals.services.reconcile import reconcile
 from audit.models import AuditEvent
+from audit.services import Actor
 from console.core.lock import FencedLock
 from ownership.models import OwnershipRecord, Resource, ResourceVersion
 from tests.fixtures.engine import wait_for
@@ -117,8 +119,8 @@ def test_housekeeping_expires_leases_and_closes_undo_windows_once(
 def test_reconcile_takes_back_an_operation_whose_lease_expired(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    from console.core.barrier import open_operation
     from console.core.fence import next_fence
+    from console.core.operations import open_operation
 
     kind = engine_world.kind("cfg", update="recompute_field")
     engine_world.resource(kind, "a", {"n": 0})
@@ -178,14 +180,14 @@ def test_the_cron_process_reconciles_on_its_own_after_a_flushall(
 def test_an_action_that_keeps_losing_its_worker_fails_instead_of_looping(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    from approvals.services import execution
-    from console.core.barrier import open_operation
+    from approvals.services.attempts import max_attempts
     from console.core.fence import next_fence
+    from console.core.operations import open_operation
 
     kind = engine_world.kind("cfg", update="recompute_field")
     engine_world.resource(kind, "poison", {"n": 0})
     action = engine_world.propose(kind, "poison", payload={"n": 1}, observed_version=1)
-    Action.objects.filter(pk=action.pk).update(attempts=execution.MAX_ATTEMPTS - 1)
+    Action.objects.filter(pk=action.pk).update(attempts=max_attempts() - 1)
     open_operation(action_id=action.pk, fence=next_fence(), worker="ghost", lease_seconds=1)
     assert reconcile(now=timezone.now() + timedelta(seconds=5))["abandoned"] == 0
     action.refresh_from_db()
@@ -196,7 +198,7 @@ def test_an_action_that_keeps_losing_its_worker_fails_instead_of_looping(
 def test_a_retry_stuck_in_rq_scheduling_is_resent_once_overdue(
     engine_world: Any, engine_redis: Any, django_capture_on_commit_callbacks: Any
 ) -> None:
-    from approvals.services.execution import action_retry_later
+    from approvals.services.attempts import action_retry_later
 
     kind = engine_world.kind("cfg", update="recompute_field")
     engine_world.resource(kind, "later", {"n": 0})
@@ -231,7 +233,7 @@ def test_concurrent_undo_requests_share_one_undo(engine_world: Any, engine_redis
     def request(i: int) -> None:
         try:
             barrier.wait()
-            actor = engine_world.run if i % 2 else engine_world.operator
+            actor = Actor.run(engine_world.run) if i % 2 else Actor.person(engine_world.operator)
             results.append(
                 action_undo_request(
                     action_id=action.pk, actor=actor, idempotency_key=f"k-{i:08d}"

@@ -7,13 +7,15 @@ from typing import Any
 import pytest
 
 from approvals.models import Action
-from approvals.selectors import action_get_for_actor, approval_list_for_person
-from approvals.services.execution import action_execute, route_refusal
+from approvals.selectors import actions_visible_to, approval_list_for_person
+from approvals.services.attempts import route_refusal
+from approvals.services.execution import action_execute
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.barrier import apply_action, open_operation
+from console.core.barrier import apply_action
 from console.core.errors import Forbidden, NotFound, ValidationFailed
 from console.core.fence import next_fence
+from console.core.operations import open_operation
 from console.models import KillSwitch
 from console.services import kill_switch_set
 from ownership.models import Resource
@@ -24,13 +26,20 @@ pytestmark = pytest.mark.django_db
 
 def test_only_operators_use_the_kill_switch_and_bad_scopes_are_refused(engine_world: Any) -> None:
     with pytest.raises(Forbidden):
-        kill_switch_set(scope="*", engaged=True, reason="x", actor=engine_world.outsider)
-    with pytest.raises(ValidationFailed):
         kill_switch_set(
-            scope="no spaces allowed", engaged=True, reason="x", actor=engine_world.operator
+            scope="*", engaged=True, reason="x", actor=Actor.person(engine_world.outsider)
         )
     with pytest.raises(ValidationFailed):
-        kill_switch_set(scope="*", engaged=True, reason="", actor=engine_world.operator)
+        kill_switch_set(
+            scope="no spaces allowed",
+            engaged=True,
+            reason="x",
+            actor=Actor.person(engine_world.operator),
+        )
+    with pytest.raises(ValidationFailed):
+        kill_switch_set(
+            scope="*", engaged=True, reason="", actor=Actor.person(engine_world.operator)
+        )
     assert not KillSwitch.objects.exists()
 
 
@@ -39,16 +48,28 @@ def test_engaging_twice_is_a_no_op_and_release_resumes_only_uncovered_work(
 ) -> None:
     kind = engine_world.kind("dns-record", create="add_unique")
     action = engine_world.propose(kind, "app-1", operation="create", payload={"ip": "1"})
-    kill_switch_set(scope="*", engaged=True, reason="freeze", actor=engine_world.operator)
-    kill_switch_set(scope="*", engaged=True, reason="freeze", actor=engine_world.operator)
+    kill_switch_set(
+        scope="*", engaged=True, reason="freeze", actor=Actor.person(engine_world.operator)
+    )
+    kill_switch_set(
+        scope="*", engaged=True, reason="freeze", actor=Actor.person(engine_world.operator)
+    )
     assert AuditEvent.objects.filter(event_type="kill_switch.engaged").count() == 1
     kill_switch_set(
-        scope="dns-record/app-*", engaged=True, reason="dns", actor=engine_world.operator
+        scope="dns-record/app-*",
+        engaged=True,
+        reason="dns",
+        actor=Actor.person(engine_world.operator),
     )
-    kill_switch_set(scope="*", engaged=False, reason="", actor=engine_world.operator)
+    kill_switch_set(scope="*", engaged=False, reason="", actor=Actor.person(engine_world.operator))
     action.refresh_from_db()
     assert action.status == "paused"  # still covered by dns-record/app-*
-    kill_switch_set(scope="dns-record/app-*", engaged=False, reason="", actor=engine_world.operator)
+    kill_switch_set(
+        scope="dns-record/app-*",
+        engaged=False,
+        reason="",
+        actor=Actor.person(engine_world.operator),
+    )
     action.refresh_from_db()
     assert action.status == "queued" and action.paused_reason == ""
     assert action_execute(action_id=action.pk) == "applied"
@@ -82,13 +103,16 @@ def test_selectors_hide_what_the_actor_may_not_see(engine_world: Any, engine_red
     kind = engine_world.kind("policy", update="replace_shared_document", owner_group="platform")
     engine_world.resource(kind, "p", {"n": 0})
     action = engine_world.propose(kind, "p", payload={"n": 1}, observed_version=1)
-    assert action_get_for_actor(engine_world.run, action.pk) == action
-    assert action_get_for_actor(engine_world.operator, action.pk) == action
+
+    def visible(reader: Any) -> Any:
+        return actions_visible_to(reader).filter(pk=action.pk).first()
+
+    assert visible(engine_world.run) == action
+    assert visible(engine_world.operator) == action
     platform_member = engine_world.person("pat", "platform")
-    assert action_get_for_actor(platform_member, action.pk) == action
+    assert visible(platform_member) == action
     for stranger in (engine_world.other_run, engine_world.outsider):
-        with pytest.raises(NotFound):
-            action_get_for_actor(stranger, action.pk)
+        assert visible(stranger) is None
     assert [a.action_id for a in approval_list_for_person(engine_world.operator)] == [action.pk]
     assert not approval_list_for_person(platform_member).exists()
     with pytest.raises(NotFound):
@@ -98,12 +122,15 @@ def test_selectors_hide_what_the_actor_may_not_see(engine_world: Any, engine_red
 def test_paused_work_whose_switch_disappeared_is_resumed_by_the_reconciler(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    from approvals.services.execution import reconcile
+    from approvals.services.reconcile import reconcile
 
     kind = engine_world.kind("dns-record", create="add_unique")
     action = engine_world.propose(kind, "app-2", operation="create", payload={"ip": "2"})
     kill_switch_set(
-        scope="dns-record/*", engaged=True, reason="freeze", actor=engine_world.operator
+        scope="dns-record/*",
+        engaged=True,
+        reason="freeze",
+        actor=Actor.person(engine_world.operator),
     )
     assert reconcile()["resumed"] == 0
     KillSwitch.objects.all().delete()  # e.g. an admin removed the row

@@ -13,6 +13,7 @@ from approvals.models import Action, Approval, Operation
 from approvals.services.decisions import approval_decide
 from approvals.services.execution import action_execute
 from audit.models import AuditEvent
+from audit.services import Actor
 from ownership.models import Conflict
 from tests.targetserver import TargetServer
 
@@ -75,7 +76,7 @@ def test_a_412_from_the_target_becomes_a_conflict(
     )
     approval_decide(
         approval_id=Approval.objects.get(action=action).pk,
-        person=engine_world.operator,
+        actor=Actor.person(engine_world.operator),
         decision="approve",
     )
     assert action_execute(action_id=action.pk) == "conflict"
@@ -133,12 +134,10 @@ def test_a_timeout_after_sending_leaves_the_operation_unknown_until_a_replay_set
 
 
 def test_a_failing_target_fails_the_action_after_bounded_attempts(
-    engine_world: Any, http_kind: Any, target: TargetServer, monkeypatch: Any
+    engine_world: Any, http_kind: Any, target: TargetServer, settings: Any
 ) -> None:
-    import approvals.services.execution as execution
-
-    monkeypatch.setattr(execution, "MAX_ATTEMPTS", 2)
-    monkeypatch.setattr(execution, "BACKOFF_BASE_SECONDS", 0.05)
+    settings.AIRLOCK_MAX_ATTEMPTS = 2
+    settings.AIRLOCK_BACKOFF_BASE_SECONDS = 0.05
     target.seed("prod", {"n": 1})
     target.fail_next(502, 502, 502)
     action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
@@ -165,7 +164,7 @@ def test_undo_is_refused_for_an_http_target(
     action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
     assert action_execute(action_id=action.pk) == "applied"
     with pytest.raises(UndoRefused):
-        action_undo_request(action_id=action.pk, actor=engine_world.run)
+        action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
 
 
 @pytest.mark.slow

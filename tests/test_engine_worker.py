@@ -11,8 +11,9 @@ from django.utils import timezone
 
 from approvals.models import Action, Approval, Operation
 from approvals.services.decisions import approval_decide
-from approvals.services.execution import reconcile
+from approvals.services.reconcile import reconcile
 from audit.models import AuditEvent
+from audit.services import Actor
 from console.services import kill_switch_set
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.engine import wait_for
@@ -45,7 +46,9 @@ def test_an_approved_per_call_action_is_applied_by_a_worker(
 
     pubsub = engine_redis.client().pubsub()
     pubsub.subscribe(action_channel(action.pk))
-    approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+    )
     wait_for(lambda: _final(action), timeout=20)
     assert _status(action) == "applied", worker.output()
     # long-pollers were woken for queued, executing and applied
@@ -76,7 +79,7 @@ def test_kill_switch_pauses_queued_work_and_release_applies_it_in_order_exactly_
         scope="dns-record/staging-*",
         engaged=True,
         reason="incident 42",
-        actor=engine_world.operator,
+        actor=Actor.person(engine_world.operator),
     )
     for action in first:
         action.refresh_from_db()
@@ -95,7 +98,10 @@ def test_kill_switch_pauses_queued_work_and_release_applies_it_in_order_exactly_
     assert not Resource.objects.filter(kind=kind).exists()
 
     kill_switch_set(
-        scope="dns-record/staging-*", engaged=False, reason="", actor=engine_world.operator
+        scope="dns-record/staging-*",
+        engaged=False,
+        reason="",
+        actor=Actor.person(engine_world.operator),
     )
     everything = first + later
     wait_for(lambda: _final(*everything), timeout=30)
@@ -119,7 +125,9 @@ def test_flushall_with_twenty_approved_actions_loses_nothing_and_doubles_nothing
     ]
     for action in actions:
         approval = Approval.objects.get(action=action)
-        approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+        )
     assert {_status(a) for a in actions} == {"queued"}
     assert engine_redis.client().llen("rq:queue:default") == 20
     engine_redis.client().flushall()

@@ -10,6 +10,7 @@ from django.db import connection
 
 from approvals.models import Action, Approval
 from approvals.services.decisions import approval_decide
+from audit.services import Actor
 from tests.fixtures.engine import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -21,7 +22,9 @@ def _status(action: Action) -> str:
 
 def _approve_and_wait(engine_world: Any, action: Action) -> None:
     approval = Approval.objects.get(action=action)
-    approval_decide(approval_id=approval.pk, person=engine_world.operator, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+    )
     wait_for(lambda: _status(action) in {"applied", "failed"}, timeout=30)
 
 

@@ -16,6 +16,7 @@ from django.db import connection, transaction
 from approvals.models import AutoApproveRule
 from approvals.services.rules import auto_approve_rule_delete, auto_approve_rule_update
 from audit.models import AuditEvent
+from audit.services import Actor
 from console.people import person_set_active
 from ownership.models import ResourceKind
 from tests.fixtures.console import People
@@ -61,7 +62,7 @@ def test_two_admins_disabling_the_same_rule_write_one_audit_row(people: People) 
 
     def disable(user: User) -> Callable[[], Any]:
         return lambda: auto_approve_rule_update(
-            user=user,
+            actor=Actor.person(user),
             rule_id=rule.pk,
             kind=kind.slug,
             name_prefix="sbx-",
@@ -79,7 +80,7 @@ def test_two_admins_deleting_the_same_rule_write_one_audit_row(people: People) -
     deleted = _collide(
         AutoApproveRule,
         rule.pk,
-        [lambda: auto_approve_rule_delete(user=people.admin, rule_id=rule.pk)] * 2,
+        [lambda: auto_approve_rule_delete(actor=Actor.person(people.admin), rule_id=rule.pk)] * 2,
     )
     assert sorted(deleted) == [False, True]
     assert AuditEvent.objects.filter(event_type="auto_approve_rule.deleted").count() == 1

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 from django.db import connection
 
+from approvals.models import Agent
 from audit.models import AuditEvent
 from audit.services import Actor, audit_append
 from tests.fixtures.audit import forget_verification
-from tests.fixtures.console import People, World, client_for
+from tests.fixtures.console import People, World, client_for, make_run
 
 pytestmark = pytest.mark.django_db
 
@@ -68,6 +69,26 @@ def test_the_filters_narrow_the_events(
         if f"<code>{t}</code>" in body
     }
     assert shown == expected
+
+
+def test_the_agent_filter_keeps_its_own_events_its_runs_and_what_others_did_in_them(
+    people: People, world: World
+) -> None:
+    other = Agent.objects.create(name="ops-bot-2")
+    other_run = make_run(other)
+    for event_type, actor, run_id in (
+        ("run.created", Actor.agent(world.agent), world.run.id),  # as run_create writes it
+        ("token.rotated", Actor.agent(world.agent), None),
+        ("approval.approved", Actor.person(people.operator), world.run.id),
+        ("run.created", Actor.agent(other), other_run.id),
+        ("write.refused", Actor.person(people.operator), other_run.id),
+    ):
+        audit_append(event_type=event_type, actor=actor, run_id=run_id)
+    body = client_for(people.auditor).get("/audit/?agent=ops-bot", HTTP_HX_REQUEST="true")
+    html = body.content.decode()
+    assert html.count("<code>run.created</code>") == 1
+    assert "<code>token.rotated</code>" in html and "<code>approval.approved</code>" in html
+    assert "<code>write.refused</code>" not in html  # another agent's run
 
 
 def test_a_malformed_filter_is_reported_not_a_500(people: People, events: list[AuditEvent]) -> None:

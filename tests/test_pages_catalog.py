@@ -44,21 +44,21 @@ def test_an_admin_adds_a_class_and_it_is_audited(people: People, world: World) -
     assert 'value="Rotate a secret"' in edit
 
 
+KIND = {
+    "slug": "notification-policy",
+    "description": "routes",
+    "class_create": "add_unique",
+    "class_update": "advance_pointer",
+    "class_delete": "replace_shared_document",
+    "owner_group": "platform",
+    "undo_window_seconds": "120",
+    "target": "managed",
+    "target_url": "",
+}
+
+
 def test_an_admin_edits_a_kind(people: People, world: World) -> None:
-    response = client_for(people.admin).post(
-        "/catalog/kinds/",
-        {
-            "slug": "notification-policy",
-            "description": "routes",
-            "class_create": "add_unique",
-            "class_update": "advance_pointer",
-            "class_delete": "replace_shared_document",
-            "owner_group": "platform",
-            "undo_window_seconds": "120",
-            "target": "managed",
-            "target_url": "",
-        },
-    )
+    response = client_for(people.admin).post("/catalog/kinds/", KIND)
     assert response.status_code == 302
     kind = ResourceKind.objects.get(slug="notification-policy")
     assert kind.class_update_id == "advance_pointer" and kind.undo_window_seconds == 120
@@ -79,6 +79,9 @@ def test_only_admins_edit(people: People, world: World, who: str) -> None:
     client = client_for(getattr(people, who))
     assert client.post("/catalog/classes/", CLASS).status_code == 403
     assert not ConflictClass.objects.filter(slug="rotate_secret").exists()
+    assert client.post("/catalog/kinds/", KIND).status_code == 403
+    assert ResourceKind.objects.get(slug="notification-policy").undo_window_seconds != 120
+    assert not AuditEvent.objects.filter(event_type__regex=r"^(conflict_class|resource_kind)\.")
 
 
 HX = {"HTTP_HX_REQUEST": "true"}

@@ -15,6 +15,7 @@ from approvals.services.rules import (
     auto_approve_rule_update,
 )
 from audit.models import AuditEvent
+from audit.services import Actor
 from console.core.errors import Forbidden, ValidationFailed
 from tests.fixtures.console import People, World, client_for
 
@@ -155,11 +156,11 @@ def test_the_catalog_and_the_navigation_link_to_the_rules(people: People, world:
 def test_the_service_validates_and_checks_the_role(people: People, world: World) -> None:
     with pytest.raises(Forbidden):
         auto_approve_rule_create(
-            user=people.operator, kind="notification-policy", operations=["update"]
+            actor=Actor.person(people.operator), kind="notification-policy", operations=["update"]
         )
     with pytest.raises(ValidationFailed) as caught:
         auto_approve_rule_create(
-            user=people.admin,
+            actor=Actor.person(people.admin),
             kind="nope",
             operations=["drop"],
             agent="ghost",
@@ -168,18 +169,20 @@ def test_the_service_validates_and_checks_the_role(people: People, world: World)
     fields = {e["field"] for e in caught.value.extra["errors"]}
     assert fields == {"kind", "operations", "agent", "name_prefix"}
     rule = auto_approve_rule_create(
-        user=people.admin, kind="notification-policy", operations=["delete", "update"]
+        actor=Actor.person(people.admin),
+        kind="notification-policy",
+        operations=["delete", "update"],
     )
     assert rule.operations == ["update", "delete"]
     _rule, changed = auto_approve_rule_update(
-        user=people.admin,
+        actor=Actor.person(people.admin),
         rule_id=rule.pk,
         kind="notification-policy",
         operations=["update", "delete"],
     )
     assert changed is False
-    assert auto_approve_rule_delete(user=people.admin, rule_id=rule.pk) is True
-    assert auto_approve_rule_delete(user=people.admin, rule_id=rule.pk) is False
+    assert auto_approve_rule_delete(actor=Actor.person(people.admin), rule_id=rule.pk) is True
+    assert auto_approve_rule_delete(actor=Actor.person(people.admin), rule_id=rule.pk) is False
 
 
 def test_a_rule_made_on_the_page_admits_a_covered_run(people: People, api: Any, agent: Any) -> None:

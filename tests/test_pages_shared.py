@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from approvals.models import Action
+from audit.services import Actor
 from console.core.errors import DomainError, ValidationFailed
 from console.forms import KillSwitchForm
 from console.models import KillSwitch
@@ -78,10 +79,12 @@ def test_the_form_the_api_and_the_service_accept_the_same_scopes(
     assert response.status_code == (200 if accepted else 422), response.content
     assert KillSwitch.objects.filter(scope=scope).exists() is accepted
     if accepted:
-        kill_switch_set(scope=scope, engaged=False, reason="", actor=operator.user)
+        kill_switch_set(scope=scope, engaged=False, reason="", actor=Actor.person(operator.user))
     else:
         with pytest.raises(ValidationFailed):
-            kill_switch_set(scope=scope, engaged=True, reason="drill", actor=operator.user)
+            kill_switch_set(
+                scope=scope, engaged=True, reason="drill", actor=Actor.person(operator.user)
+            )
 
 
 # --- one proposed document and diff ----------------------------------------------------------

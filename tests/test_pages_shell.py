@@ -92,18 +92,32 @@ def test_the_nav_shows_the_person_and_their_roles(people: People) -> None:
     assert "pat" in html and "platform" in html
 
 
+NEW_CLASS = {
+    "slug": "x",
+    "name": "X",
+    "approval_mode": "per_call",
+    "on_conflict": "request_review",
+    "resolver": "owner",
+    "quorum": "1",
+    "undo_window_seconds": "0",
+    "approval_ttl_seconds": "3600",
+    "escalation_seconds": "0",
+}
+
+
 def test_a_refusal_says_why_as_a_page_or_as_a_fragment(people: People, world: World) -> None:
     client = client_for(people.outsider)
     page = client.post(f"/runs/{world.run.id}/revoke/", {"reason": "x"})
     assert page.status_code == 404  # not even visible
-    refused = client.post("/catalog/classes/", {"slug": "x"})
+    # The refusal is the catalog verb's own (ownership/catalog.py), shown by the page.
+    refused = client.post("/catalog/classes/", NEW_CLASS)
     html = refused.content.decode()
     assert refused.status_code == 403 and "<html" in html
-    assert "Only admins edit conflict classes." in html
-    fragment = client.post("/catalog/classes/", {"slug": "x"}, HTTP_HX_REQUEST="true")
+    assert "Only admins edit the conflict-class table and resource kinds." in html
+    fragment = client.post("/catalog/classes/", NEW_CLASS, HTTP_HX_REQUEST="true")
     assert fragment.status_code == 403
     assert "<html" not in fragment.content.decode()
-    assert "Only admins edit conflict classes." in fragment.content.decode()
+    assert "Only admins edit the conflict-class table" in fragment.content.decode()
 
 
 def test_htmx_swaps_the_explained_4xx_fragments(people: People) -> None:

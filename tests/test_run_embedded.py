@@ -6,9 +6,11 @@ DATABASE_URL and no REDIS_URL, in a temporary data folder, then stops it with Ct
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -148,6 +150,17 @@ def test_make_run_boots_the_embedded_default_and_ctrl_c_stops_everything(tmp_pat
     assert "embedded Redis stopped" in log.read_text()
     assert not (data_dir / "redis.sock").exists()
     assert _no_process_uses(data_dir), "a web, worker or redis process outlived Ctrl-C"
+
+    # The admin login went through the people service: audited, and readable by its owner only.
+    assert (data_dir / "admin-login.txt").stat().st_mode & 0o777 == 0o600
+    with contextlib.closing(sqlite3.connect(data_dir / "airlock.sqlite3")) as db:
+        created = db.execute(
+            "SELECT actor_type, actor_label, details FROM audit_auditevent "
+            "WHERE event_type = 'person.created'"
+        ).fetchall()
+    made = [(t, label, json.loads(d)) for t, label, d in created]
+    assert ("system", "make run", {"username": "admin", "roles": ["admin", "operator"],
+            "groups": ["account-owners", "release-owners"]}) in made  # fmt: skip
 
     # A second `make run` keeps the admin login and does not print a new password.
     login = (data_dir / "admin-login.txt").read_text()

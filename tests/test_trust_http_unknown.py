@@ -15,7 +15,8 @@ import pytest
 from django.utils import timezone
 
 from approvals.models import Action, Operation, Run
-from approvals.services.execution import action_execute, reconcile
+from approvals.services.execution import action_execute
+from approvals.services.reconcile import reconcile
 from approvals.services.runs import run_expire_due, run_finish, run_revoke
 from audit.models import AuditEvent
 from audit.services import Actor
@@ -74,7 +75,7 @@ def test_an_unknown_http_write_survives_the_run_end_and_its_replay_settles_it_on
 def test_an_http_write_abandoned_in_flight_survives_the_run_end(
     engine_world: Any, engine_redis: Any, target: TargetServer, settings: Any
 ) -> None:
-    from console.core.barrier import open_operation
+    from console.core.operations import open_operation
 
     settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 0.5
     kind = engine_world.kind("ext-policy", update="recompute_field", target_url=target.url)

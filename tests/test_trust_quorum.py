@@ -58,13 +58,15 @@ def test_one_approval_of_a_quorum_two_run_leaves_it_pending_and_a_second_person_
     approval = _run_approval(run)
     assert run.status == "pending_approval" and approval.quorum == 2
 
-    approval_decide(approval_id=approval.pk, person=operator.user, decision="approve")
+    approval_decide(approval_id=approval.pk, actor=Actor.person(operator.user), decision="approve")
     run.refresh_from_db()
     approval.refresh_from_db()
     assert run.status == "pending_approval" and approval.status == "pending"
     assert not OwnershipRecord.objects.filter(run=run).exists()
 
-    approval_decide(approval_id=approval.pk, person=second_operator.user, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(second_operator.user), decision="approve"
+    )
     run.refresh_from_db()
     approval.refresh_from_db()
     assert run.status == "active" and approval.status == "approved"
@@ -78,11 +80,13 @@ def test_the_same_person_approving_twice_counts_once_and_leaves_the_run_pending(
     ConflictClass.objects.filter(slug="recompute_field").update(quorum=2)
     run = _create(agent, DNS_UPDATE)
     approval = _run_approval(run)
-    approval_decide(approval_id=approval.pk, person=operator.user, decision="approve")
+    approval_decide(approval_id=approval.pk, actor=Actor.person(operator.user), decision="approve")
     events = AuditEvent.objects.count()
 
     with pytest.raises(InvalidTransition) as excinfo:
-        approval_decide(approval_id=approval.pk, person=operator.user, decision="approve")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(operator.user), decision="approve"
+        )
 
     assert excinfo.value.code == "already_decided"
     assert ApprovalDecision.objects.filter(approval=approval).count() == 1
@@ -127,10 +131,12 @@ def test_an_auto_approve_rule_never_admits_a_run_whose_classes_need_a_quorum(
     assert not AuditEvent.objects.filter(run_id=run.pk, event_type="run.auto_approved").exists()
     approval = _run_approval(run)
     assert approval.quorum == 2
-    approval_decide(approval_id=approval.pk, person=operator.user, decision="approve")
+    approval_decide(approval_id=approval.pk, actor=Actor.person(operator.user), decision="approve")
     run.refresh_from_db()
     assert run.status == "pending_approval"
-    approval_decide(approval_id=approval.pk, person=second_operator.user, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(second_operator.user), decision="approve"
+    )
     run.refresh_from_db()
     assert run.status == "active"
 
@@ -143,10 +149,12 @@ def test_the_agents_owner_does_not_count_toward_a_run_quorum(
     agent.agent.save(update_fields=["owner"])
     run = _create(agent, DNS_UPDATE)
     approval = _run_approval(run)
-    approval_decide(approval_id=approval.pk, person=operator.user, decision="approve")
+    approval_decide(approval_id=approval.pk, actor=Actor.person(operator.user), decision="approve")
 
     with pytest.raises(Forbidden) as excinfo:
-        approval_decide(approval_id=approval.pk, person=agent.agent.owner, decision="approve")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(agent.agent.owner), decision="approve"
+        )
 
     assert excinfo.value.code == "self_approval"
     run.refresh_from_db()
@@ -159,14 +167,16 @@ def test_the_approvals_list_shows_votes_so_far_against_the_run_quorum(
     ConflictClass.objects.filter(slug="recompute_field").update(quorum=2)
     run = _create(agent, DNS_UPDATE)
     approval = _run_approval(run)
-    approval_decide(approval_id=approval.pk, person=operator.user, decision="approve")
+    approval_decide(approval_id=approval.pk, actor=Actor.person(operator.user), decision="approve")
 
     listed = json.loads(api.get("/api/v1/approvals", token=second_operator.token).content)
     (item,) = [i for i in listed["items"] if i["id"] == str(approval.pk)]
     assert item["subject"] == "run"
     assert (item["approvals_so_far"], item["quorum"]) == (1, 2)
 
-    approval_decide(approval_id=approval.pk, person=second_operator.user, decision="approve")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(second_operator.user), decision="approve"
+    )
     one = json.loads(api.get(f"/api/v1/approvals/{approval.pk}", token=operator.token).content)
     assert (one["approvals_so_far"], one["quorum"], one["status"]) == (2, 2, "approved")
 
@@ -187,7 +197,9 @@ def test_two_people_voting_at_once_activate_the_run_exactly_once(
 
     def vote(person: Person) -> Any:
         start.wait()
-        return approval_decide(approval_id=approval.pk, person=person.user, decision="approve")
+        return approval_decide(
+            approval_id=approval.pk, actor=Actor.person(person.user), decision="approve"
+        )
 
     voters = [Worker(lambda p=p: vote(p)) for p in (operator, second_operator)]
     for voter in voters:
@@ -226,7 +238,9 @@ def test_an_action_of_a_quorum_run_reports_the_runs_votes_and_quorum(
     )
     approval = _run_approval(run)
     for person in (operator, second_operator):
-        approval_decide(approval_id=approval.pk, person=person.user, decision="approve")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(person.user), decision="approve"
+        )
 
     response = api.put(
         "/api/v1/resources/dns-record/app-new",

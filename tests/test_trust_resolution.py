@@ -20,7 +20,7 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import Forbidden
 from ownership.models import ConflictClass, Resource, ResourceVersion
-from ownership.services import conflict_resolve
+from ownership.services.resolution import conflict_resolve
 from tests.fixtures.api import make_active_run
 
 pytestmark = pytest.mark.django_db
@@ -43,9 +43,11 @@ def _conflict(world: Any, *, quorum: int, run: Any = None, name: str = "admins")
     world.resource(kind, name, {"destinations": ["oncall"], "severity": "high"})
     action = world.propose(kind, name, payload=OURS, observed_version=1, run=run)
     approval = Approval.objects.get(action=action)
-    approval_decide(approval_id=approval.pk, person=world.operator, decision="approve")
+    approval_decide(approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve")
     if quorum > 1:
-        approval_decide(approval_id=approval.pk, person=world.operator2, decision="approve")
+        approval_decide(
+            approval_id=approval.pk, actor=Actor.person(world.operator2), decision="approve"
+        )
     resource = Resource.objects.get(kind=kind, name=name)
     Resource.objects.filter(pk=resource.pk).update(document=THEIRS, version=2)
     ResourceVersion.objects.create(resource=resource, version=2, document=THEIRS, operation="seed")
@@ -56,7 +58,7 @@ def _conflict(world: Any, *, quorum: int, run: Any = None, name: str = "admins")
 
 def _resolve(world: Any, conflict: Any) -> Action:
     resolved = conflict_resolve(
-        conflict_id=conflict.pk, person=world.account_owner, choice="take_proposed"
+        conflict_id=conflict.pk, actor=Actor.person(world.account_owner), choice="take_proposed"
     )
     return Action.objects.get(pk=resolved.resolution_action_id)
 
@@ -93,7 +95,7 @@ def test_a_quorum_resolution_outlives_the_run_and_executes_after_the_second_vote
     approval.refresh_from_db()
     assert resolution.status == "pending_approval" and approval.status == "pending"
 
-    approval_decide(approval_id=approval.pk, person=world.operator, decision="approve")
+    approval_decide(approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve")
     resolution.refresh_from_db()
     assert resolution.status == "queued"
     assert action_execute(action_id=resolution.pk) == "applied"
@@ -135,7 +137,7 @@ def test_the_run_token_cannot_undo_a_resolution(world: Any, api: Any) -> None:
     resolution = _resolve(world, conflict)
     assert action_execute(action_id=resolution.pk) == "applied"
     with pytest.raises(Forbidden):
-        action_undo_request(action_id=resolution.pk, actor=run.run)
+        action_undo_request(action_id=resolution.pk, actor=Actor.run(run.run))
     response = api.post(
         f"/api/v1/actions/{resolution.pk}/undo",
         token=run.token,
@@ -143,7 +145,10 @@ def test_the_run_token_cannot_undo_a_resolution(world: Any, api: Any) -> None:
     )
     assert response.status_code == 403, response.content
     # A person may still undo it.
-    assert action_undo_request(action_id=resolution.pk, actor=world.operator).status == "pending"
+    assert (
+        action_undo_request(action_id=resolution.pk, actor=Actor.person(world.operator)).status
+        == "pending"
+    )
 
 
 def test_a_rejected_resolution_reopens_the_conflict(world: Any) -> None:
@@ -151,14 +156,17 @@ def test_a_rejected_resolution_reopens_the_conflict(world: Any) -> None:
     resolution = _resolve(world, conflict)
     approval = Approval.objects.get(action=resolution, status="pending")
     approval_decide(
-        approval_id=approval.pk, person=world.operator, decision="reject", comment="not this"
+        approval_id=approval.pk,
+        actor=Actor.person(world.operator),
+        decision="reject",
+        comment="not this",
     )
     resolution.refresh_from_db()
     assert resolution.status == "rejected"
     _reopened(conflict, "resolution rejected")
     # The resolver group can settle it again.
     again = conflict_resolve(
-        conflict_id=conflict.pk, person=world.account_owner, choice="keep_current"
+        conflict_id=conflict.pk, actor=Actor.person(world.account_owner), choice="keep_current"
     )
     assert again.status == "resolved"
 

@@ -18,8 +18,8 @@ from django.test.utils import CaptureQueriesContext
 from approvals.models import Action
 from approvals.services.execution import action_execute
 from audit.models import AuditEvent, AuditHead
-from audit.selectors import verify_chain
 from audit.services import Actor, audit_append
+from audit.verify import verify_chain
 from console import ops
 from console.core.fence import FENCE_SEQUENCE, current_fence, forget_fence_floor_check
 from ownership.models import Resource

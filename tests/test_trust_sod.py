@@ -175,12 +175,14 @@ def test_an_agent_and_token_made_by_the_command_line_record_no_person(
 def test_a_minter_cannot_resolve_the_agents_conflict_where_the_class_forbids_it(
     engine_world: Any, engine_redis: Any
 ) -> None:
+    from django.contrib.auth.models import Group
+
     from approvals.services.decisions import approval_decide
     from approvals.services.execution import action_execute
     from approvals.services.tokens import agent_token_create
     from console.core.errors import Forbidden
     from ownership.models import Conflict, Resource, ResourceVersion
-    from ownership.services import conflict_resolve
+    from ownership.services.resolution import conflict_resolve
 
     world = engine_world
     kind = world.kind("policy", update="replace_shared_document")
@@ -188,7 +190,7 @@ def test_a_minter_cannot_resolve_the_agents_conflict_where_the_class_forbids_it(
     action = world.propose(kind, "p", payload={"severity": "low"}, observed_version=1)
     approval_decide(
         approval_id=Approval.objects.get(action=action).pk,
-        person=world.operator,
+        actor=Actor.person(world.operator),
         decision="approve",
     )
     resource = Resource.objects.get(kind=kind, name="p")
@@ -199,13 +201,19 @@ def test_a_minter_cannot_resolve_the_agents_conflict_where_the_class_forbids_it(
     assert action_execute(action_id=action.pk) == "conflict"
     action.refresh_from_db()
     conflict = Conflict.objects.get(pk=action.error["conflict_id"])
-    # ana, an operator, mints a token for the agent that made the write.
+    # ana, an operator who is also an admin (only admins mint agent tokens), mints a
+    # token for the agent that made the write.
+    world.operator.groups.add(Group.objects.get_or_create(name="admins")[0])
     agent_token_create(agent=world.agent, actor=Actor.person(world.operator), label="ana's")
 
     with pytest.raises(Forbidden) as excinfo:
-        conflict_resolve(conflict_id=conflict.pk, person=world.operator, choice="keep_current")
+        conflict_resolve(
+            conflict_id=conflict.pk, actor=Actor.person(world.operator), choice="keep_current"
+        )
 
     assert excinfo.value.code == "self_approval"
-    conflict_resolve(conflict_id=conflict.pk, person=world.operator2, choice="keep_current")
+    conflict_resolve(
+        conflict_id=conflict.pk, actor=Actor.person(world.operator2), choice="keep_current"
+    )
     conflict.refresh_from_db()
     assert conflict.status == "resolved"

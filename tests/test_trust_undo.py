@@ -18,7 +18,8 @@ from django.utils import timezone
 
 from approvals.models import Action, Operation
 from approvals.outbox import engine_redis
-from approvals.services.execution import action_execute, reconcile
+from approvals.services.execution import action_execute
+from approvals.services.reconcile import reconcile
 from approvals.services.undo import _retry_undo, action_undo_request, undo_execute
 from audit.models import AuditEvent
 from audit.services import Actor
@@ -66,7 +67,7 @@ def test_an_undo_held_by_a_kill_switch_past_its_retry_budget_applies_once_on_rel
 ) -> None:
     _, action = _applied(engine_world)
     kill_switch_set(scope="cfg/a*", engaged=True, reason="incident 42", actor=SYSTEM)
-    undo_op = action_undo_request(action_id=action.pk, actor=engine_world.operator)
+    undo_op = action_undo_request(action_id=action.pk, actor=Actor.person(engine_world.operator))
     worker = rq_worker(**SHORT_BUDGET)
     wait_for(lambda: Operation.objects.get(pk=undo_op.pk).paused_reason == "incident 42")
     time.sleep(PAST_THE_BUDGET_SECONDS)
@@ -90,7 +91,7 @@ def test_an_undo_waits_out_a_writer_holding_the_lock_longer_than_the_retry_budge
     _, action = _applied(engine_world)
     holder = FencedLock(engine_redis(), key="cfg/a", ttl_ms=60_000)
     holder.acquire()
-    undo_op = action_undo_request(action_id=action.pk, actor=engine_world.operator)
+    undo_op = action_undo_request(action_id=action.pk, actor=Actor.person(engine_world.operator))
     worker = rq_worker(**SHORT_BUDGET)
     wait_for(lambda: (Operation.objects.get(pk=undo_op.pk).outcome or {}).get("lock_waits", 0) >= 2)
     time.sleep(PAST_THE_BUDGET_SECONDS)
@@ -112,7 +113,9 @@ def test_an_undo_accepted_before_the_deadline_and_executed_after_it_applies(
     original = Operation.objects.get(action=action, undo_of__isnull=True)
     deadline = timezone.now() + timedelta(seconds=1)
     Operation.objects.filter(pk=original.pk).update(undo_deadline=deadline)
-    undo_op = action_undo_request(action_id=action.pk, actor=engine_world.operator)  # 202
+    undo_op = action_undo_request(
+        action_id=action.pk, actor=Actor.person(engine_world.operator)
+    )  # 202
     while timezone.now() <= deadline:
         time.sleep(0.05)
     worker = rq_worker(**SHORT_BUDGET)  # the worker gets to it only after the deadline
@@ -133,9 +136,9 @@ def test_after_a_flushall_the_reconciler_resends_a_pending_and_a_resumed_paused_
 
     # A paused undo on cfg/a (a worker paused it), and a pending one on cfg/b.
     kill_switch_set(scope="cfg/a", engaged=True, reason="freeze", actor=SYSTEM)
-    paused = action_undo_request(action_id=action.pk, actor=engine_world.operator)
+    paused = action_undo_request(action_id=action.pk, actor=Actor.person(engine_world.operator))
     assert undo_execute(undo_operation_id=paused.pk) == "paused"
-    pending = action_undo_request(action_id=other.pk, actor=engine_world.operator)
+    pending = action_undo_request(action_id=other.pk, actor=Actor.person(engine_world.operator))
     # The switch row is released behind the service's back (restored backup, manual
     # fix): nothing enqueues the paused undo. Then Redis loses everything.
     from console.models import KillSwitch
@@ -158,13 +161,11 @@ def test_after_a_flushall_the_reconciler_resends_a_pending_and_a_resumed_paused_
 
 @pytest.mark.django_db(transaction=True)
 def test_an_undo_that_failed_for_a_retryable_reason_can_be_asked_for_again(
-    engine_world: Any, engine_redis: Any, monkeypatch: Any
+    engine_world: Any, engine_redis: Any, settings: Any
 ) -> None:
-    import approvals.services.execution as execution
-
     _, action = _applied(engine_world)
-    first = action_undo_request(action_id=action.pk, actor=engine_world.operator)
-    monkeypatch.setattr(execution, "MAX_ATTEMPTS", 1)
+    first = action_undo_request(action_id=action.pk, actor=Actor.person(engine_world.operator))
+    settings.AIRLOCK_MAX_ATTEMPTS = 1
     assert _retry_undo(first, "ConnectionError", None) == "failed"
     first.refresh_from_db()
     assert first.status == "failed" and first.outcome["retryable"] is True
@@ -176,10 +177,13 @@ def test_an_undo_that_failed_for_a_retryable_reason_can_be_asked_for_again(
     html = client.get("/resources/cfg/a/").content.decode()
     assert f'action="/operations/{original.pk}/undo/"' in html
 
-    again = action_undo_request(action_id=action.pk, actor=engine_world.operator)
+    again = action_undo_request(action_id=action.pk, actor=Actor.person(engine_world.operator))
     assert again.pk != first.pk and again.status == "pending"
     # However many requests, one live undo.
-    assert action_undo_request(action_id=action.pk, actor=engine_world.operator).pk == again.pk
+    assert (
+        action_undo_request(action_id=action.pk, actor=Actor.person(engine_world.operator)).pk
+        == again.pk
+    )
     assert undo_execute(undo_operation_id=again.pk) == "undone"
     _undone_exactly_once(action)
 
@@ -191,7 +195,7 @@ def test_the_database_keeps_one_live_undo_per_operation(
     from django.db import IntegrityError, transaction
 
     _, action = _applied(engine_world)
-    first = action_undo_request(action_id=action.pk, actor=engine_world.operator)
+    first = action_undo_request(action_id=action.pk, actor=Actor.person(engine_world.operator))
     with pytest.raises(IntegrityError), transaction.atomic():
         Operation.objects.create(action=action, undo_of_id=first.undo_of_id, fence=first.fence + 1)
     assert connection.vendor == "postgresql"

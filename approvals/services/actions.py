@@ -14,7 +14,6 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
@@ -26,16 +25,18 @@ from approvals.models import (
     ActionStatus,
     Approval,
     ApprovalStatus,
-    ApprovalSubject,
     PayloadFormat,
     Run,
     RunStatus,
 )
 from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution
+from approvals.services.approval_open import approval_open_for_action
 from approvals.services.runs import RunNotActive, run_effective_status
+from approvals.services.write_sets import lock_kind_for_proposal
 from audit.models import ActorType
 from audit.services import Actor, audit_append
+from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     DomainError,
     Forbidden,
@@ -207,7 +208,7 @@ def _covering_records(run: Run, kind: str, name: str, operation: str) -> bool:
     return False
 
 
-def lease_held_by_another_run(*, run_id: Any, kind: str, name: str) -> OwnershipRecord | None:
+def _lease_held_by_another_run(*, run_id: Any, kind: str, name: str) -> OwnershipRecord | None:
     """The active exclusive lease of another active, unexpired run covering kind/name."""
     now = timezone.now()
     for lease in (
@@ -240,7 +241,7 @@ def _check_authority(run: Run, status: str, kind: str, name: str, operation: str
             code="not_in_write_set",
             extra={"resource": f"{kind}/{name}", "operation": operation},
         )
-    lease = lease_held_by_another_run(run_id=run.pk, kind=kind, name=name)
+    lease = _lease_held_by_another_run(run_id=run.pk, kind=kind, name=name)
     if lease is not None:
         raise Leased(
             f"Run {lease.run_id} holds an exclusive lease on {lease.pattern}.",
@@ -282,9 +283,6 @@ def _recheck_authority_locked(run: Run, kind: str, name: str, operation: str) ->
     (and then cancels it with the run's other open actions). Never a `queued`
     action of an ended run.
     """
-    from approvals.services.runs import lock_kind_for_proposal
-    from console.core.barrier import lock_run_for_share
-
     # Shared per-kind lock first: a lease grant over this kind (exclusive) either
     # committed before (its lease is seen below: 423) or waits for this action to
     # commit (and then refuses the lease while the action is in flight).
@@ -314,7 +312,7 @@ class Proposal:
     reason: str
 
 
-def stale_extra(
+def _stale_extra(
     *, resource: str, expected: str | None, current: str | None, conflict_class: ConflictClass
 ) -> dict[str, Any]:
     return {
@@ -336,29 +334,6 @@ def _enqueue(action_id: uuid.UUID) -> None:
         logger.warning(
             "could not enqueue action %s; reconciler will retry", action_id, exc_info=True
         )
-
-
-def _open_action_approval(action: Action) -> Approval:
-    from approvals.services import decisions
-
-    opener = getattr(decisions, "approval_open_for_action", None)
-    if opener is not None:
-        try:
-            approval: Approval = opener(action=action)
-            return approval
-        except NotImplementedError:
-            pass
-    # FALLBACK until the engine's approval_open_for_action lands.
-    klass = action.conflict_class
-    return Approval.objects.create(
-        subject=ApprovalSubject.ACTION,
-        run=action.run,
-        action=action,
-        status=ApprovalStatus.PENDING,
-        quorum=klass.quorum,
-        observed_version=action.observed_version,
-        expires_at=timezone.now() + timedelta(seconds=klass.approval_ttl_seconds),
-    )
 
 
 def action_propose(
@@ -393,119 +368,138 @@ def action_propose(
             "Writes need If-Match with the ETag you read (or If-None-Match: * to create).",
             extra={"resource": identifier},
         )
-    refused: DomainError | None = None
     with transaction.atomic():
         # Lock order: kind (shared advisory) -> run (FOR SHARE) -> action insert -> audit head.
         _recheck_authority_locked(run, kind.slug, proposal.name, proposal.operation)
         resource = Resource.objects.filter(kind=kind, name=proposal.name).first()
-        exists = resource is not None and not resource.deleted
-        current_etag = resource.etag if resource is not None and exists else None
-        observed_version: int | None = None
-        if proposal.operation == "create":
-            if exists:
-                refused = DomainError(
-                    f"{identifier} already exists (If-None-Match: * failed).",
-                    code="stale_version",
-                    extra=stale_extra(
-                        resource=identifier,
-                        expected=None,
-                        current=current_etag,
-                        conflict_class=conflict_class,
-                    ),
-                )
-        else:
-            if not exists:
-                raise NotFound(f"{identifier} does not exist.")
-            assert resource is not None and proposal.if_match is not None
-            if proposal.if_match.strong_match(current_etag):
-                observed_version = resource.version
-            else:
-                refused = DomainError(
-                    f"{identifier} is at {current_etag}, not {proposal.if_match.describe()}.",
-                    code="stale_version",
-                    extra=stale_extra(
-                        resource=identifier,
-                        expected=proposal.if_match.describe(),
-                        current=current_etag,
-                        conflict_class=conflict_class,
-                    ),
-                )
-        if refused is not None:
-            audit_append(
-                event_type="action.refused_stale",
-                actor=Actor.run(run),
-                resource=identifier,
-                run_id=run.pk,
-                details={
-                    "operation": proposal.operation,
-                    "expected_etag": refused.extra["expected_etag"],
-                    "current_etag": refused.extra["current_etag"],
-                    "conflict_class": conflict_class.slug,
-                    "idempotency_key": proposal.idempotency_key,
-                    "reason": proposal.reason,
-                },
-            )
-            if on_refused is not None:
-                on_refused(refused)
-        else:
-            per_call = conflict_class.approval_mode == "per_call"
-            # Under an engaged kill switch a write that needs no approval is
-            # recorded `paused` (resumed in order on release), never refused.
-            switch = None if per_call else engaged_switch_for(identifier)
-            if per_call:
-                initial_status = ActionStatus.PENDING_APPROVAL
-            elif switch is not None:
-                initial_status = ActionStatus.PAUSED
-            else:
-                initial_status = ActionStatus.QUEUED
-            action = Action.objects.create(
-                run=run,
-                agent_id=run.agent_id,
-                kind=kind,
-                name=proposal.name,
-                resource=resource,
-                operation=proposal.operation,
-                payload_format=proposal.payload_format,
-                payload=proposal.payload,
-                observed_version=observed_version,
-                conflict_class=conflict_class,
-                status=initial_status,
-                paused_reason=switch.reason if switch is not None else "",
-                reason=proposal.reason,
-                idempotency_key=proposal.idempotency_key,
-                request_id=current_request_id()[:128],
-            )
-            audit_append(
-                event_type="action.proposed",
-                actor=Actor.run(run),
-                resource=identifier,
-                run_id=run.pk,
-                action_id=action.id,
-                details={
-                    "operation": proposal.operation,
-                    "observed_etag": action.observed_etag,
-                    "conflict_class": conflict_class.slug,
-                    "approval": "per_call" if per_call else "per_run",
-                    "idempotency_key": proposal.idempotency_key,
-                    "reason": proposal.reason,
-                },
-            )
-            if per_call:
-                _open_action_approval(action)
-            elif switch is None:
-                transaction.on_commit(lambda: _enqueue(action.id))
+        observed_version, refused = _check_precondition(proposal, resource, conflict_class)
+        if refused is None:
+            action = _record(run, proposal, resource, observed_version, conflict_class)
             if on_recorded is not None:
                 on_recorded(action)
             return action
-    assert refused is not None
+        audit_append(
+            event_type="action.refused_stale",
+            actor=Actor.run(run),
+            resource=identifier,
+            run_id=run.pk,
+            details={
+                "operation": proposal.operation,
+                "expected_etag": refused.extra["expected_etag"],
+                "current_etag": refused.extra["current_etag"],
+                "conflict_class": conflict_class.slug,
+                "idempotency_key": proposal.idempotency_key,
+                "reason": proposal.reason,
+            },
+        )
+        if on_refused is not None:
+            on_refused(refused)
     raise refused
+
+
+def _check_precondition(
+    proposal: Proposal, resource: Resource | None, conflict_class: ConflictClass
+) -> tuple[int | None, DomainError | None]:
+    """(observed version, None) when the tag matches, (None, the 412 error) when it
+    does not; NotFound when updating or deleting a resource that does not exist."""
+    identifier = f"{proposal.kind.slug}/{proposal.name}"
+    exists = resource is not None and not resource.deleted
+    current_etag = resource.etag if resource is not None and exists else None
+    if proposal.operation == "create":
+        if not exists:
+            return None, None
+        return None, DomainError(
+            f"{identifier} already exists (If-None-Match: * failed).",
+            code="stale_version",
+            extra=_stale_extra(
+                resource=identifier,
+                expected=None,
+                current=current_etag,
+                conflict_class=conflict_class,
+            ),
+        )
+    if not exists:
+        raise NotFound(f"{identifier} does not exist.")
+    assert resource is not None and proposal.if_match is not None
+    if proposal.if_match.strong_match(current_etag):
+        return resource.version, None
+    return None, DomainError(
+        f"{identifier} is at {current_etag}, not {proposal.if_match.describe()}.",
+        code="stale_version",
+        extra=_stale_extra(
+            resource=identifier,
+            expected=proposal.if_match.describe(),
+            current=current_etag,
+            conflict_class=conflict_class,
+        ),
+    )
+
+
+def _record(
+    run: Run,
+    proposal: Proposal,
+    resource: Resource | None,
+    observed_version: int | None,
+    conflict_class: ConflictClass,
+) -> Action:
+    """Insert the action (audited): pending approval for a per-call class (its
+    approval opened), paused under an engaged kill switch, else queued (enqueued
+    after commit)."""
+    identifier = f"{proposal.kind.slug}/{proposal.name}"
+    per_call = conflict_class.approval_mode == "per_call"
+    # Under an engaged kill switch a write that needs no approval is
+    # recorded `paused` (resumed in order on release), never refused.
+    switch = None if per_call else engaged_switch_for(identifier)
+    if per_call:
+        initial_status = ActionStatus.PENDING_APPROVAL
+    elif switch is not None:
+        initial_status = ActionStatus.PAUSED
+    else:
+        initial_status = ActionStatus.QUEUED
+    action = Action.objects.create(
+        run=run,
+        agent_id=run.agent_id,
+        kind=proposal.kind,
+        name=proposal.name,
+        resource=resource,
+        operation=proposal.operation,
+        payload_format=proposal.payload_format,
+        payload=proposal.payload,
+        observed_version=observed_version,
+        conflict_class=conflict_class,
+        status=initial_status,
+        paused_reason=switch.reason if switch is not None else "",
+        reason=proposal.reason,
+        idempotency_key=proposal.idempotency_key,
+        request_id=current_request_id()[:128],
+    )
+    audit_append(
+        event_type="action.proposed",
+        actor=Actor.run(run),
+        resource=identifier,
+        run_id=run.pk,
+        action_id=action.id,
+        details={
+            "operation": proposal.operation,
+            "observed_etag": action.observed_etag,
+            "conflict_class": conflict_class.slug,
+            "approval": "per_call" if per_call else "per_run",
+            "idempotency_key": proposal.idempotency_key,
+            "reason": proposal.reason,
+        },
+    )
+    if per_call:
+        approval_open_for_action(action=action)
+    elif switch is None:
+        transaction.on_commit(lambda: _enqueue(action.id))
+    return action
 
 
 def action_cancel(*, action: Action, actor: Actor) -> Action:
     """Cancel an action before execution starts; 409 invalid_transition after.
     Cancelling a cancelled action is a no-op (no second audit row).
 
-    Lock order, the project's one order (decisions.lock_approval_subject, runs._end):
+    Lock order, the project's one order (decisions._lock_approval_subject, runs._end):
     the action row (this conditional UPDATE is the first lock), then its
     approvals, the audit head last. A cancel racing a decision or a revoke
     waits instead of deadlocking.
@@ -547,30 +541,6 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
             "cancelled.",
             extra={"action_status": action.status},
         )
-    return action
-
-
-def action_readable_by(action: Action, principal: Any) -> bool:
-    """Agents and runs read their agent's actions; people who may read everything,
-    or who own the resource's group, read any."""
-    from console.permissions import can_read_everything, user_groups
-
-    if principal.kind in ("agent", "run"):
-        return bool(principal.agent is not None and action.agent_id == principal.agent.pk)
-    user = principal.user
-    if can_read_everything(user) or action.kind.owner_group in user_groups(user):
-        return True
-    from approvals.selectors import action_list_for_actor
-
-    return bool(action_list_for_actor(user).filter(pk=action.pk).exists())
-
-
-def action_get_for(principal: Any, action_id: uuid.UUID) -> Action:
-    action = (
-        Action.objects.select_related("kind", "conflict_class", "run").filter(pk=action_id).first()
-    )
-    if action is None or not action_readable_by(action, principal):
-        raise NotFound(f"Action {action_id} not found.")
     return action
 
 

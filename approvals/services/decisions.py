@@ -1,32 +1,18 @@
-"""Approvals and decisions. Owner: engine helper. Interface contract:
+"""Deciding approvals: one person's vote, quorum, rejection, expiry and escalation.
 
-approval_open_for_run(*, run: Run) -> Approval
-    Inside the caller's transaction: a pending run approval (quorum: the highest
-    among the per-run classes of its write set, TTL from settings).
-approval_open_for_action(*, action: Action) -> Approval
-    Inside the caller's transaction: a pending per-call approval bound to
-    action.observed_version, quorum/ttl/escalation from the action's class.
-approval_decide(*, approval_id, person, decision: "approve"|"reject", comment: str) -> Approval
-    Checks role and separation of duties (raises Forbidden code="forbidden"/"self_approval"),
-    409 InvalidTransition if already decided or expired; counts one vote per person;
-    at quorum: run -> runs.run_activate(...), action -> queued + enqueue on commit;
-    reject -> run rejected / action rejected with the comment. Audited.
-approval_expire_due(*, now=None) -> dict
-    Pending approvals past `expires_at` -> expired (their action -> expired, their
-    run -> expired); approvals past `escalate_at` -> escalated once (audit
-    `approval.escalated`, a WARNING log line on the `airlock.escalation` logger
-    naming the escalation group; the approval is listed for that group's members).
+Approvals are opened by approvals.services.approval_open (inside the transaction
+that creates the run or the action). `action_transition` is the one way the
+engine moves an action's status.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
@@ -46,17 +32,19 @@ from approvals.models import (
 )
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
-from approvals.services.run_policy import classes_for_write_set, run_quorum
+from approvals.services.run_policy import classes_for_write_set
+from approvals.services.runs import run_activate, run_reject
+from approvals.services.write_sets import entries_of, lock_kinds
 from audit.services import Actor, audit_append
+from console.core.barrier import lock_run_for_share
 from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
-from console.permissions import can_decide_approvals
-from ownership.models import ApprovalMode, OwnershipRecord
+from console.permissions import can_decide_approvals, person_of
+from ownership.models import OwnershipRecord
 from ownership.reopen import conflict_reopen_for_resolution
 
 log = logging.getLogger("airlock.approvals")
 escalation_log = logging.getLogger("airlock.escalation")
 
-RUN_APPROVAL_TTL_SECONDS = int(getattr(settings, "AIRLOCK_RUN_APPROVAL_TTL_SECONDS", 172_800))
 MAX_COMMENT_LENGTH = 2000
 
 
@@ -78,72 +66,6 @@ def action_transition(
     if updated:
         notify_action_on_commit(action_id)
     return bool(updated)
-
-
-def approval_open_for_run(*, run: Run) -> Approval:
-    """A pending run approval. Call inside the caller's transaction.
-
-    Its quorum is the highest quorum among the per-run classes the write set
-    touches (run_policy.run_quorum), fixed when the approval opens, as a
-    per-call approval's is.
-    """
-    now = timezone.now()
-    classes = classes_for_write_set(run.write_set or [])
-    quorum = run_quorum(classes)
-    approval = Approval.objects.create(
-        subject=ApprovalSubject.RUN,
-        run=run,
-        quorum=quorum,
-        expires_at=now + timedelta(seconds=RUN_APPROVAL_TTL_SECONDS),
-    )
-    audit_append(
-        event_type="approval.requested",
-        actor=Actor.system(),
-        run_id=run.pk,
-        details={
-            "approval": str(approval.pk),
-            "subject": "run",
-            "quorum": quorum,
-            "conflict_classes": [klass.slug for klass in classes],
-        },
-    )
-    return approval
-
-
-def approval_open_for_action(*, action: Action) -> Approval:
-    """A pending per-call approval bound to the action's observed version.
-
-    Call inside the caller's transaction; quorum, TTL and escalation come from
-    the action's conflict class.
-    """
-    cls = action.conflict_class
-    now = timezone.now()
-    approval = Approval.objects.create(
-        subject=ApprovalSubject.ACTION,
-        run_id=action.run_id,
-        action=action,
-        quorum=cls.quorum,
-        observed_version=action.observed_version,
-        expires_at=now + timedelta(seconds=cls.approval_ttl_seconds),
-        escalate_at=(
-            now + timedelta(seconds=cls.escalation_seconds) if cls.escalation_seconds else None
-        ),
-    )
-    audit_append(
-        event_type="approval.requested",
-        actor=Actor.system(),
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
-        details={
-            "approval": str(approval.pk),
-            "subject": "action",
-            "quorum": cls.quorum,
-            "observed_version": action.observed_version,
-            "conflict_class": cls.slug,
-        },
-    )
-    return approval
 
 
 def answers_for_agent(*, agent: Agent, person: Any) -> bool:
@@ -170,8 +92,8 @@ def answers_for_agent(*, agent: Agent, person: Any) -> bool:
 
 def _check_separation_of_duties(*, approval: Approval, person: Any) -> None:
     """Only people decide; the agent's owner (see answers_for_agent) may not where a
-    class forbids it."""
-    if not getattr(person, "is_authenticated", False) or not getattr(person, "is_active", False):
+    class forbids it. `person` is None for anyone but an active person."""
+    if person is None:
         raise Forbidden("Only an active person can decide approvals.", code="forbidden")
     if not can_decide_approvals(person):
         raise Forbidden("Deciding approvals needs the operator role.", code="forbidden")
@@ -195,7 +117,7 @@ def _subject_identifier(approval: Approval) -> str:
     return approval.action.resource_identifier if approval.action is not None else ""
 
 
-def lock_approval_subject(approval_id: uuid.UUID) -> Approval:
+def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
     """Lock an approval and what deciding it changes, in the project's one lock order.
 
     Inside the caller's transaction. The order (every service that takes two of
@@ -216,14 +138,10 @@ def lock_approval_subject(approval_id: uuid.UUID) -> Approval:
         pk=approval_id
     )
     if subject == ApprovalSubject.RUN:
-        from approvals.services import runs
-
         unlocked_run = Run.objects.only("pk", "write_set").get(pk=run_id)
-        runs._lock_kinds({entry.kind for entry in runs._entries_of(unlocked_run)})
+        lock_kinds({entry.kind for entry in entries_of(unlocked_run)})
         list(Run.objects.select_for_update(of=("self",)).filter(pk=run_id).values_list("pk"))
     else:
-        from console.core.barrier import lock_run_for_share
-
         lock_run_for_share(run_id)
         if action_id is not None:
             list(
@@ -239,11 +157,11 @@ def lock_approval_subject(approval_id: uuid.UUID) -> Approval:
 
 
 def approval_decide(
-    *, approval_id: uuid.UUID | str, person: Any, decision: str, comment: str = ""
+    *, approval_id: uuid.UUID | str, actor: Actor, decision: str, comment: str = ""
 ) -> Approval:
     """Record one person's decision; at quorum admit the run or queue the action.
 
-    Takes its locks first, in the project's one order (lock_approval_subject:
+    Takes its locks first, in the project's one order (_lock_approval_subject:
     kind advisory locks, run, action, approval), and appends audit events only
     after them, so it never deadlocks with run_create, action_cancel, a revoke
     or the expiry sweep. Raises NotFound, Forbidden
@@ -266,10 +184,11 @@ def approval_decide(
         approval_uuid = uuid.UUID(str(approval_id))
     except ValueError as exc:
         raise NotFound("No such approval.") from exc
+    person = person_of(actor)
     expired = False
     with transaction.atomic():
         try:
-            approval = lock_approval_subject(approval_uuid)
+            approval = _lock_approval_subject(approval_uuid)
         except Approval.DoesNotExist as exc:
             raise NotFound("No such approval.") from exc
         _check_separation_of_duties(approval=approval, person=person)
@@ -328,9 +247,7 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
             run_id=approval.run_id,
             details={"approval": str(approval.pk), "subject": "run", "quorum": approval.quorum},
         )
-        from approvals.services import runs
-
-        runs.run_activate(run=approval.run, actor=actor)
+        run_activate(run=approval.run, actor=actor)
         return
     action = approval.action
     assert action is not None
@@ -363,9 +280,7 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
     actor = Actor.person(person)
     error = {"code": "rejected", "comment": comment, "by": person.get_username()}
     if approval.subject == ApprovalSubject.RUN:
-        from approvals.services import runs
-
-        runs.run_reject(run=approval.run, actor=actor, reason=comment or "rejected")
+        run_reject(run=approval.run, actor=actor, reason=comment or "rejected")
         audit_append(
             event_type="approval.rejected",
             actor=actor,
@@ -438,18 +353,11 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
         )
 
 
-def approval_cancel_for_action(*, action_id: uuid.UUID, reason: str) -> int:
-    """Cancel the pending approval of an action that was cancelled (caller's transaction)."""
-    return Approval.objects.filter(action_id=action_id, status=ApprovalStatus.PENDING).update(
-        status=ApprovalStatus.CANCELLED, decided_at=timezone.now()
-    )
-
-
 def approval_expire_due(*, now: datetime | None = None) -> dict[str, int]:
     """Expire pending approvals past their deadline; escalate those past escalate_at.
 
     Each approval is handled in its own short transaction, locked in the
-    decision's order (lock_approval_subject) and re-checked, so concurrent
+    decision's order (_lock_approval_subject) and re-checked, so concurrent
     housekeepers never double-expire and a racing decision never deadlocks.
     """
     now = now or timezone.now()
@@ -463,7 +371,7 @@ def approval_expire_due(*, now: datetime | None = None) -> dict[str, int]:
         with transaction.atomic():
             # The decision's lock order (run, action, approval): a decision racing
             # this expiry waits, or is waited for, and never deadlocks.
-            due = lock_approval_subject(approval_id)
+            due = _lock_approval_subject(approval_id)
             if due.status != ApprovalStatus.PENDING or due.expires_at > now:
                 continue
             _expire_locked(approval=due, now=now)
@@ -502,7 +410,3 @@ def approval_expire_due(*, now: datetime | None = None) -> dict[str, int]:
             )
             escalated += 1
     return {"expired": expired, "escalated": escalated}
-
-
-def approval_mode_for(action: Action) -> str:
-    return str(action.conflict_class.approval_mode or ApprovalMode.PER_RUN)

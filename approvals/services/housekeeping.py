@@ -15,13 +15,16 @@ from django.db.models import Q
 from django.utils import timezone
 
 from approvals.models import Operation, OperationStatus
+from approvals.services.decisions import approval_expire_due
+from approvals.services.idempotency import idempotency_prune
+from approvals.services.runs import run_expire_due
 from audit.services import Actor, audit_append
 from ownership.models import OwnershipRecord
 
 log = logging.getLogger("airlock.housekeeping")
 
 
-def lease_expire_due(*, now: datetime | None = None) -> int:
+def _lease_expire_due(*, now: datetime | None = None) -> int:
     """Exclusive leases (and plain ownership records) past expires_at stop being active."""
     now = now or timezone.now()
     return OwnershipRecord.objects.filter(active=True, expires_at__lte=now).update(
@@ -29,7 +32,7 @@ def lease_expire_due(*, now: datetime | None = None) -> int:
     )
 
 
-def undo_windows_finalise(*, now: datetime | None = None) -> int:
+def _undo_windows_finalise(*, now: datetime | None = None) -> int:
     """Mark done operations whose undo window closed (outcome.undo_window_closed)
     and audit it once per operation, so the trail says when undo stopped being possible."""
     now = now or timezone.now()
@@ -61,19 +64,15 @@ def undo_windows_finalise(*, now: datetime | None = None) -> int:
 
 def housekeeping_run(*, now: datetime | None = None) -> dict[str, int]:
     """One sweep: runs, approvals, leases, idempotency records, undo windows."""
-    from approvals.services.decisions import approval_expire_due
-    from approvals.services.idempotency import idempotency_prune
-    from approvals.services.runs import run_expire_due
-
     now = now or timezone.now()
     counts: dict[str, int] = {}
     counts["runs_expired"] = int(run_expire_due(now=now) or 0)
     approvals = approval_expire_due(now=now)
     counts["approvals_expired"] = approvals["expired"]
     counts["approvals_escalated"] = approvals["escalated"]
-    counts["leases_expired"] = lease_expire_due(now=now)
+    counts["leases_expired"] = _lease_expire_due(now=now)
     counts["idempotency_pruned"] = int(idempotency_prune(now=now) or 0)
-    counts["undo_windows_closed"] = undo_windows_finalise(now=now)
+    counts["undo_windows_closed"] = _undo_windows_finalise(now=now)
     if any(counts.values()):
         log.info("housekeeping: %s", counts)
     return counts

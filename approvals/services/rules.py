@@ -1,7 +1,7 @@
 """Auto-approve rules: admin-only edits, validated and audited.
 
 A rule admits the run write-set entries it covers without a person (see
-`approvals.services.runs._auto_approved`), so every change to one is an
+`approvals.services.write_sets.auto_approved`), so every change to one is an
 admin decision that lands in the audit trail in the same transaction. A rule
 stands in for one approver only: a run whose per-run classes need a quorum
 above one waits for that many people whatever the rules say.
@@ -15,18 +15,11 @@ from typing import Any
 from django.db import transaction
 
 from approvals.models import Agent, AutoApproveRule
-from approvals.services.runs import OPERATIONS
+from approvals.services.write_sets import OPERATIONS
 from audit.services import Actor, audit_append
-from console.core.errors import Forbidden, NotFound, ValidationFailed
-from console.permissions import is_admin
+from console.core.errors import NotFound, ValidationFailed
+from console.permissions import is_admin, require_person
 from ownership.models import ResourceKind
-
-RULE_FIELDS = ("kind", "name_prefix", "operations", "agent", "enabled", "description")
-
-
-def _require_admin(user: Any) -> None:
-    if not getattr(user, "is_active", False) or not is_admin(user):
-        raise Forbidden("Only admins edit auto-approve rules.")
 
 
 def rule_as_dict(rule: AutoApproveRule) -> dict[str, Any]:
@@ -85,7 +78,7 @@ def _clean(
 
 def auto_approve_rule_create(
     *,
-    user: Any,
+    actor: Actor,
     kind: str,
     operations: list[str],
     name_prefix: str = "",
@@ -94,7 +87,7 @@ def auto_approve_rule_create(
     enabled: bool = True,
 ) -> AutoApproveRule:
     """Create a rule (admins only). Raises Forbidden, ValidationFailed."""
-    _require_admin(user)
+    require_person(actor, is_admin, "Only admins edit auto-approve rules.")
     values = _clean(
         kind=kind,
         name_prefix=name_prefix,
@@ -106,7 +99,7 @@ def auto_approve_rule_create(
         rule = AutoApproveRule.objects.create(**values, enabled=enabled)
         audit_append(
             event_type="auto_approve_rule.created",
-            actor=Actor.person(user),
+            actor=actor,
             details=rule_as_dict(rule),
         )
     return rule
@@ -114,7 +107,7 @@ def auto_approve_rule_create(
 
 def auto_approve_rule_update(
     *,
-    user: Any,
+    actor: Actor,
     rule_id: int,
     kind: str,
     operations: list[str],
@@ -129,7 +122,7 @@ def auto_approve_rule_update(
     (rule, changed): an edit that changes nothing writes no audit row.
     Raises Forbidden, NotFound, ValidationFailed.
     """
-    _require_admin(user)
+    require_person(actor, is_admin, "Only admins edit auto-approve rules.")
     values = _clean(
         kind=kind,
         name_prefix=name_prefix,
@@ -152,23 +145,21 @@ def auto_approve_rule_update(
         changed = {k: {"from": before[k], "to": after[k]} for k in after if before[k] != after[k]}
         audit_append(
             event_type="auto_approve_rule.updated",
-            actor=Actor.person(user),
+            actor=actor,
             details={"id": rule.pk, "rule": after, "changed": changed},
         )
     return rule, True
 
 
-def auto_approve_rule_delete(*, user: Any, rule_id: int) -> bool:
+def auto_approve_rule_delete(*, actor: Actor, rule_id: int) -> bool:
     """Delete a rule (admins only). Returns False when it was already gone
     (no second audit row). Raises Forbidden."""
-    _require_admin(user)
+    require_person(actor, is_admin, "Only admins edit auto-approve rules.")
     with transaction.atomic():
         rule = AutoApproveRule.objects.select_for_update().filter(pk=rule_id).first()
         if rule is None:
             return False
         details = rule_as_dict(rule)
         rule.delete()
-        audit_append(
-            event_type="auto_approve_rule.deleted", actor=Actor.person(user), details=details
-        )
+        audit_append(event_type="auto_approve_rule.deleted", actor=actor, details=details)
     return True

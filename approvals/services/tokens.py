@@ -9,25 +9,29 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from approvals.models import Agent, AgentToken, PersonalToken, Run
 from audit.models import ActorType
 from audit.services import Actor, audit_append
+from console.core.errors import ValidationFailed
+from console.permissions import is_admin, require_person
 
 AGENT_PREFIX = "ak_"
 RUN_PREFIX = "rt_"
 PERSONAL_PREFIX = "pt_"
 LOOKUP_PREFIX_LENGTH = 12  # "ak_" + 9 characters of the secret
 _LAST_USED_RESOLUTION = timedelta(minutes=1)
+_AGENT_NAME = re.compile(r"^[-a-zA-Z0-9_]+\Z")  # Django's slug
 
 
 @dataclass(frozen=True)
@@ -60,13 +64,13 @@ class Principal:
         return self.actor.label
 
 
-def hash_token(secret: str) -> str:
+def _hash_token(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
 
 
 def token_generate(kind_prefix: str) -> NewToken:
     secret = kind_prefix + secrets.token_urlsafe(32)
-    return NewToken(secret=secret, prefix=secret[:LOOKUP_PREFIX_LENGTH], hash=hash_token(secret))
+    return NewToken(secret=secret, prefix=secret[:LOOKUP_PREFIX_LENGTH], hash=_hash_token(secret))
 
 
 def _live(now: datetime) -> Q:
@@ -92,7 +96,7 @@ def principal_for_token(raw: str) -> Principal | None:
         return None
     now = timezone.now()
     prefix = raw[:LOOKUP_PREFIX_LENGTH]
-    digest = hash_token(raw)
+    digest = _hash_token(raw)
     if raw.startswith(AGENT_PREFIX):
         tokens = list(
             AgentToken.objects.select_related("agent")
@@ -148,12 +152,14 @@ def agent_token_create(
     label: str = "",
     expires_at: datetime | None = None,
 ) -> tuple[AgentToken, str]:
-    """Issue an agent token; the secret is returned once and never stored.
+    """Issue an agent token (admins, or the system); the secret is returned once
+    and never stored. Raises Forbidden.
 
     A person who mints one is recorded as its creator: while it is live,
     separation of duties treats them like the agent's owner
     (decisions.answers_for_agent).
     """
+    require_person(actor, is_admin, "Only admins create agent tokens.")
     new = token_generate(AGENT_PREFIX)
     with transaction.atomic():
         token = AgentToken.objects.create(
@@ -202,8 +208,22 @@ def personal_token_create(
     return token, new.secret
 
 
+def _may_revoke(token: AgentToken | PersonalToken, person: Any) -> bool:
+    """A personal token by the person it belongs to; an agent token by an admin."""
+    if isinstance(token, PersonalToken):
+        return bool(token.user_id == person.pk)
+    return is_admin(person)
+
+
 def token_revoke(*, token: AgentToken | PersonalToken, actor: Actor) -> bool:
-    """Revoke a token; returns False when it was already revoked (no second audit row)."""
+    """Revoke a token; returns False when it was already revoked (no second audit row).
+
+    Raises Forbidden unless the actor owns the personal token, or is an admin for
+    an agent token (or the system).
+    """
+    require_person(
+        actor, lambda person: _may_revoke(token, person), "You may not revoke this token."
+    )
     with transaction.atomic():
         changed = (
             type(token)
@@ -222,22 +242,64 @@ def token_revoke(*, token: AgentToken | PersonalToken, actor: Actor) -> bool:
     return bool(changed)
 
 
+def _agent_fields(*, name: str, owner: str, description: str) -> tuple[str, Any, str]:
+    """(name, owner person or None, description), or ValidationFailed listing every
+    bad field: the one rule for the Tokens page, the command, the demo and the bench."""
+    errors: list[dict[str, str]] = []
+    name = (name or "").strip()
+    if not _AGENT_NAME.match(name) or len(name) > 100:
+        errors.append(
+            {
+                "field": "name",
+                "message": "Use letters, numbers, underscores or hyphens (at most 100).",
+            }
+        )
+    elif Agent.objects.filter(name=name).exists():
+        errors.append({"field": "name", "message": f"An agent named {name} already exists."})
+    username = (owner or "").strip()
+    person = None
+    if username:
+        person = get_user_model().objects.filter(username=username, is_active=True).first()
+        if person is None:
+            errors.append({"field": "owner", "message": f"No active person is called {username}."})
+    description = description or ""
+    if len(description) > 1000:
+        errors.append({"field": "description", "message": "At most 1000 characters."})
+    if errors:
+        raise ValidationFailed(
+            "; ".join(f"{e['field']}: {e['message']}" for e in errors), extra={"errors": errors}
+        )
+    return name, person, description
+
+
 def agent_create(
-    *, name: str, actor: Actor, owner: Any = None, description: str = ""
+    *, name: str, actor: Actor, owner: str = "", description: str = ""
 ) -> tuple[Agent, str]:
-    """Register an agent and issue its first token (both recorded as the actor's)."""
-    with transaction.atomic():
-        agent = Agent.objects.create(
-            name=name, owner=owner, description=description, created_by_id=_person_id(actor)
-        )
-        audit_append(
-            event_type="agent.created",
-            actor=actor,
-            details={"agent": name, "owner": owner.get_username() if owner else None},
-        )
-        _, secret = agent_token_create(agent=agent, actor=actor, label="initial")
+    """Register an agent and issue its first token (both recorded as the actor's).
+
+    `owner` is the username of the accountable person (optional, must be active).
+    Admins (or the system) only: raises Forbidden; ValidationFailed for a name
+    that is not a slug or is taken, an unknown owner, a long description.
+    """
+    require_person(actor, is_admin, "Only admins create agents.")
+    name, person, description = _agent_fields(name=name, owner=owner, description=description)
+    try:
+        with transaction.atomic():
+            agent = Agent.objects.create(
+                name=name, owner=person, description=description, created_by_id=_person_id(actor)
+            )
+            audit_append(
+                event_type="agent.created",
+                actor=actor,
+                details={"agent": name, "owner": person.get_username() if person else None},
+            )
+            _, secret = agent_token_create(agent=agent, actor=actor, label="initial")
+    except IntegrityError as exc:
+        # Two admins racing for the same name: the unique constraint decides.
+        raise ValidationFailed(
+            f"name: An agent named {name} already exists.",
+            extra={
+                "errors": [{"field": "name", "message": "An agent with this name already exists."}]
+            },
+        ) from exc
     return agent, secret
-
-
-def user_model() -> Any:
-    return get_user_model()

@@ -32,8 +32,17 @@ from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus, Run, RunStatus
 from approvals.outbox import engine_redis, enqueue_undo_execution, notify_action_on_commit
+from approvals.services.attempts import (
+    backoff_seconds,
+    lock_ttl_ms,
+    max_attempts,
+    operation_lease_seconds,
+    worker_name,
+)
+from approvals.services.runs import RunNotActive
 from audit.models import ActorType
 from audit.services import Actor, audit_append
+from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     Forbidden,
     InvalidTransition,
@@ -43,58 +52,33 @@ from console.core.errors import (
     UndoRefused,
     UndoWindowExpired,
 )
+from console.core.fence import next_fence
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
-from console.permissions import can_undo_as_person
+from console.core.lock import FencedLock
+from console.core.operations import open_operation
+from console.core.undo import RESOURCE_MOVED, STALE_FENCE, apply_undo
+from console.permissions import can_undo_as_person, person_of
 from ownership.models import Resource, TargetType
+from ownership.services.conflicts import conflict_open_for_undo
 
 log = logging.getLogger("airlock.undo")
 
 
-def _normalise_actor(actor: Any) -> tuple[Actor, Run | None, Any]:
-    """(audit actor, run or None, person or None) from a Run, a User or an audit Actor."""
-    from django.contrib.auth import get_user_model
-
-    if isinstance(actor, Run):
-        return Actor.run(actor), actor, None
-    if isinstance(actor, Actor):
-        if actor.type == ActorType.RUN:
-            run = Run.objects.select_related("agent").filter(pk=actor.id).first()
-            if run is None:
-                raise Forbidden("Unknown run.", code="forbidden")
-            return actor, run, None
-        if actor.type == ActorType.PERSON:
-            person = get_user_model().objects.filter(pk=actor.id).first()
-            if person is None:
-                raise Forbidden("Unknown person.", code="forbidden")
-            return actor, None, person
-        raise Forbidden("Only the action's run or a person may undo.", code="forbidden")
-    if getattr(actor, "is_authenticated", False):
-        return Actor.person(actor), None, actor
+def _requester(actor: Actor) -> tuple[Run | None, Any]:
+    """(run, None) for a run actor, (None, active person or None) for a person actor."""
+    if actor.type == ActorType.RUN:
+        run = Run.objects.select_related("agent").filter(pk=actor.id).first()
+        if run is None:
+            raise Forbidden("Unknown run.", code="forbidden")
+        return run, None
+    if actor.type == ActorType.PERSON:
+        return None, person_of(actor)
     raise Forbidden("Only the action's run or a person may undo.", code="forbidden")
 
 
-def action_undo_request(
-    *, action_id: uuid.UUID | str, actor: Any, idempotency_key: str = ""
-) -> Operation:
-    """Ask for the undo of an applied action; returns its (single) undo operation.
-
-    `actor`: the action's Run (run token), a person (User), or an audit Actor of
-    either. Raises NotFound, Forbidden, UndoWindowExpired (409
-    `undo_window_expired`), InvalidTransition (409: nothing applied to undo).
-    Repeating the request returns the same undo operation, with no new audit row.
-    """
-    from console.core.barrier import open_operation
-    from console.core.fence import next_fence
-
-    audit_actor, run, person = _normalise_actor(actor)
-    try:
-        action_uuid = uuid.UUID(str(action_id))
-    except ValueError as exc:
-        raise NotFound("No such action.") from exc
-    action = Action.objects.select_related("kind", "run").filter(pk=action_uuid).first()
-    if action is None:
-        raise NotFound("No such action.")
-    owner_group = action.resource.owner_group if action.resource else action.kind.owner_group
+def _authorise(action: Action, run: Run | None, person: Any) -> None:
+    """A run undoes its own actions, never a person's resolution; a person needs the
+    operator role or the resource's owner group. Raises NotFound / Forbidden."""
     if run is not None:
         if run.pk != action.run_id:
             # Another run's action: it may not even know it exists.
@@ -104,13 +88,51 @@ def action_undo_request(
                 "This action is a person's conflict resolution; the run's token cannot undo it.",
                 code="forbidden",
             )
-    elif not (
-        getattr(person, "is_active", False) and can_undo_as_person(person, owner_group=owner_group)
-    ):
+        return
+    owner_group = action.resource.owner_group if action.resource else action.kind.owner_group
+    if person is None or not can_undo_as_person(person, owner_group=owner_group):
         raise Forbidden(
             "Undo needs the operator role or membership of the resource's owner group.",
             code="forbidden",
         )
+
+
+def _require_active_run(run: Run) -> None:
+    """A run token undoes only while its run is active (a revoked run's token is no
+    credential for production changes). FOR SHARE on the run: a revoke committing
+    first is seen, one arriving later waits for us."""
+    run_state = lock_run_for_share(run.pk)
+    if (
+        run_state is None
+        or run_state[0] != RunStatus.ACTIVE
+        or (run_state[1] is not None and run_state[1] <= timezone.now())
+    ):
+        raise RunNotActive(
+            f"Run {run.pk} is not active; only an active run's token may undo.",
+            extra={"run": str(run.pk)},
+        )
+
+
+def action_undo_request(
+    *, action_id: uuid.UUID | str, actor: Actor, idempotency_key: str = ""
+) -> Operation:
+    """Ask for the undo of an applied action; returns its (single) undo operation.
+
+    `actor`: the action's run, or a person with the operator role or in the
+    resource's owner group. Raises NotFound, Forbidden, RunNotActive,
+    UndoRefused (external target), UndoWindowExpired (409
+    `undo_window_expired`), InvalidTransition (409: nothing applied to undo).
+    Repeating the request returns the same undo operation, with no new audit row.
+    """
+    run, person = _requester(actor)
+    try:
+        action_uuid = uuid.UUID(str(action_id))
+    except ValueError as exc:
+        raise NotFound("No such action.") from exc
+    action = Action.objects.select_related("kind", "run").filter(pk=action_uuid).first()
+    if action is None:
+        raise NotFound("No such action.")
+    _authorise(action, run, person)
     if action.kind.target == TargetType.HTTP:
         raise UndoRefused(
             "Undo is not available for resources of an external HTTP target.",
@@ -118,35 +140,9 @@ def action_undo_request(
         )
     with transaction.atomic():
         if run is not None:
-            # A run token undoes only while its run is active (a revoked run's
-            # token is no credential for production changes). FOR SHARE on the run:
-            # a revoke committing first is seen, one arriving later waits for us.
-            from approvals.services.runs import RunNotActive
-            from console.core.barrier import lock_run_for_share
-
-            run_state = lock_run_for_share(run.pk)
-            if (
-                run_state is None
-                or run_state[0] != RunStatus.ACTIVE
-                or (run_state[1] is not None and run_state[1] <= timezone.now())
-            ):
-                raise RunNotActive(
-                    f"Run {run.pk} is not active; only an active run's token may undo.",
-                    extra={"run": str(run.pk)},
-                )
+            _require_active_run(run)
         locked = Action.objects.select_for_update(of=("self",)).get(pk=action.pk)
-        original = (
-            Operation.objects.filter(
-                action=locked, undo_of__isnull=True, status__in=("done", "undone")
-            )
-            .order_by("-started_at")
-            .first()
-        )
-        if original is None:
-            raise InvalidTransition(
-                f"The action is {locked.status}; there is no applied write to undo.",
-                code="invalid_transition",
-            )
+        original = _applied_operation(locked)
         latest = Operation.objects.filter(undo_of=original).order_by("-started_at").first()
         if latest is not None and not _may_ask_again(latest):
             return latest
@@ -167,15 +163,15 @@ def action_undo_request(
             lease_expires_at=None,
             accepted_at=accepted_at,
             outcome={
-                "requested_by": audit_actor.label,
-                "requested_by_type": audit_actor.type,
+                "requested_by": actor.label,
+                "requested_by_type": actor.type,
                 "requested_by_person": str(person.pk) if person is not None else "",
                 "idempotency_key": idempotency_key[:255],
             },
         )
         audit_append(
             event_type="undo.requested",
-            actor=audit_actor,
+            actor=actor,
             resource=locked.resource_identifier,
             run_id=locked.run_id,
             action_id=locked.pk,
@@ -185,11 +181,36 @@ def action_undo_request(
                 "asked_again_after": latest.pk if latest is not None else None,
             },
         )
-
         undo_id = undo_op.pk
         transaction.on_commit(lambda: enqueue_undo_execution(undo_id))
     undo_op.refresh_from_db()
     return undo_op
+
+
+def _applied_operation(action: Action) -> Operation:
+    """The applied write an undo restores; InvalidTransition when there is none."""
+    original = (
+        Operation.objects.filter(action=action, undo_of__isnull=True, status__in=("done", "undone"))
+        .order_by("-started_at")
+        .first()
+    )
+    if original is None:
+        raise InvalidTransition(
+            f"The action is {action.status}; there is no applied write to undo.",
+            code="invalid_transition",
+        )
+    return original
+
+
+def _requested_by(undo_op: Operation, action: Action) -> Actor:
+    """Who asked for the undo, as recorded at acceptance (the run re-read for a run)."""
+    requested = dict(undo_op.outcome or {})
+    actor = Actor(
+        type=str(requested.get("requested_by_type") or ActorType.SYSTEM),
+        id=str(requested.get("requested_by_person") or ""),
+        label=str(requested.get("requested_by") or "undo"),
+    )
+    return Actor.run(action.run) if actor.type == ActorType.RUN else actor
 
 
 def _may_ask_again(undo_op: Operation) -> bool:
@@ -210,8 +231,6 @@ def _retry_undo(
     `count_attempt=False` (a busy lock: another writer holds the resource) waits
     without spending the budget; its backoff grows with the waits, capped.
     """
-    from approvals.services.execution import MAX_ATTEMPTS, backoff_seconds
-
     outcome = dict(undo_op.outcome or {})
     if count_attempt:
         attempts = int(outcome.get("attempts", 0)) + 1
@@ -223,7 +242,7 @@ def _retry_undo(
         outcome["lock_waits"] = waits
         step = waits
     outcome["last_retry_reason"] = reason
-    if count_attempt and attempts >= MAX_ATTEMPTS:
+    if count_attempt and attempts >= max_attempts():
         outcome["reason"] = reason
         # Transient causes only reach here: the person may ask for the undo again.
         outcome["retryable"] = True
@@ -289,11 +308,6 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
     A kill switch pauses the undo, a busy lock is waited out; neither spends an
     attempt. Idempotent: anything but a pending undo is a no-op.
     """
-    from approvals.services.execution import lock_ttl_ms, operation_lease_seconds, worker_name
-    from console.core.lock import FencedLock
-    from console.core.undo import RESOURCE_MOVED, STALE_FENCE, apply_undo
-    from ownership.services import conflict_open_for_undo
-
     undo_op = (
         Operation.objects.select_related("undo_of", "action__kind", "action__conflict_class")
         .filter(pk=undo_operation_id, undo_of__isnull=False)
@@ -330,13 +344,7 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
         undo_op.refresh_from_db()
         if undo_op.status != OperationStatus.PENDING:
             return "skipped"
-        actor = Actor(
-            type=str(requested.get("requested_by_type") or ActorType.SYSTEM),
-            id=str(requested.get("requested_by_person") or ""),
-            label=str(requested.get("requested_by") or "undo"),
-        )
-        if actor.type == ActorType.RUN:
-            actor = Actor.run(action.run)
+        actor = _requested_by(undo_op, action)
         try:
             lock.check()
             outcome = apply_undo(

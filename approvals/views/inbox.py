@@ -21,6 +21,7 @@ from approvals.forms import DecisionForm
 from approvals.models import Approval, ApprovalDecision, ApprovalStatus
 from approvals.selectors import approval_get_for_person, approval_list_for_person
 from approvals.services.decisions import approval_decide
+from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError, NotFound
 from console.pages import EVENT_COUNTS, console_page, error_status, is_htmx, render_fragment_or_page
@@ -169,7 +170,7 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
         try:
             approval_decide(
                 approval_id=approval.id,
-                person=user,
+                actor=Actor.person(user),
                 decision=form.cleaned_data["decision"],
                 comment=form.cleaned_data["comment"],
             )

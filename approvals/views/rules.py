@@ -6,25 +6,24 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404
-from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
 from approvals.forms import AutoApproveRuleForm
 from approvals.models import AutoApproveRule
 from approvals.services import rules as rule_services
+from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError
 from console.pages import (
+    EditablePage,
     console_page,
     error_status,
     forbid_unless,
     form_errors_from,
     render_fragment_or_page,
-    respond_page,
 )
 
-EVENT_RULES = "rules-changed"
-RULES_TEMPLATE = "approvals/rules.html"
+RULES = EditablePage(template="approvals/rules.html", url_name="rules", event="rules-changed")
 
 
 def _rule_form_initial(rule: AutoApproveRule) -> dict[str, Any]:
@@ -83,7 +82,7 @@ def rules_page(request: HttpRequest) -> HttpResponse:
         if editing is not None:
             form = AutoApproveRuleForm(initial=_rule_form_initial(editing))
     context = _rules_context(request, form=form, editing=editing)
-    return render_fragment_or_page(request, RULES_TEMPLATE, context, partial="page")
+    return render_fragment_or_page(request, RULES.template, context, partial="page")
 
 
 def _rule_save(request: HttpRequest, rule_id: int | None) -> HttpResponse:
@@ -96,27 +95,26 @@ def _rule_save(request: HttpRequest, rule_id: int | None) -> HttpResponse:
 
     def respond(*, notice: str = "", status: int = 200) -> HttpResponse:
         failed = status >= 400
-        return respond_page(
+        return RULES.respond(
             request,
-            template=RULES_TEMPLATE,
-            context=lambda: _rules_context(
+            lambda: _rules_context(
                 request, form=form if failed else None, editing=editing if failed else None
             ),
-            redirect_to=reverse("rules"),
             notice=notice,
             status=status,
-            events=(EVENT_RULES,),
         )
 
     if not form.is_valid():
         return respond(status=422)
     try:
         if rule_id is None:
-            rule = rule_services.auto_approve_rule_create(user=request.user, **_rule_values(form))
+            rule = rule_services.auto_approve_rule_create(
+                actor=Actor.person(request.user), **_rule_values(form)
+            )
             notice = f"Rule {rule.pk} created."
         else:
             rule, changed = rule_services.auto_approve_rule_update(
-                user=request.user, rule_id=rule_id, **_rule_values(form)
+                actor=Actor.person(request.user), rule_id=rule_id, **_rule_values(form)
             )
             notice = f"Rule {rule.pk} saved." if changed else f"Rule {rule.pk} is unchanged."
     except DomainError as exc:
@@ -155,22 +153,14 @@ def rule_enable_view(request: HttpRequest, rule_id: int) -> HttpResponse:
         values["enabled"] = enabled == "1"
         try:
             _rule, changed = rule_services.auto_approve_rule_update(
-                user=request.user, rule_id=rule.pk, **values
+                actor=Actor.person(request.user), rule_id=rule.pk, **values
             )
         except DomainError as exc:
             status = error_status(exc)
         else:
             verb = "enabled" if values["enabled"] else "disabled"
             notice = f"Rule {rule.pk} {verb}." if changed else f"Rule {rule.pk} was already {verb}."
-    return respond_page(
-        request,
-        template=RULES_TEMPLATE,
-        context=lambda: _rules_context(request),
-        redirect_to=reverse("rules"),
-        notice=notice,
-        status=status,
-        events=(EVENT_RULES,),
-    )
+    return RULES.respond(request, lambda: _rules_context(request), notice=notice, status=status)
 
 
 @console_page
@@ -178,12 +168,8 @@ def rule_enable_view(request: HttpRequest, rule_id: int) -> HttpResponse:
 def rule_delete_view(request: HttpRequest, rule_id: int) -> HttpResponse:
     _rules_visible(request)
     forbid_unless(permissions.is_admin(request.user), "Only admins edit auto-approve rules.")
-    deleted = rule_services.auto_approve_rule_delete(user=request.user, rule_id=rule_id)
-    return respond_page(
-        request,
-        template=RULES_TEMPLATE,
-        context=lambda: _rules_context(request),
-        redirect_to=reverse("rules"),
-        notice=f"Rule {rule_id} deleted." if deleted else f"Rule {rule_id} was already gone.",
-        events=(EVENT_RULES,),
+    deleted = rule_services.auto_approve_rule_delete(
+        actor=Actor.person(request.user), rule_id=rule_id
     )
+    notice = f"Rule {rule_id} deleted." if deleted else f"Rule {rule_id} was already gone."
+    return RULES.respond(request, lambda: _rules_context(request), notice=notice)

@@ -16,7 +16,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from approvals.forms import RevokeForm, RunFilterForm
 from approvals.models import Action, ApprovalDecision, Run, RunStatus
-from approvals.selectors import action_list_for_actor, run_list_for_actor
+from approvals.selectors import actions_visible_to, run_list_for_actor
 from approvals.services.runs import run_revoke
 from audit.services import Actor
 from console import permissions
@@ -39,7 +39,7 @@ from ownership.models import OwnershipRecord
 
 def _action_for(user: Any, action_id: uuid.UUID) -> Action:
     action = (
-        action_list_for_actor(user)
+        actions_visible_to(user)
         .select_related("run", "agent", "resource", "conflict_class")
         .filter(pk=action_id)
         .first()

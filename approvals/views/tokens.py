@@ -7,8 +7,6 @@ import uuid
 from typing import Any
 
 from django.contrib import messages
-from django.core.exceptions import PermissionDenied
-from django.db import IntegrityError
 from django.db.models import Prefetch
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
@@ -27,7 +25,9 @@ from console.pages import (
     console_page,
     error_status,
     forbid_unless,
+    form_errors_from,
     is_htmx,
+    raise_if_denied,
     render_fragment_or_page,
     signed_in,
 )
@@ -99,6 +99,14 @@ def _after_revoke(request: HttpRequest, notice: str) -> HttpResponse:
     return HttpResponseRedirect(reverse("tokens"))
 
 
+def _revoke(request: HttpRequest, token: AgentToken | PersonalToken) -> bool:
+    try:
+        return token_revoke(token=token, actor=Actor.person(request.user))
+    except DomainError as exc:
+        raise_if_denied(exc)
+        raise
+
+
 @console_page
 @require_POST
 def personal_token_create(request: HttpRequest) -> HttpResponse:
@@ -118,7 +126,7 @@ def personal_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
     if token is None:
         raise Http404("No such token")
 
-    changed = token_revoke(token=token, actor=Actor.person(request.user))
+    changed = _revoke(request, token)
     verb = "revoked" if changed else "was already revoked"
     return _after_revoke(request, f"Token {token.prefix}… {verb}.")
 
@@ -126,9 +134,9 @@ def personal_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
 @console_page
 @require_POST
 def agent_create(request: HttpRequest) -> HttpResponse:
-    forbid_unless(permissions.is_admin(request.user), "Only admins create agents.")
     form = AgentCreateForm(request.POST)
     if not form.is_valid():
+        forbid_unless(permissions.is_admin(request.user), "Only admins create agents.")
         return _tokens_render(request, status=422, agent_form=form)
     try:
         agent, secret = token_services.agent_create(
@@ -137,12 +145,9 @@ def agent_create(request: HttpRequest) -> HttpResponse:
             owner=form.cleaned_data["owner"],
             actor=Actor.person(request.user),
         )
-    except IntegrityError:
-        # Two admins racing for the same name: the unique constraint decides.
-        form.add_error("name", "An agent with this name already exists.")
-        return _tokens_render(request, status=422, agent_form=form)
     except DomainError as exc:
-        form.add_error("name", exc.message)
+        raise_if_denied(exc)
+        form_errors_from(form, exc)
         return _tokens_render(request, status=error_status(exc), agent_form=form)
     return _show_secret(request, what=f"agent token for {agent.name}", secret=secret)
 
@@ -150,6 +155,7 @@ def agent_create(request: HttpRequest) -> HttpResponse:
 @console_page
 @require_POST
 def agent_token_create(request: HttpRequest, agent_id: uuid.UUID) -> HttpResponse:
+    # The page's own 403 first: an outsider learns nothing about which agents exist.
     forbid_unless(permissions.is_admin(request.user), "Only admins create agent tokens.")
     agent = get_object_or_404(Agent, pk=agent_id)
     form = AgentTokenCreateForm(request.POST)
@@ -157,19 +163,21 @@ def agent_token_create(request: HttpRequest, agent_id: uuid.UUID) -> HttpRespons
         return _tokens_render(
             request, status=422, agent_token_form=form, agent_token_error_for=agent.pk
         )
-    _token, secret = token_services.agent_token_create(
-        agent=agent, label=form.cleaned_data["label"], actor=Actor.person(request.user)
-    )
+    try:
+        _token, secret = token_services.agent_token_create(
+            agent=agent, label=form.cleaned_data["label"], actor=Actor.person(request.user)
+        )
+    except DomainError as exc:
+        raise_if_denied(exc)
+        raise
     return _show_secret(request, what=f"agent token for {agent.name}", secret=secret)
 
 
 @console_page
 @require_POST
 def agent_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
-    if not permissions.is_admin(request.user):
-        raise PermissionDenied("Only admins revoke agent tokens.")
+    forbid_unless(permissions.is_admin(request.user), "Only admins revoke agent tokens.")
     token = get_object_or_404(AgentToken, pk=token_id)
-
-    changed = token_revoke(token=token, actor=Actor.person(request.user))
+    changed = _revoke(request, token)
     verb = "revoked" if changed else "was already revoked"
     return _after_revoke(request, f"Agent token {token.prefix}… {verb}.")

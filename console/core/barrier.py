@@ -1,9 +1,7 @@
 """The write barrier: every accepted write is one conditional UPDATE (or INSERT).
 
-    open_operation(*, action_id, fence, worker, lease_seconds, undo_of_id=None) -> Operation
-    apply_action(*, action_id, operation_id, fence, actor) -> WriteOutcome
-
-`apply_action` runs ONE transaction. Lock order (the project's one order):
+`apply_action` finishes an operation opened by console.core.operations, in ONE
+transaction. Lock order (the project's one order):
 the kill-switch lock SHARED (console.core.killswitch), the operation row, the
 run row FOR SHARE, the action row; then re-check the kill switch and the run
 (a revoke/finish/expiry updates the run row, so it waits for this transaction
@@ -43,15 +41,16 @@ from approvals.models import (
     ActionStatus,
     Operation,
     OperationStatus,
-    PayloadFormat,
     Run,
     RunStatus,
     WriteOperation,
     run_end_exempt,
 )
 from audit.services import Actor, audit_append
-from console.core.errors import InvalidTransition, KillSwitchEngaged, NotFound
+from console.core.errors import KillSwitchEngaged, NotFound
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
+from console.core.operations import EXECUTABLE_STATUSES
+from ownership.diff import proposed_document
 from ownership.models import Resource, ResourceVersion, TargetType
 
 # Why a write was refused (WriteOutcome.refusal.reason).
@@ -62,9 +61,6 @@ ALREADY_EXISTS = "already_exists"  # create of a name that exists (e.g. a concur
 OPERATION_NOT_PENDING = "operation_not_pending"  # re-delivery of a finished operation
 ACTION_NOT_EXECUTABLE = "action_not_executable"  # the action left queued/paused/executing
 RUN_NOT_ACTIVE = "run_not_active"  # the run was revoked/finished/rejected or is past expires_at
-
-# An action may be (re-)executed from these statuses.
-EXECUTABLE_STATUSES = (ActionStatus.QUEUED, ActionStatus.PAUSED, ActionStatus.EXECUTING)
 
 
 @dataclass(frozen=True)
@@ -97,126 +93,10 @@ class WriteOutcome:
         return self.refusal.reason if self.refusal else None
 
 
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7396 JSON Merge Patch: null removes a member, objects merge, the rest replaces."""
-    if not isinstance(patch, dict):
-        return patch
-    result: dict[str, Any] = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
-def proposed_document(action: Action, current: Any) -> Any:
-    """The document the action would leave, given the current one."""
-    if action.operation == WriteOperation.DELETE:
-        return current
-    if action.payload_format == PayloadFormat.MERGE_PATCH:
-        return merge_patch(
-            current if action.operation != WriteOperation.CREATE else {}, action.payload
-        )
-    return action.payload if action.payload is not None else {}
-
-
 def undo_window(action: Action) -> timedelta:
     kind_window = action.kind.undo_window_seconds
     seconds = kind_window if kind_window is not None else action.conflict_class.undo_window_seconds
     return timedelta(seconds=seconds)
-
-
-def open_operation(
-    *,
-    action_id: uuid.UUID | str,
-    fence: int,
-    worker: str,
-    lease_seconds: int,
-    undo_of_id: int | None = None,
-) -> Operation:
-    """Record an execution attempt (status pending) before the write.
-
-    For a write: moves the action queued/paused/executing -> executing (revision + 1)
-    with a conditional UPDATE; raises NotFound, or InvalidTransition when the action
-    is in any other status (e.g. already applied: a re-delivered job must stop).
-
-    For an undo (`undo_of_id`): the action keeps its status; at most one live
-    (not failed) undo operation exists per operation (a partial unique constraint),
-    so a second request gets the live one back (its fence raised if still pending)
-    and `apply_undo` answers "already_undone" once it is finished; an undo refused
-    for good is returned as it is (asking again repeats the refusal). Only after an
-    undo failed for a retryable reason (outcome `retryable`) is a new one opened.
-    """
-    now = timezone.now()
-    lease_expires_at = now + timedelta(seconds=lease_seconds)
-    with transaction.atomic():
-        if undo_of_id is not None:
-            return _open_undo_operation(
-                action_id=action_id,
-                fence=fence,
-                worker=worker,
-                lease_expires_at=lease_expires_at,
-                undo_of_id=undo_of_id,
-            )
-        moved = Action.objects.filter(pk=action_id, status__in=EXECUTABLE_STATUSES).update(
-            status=ActionStatus.EXECUTING, revision=F("revision") + 1, updated_at=now
-        )
-        if not moved:
-            status = Action.objects.filter(pk=action_id).values_list("status", flat=True).first()
-            if status is None:
-                raise NotFound("no such action", extra={"action": str(action_id)})
-            raise InvalidTransition(
-                f"the action is {status}; it cannot be executed",
-                extra={"action": str(action_id), "status": status},
-            )
-        return Operation.objects.create(
-            action_id=action_id,
-            fence=fence,
-            worker=worker[:200],
-            lease_expires_at=lease_expires_at,
-            status=OperationStatus.PENDING,
-        )
-
-
-def _open_undo_operation(
-    *,
-    action_id: uuid.UUID | str,
-    fence: int,
-    worker: str,
-    lease_expires_at: datetime,
-    undo_of_id: int,
-) -> Operation:
-    if not Operation.objects.filter(pk=undo_of_id, action_id=action_id).exists():
-        raise NotFound("no such operation for this action", extra={"operation": undo_of_id})
-    live = Operation.objects.filter(undo_of_id=undo_of_id).exclude(status=OperationStatus.FAILED)
-    existing = live.first()
-    if existing is None:
-        # An undo refused for good (resource moved, window closed) stays the answer;
-        # only one that failed for a retryable reason makes way for a new one.
-        latest = Operation.objects.filter(undo_of_id=undo_of_id).order_by("-started_at").first()
-        outcome = latest.outcome if latest is not None else None
-        if latest is not None and not (isinstance(outcome, dict) and outcome.get("retryable")):
-            return latest
-    if existing is None:
-        try:
-            with transaction.atomic():
-                return Operation.objects.create(
-                    action_id=action_id,
-                    undo_of_id=undo_of_id,
-                    fence=fence,
-                    worker=worker[:200],
-                    lease_expires_at=lease_expires_at,
-                    status=OperationStatus.PENDING,
-                )
-        except IntegrityError:
-            # A concurrent undo request created it first; share it.
-            existing = live.get()
-    Operation.objects.filter(
-        pk=existing.pk, status=OperationStatus.PENDING, fence__lt=fence
-    ).update(fence=fence, worker=worker[:200], lease_expires_at=lease_expires_at)
-    existing.refresh_from_db()
-    return existing
 
 
 def apply_action(
@@ -277,58 +157,7 @@ def apply_action(
                 action, operation, result.refusal, actor=actor, resource_id=result.resource_id
             )
 
-        deadline = now + undo_window(action)
-        ResourceVersion.objects.create(
-            resource_id=result.resource_id,
-            version=result.result_version,
-            document=result.document,
-            deleted=result.deleted,
-            operation=action.operation,
-            fence=fence,
-            run_id=action.run_id,
-            action_id=action.pk,
-        )
-        Operation.objects.filter(pk=operation.pk).update(
-            status=OperationStatus.DONE,
-            fence=fence,
-            base_version=result.base_version,
-            result_version=result.result_version,
-            undo_deadline=deadline,
-            finished_at=now,
-            outcome={"result": "applied"},
-        )
-        Action.objects.filter(pk=action.pk).update(
-            status=ActionStatus.APPLIED,
-            revision=F("revision") + 1,
-            resource_id=result.resource_id,
-            error=None,
-            updated_at=now,
-        )
-        audit_append(
-            event_type="write.applied",
-            actor=_write_actor(action),
-            resource=identifier,
-            run_id=action.run_id,
-            action_id=action.pk,
-            details={
-                "operation": action.operation,
-                "operation_id": operation.pk,
-                "fence": fence,
-                "from_version": result.base_version,
-                "to_version": result.result_version,
-                **_executor(actor, action),
-            },
-        )
-    return WriteOutcome(
-        applied=True,
-        action_id=action.pk,
-        operation_id=operation.pk,
-        fence=fence,
-        resource_id=result.resource_id,
-        base_version=result.base_version,
-        result_version=result.result_version,
-        undo_deadline=deadline,
-    )
+        return _record_applied(action, operation, result, fence=fence, actor=actor, now=now)
 
 
 def lock_run_for_share(run_id: Any) -> tuple[str, datetime] | None:
@@ -343,9 +172,7 @@ def lock_run_for_share(run_id: Any) -> tuple[str, datetime] | None:
         found = Run.objects.filter(pk=run_id).values_list("status", "expires_at").first()
         return (str(found[0]), found[1]) if found else None
     assert Run._meta.db_table == "approvals_run"
-    sql = "SELECT status, expires_at FROM approvals_run WHERE id = %s"
-    if connection.vendor == "postgresql":  # SQLite serialises writers already
-        sql += " FOR SHARE"
+    sql = "SELECT status, expires_at FROM approvals_run WHERE id = %s FOR SHARE"
     with connection.cursor() as cursor:
         cursor.execute(sql, [Run._meta.pk.get_db_prep_value(run_id, connection)])
         row = cursor.fetchone()
@@ -448,6 +275,71 @@ class _Refused:
     resource_id: int | None = None
 
 
+def _record_applied(
+    action: Action,
+    operation: Operation,
+    result: _Written,
+    *,
+    fence: int,
+    actor: Actor,
+    now: datetime,
+) -> WriteOutcome:
+    """The write happened: its history row, the operation done (undo deadline from
+    the kind/class window), the action applied, and the audit event last."""
+    deadline = now + undo_window(action)
+    ResourceVersion.objects.create(
+        resource_id=result.resource_id,
+        version=result.result_version,
+        document=result.document,
+        deleted=result.deleted,
+        operation=action.operation,
+        fence=fence,
+        run_id=action.run_id,
+        action_id=action.pk,
+    )
+    Operation.objects.filter(pk=operation.pk).update(
+        status=OperationStatus.DONE,
+        fence=fence,
+        base_version=result.base_version,
+        result_version=result.result_version,
+        undo_deadline=deadline,
+        finished_at=now,
+        outcome={"result": "applied"},
+    )
+    Action.objects.filter(pk=action.pk).update(
+        status=ActionStatus.APPLIED,
+        revision=F("revision") + 1,
+        resource_id=result.resource_id,
+        error=None,
+        updated_at=now,
+    )
+    audit_append(
+        event_type="write.applied",
+        actor=_write_actor(action),
+        resource=action.resource_identifier,
+        run_id=action.run_id,
+        action_id=action.pk,
+        details={
+            "operation": action.operation,
+            "operation_id": operation.pk,
+            "fence": fence,
+            "from_version": result.base_version,
+            "to_version": result.result_version,
+            **_executor(actor, action),
+        },
+    )
+    return WriteOutcome(
+        applied=True,
+        action_id=action.pk,
+        operation_id=operation.pk,
+        fence=fence,
+        resource_id=result.resource_id,
+        base_version=result.base_version,
+        result_version=result.result_version,
+        undo_deadline=deadline,
+    )
+
+
 def _write_existing(action: Action, *, fence: int, now: datetime) -> _Written | _Refused:
     """Update or delete: the single conditional UPDATE, then classify a miss."""
     observed = action.observed_version
@@ -463,8 +355,10 @@ def _write_existing(action: Action, *, fence: int, now: datetime) -> _Written | 
         )
     deleting = action.operation == WriteOperation.DELETE
     # The merge patch is computed from the document read above; if anyone wrote
-    # since, the version precondition below fails and nothing is written.
-    document = proposed_document(action, current["document"])
+    # since, the version precondition below fails and nothing is written. A
+    # tombstone keeps its last document (readers see a delete as `{}`, the
+    # proposed document; the history row keeps what was deleted).
+    document = current["document"] if deleting else proposed_document(action, current["document"])
     rows = Resource.objects.filter(
         pk=current["id"], version=observed, last_fence__lt=fence, deleted=False
     ).update(

@@ -15,6 +15,10 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.db.models import F, Max
 
+from approvals.models import Operation
+from console.models import FenceCounter
+from ownership.models import OwnershipRecord, Resource
+
 FENCE_SEQUENCE = "airlock_fence_seq"
 
 log = logging.getLogger("airlock.fence")
@@ -44,8 +48,6 @@ def next_fence() -> int:
         assert row is not None
         return int(row[0])
 
-    from console.models import FenceCounter
-
     with transaction.atomic():
         updated = FenceCounter.objects.filter(pk=1).update(value=F("value") + 1)
         if not updated:
@@ -55,9 +57,6 @@ def next_fence() -> int:
 
 def fence_floor() -> int:
     """The highest fence PostgreSQL has ever accepted or recorded (0 when none)."""
-    from approvals.models import Operation
-    from ownership.models import OwnershipRecord, Resource
-
     candidates = [
         Resource.objects.aggregate(m=Max("last_fence"))["m"],
         Operation.objects.aggregate(m=Max("fence"))["m"],
@@ -74,8 +73,6 @@ def current_fence() -> int:
             row = cursor.fetchone()
         assert row is not None
         return int(row[0]) if row[1] else int(row[0]) - 1
-    from console.models import FenceCounter
-
     value = FenceCounter.objects.filter(pk=1).values_list("value", flat=True).first()
     return int(value or 0)
 
@@ -99,8 +96,6 @@ def ensure_fence_floor() -> int:
                 [FENCE_SEQUENCE, floor, floor],
             )
         return floor
-    from console.models import FenceCounter
-
     with transaction.atomic():
         FenceCounter.objects.filter(pk=1, value__lt=floor).update(value=floor)
         FenceCounter.objects.get_or_create(pk=1, defaults={"value": floor})
@@ -136,9 +131,6 @@ def ensure_fence_floor_after_migrate(*, using: str = DEFAULT_DB_ALIAS, **kwargs:
     """
     if using != DEFAULT_DB_ALIAS:
         return
-    from approvals.models import Operation
-    from ownership.models import OwnershipRecord, Resource
-
     needed = {m._meta.db_table for m in (Operation, OwnershipRecord, Resource)}
     tables = set(connections[using].introspection.table_names())
     if not needed <= tables:

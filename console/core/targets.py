@@ -19,7 +19,6 @@ applied: the operation becomes `unknown` until an idempotent replay settles it.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -39,10 +38,8 @@ NOT_FOUND = "not_found"
 
 
 def target_timeout_seconds() -> float:
-    raw = getattr(settings, "AIRLOCK_TARGET_TIMEOUT_SECONDS", None) or os.environ.get(
-        "AIRLOCK_TARGET_TIMEOUT_SECONDS", "10"
-    )
-    return float(raw)
+    # Read at each call: tests (and a settings override) change it at run time.
+    return float(settings.AIRLOCK_TARGET_TIMEOUT_SECONDS)
 
 
 class TargetNotSent(Exception):

@@ -1,8 +1,6 @@
 """Undo through the same barrier.
 
-    apply_undo(*, operation_id, undo_operation_id, fence, actor) -> UndoOutcome
-
-Restores the document from before `operation_id` (or the tombstone, for a
+`apply_undo` restores the document from before `operation_id` (or the tombstone, for a
 create; or revives the resource, for a delete) with the same conditional UPDATE
 as every write — `WHERE version = <the version the operation produced> AND
 last_fence < :fence` — when the undo was accepted inside the operation's undo
@@ -28,8 +26,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
-from audit.models import ActorType
 from audit.services import Actor, audit_append
+from console.core.actors import person_id
 from console.core.errors import KillSwitchEngaged, NotFound
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
 from ownership.models import Resource, ResourceVersion
@@ -103,39 +101,10 @@ def apply_undo(
             "expected_version": original.result_version,
         }
         if undo_op.status != OperationStatus.PENDING:
-            # Asked again after it finished: answer from the record, write nothing.
-            recorded = undo_op.outcome or {}
-            if undo_op.status == OperationStatus.DONE:
-                return UndoOutcome(
-                    applied=False,
-                    reason=ALREADY_UNDONE,
-                    message="this operation has already been undone",
-                    **base,
-                )
-            return UndoOutcome(
-                applied=False,
-                reason=str(recorded.get("reason") or ALREADY_UNDONE),
-                message=str(recorded.get("message") or "the undo has already been attempted"),
-                **base,
-            )
-
-        now = timezone.now()
-        if original.status == OperationStatus.UNDONE:
-            return _refuse(undo_op, action, actor, ALREADY_UNDONE, "already undone", base)
-        if original.status != OperationStatus.DONE or original.result_version is None:
-            return _refuse(undo_op, action, actor, NOT_APPLIED, "the operation did not write", base)
-        # The window is judged when the undo was accepted (202), not when a worker
-        # got to it: a kill switch or a busy lock may hold an accepted undo past it.
-        accepted = undo_op.accepted_at or undo_op.started_at
-        if original.undo_deadline is None or accepted >= original.undo_deadline:
-            return _refuse(
-                undo_op,
-                action,
-                actor,
-                WINDOW_EXPIRED,
-                "the undo window of this operation has closed",
-                base,
-            )
+            return _answer_again(undo_op, base)
+        refusal = _refusal_before_write(original, undo_op)
+        if refusal is not None:
+            return _refuse(undo_op, action, actor, *refusal, base)
 
         identifier = action.resource_identifier
         switch = engaged_switch_for(identifier)
@@ -147,103 +116,166 @@ def apply_undo(
 
         resource_id = action.resource_id
         assert resource_id is not None  # set by apply_action on every accepted write
-        if original.base_version is None:
-            # The operation created the resource: undo leaves a tombstone.
-            restored_document: Any = {}
-            restored_deleted = True
-        else:
-            previous = ResourceVersion.objects.filter(
-                resource_id=resource_id, version=original.base_version
-            ).first()
-            if previous is None:
-                # A resource seeded without its history row: nothing to restore from.
-                return _refuse(
-                    undo_op,
-                    action,
-                    actor,
-                    NO_PREVIOUS_VERSION,
-                    f"version {original.base_version} was never recorded; it cannot be restored",
-                    base,
-                )
-            restored_document, restored_deleted = previous.document, previous.deleted
+        restored = _restored_state(resource_id, original)
+        if restored is None:
+            # A resource seeded without its history row: nothing to restore from.
+            message = f"version {original.base_version} was never recorded; it cannot be restored"
+            return _refuse(undo_op, action, actor, NO_PREVIOUS_VERSION, message, base)
+        refusal = _write_restored(resource_id, original, restored, fence=fence, base=base)
+        if refusal is not None:
+            return _refuse(undo_op, action, actor, *refusal, base)
+        return _record_undone(
+            action, original, undo_op, restored, resource_id=resource_id, fence=fence, actor=actor
+        )
 
-        rows = Resource.objects.filter(
-            pk=resource_id, version=original.result_version, last_fence__lt=fence
-        ).update(
-            document=restored_document,
-            deleted=restored_deleted,
-            version=F("version") + 1,
-            last_fence=fence,
-            updated_at=now,
-        )
-        if rows == 0:
-            fresh = Resource.objects.filter(pk=resource_id).values("version", "last_fence").get()
-            base["current_version"] = fresh["version"]
-            if fresh["last_fence"] >= fence:
-                return _refuse(
-                    undo_op,
-                    action,
-                    actor,
-                    STALE_FENCE,
-                    f"fence {fence} is stale: fence {fresh['last_fence']} has already written",
-                    base,
-                )
-            return _refuse(
-                undo_op,
-                action,
-                actor,
-                RESOURCE_MOVED,
-                f"the resource moved on to version {fresh['version']} since this write "
-                f"produced version {original.result_version}",
-                base,
-            )
 
-        new_version = original.result_version + 1
-        ResourceVersion.objects.create(
-            resource_id=resource_id,
-            version=new_version,
-            document=restored_document,
-            deleted=restored_deleted,
-            operation="undo",
-            fence=fence,
-            run_id=action.run_id,
-            action_id=action.pk,
-            person_id=_person_id(actor),
+def _answer_again(undo_op: Operation, base: dict[str, Any]) -> UndoOutcome:
+    """Asked again after it finished: answer from the record, write nothing."""
+    if undo_op.status == OperationStatus.DONE:
+        return UndoOutcome(
+            applied=False,
+            reason=ALREADY_UNDONE,
+            message="this operation has already been undone",
+            **base,
         )
-        Operation.objects.filter(pk=original.pk, status=OperationStatus.DONE).update(
-            status=OperationStatus.UNDONE
+    recorded = undo_op.outcome or {}
+    return UndoOutcome(
+        applied=False,
+        reason=str(recorded.get("reason") or ALREADY_UNDONE),
+        message=str(recorded.get("message") or "the undo has already been attempted"),
+        **base,
+    )
+
+
+def _refusal_before_write(original: Operation, undo_op: Operation) -> tuple[str, str] | None:
+    """(reason, message) when the operation cannot be undone at all, else None."""
+    if original.status == OperationStatus.UNDONE:
+        return ALREADY_UNDONE, "already undone"
+    if original.status != OperationStatus.DONE or original.result_version is None:
+        return NOT_APPLIED, "the operation did not write"
+    # The window is judged when the undo was accepted (202), not when a worker
+    # got to it: a kill switch or a busy lock may hold an accepted undo past it.
+    accepted = undo_op.accepted_at or undo_op.started_at
+    if original.undo_deadline is None or accepted >= original.undo_deadline:
+        return WINDOW_EXPIRED, "the undo window of this operation has closed"
+    return None
+
+
+def _restored_state(resource_id: int, original: Operation) -> tuple[Any, bool] | None:
+    """(document, deleted) from before the operation; None when it was never recorded."""
+    if original.base_version is None:
+        # The operation created the resource: undo leaves a tombstone.
+        return {}, True
+    previous = ResourceVersion.objects.filter(
+        resource_id=resource_id, version=original.base_version
+    ).first()
+    if previous is None:
+        return None
+    return previous.document, previous.deleted
+
+
+def _write_restored(
+    resource_id: int,
+    original: Operation,
+    restored: tuple[Any, bool],
+    *,
+    fence: int,
+    base: dict[str, Any],
+) -> tuple[str, str] | None:
+    """The conditional UPDATE back to the restored state; (reason, message) on a miss
+    (and `current_version` noted in `base`)."""
+    expected = original.result_version
+    assert expected is not None  # checked by _refusal_before_write
+    document, deleted = restored
+    rows = Resource.objects.filter(pk=resource_id, version=expected, last_fence__lt=fence).update(
+        document=document,
+        deleted=deleted,
+        version=F("version") + 1,
+        last_fence=fence,
+        updated_at=timezone.now(),
+    )
+    if rows == 1:
+        return None
+    fresh = Resource.objects.filter(pk=resource_id).values("version", "last_fence").get()
+    base["current_version"] = fresh["version"]
+    if fresh["last_fence"] >= fence:
+        return (
+            STALE_FENCE,
+            f"fence {fence} is stale: fence {fresh['last_fence']} has already written",
         )
-        Operation.objects.filter(pk=undo_op.pk).update(
-            status=OperationStatus.DONE,
-            fence=fence,
-            base_version=original.result_version,
-            result_version=new_version,
-            finished_at=now,
-            outcome={"result": "undone", "restored_version": original.base_version},
-        )
-        Action.objects.filter(pk=action.pk).update(
-            status=ActionStatus.UNDONE, revision=F("revision") + 1, updated_at=now
-        )
-        audit_append(
-            event_type="write.undone",
-            actor=actor,
-            resource=identifier,
-            run_id=action.run_id,
-            action_id=action.pk,
-            details={
-                "operation_id": original.pk,
-                "undo_operation_id": undo_op.pk,
-                "fence": fence,
-                "from_version": original.result_version,
-                "to_version": new_version,
-                "restored_version": original.base_version,
-            },
-        )
+    return (
+        RESOURCE_MOVED,
+        f"the resource moved on to version {fresh['version']} since this write "
+        f"produced version {expected}",
+    )
+
+
+def _record_undone(
+    action: Action,
+    original: Operation,
+    undo_op: Operation,
+    restored: tuple[Any, bool],
+    *,
+    resource_id: int,
+    fence: int,
+    actor: Actor,
+) -> UndoOutcome:
+    """The undo wrote: its history row, both operations settled, the action undone,
+    and the audit event last."""
+    assert original.result_version is not None
+    now = timezone.now()
+    new_version = original.result_version + 1
+    document, deleted = restored
+    ResourceVersion.objects.create(
+        resource_id=resource_id,
+        version=new_version,
+        document=document,
+        deleted=deleted,
+        operation="undo",
+        fence=fence,
+        run_id=action.run_id,
+        action_id=action.pk,
+        person_id=person_id(actor),
+    )
+    Operation.objects.filter(pk=original.pk, status=OperationStatus.DONE).update(
+        status=OperationStatus.UNDONE
+    )
+    Operation.objects.filter(pk=undo_op.pk).update(
+        status=OperationStatus.DONE,
+        fence=fence,
+        base_version=original.result_version,
+        result_version=new_version,
+        finished_at=now,
+        outcome={"result": "undone", "restored_version": original.base_version},
+    )
+    Action.objects.filter(pk=action.pk).update(
+        status=ActionStatus.UNDONE, revision=F("revision") + 1, updated_at=now
+    )
+    audit_append(
+        event_type="write.undone",
+        actor=actor,
+        resource=action.resource_identifier,
+        run_id=action.run_id,
+        action_id=action.pk,
+        details={
+            "operation_id": original.pk,
+            "undo_operation_id": undo_op.pk,
+            "fence": fence,
+            "from_version": original.result_version,
+            "to_version": new_version,
+            "restored_version": original.base_version,
+        },
+    )
     return UndoOutcome(
         applied=True,
+        operation_id=original.pk,
+        undo_operation_id=undo_op.pk,
+        action_id=action.pk,
+        fence=fence,
+        resource_id=resource_id,
+        expected_version=original.result_version,
         restored_version=original.base_version,
         result_version=new_version,
-        **base,
     )
 
 
@@ -272,12 +304,3 @@ def _refuse(
         details={k: v for k, v in recorded.items() if k != "action_id"},
     )
     return outcome
-
-
-def _person_id(actor: Actor) -> int | None:
-    if actor.type != ActorType.PERSON:
-        return None
-    try:
-        return int(actor.id)
-    except ValueError:
-        return None

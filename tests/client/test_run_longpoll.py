@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from approvals.api import SAFETY_RECHECK_SECONDS
+from approvals.api.longpoll import SAFETY_RECHECK_SECONDS
 from approvals.models import Approval
 from approvals.services.decisions import approval_decide
 from approvals.services.runs import run_create
@@ -61,7 +61,9 @@ def test_it_holds_a_pending_run_until_its_approval_commits(api_server: Any) -> N
     wait_until_held(api_server.url, 1, thread)
     approval = Approval.objects.get(run=run, subject="run")
     decided_at = time.monotonic()
-    approval_decide(approval_id=approval.pk, person=ana.user, decision="approve", comment="ok")
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(ana.user), decision="approve", comment="ok"
+    )
     thread.join(timeout=40)
     # Woken by the publish, not by the waiter's 15 s safety re-read.
     assert time.monotonic() - decided_at < SAFETY_RECHECK_SECONDS / 2
@@ -89,7 +91,10 @@ def test_it_answers_a_rejected_run_with_its_reason_without_if_none_match(
     wait_until_held(api_server.url, 1, thread)
     approval = Approval.objects.get(run=run, subject="run")
     approval_decide(
-        approval_id=approval.pk, person=ana.user, decision="reject", comment="not during the freeze"
+        approval_id=approval.pk,
+        actor=Actor.person(ana.user),
+        decision="reject",
+        comment="not during the freeze",
     )
     thread.join(timeout=40)
     body = result["response"].json()

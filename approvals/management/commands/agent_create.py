@@ -1,6 +1,6 @@
 """`manage.py agent_create NAME [--owner USERNAME] [--description D] [--new-token]`:
-register an agent through the token service (audited) with the console's
-validation, and print its token (ak_…) as the last line."""
+register an agent through the token service (audited, validated as on the Tokens
+page), and print its token (ak_…) as the last line."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from approvals.forms import AgentCreateForm
 from approvals.models import Agent
 from approvals.services.tokens import agent_create, agent_token_create
 from audit.services import Actor
+from console.core.errors import ValidationFailed
 
 
 class Command(BaseCommand):
@@ -36,22 +36,15 @@ class Command(BaseCommand):
             self.stdout.write(f"New token for agent {name}:")
             self.stdout.write(secret)
             return
-        # The Tokens page's form: the same name, owner and description rules.
-        form = AgentCreateForm(
-            {"name": name, "owner": options["owner"], "description": options["description"]}
-        )
-        if not form.is_valid():
-            problems = "; ".join(
-                f"{field}: {' '.join(str(e) for e in errors)}"
-                for field, errors in form.errors.items()
+        try:
+            agent, secret = agent_create(
+                name=name,
+                actor=actor,
+                owner=options["owner"],
+                description=options["description"],
             )
+        except ValidationFailed as exc:
             hint = " (pass --new-token for another token)" if existing is not None else ""
-            raise CommandError(f"{problems}{hint}")
-        agent, secret = agent_create(
-            name=form.cleaned_data["name"],
-            actor=actor,
-            owner=form.cleaned_data["owner"],
-            description=form.cleaned_data["description"],
-        )
+            raise CommandError(f"{exc.message}{hint}") from exc
         self.stdout.write(f"Agent {agent.name} created ({agent.pk}). Its token:")
         self.stdout.write(secret)

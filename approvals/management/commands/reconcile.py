@@ -9,8 +9,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from approvals.services.execution import reconcile
 from approvals.services.housekeeping import housekeeping_run
+from approvals.services.reconcile import reconcile
 
 
 class Command(BaseCommand):

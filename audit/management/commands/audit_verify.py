@@ -7,8 +7,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from audit.models import AuditEvent
-from audit.selectors import audit_head
 from audit.services import audit_chain_verify
+from audit.verify import audit_head
 
 
 class Command(BaseCommand):

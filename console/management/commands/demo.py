@@ -205,12 +205,11 @@ class Command(BaseCommand):
                 _pt, tokens[username] = personal_token_create(
                     user=person, actor=system, label="demo"
                 )
-            lead = user_model.objects.get(username="paula")
             for name, description in AGENTS:
                 agent = Agent.objects.filter(name=name).first()
                 if agent is None:
                     _agent, tokens[name] = agent_create(
-                        name=name, actor=system, owner=lead, description=description
+                        name=name, actor=system, owner="paula", description=description
                     )
                 else:
                     _at, tokens[name] = agent_token_create(agent=agent, actor=system, label="demo")

@@ -1,7 +1,7 @@
 """The conflict-class table and resource kinds: admin-only edits, audited.
 
-The API (`PUT /conflict-classes/{slug}`, `PUT /resource-kinds/{kind}`) and the
-console call these same functions.
+The API (`PUT /conflict-classes/{slug}`, `PUT /resource-kinds/{kind}`), the
+console and the bench fixtures call these same functions.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 from django.db import transaction
 
 from audit.services import Actor, audit_append
+from console.core.actors import acting_person
 from console.core.errors import Forbidden, ValidationFailed
 from console.permissions import is_admin
 from ownership.models import ApprovalMode, ConflictClass, OnConflict, ResourceKind, TargetType
@@ -35,8 +36,9 @@ CLASS_FIELDS = (
 )
 
 
-def _require_admin(user: Any) -> None:
-    if not getattr(user, "is_active", False) or not is_admin(user):
+def _require_admin(actor: Actor) -> None:
+    person = acting_person(actor)
+    if person is None or not is_admin(person):
         raise Forbidden("Only admins edit the conflict-class table and resource kinds.")
 
 
@@ -100,12 +102,14 @@ def resource_kind_as_dict(kind: ResourceKind) -> dict[str, Any]:
     }
 
 
-def conflict_class_put(*, slug: str, data: dict[str, Any], user: Any) -> tuple[ConflictClass, bool]:
+def conflict_class_save(
+    *, slug: str, data: dict[str, Any], actor: Actor
+) -> tuple[ConflictClass, bool]:
     """Create or replace a conflict class (admins only). Returns (class, created).
 
     Raises Forbidden, ValidationFailed (422 with per-field errors).
     """
-    _require_admin(user)
+    _require_admin(actor)
     errors: list[dict[str, str]] = []
     if not SLUG_PATTERN.match(slug):
         errors.append({"field": "slug", "message": "must be a lowercase slug"})
@@ -160,15 +164,17 @@ def conflict_class_put(*, slug: str, data: dict[str, Any], user: Any) -> tuple[C
         klass, created = ConflictClass.objects.update_or_create(slug=slug, defaults=values)
         audit_append(
             event_type="conflict_class.created" if created else "conflict_class.replaced",
-            actor=Actor.person(user),
+            actor=actor,
             details={"slug": slug, **{k: values[k] for k in CLASS_FIELDS}},
         )
     return klass, created
 
 
-def resource_kind_put(*, slug: str, data: dict[str, Any], user: Any) -> tuple[ResourceKind, bool]:
+def resource_kind_save(
+    *, slug: str, data: dict[str, Any], actor: Actor
+) -> tuple[ResourceKind, bool]:
     """Create or replace a resource kind (admins only). Returns (kind, created)."""
-    _require_admin(user)
+    _require_admin(actor)
     errors: list[dict[str, str]] = []
     if not SLUG_PATTERN.match(slug):
         errors.append({"field": "kind", "message": "must be a lowercase slug"})
@@ -217,7 +223,7 @@ def resource_kind_put(*, slug: str, data: dict[str, Any], user: Any) -> tuple[Re
         kind, created = ResourceKind.objects.update_or_create(slug=slug, defaults=values)
         audit_append(
             event_type="resource_kind.created" if created else "resource_kind.replaced",
-            actor=Actor.person(user),
+            actor=actor,
             details={
                 "kind": slug,
                 "classes": dict(classes),

@@ -1,0 +1,297 @@
+"""API: actions — read (long-poll), list, cancel, undo.
+
+Who may read an action is one selector (approvals.selectors.actions_visible_to),
+the same the console pages use.
+"""
+
+# ninja's Query()/Path() defaults read as unparameterised generics to mypy.
+# mypy: disable-error-code="type-arg"
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import transaction
+from django.http import HttpRequest, HttpResponse
+from ninja import Query, Router
+
+from approvals.api.longpoll import (
+    hold,
+    if_none_match_doc,
+    longpoll_responses,
+    parse_prefer_wait,
+    prefer_doc,
+    release_connection,
+)
+from approvals.api.schemas import ActionOut, ActionPage
+from approvals.api.serialize import action_body, action_json, action_load, action_response
+from approvals.models import FINAL_ACTION_STATUSES, Action, RunStatus
+from approvals.selectors import actions_visible_to
+from approvals.services import actions as action_services
+from approvals.services import idempotency
+from approvals.services.actions import TagCondition, read_condition
+from approvals.services.runs import RunNotActive, run_effective_status
+from approvals.services.tokens import Principal
+from approvals.services.undo import action_undo_request
+from console.api_support import (
+    NEWEST_FIRST,
+    TIME_CURSOR_PATTERN,
+    conditional_response,
+    page_response,
+    rate_limit_writes,
+    read_body,
+    replay_response,
+    store_for_replay,
+)
+from console.auth import (
+    any_token,
+    any_token_or_ended_run,
+    principal_of,
+    reader_of,
+    run_or_person_token,
+)
+from console.core.errors import NotFound
+from console.permissions import can_decide_approvals, can_undo_as_person
+from console.problems import ApiError, errors
+
+router = Router()
+
+
+def _visible(principal: Principal, action_id: uuid.UUID) -> Action:
+    action = (
+        actions_visible_to(reader_of(principal))
+        .select_related("kind", "resource", "conflict_class", "run__agent")
+        .filter(pk=action_id)
+        .first()
+    )
+    if action is None:
+        raise NotFound(f"Action {action_id} not found.")
+    return action
+
+
+def _own_run_only(principal: Principal, action: Action) -> None:
+    """A run token changes only its own run's actions, and only while the run is
+    active (409 run_not_active: the token still identifies the run)."""
+    if principal.kind != "run" or principal.run is None:
+        return
+    if principal.run.pk != action.run_id:
+        raise NotFound(f"Action {action.pk} not found.")
+    status = run_effective_status(principal.run)
+    if status != RunStatus.ACTIVE:
+        raise RunNotActive(
+            f"Run {principal.run.pk} is {status}; only active runs write.",
+            extra={"run": str(principal.run.pk), "run_status": status},
+        )
+
+
+# --- Read, with long-poll ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActionState:
+    etag: str
+    final: bool
+    body: bytes  # empty when the answer will not need it (304, or still holding)
+
+
+def _should_hold(state: ActionState, condition: TagCondition | None) -> bool:
+    if condition is not None:
+        return condition.weak_match(state.etag)
+    return not state.final
+
+
+def _action_state(
+    principal: Principal,
+    action_id: uuid.UUID,
+    condition: TagCondition | None,
+    holding: bool,
+) -> ActionState:
+    """Read the action; build the body only when the answer is a 200 now.
+
+    The hot poll path (If-None-Match still current, or a waiter re-checking
+    after a wake-up) costs one indexed read.
+    """
+    try:
+        row = (
+            actions_visible_to(reader_of(principal))
+            .filter(pk=action_id)
+            .values_list("revision", "status")
+            .first()
+        )
+        if row is None:
+            raise NotFound(f"Action {action_id} not found.")
+        state = ActionState(etag=f'"a{row[0]}"', final=row[1] in FINAL_ACTION_STATUSES, body=b"")
+        if holding and _should_hold(state, condition):
+            return state
+        if condition is not None and condition.weak_match(state.etag):
+            return state
+        action = action_load(action_id)
+        return ActionState(etag=action.etag, final=action.is_final, body=action_body(action))
+    finally:
+        release_connection(holding)
+
+
+@router.get(
+    "/actions/{action_id}",
+    auth=any_token_or_ended_run,
+    response={200: ActionOut, 304: None, **errors(400, 401, 403, 404, 422)},
+    summary="Read an action (long-poll with Prefer: wait=N)",
+    description="An agent token or an active run's token reads the agent's actions; the "
+    "token of an ended run reads only that run's actions.",
+    tags=["actions"],
+    openapi_extra={
+        "parameters": [prefer_doc("action", "(see If-None-Match)"), if_none_match_doc("action")],
+        "responses": longpoll_responses("action"),
+    },
+)
+async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    wait = parse_prefer_wait(request.headers.get("Prefer"))
+    condition = read_condition(request.headers.get("If-None-Match"))
+    read = sync_to_async(_action_state)
+    if wait:
+        state = await hold(
+            channel=action_id,
+            run=False,
+            wait=wait,
+            read=lambda: read(principal, action_id, condition, True),
+            should_hold=lambda state: _should_hold(state, condition),
+        )
+    if not wait or not (state.body or (condition and condition.weak_match(state.etag))):
+        # No wait, or a wait that ended holding an unfinished action: answer its state.
+        state = await read(principal, action_id, condition, False)
+    return conditional_response(etag=state.etag, body=state.body, condition=condition, wait=wait)
+
+
+@router.get(
+    "/actions",
+    auth=any_token,
+    response={200: ActionPage, **errors(400, 401, 422)},
+    summary="List actions visible to the caller, newest first",
+    tags=["actions"],
+)
+def action_list(
+    request: HttpRequest,
+    run: uuid.UUID | None = None,
+    status: str | None = Query(None, max_length=20),
+    limit: int = Query(50, ge=1, le=200),
+    cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
+) -> HttpResponse:
+    actions = actions_visible_to(reader_of(principal_of(request))).select_related(
+        "kind", "conflict_class", "run__agent"
+    )
+    if run is not None:
+        actions = actions.filter(run_id=run)
+    if status:
+        actions = actions.filter(status=status)
+    return page_response(
+        actions, keyset=NEWEST_FIRST, cursor=cursor, limit=limit, render=action_json
+    )
+
+
+# --- Cancel and undo -------------------------------------------------------------------
+
+
+@router.post(
+    "/actions/{action_id}/cancel",
+    auth=any_token_or_ended_run,
+    response={200: ActionOut, **errors(401, 403, 404, 409, 422, 429)},
+    summary="Cancel an action before its execution starts",
+    description="With the token of a run that is no longer active: `409 run_not_active`.",
+    tags=["actions"],
+)
+def action_cancel(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    action = _visible(principal, action_id)
+    # The role is not (yet) checked by action_cancel itself.
+    if principal.kind == "person" and not can_decide_approvals(principal.user):
+        raise ApiError("Cancelling needs the operator role.", code="forbidden")
+    _own_run_only(principal, action)
+    rate_limit_writes(principal)
+    action = action_services.action_cancel(action=action, actor=principal.actor)
+    return action_response(action_load(action.pk))
+
+
+_UNDO_DOC: dict[str, Any] = {
+    "parameters": [
+        {
+            "in": "header",
+            "name": "Idempotency-Key",
+            "required": True,
+            "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:-]{8,255}$"},
+        }
+    ],
+    "responses": {
+        "202": {
+            "description": "Accepted: the action, with its undo's state in `undo`",
+            "headers": {
+                "Location": {"schema": {"type": "string"}},
+                "Idempotent-Replayed": {
+                    "schema": {"type": "string"},
+                    "description": "`true` on a replay of the first answer",
+                },
+            },
+        }
+    },
+}
+
+
+@router.post(
+    "/actions/{action_id}/undo",
+    auth=run_or_person_token,
+    response={202: ActionOut, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
+    summary="Undo an applied action inside its undo window",
+    description="Checked in this order: authentication -> the action exists and is visible "
+    "(404) -> permission (403) -> the run token's run is active (409 run_not_active) -> "
+    "Idempotency-Key (400) -> idempotency (the same key and request replay the first "
+    "answer, status and body, with `Idempotent-Replayed: true`; the same key for another "
+    "action or body: 422 `idempotency_key_reused`; still in flight: 409) -> undo window "
+    "(409, judged when the undo is accepted). Keys are scoped to the agent (run token) or "
+    "to the person (personal token).",
+    tags=["actions"],
+    openapi_extra=_UNDO_DOC,
+)
+def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    # The contract's precedence: 404, 403 and 409 run_not_active come before the
+    # Idempotency-Key is looked at; action_undo_request checks them again, inside.
+    action = _visible(principal, action_id)
+    if principal.kind == "person":
+        owner_group = action.resource.owner_group if action.resource else action.kind.owner_group
+        if not can_undo_as_person(principal.user, owner_group=owner_group):
+            raise ApiError(
+                "Undo needs the operator role or membership of the resource's owner group.",
+                code="forbidden",
+            )
+    _own_run_only(principal, action)
+    rate_limit_writes(principal)
+    key = idempotency.key_check(request.headers.get("Idempotency-Key"))
+    # Exactly like a write: the same key and request replay the first answer; the
+    # same key for another action (another path) is 422 idempotency_key_reused.
+    body = read_body(request)
+    begin = idempotency.idempotency_begin(
+        agent=principal.agent if principal.kind == "run" else None,
+        person=principal.user if principal.kind == "person" else None,
+        key=key,
+        method="POST",
+        path=request.path,
+        fingerprint=idempotency.request_fingerprint(method="POST", path=request.path, body=body),
+    )
+    if begin.replay is not None:
+        return replay_response(begin.replay)
+    assert begin.record_id is not None
+    actor = principal.actor
+    try:
+        # The undo request and its stored answer commit together (or neither).
+        with transaction.atomic():
+            action_undo_request(action_id=action_id, actor=actor, idempotency_key=key)
+            action = action_load(action_id)
+            response = action_response(action, status=202)
+            store_for_replay(begin.record_id, response, action_id=action.pk)
+    except BaseException:
+        idempotency.idempotency_release(record_id=begin.record_id)
+        raise
+    return response

@@ -1,0 +1,81 @@
+"""API: run and call approvals — list, read, decide."""
+
+# ninja's Query()/Path() defaults read as unparameterised generics to mypy.
+# mypy: disable-error-code="type-arg"
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal
+
+from django.http import HttpRequest, HttpResponse
+from ninja import Query, Router
+
+from approvals.api.schemas import ApprovalItem, ApprovalPage, DecisionIn
+from approvals.api.serialize import approval_json, approval_load
+from approvals.selectors import approval_get_for_person, approval_list_for_person
+from approvals.services.decisions import approval_decide
+from console.api_support import (
+    OLDEST_FIRST,
+    TIME_CURSOR_PATTERN,
+    json_response,
+    page_response,
+    rate_limit_writes,
+)
+from console.auth import person_token, principal_of
+from console.problems import errors
+
+router = Router()
+
+
+@router.get(
+    "/approvals",
+    auth=person_token,
+    response={200: ApprovalPage, **errors(400, 401, 403, 422)},
+    summary="Run and call approvals the caller may decide, oldest first",
+    tags=["approvals"],
+)
+def approval_list(
+    request: HttpRequest,
+    status: Literal["pending", "approved", "rejected", "expired", "cancelled"] = "pending",
+    limit: int = Query(50, ge=1, le=200),
+    cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
+) -> HttpResponse:
+    # The console's rule: operators decide; escalation groups see escalated calls.
+    approvals = approval_list_for_person(principal_of(request).user, status=status)
+    return page_response(
+        approvals, keyset=OLDEST_FIRST, cursor=cursor, limit=limit, render=approval_json
+    )
+
+
+@router.get(
+    "/approvals/{approval_id}",
+    auth=person_token,
+    response={200: ApprovalItem, **errors(401, 403, 404, 422)},
+    summary="Read one approval",
+    tags=["approvals"],
+)
+def approval_get(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
+    approval = approval_get_for_person(principal_of(request).user, approval_id)
+    return json_response(approval_json(approval))
+
+
+@router.post(
+    "/approvals/{approval_id}/decision",
+    auth=person_token,
+    response={200: ApprovalItem, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
+    summary="Approve or reject (409 if already decided or expired)",
+    tags=["approvals"],
+)
+def approval_decision(
+    request: HttpRequest, approval_id: uuid.UUID, payload: DecisionIn
+) -> HttpResponse:
+    principal = principal_of(request)
+    rate_limit_writes(principal)
+    approval = approval_decide(
+        approval_id=approval_id,
+        actor=principal.actor,
+        decision=payload.decision,
+        comment=payload.comment,
+    )
+    return json_response(approval_json(approval_load(approval.pk)))

@@ -1,0 +1,138 @@
+"""Conditional reads and long-polling (`Prefer: wait=N`, `If-None-Match`) of runs
+and actions: one hold loop, one answer builder."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any, TypeVar
+
+from django.db import connection
+from django.utils import timezone
+
+from approvals.notify import action_waiters
+from console.problems import ApiError
+
+MAX_WAIT_SECONDS = 60
+# While subscribed, a waiter still re-reads this often in case a wake-up was lost.
+SAFETY_RECHECK_SECONDS = 15.0
+# Without a live subscription (Redis down) a waiter polls the database this often.
+UNSUBSCRIBED_RECHECK_SECONDS = 1.0
+
+_WAIT = re.compile(r"^\s*wait\s*=\s*(\d{1,6})\s*$", re.I)
+
+S = TypeVar("S")
+
+
+def parse_prefer_wait(raw: str | None) -> int | None:
+    """`Prefer: wait=N` (RFC 7240); other preferences are ignored. N over 60 is
+    honoured as 60 (Preference-Applied says so). A malformed wait is a 400."""
+    if not raw:
+        return None
+    wait: int | None = None
+    for preference in raw.split(","):
+        token = preference.split(";", 1)[0]
+        if token.split("=", 1)[0].strip().lower() == "wait":
+            match = _WAIT.match(token)
+            if match is None:
+                raise ApiError(
+                    "Prefer: wait must be a whole number of seconds, e.g. wait=30.",
+                    code="bad_header",
+                    extra={"header": "Prefer"},
+                )
+            wait = min(int(match.group(1)), MAX_WAIT_SECONDS)
+    return wait
+
+
+def release_connection(close: bool) -> None:
+    """Hand the connection back (to the pool) before the request waits."""
+    if close and not connection.in_atomic_block:
+        connection.close()
+
+
+async def hold(
+    *,
+    channel: Any,
+    run: bool,
+    wait: int,
+    read: Callable[[], Awaitable[S]],
+    should_hold: Callable[[S], bool],
+    changes_by_itself_at: Callable[[S], datetime | None] = lambda state: None,
+) -> S:
+    """Read, then re-read on every wake-up of `channel` (an action's or a run's
+    pub/sub) while `should_hold` and `wait` seconds have not passed.
+
+    Subscribes before the first read, so a change committed in between still
+    wakes us. `changes_by_itself_at`: a moment the state changes without any
+    publish (an active run's expiry): the waiter re-reads then.
+    """
+    if run:
+        event, live = await action_waiters.register_run(channel)
+    else:
+        event, live = await action_waiters.register(channel)
+    try:
+        state = await read()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        action_waiters.held += 1
+        try:
+            while should_hold(state):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                recheck = SAFETY_RECHECK_SECONDS if live else UNSUBSCRIBED_RECHECK_SECONDS
+                timeout = min(remaining, recheck)
+                moment = changes_by_itself_at(state)
+                if moment is not None:
+                    until = (moment - timezone.now()).total_seconds()
+                    timeout = max(0.0, min(timeout, until + 0.05))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout=timeout)
+                event.clear()
+                state = await read()
+        finally:
+            action_waiters.held -= 1
+    finally:
+        if run:
+            action_waiters.unregister_run(channel, event)
+        else:
+            action_waiters.unregister(channel, event)
+    return state
+
+
+def prefer_doc(subject: str, holds: str) -> dict[str, Any]:
+    return {
+        "in": "header",
+        "name": "Prefer",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": f"`wait=N` (N ≤ 60): hold the request until the {subject} changes "
+        f"{holds} or N seconds pass. Answered with `Preference-Applied: wait=N`.",
+    }
+
+
+def if_none_match_doc(subject: str) -> dict[str, Any]:
+    return {
+        "in": "header",
+        "name": "If-None-Match",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": f"The {subject} ETag you hold: 304 while unchanged; with Prefer: wait, "
+        "held while unchanged. A malformed value is ignored.",
+    }
+
+
+def longpoll_responses(subject: str) -> dict[str, Any]:
+    return {
+        "200": {
+            "description": f"The {subject}",
+            "headers": {
+                "ETag": {"schema": {"type": "string"}},
+                "Preference-Applied": {"schema": {"type": "string"}},
+            },
+        },
+        "304": {"description": "Not modified (ETag still matches If-None-Match)"},
+    }

@@ -1,0 +1,228 @@
+"""API: runs — create, list, read (long-poll), heartbeat, finish, revoke."""
+
+# ninja's Query()/Path() defaults read as unparameterised generics to mypy.
+# mypy: disable-error-code="type-arg"
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse
+from ninja import Query, Router
+
+from approvals.api.longpoll import (
+    hold,
+    if_none_match_doc,
+    longpoll_responses,
+    parse_prefer_wait,
+    prefer_doc,
+    release_connection,
+)
+from approvals.api.schemas import RevokeIn, RunCreatedOut, RunCreateIn, RunOut, RunPage
+from approvals.api.serialize import run_json
+from approvals.models import Run, RunStatus
+from approvals.selectors import run_list_for_actor
+from approvals.services import runs as run_services
+from approvals.services.actions import TagCondition, read_condition
+from approvals.services.tokens import Principal
+from console.api_support import (
+    NEWEST_FIRST,
+    TIME_CURSOR_PATTERN,
+    RoleBearer,
+    conditional_response,
+    json_bytes,
+    json_response,
+    page_response,
+    rate_limit_writes,
+)
+from console.auth import (
+    agent_or_run_token,
+    agent_token,
+    any_token_or_ended_run,
+    principal_of,
+    reader_of,
+)
+from console.core.errors import NotFound
+from console.permissions import can_decide_approvals
+from console.problems import errors
+
+router = Router()
+
+RunStatusName = Literal["pending_approval", "active", "rejected", "finished", "expired", "revoked"]
+
+
+def _run_for(principal: Principal, run_id: uuid.UUID) -> Run:
+    """The run if the caller may read it (a run token: its own run), else 404."""
+    run = run_list_for_actor(reader_of(principal)).filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"Run {run_id} not found.")
+    return run
+
+
+@router.post(
+    "/runs",
+    auth=agent_token,
+    response={201: RunCreatedOut, **errors(400, 401, 403, 409, 413, 422, 429)},
+    summary="Create a run with a declared write set",
+    tags=["runs"],
+)
+def run_create(request: HttpRequest, payload: RunCreateIn) -> HttpResponse:
+    principal = principal_of(request)
+    rate_limit_writes(principal)
+    assert principal.agent is not None
+    run, token = run_services.run_create(
+        agent=principal.agent,
+        task=payload.task,
+        write_set=[entry.model_dump() for entry in payload.write_set],
+        ttl_seconds=payload.ttl_seconds,
+        actor=principal.actor,
+    )
+    body = run_json(run) | {"token": token}
+    return json_response(body, status=201, headers={"Location": body["url"]})
+
+
+@router.get(
+    "/runs",
+    auth=any_token_or_ended_run,
+    response={200: RunPage, **errors(400, 401, 422)},
+    summary="List runs visible to the caller",
+    tags=["runs"],
+)
+def run_list(
+    request: HttpRequest,
+    status: RunStatusName | None = None,
+    limit: int = Query(50, ge=1, le=200),
+    cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
+) -> HttpResponse:
+    runs = run_list_for_actor(reader_of(principal_of(request)))
+    if status:
+        runs = runs.filter(status=status)
+    return page_response(runs, keyset=NEWEST_FIRST, cursor=cursor, limit=limit, render=run_json)
+
+
+@dataclass(frozen=True)
+class RunState:
+    etag: str
+    status: str
+    body: bytes
+    # An active run turns `expired` at this moment without any publish: a waiter
+    # re-reads then instead of sleeping through it.
+    expires_at: datetime | None
+
+
+def _run_state(principal: Principal, run_id: uuid.UUID, close: bool) -> RunState:
+    """Read the run. Its ETag is a digest of its representation, so it changes with
+    its status (and with anything else the body shows, such as a heartbeat's expiry)."""
+    try:
+        run = _run_for(principal, run_id)
+        body = json_bytes(run_json(run))
+        status = run_services.run_effective_status(run)
+        return RunState(
+            etag=f'"r{hashlib.sha256(body).hexdigest()[:24]}"',
+            status=status,
+            body=body,
+            expires_at=run.expires_at if status == RunStatus.ACTIVE else None,
+        )
+    finally:
+        release_connection(close)
+
+
+def _run_should_hold(state: RunState, condition: TagCondition | None) -> bool:
+    if condition is not None:
+        return condition.weak_match(state.etag)
+    # Without If-None-Match a run is held while it waits for a person's decision.
+    return state.status == RunStatus.PENDING_APPROVAL
+
+
+_RUN_HOLDS = (
+    "(with If-None-Match: while its ETag still matches; without: while it is `pending_approval`)"
+)
+
+
+@router.get(
+    "/runs/{run_id}",
+    auth=any_token_or_ended_run,
+    response={200: RunOut, 304: None, **errors(400, 401, 403, 404, 422)},
+    summary="Read a run (long-poll with Prefer: wait=N)",
+    description="A run token reads its own run, also after the run ended (`status` and "
+    "`status_reason` say why). The `ETag` changes with the run's status; an agent waits for "
+    "its run's approval with `Prefer: wait=N` and `If-None-Match`, as for actions.",
+    tags=["runs"],
+    openapi_extra={
+        "parameters": [prefer_doc("run", _RUN_HOLDS), if_none_match_doc("run")],
+        "responses": longpoll_responses("run"),
+    },
+)
+async def run_get(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    principal = principal_of(request)
+    wait = parse_prefer_wait(request.headers.get("Prefer"))
+    condition = read_condition(request.headers.get("If-None-Match"))
+    read = sync_to_async(_run_state)
+    if not wait:
+        state = await read(principal, run_id, False)
+    else:
+        state = await hold(
+            channel=run_id,
+            run=True,
+            wait=wait,
+            read=lambda: read(principal, run_id, True),
+            should_hold=lambda state: _run_should_hold(state, condition),
+            changes_by_itself_at=lambda state: state.expires_at,
+        )
+    return conditional_response(etag=state.etag, body=state.body, condition=condition, wait=wait)
+
+
+@router.post(
+    "/runs/{run_id}/heartbeat",
+    auth=agent_or_run_token,
+    response={200: RunOut, **errors(401, 403, 404, 409, 422, 429)},
+    summary="Extend the run's expiry (never past its approved maximum)",
+    tags=["runs"],
+)
+def run_heartbeat(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    return _change_own_run(request, run_id, run_services.run_heartbeat)
+
+
+@router.post(
+    "/runs/{run_id}/finish",
+    auth=agent_or_run_token,
+    response={200: RunOut, **errors(401, 403, 404, 409, 422, 429)},
+    summary="End the run and free its ownership records",
+    tags=["runs"],
+)
+def run_finish(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    return _change_own_run(request, run_id, run_services.run_finish)
+
+
+def _change_own_run(
+    request: HttpRequest, run_id: uuid.UUID, change: Callable[..., Run]
+) -> HttpResponse:
+    """Heartbeat or finish: the agent's or the run's own token, on a run it may read."""
+    principal = principal_of(request)
+    run = _run_for(principal, run_id)
+    rate_limit_writes(principal)
+    return json_response(run_json(change(run=run, actor=principal.actor)))
+
+
+@router.post(
+    "/runs/{run_id}/revoke",
+    # The role is decided before the body is validated (no schema leak).
+    auth=RoleBearer(can_decide_approvals, "Revoking a run needs the operator role."),
+    response={200: RunOut, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
+    summary="Revoke a run (operators): ownership freed, unexecuted actions cancelled",
+    tags=["runs"],
+)
+def run_revoke(request: HttpRequest, run_id: uuid.UUID, payload: RevokeIn) -> HttpResponse:
+    principal = principal_of(request)
+    run = Run.objects.select_related("agent").filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"Run {run_id} not found.")
+    rate_limit_writes(principal)
+    run = run_services.run_revoke(run=run, actor=principal.actor, reason=payload.reason)
+    return json_response(run_json(run))

@@ -1,0 +1,131 @@
+"""Opening approvals: the one place an Approval row is created.
+
+A leaf of the services layer (models, audit, run policy only): runs, actions,
+decisions and ownership's conflict resolution all import it at the top. Every
+function runs inside the caller's transaction.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from approvals.models import (
+    Action,
+    Approval,
+    ApprovalDecision,
+    ApprovalStatus,
+    ApprovalSubject,
+    Decision,
+    Run,
+)
+from approvals.services.run_policy import classes_for_write_set, run_quorum
+from audit.services import Actor, audit_append
+from ownership.models import ApprovalMode, Conflict, ConflictClass
+
+
+def approval_open_for_run(*, run: Run) -> Approval:
+    """A pending run approval, audited `approval.requested`.
+
+    Its quorum is the highest quorum among the per-run classes the write set
+    touches (run_policy.run_quorum), fixed when the approval opens, as a
+    per-call approval's is.
+    """
+    now = timezone.now()
+    classes = classes_for_write_set(run.write_set or [])
+    quorum = run_quorum(classes)
+    approval = Approval.objects.create(
+        subject=ApprovalSubject.RUN,
+        run=run,
+        quorum=quorum,
+        expires_at=now + timedelta(seconds=settings.AIRLOCK_RUN_APPROVAL_TTL_SECONDS),
+    )
+    audit_append(
+        event_type="approval.requested",
+        actor=Actor.system(),
+        run_id=run.pk,
+        details={
+            "approval": str(approval.pk),
+            "subject": "run",
+            "quorum": quorum,
+            "conflict_classes": [klass.slug for klass in classes],
+        },
+    )
+    return approval
+
+
+def approval_open_for_action(*, action: Action, from_conflict: Conflict | None = None) -> Approval:
+    """A pending per-call approval bound to the action's observed version, audited
+    `approval.requested`; quorum, TTL and escalation come from the action's class."""
+    cls = action.conflict_class
+    now = timezone.now()
+    approval = Approval.objects.create(
+        subject=ApprovalSubject.ACTION,
+        run_id=action.run_id,
+        action=action,
+        quorum=cls.quorum,
+        observed_version=action.observed_version,
+        expires_at=now + timedelta(seconds=cls.approval_ttl_seconds),
+        escalate_at=(
+            now + timedelta(seconds=cls.escalation_seconds) if cls.escalation_seconds else None
+        ),
+        from_conflict=from_conflict,
+    )
+    details = {
+        "approval": str(approval.pk),
+        "subject": "action",
+        "quorum": cls.quorum,
+        "observed_version": action.observed_version,
+        "conflict_class": cls.slug,
+    }
+    if from_conflict is not None:
+        details["conflict"] = str(from_conflict.pk)
+    audit_append(
+        event_type="approval.requested",
+        actor=Actor.system(),
+        resource=action.resource_identifier,
+        run_id=action.run_id,
+        action_id=action.pk,
+        details=details,
+    )
+    return approval
+
+
+def resolution_needs_votes(conflict_class: ConflictClass) -> bool:
+    """A person's resolution waits for more people when its class is per-call with a
+    quorum above one (the resolver's decision is the first vote)."""
+    return conflict_class.approval_mode == ApprovalMode.PER_CALL and conflict_class.quorum > 1
+
+
+def approval_open_for_resolution(
+    *, action: Action, conflict: Conflict, actor: Actor, comment: str
+) -> Approval:
+    """The approval of a person's conflict resolution (`action`, child of the refused one).
+
+    The resolver's decision is its first vote. A per-call class that needs more
+    than one person opens a pending approval (approval_open_for_action) and the
+    action waits `pending_approval` until approval_decide reaches the quorum;
+    otherwise the approval is recorded as already approved by the resolver (the
+    caller audits `conflict.resolved`).
+    """
+    if resolution_needs_votes(action.conflict_class):
+        approval = approval_open_for_action(action=action, from_conflict=conflict)
+    else:
+        now = timezone.now()
+        approval = Approval.objects.create(
+            subject=ApprovalSubject.ACTION,
+            run_id=action.run_id,
+            action=action,
+            status=ApprovalStatus.APPROVED,
+            quorum=1,
+            observed_version=action.observed_version,
+            expires_at=now,
+            decided_at=now,
+            from_conflict=conflict,
+        )
+    ApprovalDecision.objects.create(
+        approval=approval, person_id=int(actor.id), decision=Decision.APPROVE, comment=comment
+    )
+    return approval

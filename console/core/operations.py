@@ -1,0 +1,112 @@
+"""Opening an operation: the record of one execution attempt, made before the write.
+
+The barrier (console/core/barrier.py) and the undo (console/core/undo.py) then
+finish it exactly once, under its row lock.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from console.core.errors import InvalidTransition, NotFound
+
+# An action may be (re-)executed from these statuses.
+EXECUTABLE_STATUSES = (ActionStatus.QUEUED, ActionStatus.PAUSED, ActionStatus.EXECUTING)
+
+
+def open_operation(
+    *,
+    action_id: uuid.UUID | str,
+    fence: int,
+    worker: str,
+    lease_seconds: int,
+    undo_of_id: int | None = None,
+) -> Operation:
+    """Record an execution attempt (status pending) before the write.
+
+    For a write: moves the action queued/paused/executing -> executing (revision + 1)
+    with a conditional UPDATE; raises NotFound, or InvalidTransition when the action
+    is in any other status (e.g. already applied: a re-delivered job must stop).
+
+    For an undo (`undo_of_id`): the action keeps its status; at most one live
+    (not failed) undo operation exists per operation (a partial unique constraint),
+    so a second request gets the live one back (its fence raised if still pending)
+    and `apply_undo` answers "already_undone" once it is finished; an undo refused
+    for good is returned as it is (asking again repeats the refusal). Only after an
+    undo failed for a retryable reason (outcome `retryable`) is a new one opened.
+    """
+    now = timezone.now()
+    lease_expires_at = now + timedelta(seconds=lease_seconds)
+    with transaction.atomic():
+        if undo_of_id is not None:
+            return _open_undo_operation(
+                action_id=action_id,
+                fence=fence,
+                worker=worker,
+                lease_expires_at=lease_expires_at,
+                undo_of_id=undo_of_id,
+            )
+        moved = Action.objects.filter(pk=action_id, status__in=EXECUTABLE_STATUSES).update(
+            status=ActionStatus.EXECUTING, revision=F("revision") + 1, updated_at=now
+        )
+        if not moved:
+            status = Action.objects.filter(pk=action_id).values_list("status", flat=True).first()
+            if status is None:
+                raise NotFound("no such action", extra={"action": str(action_id)})
+            raise InvalidTransition(
+                f"the action is {status}; it cannot be executed",
+                extra={"action": str(action_id), "status": status},
+            )
+        return Operation.objects.create(
+            action_id=action_id,
+            fence=fence,
+            worker=worker[:200],
+            lease_expires_at=lease_expires_at,
+            status=OperationStatus.PENDING,
+        )
+
+
+def _open_undo_operation(
+    *,
+    action_id: uuid.UUID | str,
+    fence: int,
+    worker: str,
+    lease_expires_at: datetime,
+    undo_of_id: int,
+) -> Operation:
+    if not Operation.objects.filter(pk=undo_of_id, action_id=action_id).exists():
+        raise NotFound("no such operation for this action", extra={"operation": undo_of_id})
+    live = Operation.objects.filter(undo_of_id=undo_of_id).exclude(status=OperationStatus.FAILED)
+    existing = live.first()
+    if existing is None:
+        # An undo refused for good (resource moved, window closed) stays the answer;
+        # only one that failed for a retryable reason makes way for a new one.
+        latest = Operation.objects.filter(undo_of_id=undo_of_id).order_by("-started_at").first()
+        outcome = latest.outcome if latest is not None else None
+        if latest is not None and not (isinstance(outcome, dict) and outcome.get("retryable")):
+            return latest
+    if existing is None:
+        try:
+            with transaction.atomic():
+                return Operation.objects.create(
+                    action_id=action_id,
+                    undo_of_id=undo_of_id,
+                    fence=fence,
+                    worker=worker[:200],
+                    lease_expires_at=lease_expires_at,
+                    status=OperationStatus.PENDING,
+                )
+        except IntegrityError:
+            # A concurrent undo request created it first; share it.
+            existing = live.get()
+    Operation.objects.filter(
+        pk=existing.pk, status=OperationStatus.PENDING, fence__lt=fence
+    ).update(fence=fence, worker=worker[:200], lease_expires_at=lease_expires_at)
+    existing.refresh_from_db()
+    return existing

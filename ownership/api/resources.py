@@ -1,0 +1,359 @@
+"""API: resources — read, list, and the conditional writes (PUT / PATCH / DELETE)
+that become actions."""
+
+# ninja's Query()/Path() defaults read as unparameterised generics to mypy.
+# mypy: disable-error-code="type-arg"
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from ninja import Query, Router
+
+from approvals.api.schemas import ActionOut
+from approvals.api.serialize import action_load, action_response
+from approvals.models import Action
+from approvals.services import actions as action_services
+from approvals.services import idempotency
+from approvals.services.actions import TagCondition
+from console.api_support import (
+    RESOURCE_CURSOR_PATTERN,
+    Keyset,
+    conditional_response,
+    json_bytes,
+    page_response,
+    parse_json_object,
+    rate_limit_writes,
+    read_body,
+    replay_response,
+    store_for_replay,
+)
+from console.auth import any_token, principal_of, run_token
+from console.core.errors import DomainError, NotFound
+from console.problems import ApiError, errors, problem_from_error
+from ownership.api.schemas import (
+    KIND_PATTERN,
+    PREFIX_PATTERN,
+    STRONG_ETAG_PATTERN,
+    KindPath,
+    NamePath,
+    ResourceOut,
+    ResourcePage,
+)
+from ownership.api.serialize import resource_json
+from ownership.models import Resource
+
+router = Router()
+
+# By kind, then name; the cursor is the last `kind/name` (RESOURCE_CURSOR_PATTERN).
+_BY_KIND_AND_NAME = Keyset(
+    ("kind_id", "name"),
+    False,
+    lambda values: f"{values[0]}/{values[1]}",
+    lambda raw: list(raw.partition("/")[::2]),
+)
+
+_READ_HEADERS = [
+    {
+        "in": "header",
+        "name": "If-None-Match",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": "ETags you hold: 304 when one is still current (weak comparison). "
+        "A malformed value is ignored.",
+    }
+]
+
+
+@router.get(
+    "/resources/{kind}/{name}",
+    auth=any_token,
+    response={200: ResourceOut, 304: None, **errors(400, 401, 403, 404, 422)},
+    summary="Read a resource (strong ETag)",
+    tags=["resources"],
+    openapi_extra={
+        "parameters": _READ_HEADERS,
+        "responses": {
+            "200": {
+                "description": "The resource",
+                "headers": {"ETag": {"schema": {"type": "string"}}},
+            },
+            "304": {"description": "Not modified"},
+        },
+    },
+)
+def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePath) -> HttpResponse:
+    resource = Resource.objects.filter(kind_id=kind, name=name, deleted=False).first()
+    if resource is None:
+        raise NotFound(f"{kind}/{name} does not exist.")
+    return conditional_response(
+        etag=resource.etag,
+        body=json_bytes(resource_json(resource)),
+        condition=action_services.read_condition(request.headers.get("If-None-Match")),
+        wait=None,
+    )
+
+
+@router.get(
+    "/resources",
+    auth=any_token,
+    response={200: ResourcePage, **errors(400, 401, 422)},
+    summary="List resources by kind and name prefix",
+    tags=["resources"],
+)
+def resource_list(
+    request: HttpRequest,
+    kind: str | None = Query(None, pattern=KIND_PATTERN),
+    prefix: str | None = Query(None, pattern=PREFIX_PATTERN),
+    limit: int = Query(50, ge=1, le=200),
+    cursor: str | None = Query(None, pattern=RESOURCE_CURSOR_PATTERN),
+) -> HttpResponse:
+    resources = Resource.objects.filter(deleted=False)
+    if kind:
+        resources = resources.filter(kind_id=kind)
+    if prefix:
+        resources = resources.filter(name__startswith=prefix)
+    return page_response(
+        resources, keyset=_BY_KIND_AND_NAME, cursor=cursor, limit=limit, render=resource_json
+    )
+
+
+# --- Conditional writes -------------------------------------------------------------
+
+_WRITE_HEADERS = [
+    {
+        "in": "header",
+        "name": "Idempotency-Key",
+        "required": True,
+        "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:-]{8,255}$"},
+        "description": "Scoped to the agent, kept at least 24 h. A retry with the same key "
+        "and request replays the original answer (`Idempotent-Replayed: true`).",
+    },
+    {
+        "in": "header",
+        "name": "If-Match",
+        "required": False,
+        "schema": {"type": "string", "pattern": STRONG_ETAG_PATTERN},
+        "description": 'Exactly one strong ETag, the version you read, e.g. `"41"`. Required '
+        "to update or delete. `*` is refused with `428 precondition_required`; a list of "
+        "tags or a weak tag (`W/…`) with `400 if_match_invalid`. Either refusal changes "
+        "nothing and stores nothing under the Idempotency-Key.",
+    },
+    {
+        "in": "header",
+        "name": "Airlock-Reason",
+        "required": False,
+        "schema": {"type": "string", "maxLength": 500},
+        "description": "Why, shown to approvers and kept in the audit trail (no secrets).",
+    },
+]
+_CREATE_HEADER = {
+    "in": "header",
+    "name": "If-None-Match",
+    "required": False,
+    "schema": {"type": "string", "pattern": r"^[ \t]*\*[ \t]*$"},
+    "description": "`*` to create (the name must be free).",
+}
+_WRITE_RESPONSES = {
+    "202": {
+        "description": "Accepted: the action, executed on a worker after any approval",
+        "headers": {
+            "Location": {"schema": {"type": "string"}, "description": "/api/v1/actions/{id}"},
+            "Idempotent-Replayed": {"schema": {"type": "string"}},
+        },
+    }
+}
+_WRITE_ERRORS = errors(400, 401, 403, 404, 409, 412, 413, 415, 422, 423, 428, 429)
+
+
+def _object_body(media: str) -> dict[str, Any]:
+    return {
+        "required": True,
+        "content": {media: {"schema": {"type": "object", "additionalProperties": True}}},
+    }
+
+
+@dataclass(frozen=True)
+class _Preconditions:
+    if_match: Any
+    if_none_match: TagCondition | None
+    reason: str
+
+
+def _operation(method: str, raw_if_none_match: str | None) -> str:
+    if method == "DELETE":
+        return "delete"
+    if method == "PUT" and raw_if_none_match is not None and raw_if_none_match.strip() == "*":
+        return "create"
+    return "update"
+
+
+def _preconditions(request: HttpRequest, method: str) -> _Preconditions:
+    """If-Match (one strong tag: `*` -> 428, a list or W/ -> 400 if_match_invalid),
+    If-None-Match (only `*` with PUT), Airlock-Reason (at most 500 characters)."""
+    if_match = action_services.parse_write_if_match(request.headers.get("If-Match"))
+    if_none_match = action_services.parse_tag_condition(
+        request.headers.get("If-None-Match"), header="If-None-Match"
+    )
+    if if_none_match is not None and not (method == "PUT" and if_none_match.any):
+        raise ApiError(
+            "On writes, If-None-Match is only allowed as '*' with PUT (create).",
+            code="bad_header",
+            extra={"header": "If-None-Match"},
+        )
+    if if_none_match is not None and if_match is not None:
+        raise ApiError(
+            "Send either If-Match (update) or If-None-Match: * (create), not both.",
+            code="bad_header",
+            extra={"header": "If-Match"},
+        )
+    reason = request.headers.get("Airlock-Reason", "")
+    if len(reason) > 500:
+        raise ApiError(
+            "Airlock-Reason is longer than 500 characters.",
+            code="bad_header",
+            extra={"header": "Airlock-Reason"},
+        )
+    return _Preconditions(if_match=if_match, if_none_match=if_none_match, reason=reason)
+
+
+def _payload(request: HttpRequest, method: str, body: bytes) -> dict[str, Any] | None:
+    """PUT: a JSON document; PATCH: a JSON merge patch; DELETE: no body."""
+    content_type = request.headers.get("Content-Type", "")
+    if method == "PUT":
+        return parse_json_object(body, content_type=content_type, field="document")
+    if method == "PATCH":
+        return parse_json_object(
+            body,
+            content_type=content_type,
+            allowed_types=("application/merge-patch+json", "application/json"),
+            field="patch",
+        )
+    if body:
+        raise ApiError(
+            "DELETE takes no body.",
+            code="validation_error",
+            status=422,
+            extra={"errors": [{"field": "body", "message": "must be empty"}]},
+        )
+    return None
+
+
+def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpResponse:
+    """Checked in the contract's order: authentication (done) -> run active -> write
+    set -> Idempotency-Key format -> header and body syntax (never stored) ->
+    idempotency -> the proposal, whose answer (202, or a refused stale write) is
+    stored for replay in the same transaction."""
+    principal = principal_of(request)
+    run = principal.run
+    assert run is not None and principal.agent is not None
+    rate_limit_writes(principal)
+    operation = _operation(method, request.headers.get("If-None-Match"))
+    resource_kind = action_services.action_check_writable(
+        run=run, kind=kind, name=name, operation=operation
+    )
+    key = idempotency.key_check(request.headers.get("Idempotency-Key"))
+    preconditions = _preconditions(request, method)
+    body = read_body(request)
+    proposal = action_services.Proposal(
+        kind=resource_kind,
+        name=name,
+        operation=operation,
+        payload_format=action_services.PAYLOAD_FORMATS[method],
+        payload=_payload(request, method, body),
+        if_match=preconditions.if_match,
+        create_if_absent=preconditions.if_none_match is not None,
+        idempotency_key=key,
+        reason=preconditions.reason,
+    )
+    begin = idempotency.idempotency_begin(
+        agent=principal.agent,
+        key=key,
+        method=method,
+        path=request.path,
+        fingerprint=idempotency.request_fingerprint(method=method, path=request.path, body=body),
+    )
+    if begin.replay is not None:
+        return replay_response(begin.replay)
+    assert begin.record_id is not None
+    return _propose(run, proposal, begin.record_id)
+
+
+def _propose(run: Any, proposal: action_services.Proposal, record_id: int) -> HttpResponse:
+    produced: dict[str, HttpResponse] = {}
+
+    # A response counts as produced only once stored: if storing fails (the key was
+    # taken over), the proposal rolls back and the error is the answer.
+    def on_recorded(action: Action) -> None:
+        response = action_response(action_load(action.pk), status=202)
+        store_for_replay(record_id, response, action_id=action.pk)
+        produced["response"] = response
+
+    def on_refused(error: DomainError) -> None:
+        response = problem_from_error(error)
+        store_for_replay(record_id, response)
+        produced["response"] = response
+
+    try:
+        action_services.action_propose(
+            run=run, proposal=proposal, on_recorded=on_recorded, on_refused=on_refused
+        )
+    except DomainError as error:
+        if "response" in produced:  # the refused stale write, stored for replay
+            return produced["response"]
+        idempotency.idempotency_release(record_id=record_id)
+        raise error from None
+    except BaseException:
+        idempotency.idempotency_release(record_id=record_id)
+        raise
+    return produced["response"]
+
+
+@router.put(
+    "/resources/{kind}/{name}",
+    auth=run_token,
+    response={202: ActionOut, **_WRITE_ERRORS},
+    summary="Replace a resource's document (If-Match) or create it (If-None-Match: *)",
+    tags=["resources"],
+    openapi_extra={
+        "parameters": [*_WRITE_HEADERS, _CREATE_HEADER],
+        "requestBody": _object_body("application/json"),
+        "responses": _WRITE_RESPONSES,
+    },
+)
+def resource_put(request: HttpRequest, kind: str = KindPath, name: str = NamePath) -> HttpResponse:
+    return _write(request, kind, name, "PUT")
+
+
+@router.patch(
+    "/resources/{kind}/{name}",
+    auth=run_token,
+    response={202: ActionOut, **_WRITE_ERRORS},
+    summary="Change a resource with a JSON merge patch (RFC 7396)",
+    tags=["resources"],
+    openapi_extra={
+        "parameters": _WRITE_HEADERS,
+        "requestBody": _object_body("application/merge-patch+json"),
+        "responses": _WRITE_RESPONSES,
+    },
+)
+def resource_patch(
+    request: HttpRequest, kind: str = KindPath, name: str = NamePath
+) -> HttpResponse:
+    return _write(request, kind, name, "PATCH")
+
+
+@router.delete(
+    "/resources/{kind}/{name}",
+    auth=run_token,
+    response={202: ActionOut, **_WRITE_ERRORS},
+    summary="Delete a resource (If-Match)",
+    tags=["resources"],
+    openapi_extra={"parameters": _WRITE_HEADERS, "responses": _WRITE_RESPONSES},
+)
+def resource_delete(
+    request: HttpRequest, kind: str = KindPath, name: str = NamePath
+) -> HttpResponse:
+    return _write(request, kind, name, "DELETE")

@@ -1,0 +1,1 @@
+"""Ownership services by sub-domain: conflicts (opening), resolution, catalog."""
