@@ -23,6 +23,7 @@ from approvals.models import (
 )
 from approvals.services.run_policy import classes_for_write_set, run_quorum
 from audit.services import Actor, audit_append
+from console.core.action_audit import audit_action_event
 from ownership.models import ApprovalMode, Conflict, ConflictClass
 
 
@@ -82,12 +83,10 @@ def approval_open_for_action(*, action: Action, from_conflict: Conflict | None =
     }
     if from_conflict is not None:
         details["conflict"] = str(from_conflict.pk)
-    audit_append(
+    audit_action_event(
+        action,
         event_type="approval.requested",
         actor=Actor.system(),
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
         details=details,
     )
     return approval

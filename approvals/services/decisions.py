@@ -36,8 +36,15 @@ from approvals.services.run_policy import classes_for_write_set
 from approvals.services.runs import run_activate, run_reject
 from approvals.services.write_sets import entries_of, lock_kinds
 from audit.services import Actor, audit_append
+from console.core.action_audit import audit_action_event
 from console.core.barrier import lock_run_for_share
-from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
+from console.core.errors import (
+    Forbidden,
+    InvalidTransition,
+    NotFound,
+    ValidationFailed,
+    text_within,
+)
 from console.permissions import can_decide_approvals, person_of
 from ownership.models import OwnershipRecord
 from ownership.reopen import conflict_reopen_for_resolution
@@ -174,12 +181,7 @@ def approval_decide(
             "decision must be 'approve' or 'reject'",
             extra={"errors": [{"field": "decision", "message": "approve or reject"}]},
         )
-    comment = (comment or "").strip()
-    if len(comment) > MAX_COMMENT_LENGTH:
-        raise ValidationFailed(
-            f"comment is longer than {MAX_COMMENT_LENGTH} characters",
-            extra={"errors": [{"field": "comment", "message": "too long"}]},
-        )
+    comment = text_within(comment, field="comment", limit=MAX_COMMENT_LENGTH)
     try:
         approval_uuid = uuid.UUID(str(approval_id))
     except ValueError as exc:
@@ -256,12 +258,10 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
         from_statuses=(ActionStatus.PENDING_APPROVAL,),
         to_status=ActionStatus.QUEUED,
     )
-    audit_append(
+    audit_action_event(
+        action,
         event_type="approval.approved",
         actor=actor,
-        resource=action.resource_identifier,
-        run_id=approval.run_id,
-        action_id=action.pk,
         details={
             "approval": str(approval.pk),
             "subject": "action",
@@ -296,12 +296,10 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
         to_status=ActionStatus.REJECTED,
         error=error,
     )
-    audit_append(
+    audit_action_event(
+        action,
         event_type="approval.rejected",
         actor=actor,
-        resource=action.resource_identifier,
-        run_id=approval.run_id,
-        action_id=action.pk,
         details={"approval": str(approval.pk), "subject": "action", "comment": comment},
     )
     if rejected and action.parent_id is not None:

@@ -76,6 +76,25 @@ def _clean(
     }
 
 
+def _admin_clean(
+    actor: Actor,
+    kind: str,
+    name_prefix: str,
+    operations: list[str],
+    agent: str | None,
+    description: str,
+) -> dict[str, Any]:
+    """Who may edit rules (admins: Forbidden otherwise), then _clean's fields."""
+    require_person(actor, is_admin, "Only admins edit auto-approve rules.")
+    return _clean(
+        kind=kind,
+        name_prefix=name_prefix,
+        operations=operations,
+        agent=agent,
+        description=description,
+    )
+
+
 def auto_approve_rule_create(
     *,
     actor: Actor,
@@ -87,14 +106,7 @@ def auto_approve_rule_create(
     enabled: bool = True,
 ) -> AutoApproveRule:
     """Create a rule (admins only). Raises Forbidden, ValidationFailed."""
-    require_person(actor, is_admin, "Only admins edit auto-approve rules.")
-    values = _clean(
-        kind=kind,
-        name_prefix=name_prefix,
-        operations=operations,
-        agent=agent,
-        description=description,
-    )
+    values = _admin_clean(actor, kind, name_prefix, operations, agent, description)
     with transaction.atomic():
         rule = AutoApproveRule.objects.create(**values, enabled=enabled)
         audit_append(
@@ -122,14 +134,7 @@ def auto_approve_rule_update(
     (rule, changed): an edit that changes nothing writes no audit row.
     Raises Forbidden, NotFound, ValidationFailed.
     """
-    require_person(actor, is_admin, "Only admins edit auto-approve rules.")
-    values = _clean(
-        kind=kind,
-        name_prefix=name_prefix,
-        operations=operations,
-        agent=agent,
-        description=description,
-    )
+    values = _admin_clean(actor, kind, name_prefix, operations, agent, description)
     values["enabled"] = bool(enabled)
     with transaction.atomic():
         rule = AutoApproveRule.objects.select_for_update().filter(pk=rule_id).first()

@@ -46,7 +46,8 @@ from approvals.models import (
     WriteOperation,
     run_end_exempt,
 )
-from audit.services import Actor, audit_append
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
 from console.core.errors import KillSwitchEngaged, NotFound
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
 from console.core.operations import EXECUTABLE_STATUSES
@@ -313,19 +314,15 @@ def _record_applied(
         error=None,
         updated_at=now,
     )
-    audit_append(
-        event_type="write.applied",
-        actor=_write_actor(action),
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
+    _audit_write(
+        "write.applied",
+        action,
+        operation,
+        actor=actor,
         details={
-            "operation": action.operation,
-            "operation_id": operation.pk,
             "fence": fence,
             "from_version": result.base_version,
             "to_version": result.result_version,
-            **_executor(actor, action),
         },
     )
     return WriteOutcome(
@@ -500,19 +497,7 @@ def _refuse(
         outcome=refusal.as_dict(),
         finished_at=timezone.now(),
     )
-    audit_append(
-        event_type="write.refused",
-        actor=_write_actor(action),
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
-        details={
-            "operation": action.operation,
-            "operation_id": operation.pk,
-            **refusal.as_dict(),
-            **_executor(actor, action),
-        },
-    )
+    _audit_write("write.refused", action, operation, actor=actor, details=refusal.as_dict())
     return WriteOutcome(
         applied=False,
         action_id=action.pk,
@@ -526,6 +511,28 @@ def _refuse(
 def _write_actor(action: Action) -> Actor:
     """A write (and its refusal) is the run's: the run is the accountable principal."""
     return Actor.run(action.run)
+
+
+def _audit_write(
+    event_type: str,
+    action: Action,
+    operation: Operation,
+    *,
+    actor: Actor,
+    details: dict[str, Any],
+) -> None:
+    """The run's audit event for a write or its refusal, naming the executor."""
+    audit_action_event(
+        action,
+        event_type=event_type,
+        actor=_write_actor(action),
+        details={
+            "operation": action.operation,
+            "operation_id": operation.pk,
+            **details,
+            **_executor(actor, action),
+        },
+    )
 
 
 def _executor(actor: Actor, action: Action) -> dict[str, Any]:
