@@ -8,6 +8,7 @@ function runs inside the caller's transaction.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
@@ -62,12 +63,9 @@ def approval_open_for_action(*, action: Action, from_conflict: Conflict | None =
     `approval.requested`; quorum, TTL and escalation come from the action's class."""
     cls = action.conflict_class
     now = timezone.now()
-    approval = Approval.objects.create(
-        subject=ApprovalSubject.ACTION,
-        run_id=action.run_id,
-        action=action,
+    approval = _action_approval_create(
+        action,
         quorum=cls.quorum,
-        observed_version=action.observed_version,
         expires_at=now + timedelta(seconds=cls.approval_ttl_seconds),
         escalate_at=(
             now + timedelta(seconds=cls.escalation_seconds) if cls.escalation_seconds else None
@@ -113,13 +111,10 @@ def approval_open_for_resolution(
         approval = approval_open_for_action(action=action, from_conflict=conflict)
     else:
         now = timezone.now()
-        approval = Approval.objects.create(
-            subject=ApprovalSubject.ACTION,
-            run_id=action.run_id,
-            action=action,
+        approval = _action_approval_create(
+            action,
             status=ApprovalStatus.APPROVED,
             quorum=1,
-            observed_version=action.observed_version,
             expires_at=now,
             decided_at=now,
             from_conflict=conflict,
@@ -128,3 +123,14 @@ def approval_open_for_resolution(
         approval=approval, person_id=int(actor.id), decision=Decision.APPROVE, comment=comment
     )
     return approval
+
+
+def _action_approval_create(action: Action, **fields: Any) -> Approval:
+    """An approval of one action, bound to the version the action observed."""
+    return Approval.objects.create(
+        subject=ApprovalSubject.ACTION,
+        run_id=action.run_id,
+        action=action,
+        observed_version=action.observed_version,
+        **fields,
+    )

@@ -48,8 +48,8 @@ from approvals.models import (
 )
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
-from console.core.errors import KillSwitchEngaged, NotFound
-from console.core.killswitch import engaged_switch_for, hold_switches_shared
+from console.core.errors import NotFound
+from console.core.killswitch import hold_switches_shared, refuse_if_engaged
 from console.core.operations import EXECUTABLE_STATUSES
 from ownership.diff import proposed_document
 from ownership.models import Resource, ResourceVersion, TargetType
@@ -133,13 +133,7 @@ def apply_action(
             # A re-delivered job: the first delivery already recorded the outcome.
             return _finished_outcome(action, operation)
 
-        identifier = action.resource_identifier
-        switch = engaged_switch_for(identifier)
-        if switch is not None:
-            raise KillSwitchEngaged(
-                f"kill switch {switch.scope} is engaged: {switch.reason}".rstrip(": "),
-                extra={"scope": switch.scope, "reason": switch.reason, "resource": identifier},
-            )
+        refuse_if_engaged(action.resource_identifier)
 
         if action.status not in EXECUTABLE_STATUSES:
             refusal = Refusal(ACTION_NOT_EXECUTABLE, f"the action is {action.status}", fence=fence)
@@ -356,18 +350,41 @@ def _write_existing(action: Action, *, fence: int, now: datetime) -> _Written | 
     # tombstone keeps its last document (readers see a delete as `{}`, the
     # proposed document; the history row keeps what was deleted).
     document = current["document"] if deleting else proposed_document(action, current["document"])
+    if _conditional_update(
+        document,
+        deleted=deleting,
+        fence=fence,
+        now=now,
+        pk=current["id"],
+        version=observed,
+        was_deleted=False,
+    ):
+        return _Written(current["id"], observed, observed + 1, document, deleting)
+    return _Refused(_classify_miss(current["id"], expected=observed, fence=fence), current["id"])
+
+
+def _conditional_update(
+    document: Any,
+    *,
+    deleted: bool,
+    fence: int,
+    now: datetime,
+    pk: int,
+    version: int,
+    was_deleted: bool,
+) -> bool:
+    """The one conditional UPDATE: it writes only while the row is still at `version`
+    (and `was_deleted`) and `fence` is newer than the last one accepted."""
     rows = Resource.objects.filter(
-        pk=current["id"], version=observed, last_fence__lt=fence, deleted=False
+        pk=pk, version=version, deleted=was_deleted, last_fence__lt=fence
     ).update(
         document=document,
-        deleted=deleting,
+        deleted=deleted,
         version=F("version") + 1,
         last_fence=fence,
         updated_at=now,
     )
-    if rows == 1:
-        return _Written(current["id"], observed, observed + 1, document, deleting)
-    return _Refused(_classify_miss(current["id"], expected=observed, fence=fence), current["id"])
+    return rows == 1
 
 
 def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _Refused:
@@ -403,16 +420,15 @@ def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _R
         return _Written(resource.pk, None, 1, document, False)
     if not existing["deleted"]:
         return _Refused(_already_exists(existing, fence), existing["id"])
-    rows = Resource.objects.filter(
-        pk=existing["id"], version=existing["version"], deleted=True, last_fence__lt=fence
-    ).update(
-        document=document,
+    if _conditional_update(
+        document,
         deleted=False,
-        version=F("version") + 1,
-        last_fence=fence,
-        updated_at=now,
-    )
-    if rows == 1:
+        fence=fence,
+        now=now,
+        pk=existing["id"],
+        version=existing["version"],
+        was_deleted=True,
+    ):
         return _Written(
             existing["id"], existing["version"], existing["version"] + 1, document, False
         )

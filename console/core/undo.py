@@ -29,8 +29,8 @@ from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from console.core.actors import person_id
-from console.core.errors import KillSwitchEngaged, NotFound
-from console.core.killswitch import engaged_switch_for, hold_switches_shared
+from console.core.errors import NotFound
+from console.core.killswitch import hold_switches_shared, refuse_if_engaged
 from ownership.models import Resource, ResourceVersion
 
 WINDOW_EXPIRED = "window_expired"
@@ -107,13 +107,7 @@ def apply_undo(
         if refusal is not None:
             return _refuse(undo_op, action, actor, *refusal, base)
 
-        identifier = action.resource_identifier
-        switch = engaged_switch_for(identifier)
-        if switch is not None:
-            raise KillSwitchEngaged(
-                f"kill switch {switch.scope} is engaged: {switch.reason}".rstrip(": "),
-                extra={"scope": switch.scope, "reason": switch.reason, "resource": identifier},
-            )
+        refuse_if_engaged(action.resource_identifier)
 
         resource_id = action.resource_id
         assert resource_id is not None  # set by apply_action on every accepted write
