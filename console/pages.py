@@ -159,18 +159,22 @@ class EditablePage:
             events=(self.event,),
         )
 
-    def respond_to_form(
+    def submit(
         self,
         request: HttpRequest,
+        form: Any,
+        save: Callable[[], str],
         context: Callable[..., dict[str, Any]],
+        /,
         *,
-        notice: str = "",
-        status: int = 200,
+        denied_as_page: bool = False,
         **kept: Any,
     ) -> HttpResponse:
-        """`respond` after a form POST: `kept` (the bound form, the row being edited)
-        goes back into `context(request, **kept)` only on failure, so the page shows
-        the errors in place; a success renders the page afresh."""
+        """A form POST: validate `form`, run `save` (one service call that returns the
+        notice), answer with `respond`. On failure `kept` (the bound form, the row
+        being edited) goes back into `context(request, **kept)` so the page shows the
+        errors in place; a success renders the page afresh."""
+        status, notice = _form_save(form, save, denied_as_page=denied_as_page)
         return self.respond(
             request,
             lambda: context(request, **(kept if status >= 400 else {})),
@@ -205,11 +209,10 @@ def form_errors_from(form: Any, error: DomainError) -> None:
         form.add_error(field if field in form.fields else None, item.get("message", ""))
 
 
-def form_save(
+def _form_save(
     form: Any, save: Callable[[], str], *, denied_as_page: bool = False
 ) -> tuple[int, str]:
-    """Validate a page's form, then run `save` (one service call that returns the
-    notice). Returns (status, notice): 422 for an invalid form; a service's
+    """Returns (status, notice): 422 for an invalid form; a service's
     DomainError as its status with the message on the form (with `denied_as_page`,
     its 403/404 is the page's instead); otherwise 200 and the notice."""
     if not form.is_valid():

@@ -18,7 +18,6 @@ from console.pages import (
     console_page,
     error_status,
     forbid_unless,
-    form_save,
     render_fragment_or_page,
 )
 from console.people import person_create, person_groups, person_set_active, person_update
@@ -107,10 +106,7 @@ def person_create_view(request: HttpRequest) -> HttpResponse:
         )
         return f"{person.get_username()} can now sign in."
 
-    status, notice = form_save(form, save)
-    return PEOPLE.respond_to_form(
-        request, _people_context, notice=notice, status=status, create_form=form
-    )
+    return PEOPLE.submit(request, form, save, _people_context, create_form=form)
 
 
 @console_page
@@ -132,10 +128,7 @@ def person_update_view(request: HttpRequest, person_id: int) -> HttpResponse:
         name = person.get_username()
         return f"{name}'s roles and groups saved." if changed else f"{name} is unchanged."
 
-    status, notice = form_save(form, save)
-    return PEOPLE.respond_to_form(
-        request, _people_context, notice=notice, status=status, edit_form=form, editing=person
-    )
+    return PEOPLE.submit(request, form, save, _people_context, edit_form=form, editing=person)
 
 
 @console_page

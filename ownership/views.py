@@ -26,7 +26,6 @@ from console.pages import (
     console_page,
     error_status,
     forbid_unless,
-    form_save,
     is_htmx,
     keyset_page,
     pretty,
@@ -396,12 +395,6 @@ def catalog(request: HttpRequest) -> HttpResponse:
     return render_fragment_or_page(request, CATALOG.template, context, partial="page")
 
 
-def _catalog_respond(
-    request: HttpRequest, *, notice: str = "", status: int = 200, **extra: Any
-) -> HttpResponse:
-    return CATALOG.respond_to_form(request, _catalog_context, notice=notice, status=status, **extra)
-
-
 @console_page
 @require_POST
 def conflict_class_save(request: HttpRequest) -> HttpResponse:
@@ -414,8 +407,9 @@ def conflict_class_save(request: HttpRequest) -> HttpResponse:
         return f"Conflict class {slug} saved."
 
     # The verb's admin check is a 403 page, not a form error.
-    status, notice = form_save(form, save, denied_as_page=True)
-    return _catalog_respond(request, notice=notice, status=status, class_form=form)
+    return CATALOG.submit(
+        request, form, save, _catalog_context, denied_as_page=True, class_form=form
+    )
 
 
 @console_page
@@ -432,5 +426,6 @@ def resource_kind_save(request: HttpRequest) -> HttpResponse:
         catalog_services.resource_kind_save(slug=slug, data=data, actor=Actor.person(request.user))
         return f"Resource kind {slug} saved."
 
-    status, notice = form_save(form, save, denied_as_page=True)
-    return _catalog_respond(request, notice=notice, status=status, kind_form=form)
+    return CATALOG.submit(
+        request, form, save, _catalog_context, denied_as_page=True, kind_form=form
+    )

@@ -48,12 +48,7 @@ def approval_open_for_run(*, run: Run) -> Approval:
         event_type="approval.requested",
         actor=Actor.system(),
         run_id=run.pk,
-        details={
-            "approval": str(approval.pk),
-            "subject": "run",
-            "quorum": quorum,
-            "conflict_classes": [klass.slug for klass in classes],
-        },
+        details=approval_details(approval, conflict_classes=[klass.slug for klass in classes]),
     )
     return approval
 
@@ -72,13 +67,9 @@ def approval_open_for_action(*, action: Action, from_conflict: Conflict | None =
         ),
         from_conflict=from_conflict,
     )
-    details = {
-        "approval": str(approval.pk),
-        "subject": "action",
-        "quorum": cls.quorum,
-        "observed_version": action.observed_version,
-        "conflict_class": cls.slug,
-    }
+    details = approval_details(
+        approval, observed_version=action.observed_version, conflict_class=cls.slug
+    )
     if from_conflict is not None:
         details["conflict"] = str(from_conflict.pk)
     audit_action_event(
@@ -88,6 +79,16 @@ def approval_open_for_action(*, action: Action, from_conflict: Conflict | None =
         details=details,
     )
     return approval
+
+
+def approval_details(approval: Approval, **more: Any) -> dict[str, Any]:
+    """What an approval's audit events name first: the approval, its subject, its quorum."""
+    return {
+        "approval": str(approval.pk),
+        "subject": str(approval.subject),
+        "quorum": approval.quorum,
+        **more,
+    }
 
 
 def resolution_needs_votes(conflict_class: ConflictClass) -> bool:

@@ -32,6 +32,7 @@ from approvals.models import (
 )
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
+from approvals.services.approval_open import approval_details
 from approvals.services.run_policy import classes_for_write_set
 from approvals.services.runs import run_activate, run_reject
 from approvals.services.write_sets import entries_of, lock_kinds
@@ -247,7 +248,7 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
             event_type="approval.approved",
             actor=actor,
             run_id=approval.run_id,
-            details={"approval": str(approval.pk), "subject": "run", "quorum": approval.quorum},
+            details=approval_details(approval),
         )
         run_activate(run=approval.run, actor=actor)
         return
@@ -262,13 +263,9 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
         action,
         event_type="approval.approved",
         actor=actor,
-        details={
-            "approval": str(approval.pk),
-            "subject": "action",
-            "quorum": approval.quorum,
-            "observed_version": approval.observed_version,
-            "queued": moved,
-        },
+        details=approval_details(
+            approval, observed_version=approval.observed_version, queued=moved
+        ),
     )
     if moved:
         action_id = action.pk

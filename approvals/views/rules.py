@@ -19,7 +19,6 @@ from console.pages import (
     console_page,
     error_status,
     forbid_unless,
-    form_save,
     render_fragment_or_page,
 )
 
@@ -104,10 +103,7 @@ def _rule_save(request: HttpRequest, rule_id: int | None) -> HttpResponse:
         )
         return f"Rule {rule.pk} saved." if changed else f"Rule {rule.pk} is unchanged."
 
-    status, notice = form_save(form, save)
-    return RULES.respond_to_form(
-        request, _rules_context, notice=notice, status=status, form=form, editing=editing
-    )
+    return RULES.submit(request, form, save, _rules_context, form=form, editing=editing)
 
 
 @console_page

@@ -432,70 +432,82 @@ def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _R
         return _Written(
             existing["id"], existing["version"], existing["version"] + 1, document, False
         )
-    fresh = (
-        Resource.objects.filter(pk=existing["id"]).values("version", "deleted", "last_fence").get()
-    )
+    fresh = _reread(existing["id"])
     if fresh["last_fence"] >= fence:
         refusal = _stale_fence(fresh, expected=existing["version"], fence=fence)
     elif not fresh["deleted"]:
         refusal = _already_exists(fresh, fence)
     else:
-        refusal = Refusal(
+        refusal = _refusal_from_row(
             STALE_VERSION,
             "the tombstone changed while it was being revived",
-            expected_version=existing["version"],
-            current_version=fresh["version"],
+            fresh,
+            expected=existing["version"],
             fence=fence,
-            current_fence=fresh["last_fence"],
         )
     return _Refused(refusal, existing["id"])
 
 
 def _classify_miss(resource_id: int, *, expected: int, fence: int) -> Refusal:
     """Zero rows matched: re-read (a new statement sees the latest commit) and say why."""
-    fresh = Resource.objects.filter(pk=resource_id).values("version", "deleted", "last_fence").get()
+    fresh = _reread(resource_id)
     if fresh["last_fence"] >= fence:
         # Checked first: a holder whose fence is stale must not write at all, and
         # its refusal is not a conflict for a person — a newer holder has the resource.
         return _stale_fence(fresh, expected=expected, fence=fence)
     if fresh["deleted"]:
-        return Refusal(
+        return _refusal_from_row(
             MISSING,
             "the resource has been deleted",
-            expected_version=expected,
-            current_version=fresh["version"],
+            fresh,
+            expected=expected,
             fence=fence,
-            current_fence=fresh["last_fence"],
         )
-    return Refusal(
+    return _refusal_from_row(
         STALE_VERSION,
         f"the resource is at version {fresh['version']}, the action observed {expected}",
-        expected_version=expected,
-        current_version=fresh["version"],
+        fresh,
+        expected=expected,
         fence=fence,
-        current_fence=fresh["last_fence"],
     )
 
 
+def _reread(resource_id: int) -> Mapping[str, Any]:
+    """The row's version, tombstone flag and last fence, as committed now."""
+    return Resource.objects.filter(pk=resource_id).values("version", "deleted", "last_fence").get()
+
+
 def _stale_fence(fresh: Mapping[str, Any], *, expected: int | None, fence: int) -> Refusal:
-    return Refusal(
+    return _refusal_from_row(
         STALE_FENCE,
         f"fence {fence} is stale: fence {fresh['last_fence']} has already written",
-        expected_version=expected,
-        current_version=fresh["version"],
+        fresh,
+        expected=expected,
         fence=fence,
-        current_fence=fresh["last_fence"],
+    )
+
+
+def _refusal_from_row(
+    reason: str, message: str, row: Mapping[str, Any], *, expected: int | None, fence: int
+) -> Refusal:
+    """A refusal that reports the resource row as re-read: its version and last fence."""
+    return Refusal(
+        reason,
+        message,
+        expected_version=expected,
+        current_version=row["version"],
+        fence=fence,
+        current_fence=row["last_fence"],
     )
 
 
 def _already_exists(existing: Mapping[str, Any], fence: int) -> Refusal:
-    return Refusal(
+    return _refusal_from_row(
         ALREADY_EXISTS,
         "a resource with this name already exists",
-        expected_version=None,
-        current_version=existing["version"],
+        existing,
+        expected=None,
         fence=fence,
-        current_fence=existing["last_fence"],
     )
 
 
@@ -530,12 +542,7 @@ def _write_actor(action: Action) -> Actor:
 
 
 def _audit_write(
-    event_type: str,
-    action: Action,
-    operation: Operation,
-    *,
-    actor: Actor,
-    details: dict[str, Any],
+    event_type: str, action: Action, operation: Operation, *, actor: Actor, details: dict[str, Any]
 ) -> None:
     """The run's audit event for a write or its refusal, naming the executor."""
     audit_action_event(
