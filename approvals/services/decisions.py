@@ -252,13 +252,7 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
         )
         run_activate(run=approval.run, actor=actor)
         return
-    action = approval.action
-    assert action is not None
-    moved = action_transition(
-        action_id=action.pk,
-        from_statuses=(ActionStatus.PENDING_APPROVAL,),
-        to_status=ActionStatus.QUEUED,
-    )
+    action, moved = _leave_approval(approval, ActionStatus.QUEUED)
     audit_action_event(
         action,
         event_type="approval.approved",
@@ -270,6 +264,19 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
     if moved:
         action_id = action.pk
         transaction.on_commit(lambda: enqueue_action_execution(action_id))
+
+
+def _leave_approval(approval: Approval, to_status: str, **fields: Any) -> tuple[Action, bool]:
+    """The decided approval's action leaves `pending_approval` (False: someone else won)."""
+    action = approval.action
+    assert action is not None
+    moved = action_transition(
+        action_id=action.pk,
+        from_statuses=(ActionStatus.PENDING_APPROVAL,),
+        to_status=to_status,
+        **fields,
+    )
+    return action, moved
 
 
 def _reject_locked(*, approval: Approval, person: Any, comment: str, now: datetime) -> None:
@@ -285,14 +292,7 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
             details={"approval": str(approval.pk), "subject": "run", "comment": comment},
         )
         return
-    action = approval.action
-    assert action is not None
-    rejected = action_transition(
-        action_id=action.pk,
-        from_statuses=(ActionStatus.PENDING_APPROVAL,),
-        to_status=ActionStatus.REJECTED,
-        error=error,
-    )
+    action, rejected = _leave_approval(approval, ActionStatus.REJECTED, error=error)
     audit_action_event(
         action,
         event_type="approval.rejected",
