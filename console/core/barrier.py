@@ -351,35 +351,20 @@ def _write_existing(action: Action, *, fence: int, now: datetime) -> _Written | 
     # proposed document; the history row keeps what was deleted).
     document = current["document"] if deleting else proposed_document(action, current["document"])
     if _conditional_update(
-        document,
-        deleted=deleting,
-        fence=fence,
-        now=now,
-        pk=current["id"],
-        version=observed,
-        was_deleted=False,
+        document, deleting, fence, now, pk=current["id"], version=observed, deleted=False
     ):
         return _Written(current["id"], observed, observed + 1, document, deleting)
     return _Refused(_classify_miss(current["id"], expected=observed, fence=fence), current["id"])
 
 
 def _conditional_update(
-    document: Any,
-    *,
-    deleted: bool,
-    fence: int,
-    now: datetime,
-    pk: int,
-    version: int,
-    was_deleted: bool,
+    document: Any, tombstone: bool, fence: int, now: datetime, **expected: Any
 ) -> bool:
-    """The one conditional UPDATE: it writes only while the row is still at `version`
-    (and `was_deleted`) and `fence` is newer than the last one accepted."""
-    rows = Resource.objects.filter(
-        pk=pk, version=version, deleted=was_deleted, last_fence__lt=fence
-    ).update(
+    """The one conditional UPDATE: it writes only while the row still matches `expected`
+    (its id, version and tombstone flag) and `fence` is newer than the last one accepted."""
+    rows = Resource.objects.filter(last_fence__lt=fence, **expected).update(
         document=document,
-        deleted=deleted,
+        deleted=tombstone,
         version=F("version") + 1,
         last_fence=fence,
         updated_at=now,
@@ -421,13 +406,7 @@ def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _R
     if not existing["deleted"]:
         return _Refused(_already_exists(existing, fence), existing["id"])
     if _conditional_update(
-        document,
-        deleted=False,
-        fence=fence,
-        now=now,
-        pk=existing["id"],
-        version=existing["version"],
-        was_deleted=True,
+        document, False, fence, now, pk=existing["id"], version=existing["version"], deleted=True
     ):
         return _Written(
             existing["id"], existing["version"], existing["version"] + 1, document, False
