@@ -36,6 +36,7 @@ from approvals.services.runs import RunNotActive, run_effective_status
 from approvals.services.write_sets import lock_kind_for_proposal
 from audit.models import ActorType
 from audit.services import Actor, audit_append
+from console.core.action_audit import audit_action_event
 from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     DomainError,
@@ -521,12 +522,10 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
             Approval.objects.filter(action=action, status=ApprovalStatus.PENDING).update(
                 status=ApprovalStatus.CANCELLED, decided_at=timezone.now()
             )
-            audit_append(
+            audit_action_event(
+                action,
                 event_type="action.cancelled",
                 actor=actor,
-                resource=action.resource_identifier,
-                run_id=action.run_id,
-                action_id=action.pk,
                 details={},
             )
             if action.parent_id is not None:
