@@ -103,6 +103,7 @@ _FACTS_PARAMS: dict[str, tuple[str, ...]] = {
 def _facts_sql(vendor: str) -> dict[str, str]:
     quote = connection.ops.quote_name
     user = get_user_model()
+    username: Any = user._meta.get_field(user.USERNAME_FIELD)  # a concrete Field
     names = {
         "obj": "jsonb_build_object" if vendor == "postgresql" else "json_object",
         "action": quote(Action._meta.db_table),
@@ -112,7 +113,7 @@ def _facts_sql(vendor: str) -> dict[str, str]:
         "conflict_class": quote(ConflictClass._meta.db_table),
         "operation": quote(Operation._meta.db_table),
         "user": quote(user._meta.db_table),
-        "username": quote(user._meta.get_field(user.USERNAME_FIELD).column),
+        "username": quote(username.column),
     }
     return {name: sql.format(**names) for name, sql in _FACTS_SQL.items()}
 
