@@ -117,3 +117,21 @@ def test_the_one_statement_body_shows_votes_execution_and_times_as_before(
     }
     assert body["conflict"] is None
     assert body["undo"] is None
+
+
+def test_the_poll_still_refuses_a_bad_token_before_looking_at_its_headers(
+    api: Any, run: Any, pending_action: Any
+) -> None:
+    """The poll looks its token up in the same thread hop as its read; the answers
+    stay those of any bearer operation: 401 for an unknown token, even with a
+    malformed Prefer, and the Prefer's 400 only for a caller who is known."""
+    url = f"/api/v1/actions/{pending_action.pk}"
+    unknown = "rt_" + "x" * 40
+    assert api.get(url, token=unknown).status_code == 401
+    refused = api.get(url, token=unknown, headers={"Prefer": "wait=soon"})
+    assert refused.status_code == 401
+    assert refused["Content-Type"].startswith("application/problem+json")
+    assert api.get(url).status_code == 401
+    known = api.get(url, token=run.token, headers={"Prefer": "wait=soon"})
+    assert known.status_code == 400
+    assert known.json()["code"] == "bad_header"

@@ -55,7 +55,9 @@ from console.api_support import (
 from console.auth import (
     any_token,
     any_token_or_ended_run,
+    any_token_or_ended_run_deferred,
     principal_of,
+    principal_resolve,
     reader_of,
     run_or_person_token,
 )
@@ -110,7 +112,7 @@ def _should_hold(state: ActionState, condition: TagCondition | None) -> bool:
 
 
 def _action_state(
-    principal: Principal,
+    request: HttpRequest,
     action_id: uuid.UUID,
     condition: TagCondition | None,
     holding: bool,
@@ -122,10 +124,12 @@ def _action_state(
     of (revision, status), and nothing is serialised while the tag still matches.
     Otherwise (a plain poll, or a waiter woken because the action changed): one
     statement that reads the row with everything its JSON shows (with_body_facts).
-    The ETag is the action's revision either way.
+    The ETag is the action's revision either way. The token is looked up here too
+    (the first call), in the same thread hop as the read.
     """
-    visible = actions_visible_to(reader_of(principal)).filter(pk=action_id)
     try:
+        principal = principal_resolve(request)
+        visible = actions_visible_to(reader_of(principal)).filter(pk=action_id)
         if condition is not None or (holding and not woken):
             row = visible.values_list("revision", "status").first()
             if row is None:
@@ -150,7 +154,7 @@ def _action_state(
 
 @router.get(
     "/actions/{action_id}",
-    auth=any_token_or_ended_run,
+    auth=any_token_or_ended_run_deferred,
     response={200: ActionOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read an action (long-poll with Prefer: wait=N)",
     description="An agent token or an active run's token reads the agent's actions; the "
@@ -162,8 +166,12 @@ def _action_state(
     },
 )
 async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
-    principal = principal_of(request)
-    wait = parse_prefer_wait(request.headers.get("Prefer"))
+    try:
+        wait = parse_prefer_wait(request.headers.get("Prefer"))
+    except ApiError:
+        # Authentication answers first (401/403 before a malformed header's 400).
+        await sync_to_async(principal_resolve)(request)
+        raise
     condition = read_condition(request.headers.get("If-None-Match"))
     read = sync_to_async(_action_state)
     if wait:
@@ -171,12 +179,12 @@ async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse
             channel=action_id,
             run=False,
             wait=wait,
-            read=lambda woken: read(principal, action_id, condition, True, woken),
+            read=lambda woken: read(request, action_id, condition, True, woken),
             should_hold=lambda state: _should_hold(state, condition),
         )
     if not wait or not (state.body or (condition and condition.weak_match(state.etag))):
         # No wait, or a wait that ended holding an unfinished action: answer its state.
-        state = await read(principal, action_id, condition, False)
+        state = await read(request, action_id, condition, False)
     return conditional_response(etag=state.etag, body=state.body, condition=condition, wait=wait)
 
 
