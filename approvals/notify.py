@@ -19,6 +19,7 @@ import uuid
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
+from django.db import transaction
 
 logger = logging.getLogger("airlock.notify")
 
@@ -68,8 +69,6 @@ def notify_run_changed(run_id: uuid.UUID | str) -> None:
 
 def notify_on_commit(action_id: uuid.UUID | str) -> None:
     """Schedule `notify_action_changed` for when the current transaction commits."""
-    from django.db import transaction
-
     transaction.on_commit(lambda: notify_action_changed(action_id))
 
 
