@@ -234,10 +234,24 @@ def approval_decide(
                 ).count()
                 if approvals >= approval.quorum:
                     _approve_locked(approval=approval, person=person, now=now)
+                else:
+                    _record_partial_vote(approval, now=now)
     if expired:
         raise InvalidTransition("This approval has expired.", code="approval_expired")
     approval.refresh_from_db()
     return approval
+
+
+def _record_partial_vote(approval: Approval, *, now: datetime) -> None:
+    """A vote below quorum changes what its subject's body shows (votes so far, who):
+    move the action's ETag (its revision) so a 304 never hides it, and wake the waiters."""
+    if approval.action_id is not None:
+        Action.objects.filter(pk=approval.action_id).update(
+            revision=F("revision") + 1, updated_at=now
+        )
+        notify_action_on_commit(approval.action_id)
+    else:
+        transaction.on_commit(partial(notify_run_changed, approval.run_id))
 
 
 def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
