@@ -170,7 +170,8 @@ _WRITE_RESPONSES = {
         "`retryable_by_agent`; `retryable: false`. When the tag still matches but an approved "
         "write already queued on the resource will replace that version (or, for a create, "
         "another create of the name is queued), the body also names it: `queued_action` "
-        "`{id, url}`. Wait for that action (GET its url with `Prefer: wait=N`), then re-read."
+        "`{id, url}`. Wait for that action (GET its url with `Prefer: wait=N`; readable when "
+        "it is your agent's own), then re-read."
     },
 }
 _WRITE_ERRORS = errors(400, 401, 403, 404, 409, 412, 413, 415, 422, 423, 428, 429)
