@@ -5,7 +5,8 @@
 - `core_write`: the core path (fenced lock + fence + operation + barrier write + version row +
   audit, one transaction) against a bare `UPDATE … WHERE version = …`, interleaved one for one
   so drift on a shared machine hits both alike.
-- `audit_append`: appends for a bounded time (several processes run it at once).
+- `audit_append`: appends for a bounded time (several processes run it at once), with the
+  commit floor (a bare INSERT + COMMIT loop, alone and behind one shared row) beside it.
 - `seed_scale`: bulk data for the scale figures (COPY), with a valid audit chain.
 """
 
@@ -15,6 +16,7 @@ import io
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 from datetime import UTC, datetime
@@ -122,37 +124,87 @@ def core_write(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _append_for(seconds: float, start: Any, results: Any) -> None:
-    """One writer (a forked process with its own connection): append until time is up."""
+# The commit floor: what one commit per event costs on this machine without any chain. `bare`
+# inserts a row per commit (independent writers: PostgreSQL's group commit shares fsyncs);
+# `serialised` also moves one shared row (like the head), so its lock is held through each
+# commit's flush and writers queue one behind the other, as appends do.
+_FLOOR_SQL = {
+    "bare": "INSERT INTO bench_commit_floor (n, details) VALUES (%s, %s::jsonb)",
+    "serialised": (
+        "WITH head AS (UPDATE bench_commit_floor_head SET n = n + 1 WHERE id = 1 RETURNING n) "
+        "INSERT INTO bench_commit_floor (n, details) SELECT head.n + 0 * %s, %s::jsonb FROM head"
+    ),
+}
+
+
+def _floor_tables() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE TABLE IF NOT EXISTS bench_commit_floor "
+            "(id bigserial PRIMARY KEY, n bigint NOT NULL, details jsonb NOT NULL)"
+        )
+        cursor.execute(
+            "CREATE TABLE IF NOT EXISTS bench_commit_floor_head (id int PRIMARY KEY, n bigint)"
+        )
+        cursor.execute("INSERT INTO bench_commit_floor_head VALUES (1, 0) ON CONFLICT DO NOTHING")
+
+
+def _append_for(kind: str, seconds: float, start: Any, results: Any) -> None:
+    """One writer (a forked process with its own connection, autocommit: one event, one
+    commit): append, or run the floor's statement, until time is up."""
     actor = Actor.system("bench")
     start.wait()
     count = 0
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        audit_append(event_type="bench.append", actor=actor, details={"n": count})
-        count += 1
+    if kind == "append":
+        while time.perf_counter() - t0 < seconds:
+            audit_append(event_type="bench.append", actor=actor, details={"n": count})
+            count += 1
+    else:
+        with connection.cursor() as cursor:
+            while time.perf_counter() - t0 < seconds:
+                cursor.execute(_FLOOR_SQL[kind], [count, json.dumps({"n": count})])
+                count += 1
     results.put((count, time.perf_counter() - t0))
 
 
-def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
-    """`writers` processes appending at once, forked from this one (one Django start-up) and
-    released together by a barrier."""
-    writers = int(spec["writers"])
+def _writers_round(kind: str, writers: int, seconds: float) -> float:
     context = multiprocessing.get_context("fork")
     start, results = context.Barrier(writers), context.Queue()
     connections.close_all()  # each child opens its own connection
     children = [
-        context.Process(target=_append_for, args=(float(spec["seconds"]), start, results))
+        context.Process(target=_append_for, args=(kind, seconds, start, results))
         for _ in range(writers)
     ]
     for child in children:
         child.start()
-    done = [results.get(timeout=float(spec["seconds"]) + 120) for _ in children]
+    done = [results.get(timeout=seconds + 120) for _ in children]
     for child in children:
         child.join(timeout=30)
-    events = sum(count for count, _ in done)
-    seconds = max(elapsed for _, elapsed in done)
-    return {"writers": writers, "events": events, "per_s": round(events / seconds, 1)}
+    return float(sum(count for count, _ in done) / max(elapsed for _, elapsed in done))
+
+
+def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
+    """`writers` processes appending at once, forked from this one (one Django start-up) and
+    released together by a barrier. Each append is its own transaction (autocommit), as a
+    service's change and its event are one transaction. With `floor`, the same writers also
+    run the commit floor's two loops, interleaved round by round with the appends; the figure
+    is the median round, each floor beside it."""
+    writers, seconds = int(spec["writers"]), float(spec["seconds"])
+    kinds = ["append", *(_FLOOR_SQL if spec.get("floor") else [])]
+    if len(kinds) > 1:
+        _floor_tables()
+    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for _ in range(int(spec.get("rounds", 1))):
+        for kind in kinds:
+            rates[kind].append(_writers_round(kind, writers, seconds))
+    median = {kind: statistics.median(values) for kind, values in rates.items()}
+    result: dict[str, Any] = {"writers": writers, "per_s": round(median["append"], 1)}
+    result["rounds"] = {kind: [round(rate) for rate in values] for kind, values in rates.items()}
+    for kind in kinds[1:]:
+        result[f"{kind}_commit_floor_per_s"] = round(median[kind], 1)
+        result[f"vs_{kind}_floor"] = round(median["append"] / median[kind], 2)
+    return result
 
 
 def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:

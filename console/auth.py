@@ -15,9 +15,12 @@ A run still pending approval is not ended: its token works as before.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 from django.http import HttpRequest
+from ninja.errors import AuthenticationError
 from ninja.security import HttpBearer
 
 from approvals.models import Agent, Run, RunStatus
@@ -45,11 +48,15 @@ class Bearer(HttpBearer):
 
     openapi_bearerFormat = "ak_… | rt_… | pt_…"
 
-    def __init__(self, *kinds: str, ended_run: bool = False) -> None:
+    def __init__(self, *kinds: str, ended_run: bool = False, deferred: bool = False) -> None:
         super().__init__()
         self.kinds = frozenset(kinds or (AGENT, RUN, PERSON))
         # Does this operation accept the token of an ended run (see the module doc)?
         self.ended_run = ended_run
+        # Deferred (async views only): ninja awaits an auth whose `is_async` is true, so
+        # the token is only parsed here and looked up by the view (principal_resolve) in
+        # the same thread hop as its first read: one hop per poll instead of two.
+        self.is_async = deferred
 
     def __call__(self, request: HttpRequest) -> Any:
         # Parse strictly: exactly "Bearer <token>", anything else is simply unauthenticated.
@@ -57,6 +64,8 @@ class Bearer(HttpBearer):
         scheme, _, token = value.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return None
+        if self.is_async:
+            return _deferred(DeferredToken(self, token.strip()))
         return self.authenticate(request, token.strip())
 
     def authenticate(self, request: HttpRequest, token: str) -> Principal | None:
@@ -70,6 +79,35 @@ class Bearer(HttpBearer):
             raise Forbidden(f"This operation needs {wanted}.")
         request.principal = principal  # type: ignore[attr-defined]
         return principal
+
+
+@dataclass(frozen=True)
+class DeferredToken:
+    """A well-formed bearer token not yet looked up (see Bearer's `deferred`)."""
+
+    bearer: Bearer
+    token: str
+
+
+def _deferred(token: DeferredToken) -> Awaitable[DeferredToken]:
+    async def accept() -> DeferredToken:
+        return token
+
+    return accept()
+
+
+def principal_resolve(request: HttpRequest) -> Principal:
+    """The caller of a view whose Bearer is deferred: looked up now (sync code), with
+    exactly the checks and answers (401, 403) of an ordinary Bearer."""
+    auth = request.auth  # type: ignore[attr-defined]
+    if isinstance(auth, Principal):
+        return auth
+    assert isinstance(auth, DeferredToken), "principal_resolve needs a deferred Bearer"
+    principal = auth.bearer.authenticate(request, auth.token)
+    if principal is None:
+        raise AuthenticationError()
+    request.auth = principal  # type: ignore[attr-defined]
+    return principal
 
 
 def run_has_ended(principal: Principal) -> bool:
@@ -99,6 +137,8 @@ person_token = Bearer(PERSON)
 # Operations that still accept an ended run's token (reads of its own run and
 # actions; writes, which answer 409 run_not_active).
 any_token_or_ended_run = Bearer(AGENT, RUN, PERSON, ended_run=True)
+# The same, looked up by the (async) view itself in its first database hop: the poll.
+any_token_or_ended_run_deferred = Bearer(AGENT, RUN, PERSON, ended_run=True, deferred=True)
 run_token = Bearer(RUN, ended_run=True)
 agent_or_run_token = Bearer(AGENT, RUN, ended_run=True)
 run_or_person_token = Bearer(RUN, PERSON, ended_run=True)

@@ -159,6 +159,29 @@ class EditablePage:
             events=(self.event,),
         )
 
+    def submit(
+        self,
+        request: HttpRequest,
+        form: Any,
+        save: Callable[[], str],
+        context: Callable[..., dict[str, Any]],
+        /,
+        *,
+        denied_as_page: bool = False,
+        **kept: Any,
+    ) -> HttpResponse:
+        """A form POST: validate `form`, run `save` (one service call that returns the
+        notice), answer with `respond`. On failure `kept` (the bound form, the row
+        being edited) goes back into `context(request, **kept)` so the page shows the
+        errors in place; a success renders the page afresh."""
+        status, notice = _form_save(form, save, denied_as_page=denied_as_page)
+        return self.respond(
+            request,
+            lambda: context(request, **(kept if status >= 400 else {})),
+            notice=notice,
+            status=status,
+        )
+
 
 def error_status(error: DomainError) -> int:
     """The HTTP status of a service's error on a page: the API's table (problems.py)."""
@@ -184,6 +207,23 @@ def form_errors_from(form: Any, error: DomainError) -> None:
     for item in listed:
         field = item.get("field")
         form.add_error(field if field in form.fields else None, item.get("message", ""))
+
+
+def _form_save(
+    form: Any, save: Callable[[], str], *, denied_as_page: bool = False
+) -> tuple[int, str]:
+    """Returns (status, notice): 422 for an invalid form; a service's
+    DomainError as its status with the message on the form (with `denied_as_page`,
+    its 403/404 is the page's instead); otherwise 200 and the notice."""
+    if not form.is_valid():
+        return 422, ""
+    try:
+        return 200, save()
+    except DomainError as exc:
+        if denied_as_page:
+            raise_if_denied(exc)
+        form_errors_from(form, exc)
+        return error_status(exc), ""
 
 
 def pretty(value: Any) -> str:

@@ -18,7 +18,6 @@ from console.pages import (
     console_page,
     error_status,
     forbid_unless,
-    form_errors_from,
     render_fragment_or_page,
 )
 from console.people import person_create, person_groups, person_set_active, person_update
@@ -95,30 +94,19 @@ def people_page(request: HttpRequest) -> HttpResponse:
 def person_create_view(request: HttpRequest) -> HttpResponse:
     _people_admin(request)
     form = PersonCreateForm(request.POST)
-    status, notice = 200, ""
-    if not form.is_valid():
-        status = 422
-    else:
+
+    def save() -> str:
         data = form.cleaned_data
-        try:
-            person = person_create(
-                user=request.user,
-                username=data["username"],
-                password=data["password"],
-                roles=list(data["roles"]),
-                groups=data["groups"],
-            )
-        except DomainError as exc:
-            form_errors_from(form, exc)
-            status = error_status(exc)
-        else:
-            notice = f"{person.get_username()} can now sign in."
-    return PEOPLE.respond(
-        request,
-        lambda: _people_context(request, create_form=form if status >= 400 else None),
-        notice=notice,
-        status=status,
-    )
+        person = person_create(
+            user=request.user,
+            username=data["username"],
+            password=data["password"],
+            roles=list(data["roles"]),
+            groups=data["groups"],
+        )
+        return f"{person.get_username()} can now sign in."
+
+    return PEOPLE.submit(request, form, save, _people_context, create_form=form)
 
 
 @console_page
@@ -129,32 +117,18 @@ def person_update_view(request: HttpRequest, person_id: int) -> HttpResponse:
     if person is None:
         raise Http404("No such person")
     form = PersonUpdateForm(request.POST)
-    status, notice = 200, ""
-    if not form.is_valid():
-        status = 422
-    else:
-        try:
-            _person, changed = person_update(
-                user=request.user,
-                person_id=person.pk,
-                roles=list(form.cleaned_data["roles"]),
-                groups=form.cleaned_data["groups"],
-            )
-        except DomainError as exc:
-            form_errors_from(form, exc)
-            status = error_status(exc)
-        else:
-            name = person.get_username()
-            notice = f"{name}'s roles and groups saved." if changed else f"{name} is unchanged."
-    failed = status >= 400
-    return PEOPLE.respond(
-        request,
-        lambda: _people_context(
-            request, edit_form=form if failed else None, editing=person if failed else None
-        ),
-        notice=notice,
-        status=status,
-    )
+
+    def save() -> str:
+        _person, changed = person_update(
+            user=request.user,
+            person_id=person.pk,
+            roles=list(form.cleaned_data["roles"]),
+            groups=form.cleaned_data["groups"],
+        )
+        name = person.get_username()
+        return f"{name}'s roles and groups saved." if changed else f"{name} is unchanged."
+
+    return PEOPLE.submit(request, form, save, _people_context, edit_form=form, editing=person)
 
 
 @console_page

@@ -26,7 +26,7 @@ from approvals.outbox import (
     notify_action_on_commit,
 )
 from audit.services import Actor, audit_append
-from console.core.errors import ValidationFailed
+from console.core.errors import ValidationFailed, text_within
 from console.core.killswitch import lock_switches_exclusive, scope_is_valid
 from console.models import KillSwitch
 from console.permissions import is_operator, require_person
@@ -103,11 +103,7 @@ def _validated(scope: str, reason: str, *, engaged: bool) -> tuple[str, str]:
             "scope must be '*' or 'kind/prefix*'",
             extra={"errors": [{"field": "scope", "message": "'*' or 'kind/prefix*'"}]},
         )
-    reason = (reason or "").strip()
-    if len(reason) > MAX_REASON:
-        raise ValidationFailed(
-            "reason too long", extra={"errors": [{"field": "reason", "message": "too long"}]}
-        )
+    reason = text_within(reason, field="reason", limit=MAX_REASON)
     if engaged and not reason:
         raise ValidationFailed(
             "say why you engage the kill switch",

@@ -23,7 +23,8 @@ from django.db.models import F
 
 from approvals.models import Action
 from approvals.notify import notify_action_changed
-from audit.services import Actor, audit_append
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
 from ownership.diff import three_way_diff
 from ownership.models import Conflict, ConflictStatus
 
@@ -69,12 +70,10 @@ def conflict_reopen_for_resolution(
     error["resolution"] = None
     Action.objects.filter(pk=original.pk).update(error=error, revision=F("revision") + 1)
     transaction.on_commit(partial(notify_action_changed, original.pk))
-    audit_append(
+    audit_action_event(
+        original,
         event_type="conflict.reopened",
         actor=actor,
-        resource=original.resource_identifier,
-        run_id=original.run_id,
-        action_id=original.pk,
         details={
             "conflict": str(conflict.pk),
             "resolution_action": str(action_id),

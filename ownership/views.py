@@ -26,7 +26,6 @@ from console.pages import (
     console_page,
     error_status,
     forbid_unless,
-    form_errors_from,
     is_htmx,
     keyset_page,
     pretty,
@@ -396,49 +395,37 @@ def catalog(request: HttpRequest) -> HttpResponse:
     return render_fragment_or_page(request, CATALOG.template, context, partial="page")
 
 
-def _catalog_respond(
-    request: HttpRequest, *, notice: str = "", status: int = 200, **extra: Any
-) -> HttpResponse:
-    return CATALOG.respond(
-        request,
-        lambda: _catalog_context(request, **(extra if status >= 400 else {})),
-        notice=notice,
-        status=status,
-    )
-
-
 @console_page
 @require_POST
 def conflict_class_save(request: HttpRequest) -> HttpResponse:
     form = ConflictClassForm(request.POST)
-    if not form.is_valid():
-        return _catalog_respond(request, status=422, class_form=form)
 
-    data = dict(form.cleaned_data)
-    slug = data.pop("slug")
-    try:
+    def save() -> str:
+        data = dict(form.cleaned_data)
+        slug = data.pop("slug")
         catalog_services.conflict_class_save(slug=slug, data=data, actor=Actor.person(request.user))
-    except DomainError as exc:
-        raise_if_denied(exc)  # the verb's admin check: a 403 page, not a form error
-        form_errors_from(form, exc)
-        return _catalog_respond(request, status=error_status(exc), class_form=form)
-    return _catalog_respond(request, notice=f"Conflict class {slug} saved.")
+        return f"Conflict class {slug} saved."
+
+    # The verb's admin check is a 403 page, not a form error.
+    return CATALOG.submit(
+        request, form, save, _catalog_context, denied_as_page=True, class_form=form
+    )
 
 
 @console_page
 @require_POST
 def resource_kind_save(request: HttpRequest) -> HttpResponse:
     form = ResourceKindForm(request.POST)
-    if not form.is_valid():
-        return _catalog_respond(request, status=422, kind_form=form)
 
-    data = dict(form.cleaned_data)
-    slug = data.pop("slug")
-    data["classes"] = {op: data.pop(f"class_{op}").slug for op in ("create", "update", "delete")}
-    try:
+    def save() -> str:
+        data = dict(form.cleaned_data)
+        slug = data.pop("slug")
+        data["classes"] = {
+            op: data.pop(f"class_{op}").slug for op in ("create", "update", "delete")
+        }
         catalog_services.resource_kind_save(slug=slug, data=data, actor=Actor.person(request.user))
-    except DomainError as exc:
-        raise_if_denied(exc)
-        form_errors_from(form, exc)
-        return _catalog_respond(request, status=error_status(exc), kind_form=form)
-    return _catalog_respond(request, notice=f"Resource kind {slug} saved.")
+        return f"Resource kind {slug} saved."
+
+    return CATALOG.submit(
+        request, form, save, _catalog_context, denied_as_page=True, kind_form=form
+    )

@@ -17,6 +17,7 @@ from django.test import RequestFactory
 from django.utils import timezone
 
 from approvals.models import Action, Operation, Run
+from approvals.services import actions
 from audit.models import AuditEvent
 from audit.services import Actor
 from ownership.models import OwnershipRecord
@@ -272,21 +273,8 @@ def test_propose_rechecks_the_run_under_its_lock(run: Any, prod_alerts: Any) -> 
     """The gap the review reproduced, in order: check passes, revoke commits, propose."""
     from approvals.services import actions, runs
 
-    kind = actions.action_check_writable(
-        run=run.run, kind="notification-policy", name="prod-alerts", operation="update"
-    )
+    proposal = _low_severity_proposal(run.run, "gap-propose-1")
     runs.run_revoke(run=run.run, actor=Actor.system("tests"), reason="stop")
-    proposal = actions.Proposal(
-        kind=kind,
-        name="prod-alerts",
-        operation="update",
-        payload_format="replace",
-        payload={"severity": "low"},
-        if_match=actions.parse_tag_condition('"41"', header="If-Match"),
-        create_if_absent=False,
-        idempotency_key="gap-propose-1",
-        reason="",
-    )
     with pytest.raises(runs.RunNotActive):
         actions.action_propose(run=run.run, proposal=proposal)
     assert not Action.objects.filter(run=run.run).exists()
@@ -545,20 +533,7 @@ def test_a_lease_grant_racing_another_runs_proposal_never_leaves_a_write_in_flig
         ttl_seconds=600,
         actor=Actor.agent(holder_agent.agent),
     )
-    kind = actions.action_check_writable(
-        run=writer.run, kind="notification-policy", name="prod-alerts", operation="update"
-    )
-    proposal = actions.Proposal(
-        kind=kind,
-        name="prod-alerts",
-        operation="update",
-        payload_format="replace",
-        payload={"severity": "low"},
-        if_match=actions.parse_tag_condition('"41"', header="If-Match"),
-        create_if_absent=False,
-        idempotency_key="race-lease-1",
-        reason="",
-    )
+    proposal = _low_severity_proposal(writer.run, "race-lease-1")
     recorded = threading.Event()
     release = threading.Event()
 
@@ -603,3 +578,21 @@ def test_stop_unless_lease_reports_a_real_lease_on_a_conflict(agent: Any, prod_a
     assert action_execute(action_id=stale.pk) == "conflict"
     stale.refresh_from_db()
     assert stale.status == "conflict" and stale.error["lease_covered"] is True
+
+
+def _low_severity_proposal(run: Run, idempotency_key: str) -> Any:
+    """An update of notification-policy/prod-alerts at "41", checked writable for `run`."""
+    kind = actions.action_check_writable(
+        run=run, kind="notification-policy", name="prod-alerts", operation="update"
+    )
+    return actions.Proposal(
+        kind=kind,
+        name="prod-alerts",
+        operation="update",
+        payload_format="replace",
+        payload={"severity": "low"},
+        if_match=actions.parse_tag_condition('"41"', header="If-Match"),
+        create_if_absent=False,
+        idempotency_key=idempotency_key,
+        reason="",
+    )

@@ -172,6 +172,21 @@ def test_quorum_of_two_needs_two_distinct_people(engine_world: Any, policy: Any)
     assert approval.status == "approved" and action.status == "queued"
 
 
+def test_a_vote_below_quorum_moves_the_actions_etag(engine_world: Any, policy: Any) -> None:
+    # The body shows the votes so far: a 304 on the old ETag would hide the first vote.
+    ConflictClass.objects.filter(slug="replace_shared_document").update(quorum=2)
+    action = _propose_replace(engine_world, policy, {"severity": "low"})
+    approval = Approval.objects.get(action=action)
+    before = action.revision
+
+    approval_decide(
+        approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
+    )
+    action.refresh_from_db()
+    assert action.status == "pending_approval"
+    assert action.revision == before + 1
+
+
 def test_one_reject_ends_a_quorum_approval(engine_world: Any, policy: Any) -> None:
     ConflictClass.objects.filter(slug="replace_shared_document").update(quorum=2)
     action = _propose_replace(engine_world, policy, {"severity": "low"})

@@ -122,9 +122,7 @@ def test_reconcile_takes_back_an_operation_whose_lease_expired(
     from console.core.fence import next_fence
     from console.core.operations import open_operation
 
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "a", {"n": 0})
-    action = engine_world.propose(kind, "a", payload={"n": 1}, observed_version=1)
+    action = engine_world.proposed_update("a", {"n": 0}, {"n": 1})
     operation = open_operation(
         action_id=action.pk, fence=next_fence(), worker="ghost", lease_seconds=5
     )
@@ -184,9 +182,7 @@ def test_an_action_that_keeps_losing_its_worker_fails_instead_of_looping(
     from console.core.fence import next_fence
     from console.core.operations import open_operation
 
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "poison", {"n": 0})
-    action = engine_world.propose(kind, "poison", payload={"n": 1}, observed_version=1)
+    action = engine_world.proposed_update("poison", {"n": 0}, {"n": 1})
     Action.objects.filter(pk=action.pk).update(attempts=max_attempts() - 1)
     open_operation(action_id=action.pk, fence=next_fence(), worker="ghost", lease_seconds=1)
     assert reconcile(now=timezone.now() + timedelta(seconds=5))["abandoned"] == 0
@@ -200,9 +196,7 @@ def test_a_retry_stuck_in_rq_scheduling_is_resent_once_overdue(
 ) -> None:
     from approvals.services.attempts import action_retry_later
 
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "later", {"n": 0})
-    action = engine_world.propose(kind, "later", payload={"n": 1}, observed_version=1)
+    action = engine_world.proposed_update("later", {"n": 0}, {"n": 1})
     with django_capture_on_commit_callbacks(execute=True):
         assert action_retry_later(action_id=action.pk, reason="lock_busy") == "queued"
     registry = engine_redis.client().zcard("rq:scheduled:default")
@@ -222,9 +216,7 @@ def test_concurrent_undo_requests_share_one_undo(engine_world: Any, engine_redis
 
     from approvals.services.undo import action_undo_request
 
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "u", {"n": 0})
-    action = engine_world.propose(kind, "u", payload={"n": 1}, observed_version=1)
+    action = engine_world.proposed_update("u", {"n": 0}, {"n": 1})
     assert action_execute(action_id=action.pk) == "applied"
     results: list[int] = []
     errors: list[BaseException] = []

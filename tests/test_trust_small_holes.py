@@ -24,6 +24,7 @@ from console import ops
 from console.core.fence import FENCE_SEQUENCE, current_fence, forget_fence_floor_check
 from ownership.models import Resource
 from tests.conftest import ROOT, subprocess_env
+from tests.fixtures.audit import ordinary_role_in_maintenance
 from tests.fixtures.console import PASSWORD, People
 from tests.fixtures.engine import wait_for
 from tests.test_settings_deploy import PRODUCTION
@@ -105,9 +106,7 @@ def test_migrate_lifts_a_sequence_restored_behind_the_rows(
 def test_metrics_carry_no_kill_switch_reason_and_scrape_only_live_rows(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "a", {"v": 1})
-    action = engine_world.propose(kind, "a", payload={"v": 2}, observed_version=1)
+    action = engine_world.proposed_update("a", {"v": 1}, {"v": 2})
     secret_reason = "Incident 7: bob's laptop was stolen, call +1 555 0100"
     Action.objects.filter(pk=action.pk).update(status="paused", paused_reason=secret_reason)
     ops.forget_history_cache()
@@ -192,20 +191,10 @@ def test_appends_still_move_the_head_forward_outside_maintenance() -> None:
 @pytest.mark.django_db
 def test_an_ordinary_role_cannot_rewind_the_head_even_with_the_maintenance_setting() -> None:
     audit_append(event_type="test.event", actor=Actor.system(), details={})
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = "
-            "'airlock_app_role_test') THEN CREATE ROLE airlock_app_role_test NOLOGIN; "
-            "END IF; END $$"
-        )
-        cursor.execute("GRANT ALL ON audit_audithead TO airlock_app_role_test")
     with (
         pytest.raises(DatabaseError, match="only moves forward"),
-        transaction.atomic(),
-        connection.cursor() as cursor,
+        ordinary_role_in_maintenance("audit_audithead") as cursor,
     ):
-        cursor.execute("SET LOCAL airlock.audit_maintenance = 'on'")
-        cursor.execute("SET LOCAL ROLE airlock_app_role_test")
         cursor.execute("UPDATE audit_audithead SET seq = 0")
     assert AuditHead.objects.get().seq == 1
 

@@ -27,7 +27,13 @@ from approvals.api.longpoll import (
     release_connection,
 )
 from approvals.api.schemas import ActionOut, ActionPage
-from approvals.api.serialize import action_body, action_json, action_load, action_response
+from approvals.api.serialize import (
+    action_body,
+    action_json,
+    action_load,
+    action_response,
+    with_body_facts,
+)
 from approvals.models import FINAL_ACTION_STATUSES, Action, RunStatus
 from approvals.selectors import actions_visible_to
 from approvals.services import actions as action_services
@@ -49,7 +55,9 @@ from console.api_support import (
 from console.auth import (
     any_token,
     any_token_or_ended_run,
+    any_token_or_ended_run_deferred,
     principal_of,
+    principal_resolve,
     reader_of,
     run_or_person_token,
 )
@@ -104,39 +112,49 @@ def _should_hold(state: ActionState, condition: TagCondition | None) -> bool:
 
 
 def _action_state(
-    principal: Principal,
+    request: HttpRequest,
     action_id: uuid.UUID,
     condition: TagCondition | None,
     holding: bool,
+    woken: bool = False,
 ) -> ActionState:
     """Read the action; build the body only when the answer is a 200 now.
 
-    The hot poll path (If-None-Match still current, or a waiter re-checking
-    after a wake-up) costs one indexed read.
+    With If-None-Match (a 304 likely), or a waiter's first read: one indexed read
+    of (revision, status), and nothing is serialised while the tag still matches.
+    Otherwise (a plain poll, or a waiter woken because the action changed): one
+    statement that reads the row with everything its JSON shows (with_body_facts).
+    The ETag is the action's revision either way. The token is looked up here too
+    (the first call), in the same thread hop as the read.
     """
     try:
-        row = (
-            actions_visible_to(reader_of(principal))
-            .filter(pk=action_id)
-            .values_list("revision", "status")
-            .first()
-        )
-        if row is None:
+        principal = principal_resolve(request)
+        visible = actions_visible_to(reader_of(principal)).filter(pk=action_id)
+        if condition is not None or (holding and not woken):
+            row = visible.values_list("revision", "status").first()
+            if row is None:
+                raise NotFound(f"Action {action_id} not found.")
+            state = ActionState(
+                etag=f'"a{row[0]}"', final=row[1] in FINAL_ACTION_STATUSES, body=b""
+            )
+            if holding and _should_hold(state, condition):
+                return state
+            if condition is not None and condition.weak_match(state.etag):
+                return state
+        action = with_body_facts(visible).first()
+        if action is None:
             raise NotFound(f"Action {action_id} not found.")
-        state = ActionState(etag=f'"a{row[0]}"', final=row[1] in FINAL_ACTION_STATUSES, body=b"")
+        state = ActionState(etag=action.etag, final=action.is_final, body=action_body(action))
         if holding and _should_hold(state, condition):
-            return state
-        if condition is not None and condition.weak_match(state.etag):
-            return state
-        action = action_load(action_id)
-        return ActionState(etag=action.etag, final=action.is_final, body=action_body(action))
+            return ActionState(etag=state.etag, final=state.final, body=b"")
+        return state
     finally:
         release_connection(holding)
 
 
 @router.get(
     "/actions/{action_id}",
-    auth=any_token_or_ended_run,
+    auth=any_token_or_ended_run_deferred,
     response={200: ActionOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read an action (long-poll with Prefer: wait=N)",
     description="An agent token or an active run's token reads the agent's actions; the "
@@ -148,8 +166,12 @@ def _action_state(
     },
 )
 async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
-    principal = principal_of(request)
-    wait = parse_prefer_wait(request.headers.get("Prefer"))
+    try:
+        wait = parse_prefer_wait(request.headers.get("Prefer"))
+    except ApiError:
+        # Authentication answers first (401/403 before a malformed header's 400).
+        await sync_to_async(principal_resolve)(request)
+        raise
     condition = read_condition(request.headers.get("If-None-Match"))
     read = sync_to_async(_action_state)
     if wait:
@@ -157,12 +179,12 @@ async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse
             channel=action_id,
             run=False,
             wait=wait,
-            read=lambda: read(principal, action_id, condition, True),
+            read=lambda woken: read(request, action_id, condition, True, woken),
             should_hold=lambda state: _should_hold(state, condition),
         )
     if not wait or not (state.body or (condition and condition.weak_match(state.etag))):
         # No wait, or a wait that ended holding an unfinished action: answer its state.
-        state = await read(principal, action_id, condition, False)
+        state = await read(request, action_id, condition, False)
     return conditional_response(etag=state.etag, body=state.body, condition=condition, wait=wait)
 
 
@@ -180,9 +202,7 @@ def action_list(
     limit: int = Query(50, ge=1, le=200),
     cursor: str | None = Query(None, pattern=TIME_CURSOR_PATTERN),
 ) -> HttpResponse:
-    actions = actions_visible_to(reader_of(principal_of(request))).select_related(
-        "kind", "conflict_class", "run__agent"
-    )
+    actions = with_body_facts(actions_visible_to(reader_of(principal_of(request))))
     if run is not None:
         actions = actions.filter(run_id=run)
     if status:

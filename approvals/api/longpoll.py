@@ -58,12 +58,16 @@ async def hold(
     channel: Any,
     run: bool,
     wait: int,
-    read: Callable[[], Awaitable[S]],
+    read: Callable[[bool], Awaitable[S]],
     should_hold: Callable[[S], bool],
     changes_by_itself_at: Callable[[S], datetime | None] = lambda state: None,
 ) -> S:
     """Read, then re-read on every wake-up of `channel` (an action's or a run's
     pub/sub) while `should_hold` and `wait` seconds have not passed.
+
+    `read(woken)`: woken is True when a publish (not a safety re-check) ended the
+    wait, i.e. the object most likely changed: the reader may then fetch the whole
+    answer in one go instead of checking its tag first.
 
     Subscribes before the first read, so a change committed in between still
     wakes us. `changes_by_itself_at`: a moment the state changes without any
@@ -74,7 +78,7 @@ async def hold(
     else:
         event, live = await action_waiters.register(channel)
     try:
-        state = await read()
+        state = await read(False)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         action_waiters.held += 1
@@ -91,8 +95,9 @@ async def hold(
                     timeout = max(0.0, min(timeout, until + 0.05))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), timeout=timeout)
+                woken = event.is_set()
                 event.clear()
-                state = await read()
+                state = await read(woken)
         finally:
             action_waiters.held -= 1
     finally:

@@ -171,7 +171,7 @@ async def run_get(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
             channel=run_id,
             run=True,
             wait=wait,
-            read=lambda: read(principal, run_id, True),
+            read=lambda woken: read(principal, run_id, True),
             should_hold=lambda state: _run_should_hold(state, condition),
             changes_by_itself_at=lambda state: state.expires_at,
         )

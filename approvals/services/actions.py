@@ -32,10 +32,17 @@ from approvals.models import (
 from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution
 from approvals.services.approval_open import approval_open_for_action
+from approvals.services.queued_writes import (
+    QueuedWrite,
+    lock_resource_for_proposal,
+    superseding_write,
+    writes_in_flight,
+)
 from approvals.services.runs import RunNotActive, run_effective_status
 from approvals.services.write_sets import lock_kind_for_proposal
 from audit.models import ActorType
 from audit.services import Actor, audit_append
+from console.core.action_audit import audit_action_event
 from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     DomainError,
@@ -287,6 +294,7 @@ def _recheck_authority_locked(run: Run, kind: str, name: str, operation: str) ->
     # committed before (its lease is seen below: 423) or waits for this action to
     # commit (and then refuses the lease while the action is in flight).
     lock_kind_for_proposal(kind)
+    lock_resource_for_proposal(kind, name)  # proposals on one resource serialise
     state = lock_run_for_share(run.pk)
     if state is None:
         raise RunNotActive(f"Run {run.pk} no longer exists.", extra={"run": str(run.pk)})
@@ -353,7 +361,9 @@ def action_propose(
     is `pending_approval` (per-call class: an approval is opened) or `queued`
     (enqueued after commit), and `on_recorded` runs inside the transaction.
     Re-checks run active / write set / lease with the run row locked FOR SHARE
-    first (RunNotActive 409, not_in_write_set 403, Leased 423).
+    first (RunNotActive 409, not_in_write_set 403, Leased 423). A matching tag
+    that an approved write already queued on the resource will supersede is
+    refused the same way (412 with `queued_action`; approvals/services/queued_writes.py).
     """
     kind = proposal.kind
     identifier = f"{kind.slug}/{proposal.name}"
@@ -369,10 +379,16 @@ def action_propose(
             extra={"resource": identifier},
         )
     with transaction.atomic():
-        # Lock order: kind (shared advisory) -> run (FOR SHARE) -> action insert -> audit head.
+        # Lock order: kind (shared advisory) -> resource (advisory) -> run (FOR SHARE)
+        # -> action insert -> audit head.
         _recheck_authority_locked(run, kind.slug, proposal.name, proposal.operation)
+        # Read before the resource: a queued write that applies in between then shows
+        # as the newer version (a plain 412) instead of slipping past both reads.
+        in_flight = writes_in_flight(kind.slug, proposal.name)
         resource = Resource.objects.filter(kind=kind, name=proposal.name).first()
         observed_version, refused = _check_precondition(proposal, resource, conflict_class)
+        if refused is None:
+            refused = _superseded(proposal, observed_version, in_flight, conflict_class)
         if refused is None:
             action = _record(run, proposal, resource, observed_version, conflict_class)
             if on_recorded is not None:
@@ -390,6 +406,7 @@ def action_propose(
                 "conflict_class": conflict_class.slug,
                 "idempotency_key": proposal.idempotency_key,
                 "reason": proposal.reason,
+                **{k: v["id"] for k, v in refused.extra.items() if k == "queued_action"},
             },
         )
         if on_refused is not None:
@@ -432,6 +449,32 @@ def _check_precondition(
             current=current_etag,
             conflict_class=conflict_class,
         ),
+    )
+
+
+def _superseded(
+    proposal: Proposal,
+    observed: int | None,
+    in_flight: list[QueuedWrite],
+    conflict_class: ConflictClass,
+) -> DomainError | None:
+    """The 412 of a matching tag that a write already queued will supersede, or None."""
+    creating = proposal.operation == "create"
+    queued = superseding_write(in_flight, creating=creating, observed_version=observed)
+    if queued is None:
+        return None
+    queued_id = queued.id
+    identifier = f"{proposal.kind.slug}/{proposal.name}"
+    etag = None if observed is None else f'"{observed}"'
+    extra = _stale_extra(
+        resource=identifier, expected=etag, current=etag, conflict_class=conflict_class
+    )
+    extra["queued_action"] = {"id": str(queued_id), "url": f"/api/v1/actions/{queued_id}"}
+    return DomainError(
+        f"{identifier}: action {queued_id} is already queued to write over "
+        f"{etag or 'the free name'}; wait for it, then re-read.",
+        code="stale_version",
+        extra=extra,
     )
 
 
@@ -521,12 +564,10 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
             Approval.objects.filter(action=action, status=ApprovalStatus.PENDING).update(
                 status=ApprovalStatus.CANCELLED, decided_at=timezone.now()
             )
-            audit_append(
+            audit_action_event(
+                action,
                 event_type="action.cancelled",
                 actor=actor,
-                resource=action.resource_identifier,
-                run_id=action.run_id,
-                action_id=action.pk,
                 details={},
             )
             if action.parent_id is not None:

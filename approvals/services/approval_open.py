@@ -8,6 +8,7 @@ function runs inside the caller's transaction.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
@@ -23,6 +24,7 @@ from approvals.models import (
 )
 from approvals.services.run_policy import classes_for_write_set, run_quorum
 from audit.services import Actor, audit_append
+from console.core.action_audit import audit_action_event
 from ownership.models import ApprovalMode, Conflict, ConflictClass
 
 
@@ -46,12 +48,7 @@ def approval_open_for_run(*, run: Run) -> Approval:
         event_type="approval.requested",
         actor=Actor.system(),
         run_id=run.pk,
-        details={
-            "approval": str(approval.pk),
-            "subject": "run",
-            "quorum": quorum,
-            "conflict_classes": [klass.slug for klass in classes],
-        },
+        details=approval_details(approval, conflict_classes=[klass.slug for klass in classes]),
     )
     return approval
 
@@ -61,36 +58,37 @@ def approval_open_for_action(*, action: Action, from_conflict: Conflict | None =
     `approval.requested`; quorum, TTL and escalation come from the action's class."""
     cls = action.conflict_class
     now = timezone.now()
-    approval = Approval.objects.create(
-        subject=ApprovalSubject.ACTION,
-        run_id=action.run_id,
-        action=action,
+    approval = _action_approval_create(
+        action,
         quorum=cls.quorum,
-        observed_version=action.observed_version,
         expires_at=now + timedelta(seconds=cls.approval_ttl_seconds),
         escalate_at=(
             now + timedelta(seconds=cls.escalation_seconds) if cls.escalation_seconds else None
         ),
         from_conflict=from_conflict,
     )
-    details = {
-        "approval": str(approval.pk),
-        "subject": "action",
-        "quorum": cls.quorum,
-        "observed_version": action.observed_version,
-        "conflict_class": cls.slug,
-    }
+    details = approval_details(
+        approval, observed_version=action.observed_version, conflict_class=cls.slug
+    )
     if from_conflict is not None:
         details["conflict"] = str(from_conflict.pk)
-    audit_append(
+    audit_action_event(
+        action,
         event_type="approval.requested",
         actor=Actor.system(),
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
         details=details,
     )
     return approval
+
+
+def approval_details(approval: Approval, **more: Any) -> dict[str, Any]:
+    """What an approval's audit events name first: the approval, its subject, its quorum."""
+    return {
+        "approval": str(approval.pk),
+        "subject": str(approval.subject),
+        "quorum": approval.quorum,
+        **more,
+    }
 
 
 def resolution_needs_votes(conflict_class: ConflictClass) -> bool:
@@ -114,13 +112,10 @@ def approval_open_for_resolution(
         approval = approval_open_for_action(action=action, from_conflict=conflict)
     else:
         now = timezone.now()
-        approval = Approval.objects.create(
-            subject=ApprovalSubject.ACTION,
-            run_id=action.run_id,
-            action=action,
+        approval = _action_approval_create(
+            action,
             status=ApprovalStatus.APPROVED,
             quorum=1,
-            observed_version=action.observed_version,
             expires_at=now,
             decided_at=now,
             from_conflict=conflict,
@@ -129,3 +124,14 @@ def approval_open_for_resolution(
         approval=approval, person_id=int(actor.id), decision=Decision.APPROVE, comment=comment
     )
     return approval
+
+
+def _action_approval_create(action: Action, **fields: Any) -> Approval:
+    """An approval of one action, bound to the version the action observed."""
+    return Approval.objects.create(
+        subject=ApprovalSubject.ACTION,
+        run_id=action.run_id,
+        action=action,
+        observed_version=action.observed_version,
+        **fields,
+    )

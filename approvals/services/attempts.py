@@ -27,7 +27,8 @@ from django.utils import timezone
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.decisions import action_transition
-from audit.services import Actor, audit_append
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
 from console.core.errors import DomainError
 from console.core.killswitch import engaged_switch_for
 from console.core.operations import open_operation
@@ -84,12 +85,10 @@ def enqueue_on_commit(action_id: uuid.UUID, delay_seconds: float = 0.0) -> None:
 
 def audit_worker_event(event_type: str, action: Action, details: dict[str, Any]) -> None:
     """An event about `action` by the worker, inside the caller's transaction."""
-    audit_append(
+    audit_action_event(
+        action,
         event_type=event_type,
         actor=WORKER_ACTOR,
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
         details=details,
     )
 

@@ -32,12 +32,20 @@ from approvals.models import (
 )
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
+from approvals.services.approval_open import approval_details
 from approvals.services.run_policy import classes_for_write_set
 from approvals.services.runs import run_activate, run_reject
 from approvals.services.write_sets import entries_of, lock_kinds
 from audit.services import Actor, audit_append
+from console.core.action_audit import audit_action_event
 from console.core.barrier import lock_run_for_share
-from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
+from console.core.errors import (
+    Forbidden,
+    InvalidTransition,
+    NotFound,
+    ValidationFailed,
+    text_within,
+)
 from console.permissions import can_decide_approvals, person_of
 from ownership.models import OwnershipRecord
 from ownership.reopen import conflict_reopen_for_resolution
@@ -174,12 +182,7 @@ def approval_decide(
             "decision must be 'approve' or 'reject'",
             extra={"errors": [{"field": "decision", "message": "approve or reject"}]},
         )
-    comment = (comment or "").strip()
-    if len(comment) > MAX_COMMENT_LENGTH:
-        raise ValidationFailed(
-            f"comment is longer than {MAX_COMMENT_LENGTH} characters",
-            extra={"errors": [{"field": "comment", "message": "too long"}]},
-        )
+    comment = text_within(comment, field="comment", limit=MAX_COMMENT_LENGTH)
     try:
         approval_uuid = uuid.UUID(str(approval_id))
     except ValueError as exc:
@@ -231,10 +234,24 @@ def approval_decide(
                 ).count()
                 if approvals >= approval.quorum:
                     _approve_locked(approval=approval, person=person, now=now)
+                else:
+                    _record_partial_vote(approval, now=now)
     if expired:
         raise InvalidTransition("This approval has expired.", code="approval_expired")
     approval.refresh_from_db()
     return approval
+
+
+def _record_partial_vote(approval: Approval, *, now: datetime) -> None:
+    """A vote below quorum changes what its subject's body shows (votes so far, who):
+    move the action's ETag (its revision) so a 304 never hides it, and wake the waiters."""
+    if approval.action_id is not None:
+        Action.objects.filter(pk=approval.action_id).update(
+            revision=F("revision") + 1, updated_at=now
+        )
+        notify_action_on_commit(approval.action_id)
+    else:
+        transaction.on_commit(partial(notify_run_changed, approval.run_id))
 
 
 def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
@@ -245,34 +262,35 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
             event_type="approval.approved",
             actor=actor,
             run_id=approval.run_id,
-            details={"approval": str(approval.pk), "subject": "run", "quorum": approval.quorum},
+            details=approval_details(approval),
         )
         run_activate(run=approval.run, actor=actor)
         return
+    action, moved = _leave_approval(approval, ActionStatus.QUEUED)
+    audit_action_event(
+        action,
+        event_type="approval.approved",
+        actor=actor,
+        details=approval_details(
+            approval, observed_version=approval.observed_version, queued=moved
+        ),
+    )
+    if moved:
+        action_id = action.pk
+        transaction.on_commit(lambda: enqueue_action_execution(action_id))
+
+
+def _leave_approval(approval: Approval, to_status: str, **fields: Any) -> tuple[Action, bool]:
+    """The decided approval's action leaves `pending_approval` (False: someone else won)."""
     action = approval.action
     assert action is not None
     moved = action_transition(
         action_id=action.pk,
         from_statuses=(ActionStatus.PENDING_APPROVAL,),
-        to_status=ActionStatus.QUEUED,
+        to_status=to_status,
+        **fields,
     )
-    audit_append(
-        event_type="approval.approved",
-        actor=actor,
-        resource=action.resource_identifier,
-        run_id=approval.run_id,
-        action_id=action.pk,
-        details={
-            "approval": str(approval.pk),
-            "subject": "action",
-            "quorum": approval.quorum,
-            "observed_version": approval.observed_version,
-            "queued": moved,
-        },
-    )
-    if moved:
-        action_id = action.pk
-        transaction.on_commit(lambda: enqueue_action_execution(action_id))
+    return action, moved
 
 
 def _reject_locked(*, approval: Approval, person: Any, comment: str, now: datetime) -> None:
@@ -288,20 +306,11 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
             details={"approval": str(approval.pk), "subject": "run", "comment": comment},
         )
         return
-    action = approval.action
-    assert action is not None
-    rejected = action_transition(
-        action_id=action.pk,
-        from_statuses=(ActionStatus.PENDING_APPROVAL,),
-        to_status=ActionStatus.REJECTED,
-        error=error,
-    )
-    audit_append(
+    action, rejected = _leave_approval(approval, ActionStatus.REJECTED, error=error)
+    audit_action_event(
+        action,
         event_type="approval.rejected",
         actor=actor,
-        resource=action.resource_identifier,
-        run_id=approval.run_id,
-        action_id=action.pk,
         details={"approval": str(approval.pk), "subject": "action", "comment": comment},
     )
     if rejected and action.parent_id is not None:

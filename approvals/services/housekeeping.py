@@ -18,7 +18,8 @@ from approvals.models import Operation, OperationStatus
 from approvals.services.decisions import approval_expire_due
 from approvals.services.idempotency import idempotency_prune
 from approvals.services.runs import run_expire_due
-from audit.services import Actor, audit_append
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
 from ownership.models import OwnershipRecord
 
 log = logging.getLogger("airlock.housekeeping")
@@ -50,12 +51,10 @@ def _undo_windows_finalise(*, now: datetime | None = None) -> int:
             ).update(outcome=outcome)
             if not updated:
                 continue
-            audit_append(
+            audit_action_event(
+                operation.action,
                 event_type="undo.window_closed",
                 actor=Actor.system("housekeeping"),
-                resource=operation.action.resource_identifier,
-                run_id=operation.action.run_id,
-                action_id=operation.action_id,
                 details={"operation": operation.pk, "undo_deadline": operation.undo_deadline},
             )
             count += 1

@@ -30,7 +30,8 @@ from approvals.outbox import (
 )
 from approvals.services.attempts import enqueue_on_commit, max_attempts, operation_lease_seconds
 from approvals.services.decisions import action_transition
-from audit.services import Actor, audit_append
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
 from console.models import KillSwitch
 
 log = logging.getLogger("airlock.execution")
@@ -110,12 +111,10 @@ def _abandon_stale_operations(now: datetime) -> int:
                     attempts=attempts,
                     not_before=None,
                 )
-            audit_append(
+            audit_action_event(
+                action,
                 event_type="operation.abandoned",
                 actor=Actor.system("reconciler"),
-                resource=action.resource_identifier,
-                run_id=action.run_id,
-                action_id=action_id,
                 details={"operation": operation_id, "requeued": moved, "attempts": attempts},
             )
             if moved:

@@ -35,14 +35,16 @@ def rule_as_dict(rule: AutoApproveRule) -> dict[str, Any]:
 
 
 def _clean(
-    *,
+    actor: Actor,
     kind: str,
     name_prefix: str,
     operations: list[str],
     agent: str | None,
     description: str,
 ) -> dict[str, Any]:
-    """Validate every field at once; raises ValidationFailed listing each bad field."""
+    """Who may edit rules (admins: Forbidden otherwise), then every field at once:
+    ValidationFailed lists each bad one."""
+    require_person(actor, is_admin, "Only admins edit auto-approve rules.")
     errors: list[dict[str, str]] = []
     kind_row = ResourceKind.objects.filter(slug=kind).first() if isinstance(kind, str) else None
     if kind_row is None:
@@ -87,14 +89,7 @@ def auto_approve_rule_create(
     enabled: bool = True,
 ) -> AutoApproveRule:
     """Create a rule (admins only). Raises Forbidden, ValidationFailed."""
-    require_person(actor, is_admin, "Only admins edit auto-approve rules.")
-    values = _clean(
-        kind=kind,
-        name_prefix=name_prefix,
-        operations=operations,
-        agent=agent,
-        description=description,
-    )
+    values = _clean(actor, kind, name_prefix, operations, agent, description)
     with transaction.atomic():
         rule = AutoApproveRule.objects.create(**values, enabled=enabled)
         audit_append(
@@ -122,14 +117,7 @@ def auto_approve_rule_update(
     (rule, changed): an edit that changes nothing writes no audit row.
     Raises Forbidden, NotFound, ValidationFailed.
     """
-    require_person(actor, is_admin, "Only admins edit auto-approve rules.")
-    values = _clean(
-        kind=kind,
-        name_prefix=name_prefix,
-        operations=operations,
-        agent=agent,
-        description=description,
-    )
+    values = _clean(actor, kind, name_prefix, operations, agent, description)
     values["enabled"] = bool(enabled)
     with transaction.atomic():
         rule = AutoApproveRule.objects.select_for_update().filter(pk=rule_id).first()

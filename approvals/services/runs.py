@@ -237,17 +237,7 @@ def run_finish(*, run: Run, actor: Actor) -> Run:
     """End a run and free its ownership records. Actions that have not started
     executing are cancelled. Finishing a finished run is a no-op (no second
     audit row); finishing a rejected/expired/revoked run is 409 run_not_active."""
-    with transaction.atomic():
-        ended = _end(
-            run.pk,
-            status=RunStatus.FINISHED,
-            from_statuses=(RunStatus.ACTIVE, RunStatus.PENDING_APPROVAL),
-            actor=actor,
-            event="run.finished",
-            reason="finished by the agent",
-            action_status=ActionStatus.CANCELLED,
-        )
-    run.refresh_from_db()
+    ended = _close(run, RunStatus.FINISHED, actor=actor, reason="finished by the agent")
     if not ended and run.status != RunStatus.FINISHED:
         raise RunNotActive(f"Run {run.pk} is {run.status}.")
     return run
@@ -260,17 +250,7 @@ def run_revoke(*, run: Run, actor: Actor, reason: str) -> Run:
     system), InvalidTransition when the run already ended otherwise.
     """
     require_person(actor, can_decide_approvals, "Revoking a run needs the operator role.")
-    with transaction.atomic():
-        ended = _end(
-            run.pk,
-            status=RunStatus.REVOKED,
-            from_statuses=(RunStatus.ACTIVE, RunStatus.PENDING_APPROVAL),
-            actor=actor,
-            event="run.revoked",
-            reason=reason,
-            action_status=ActionStatus.CANCELLED,
-        )
-    run.refresh_from_db()
+    ended = _close(run, RunStatus.REVOKED, actor=actor, reason=reason)
     if not ended and run.status != RunStatus.REVOKED:
         raise InvalidTransition(f"Run {run.pk} is {run.status}.")
     return run
@@ -278,18 +258,38 @@ def run_revoke(*, run: Run, actor: Actor, reason: str) -> Run:
 
 def run_reject(*, run: Run, actor: Actor, reason: str) -> Run:
     """A pending run's approval was rejected."""
+    _close(
+        run,
+        RunStatus.REJECTED,
+        actor=actor,
+        reason=reason,
+        from_statuses=(RunStatus.PENDING_APPROVAL,),
+    )
+    return run
+
+
+def _close(
+    run: Run,
+    status: str,
+    *,
+    actor: Actor,
+    reason: str,
+    from_statuses: tuple[str, ...] = (RunStatus.ACTIVE, RunStatus.PENDING_APPROVAL),
+) -> bool:
+    """End a live run as `status` (event `run.<status>`), cancelling its open actions,
+    and reload it. Returns whether this call ended it."""
     with transaction.atomic():
-        _end(
+        ended = _end(
             run.pk,
-            status=RunStatus.REJECTED,
-            from_statuses=(RunStatus.PENDING_APPROVAL,),
+            status=status,
+            from_statuses=from_statuses,
             actor=actor,
-            event="run.rejected",
+            event=f"run.{status}",
             reason=reason,
             action_status=ActionStatus.CANCELLED,
         )
     run.refresh_from_db()
-    return run
+    return ended
 
 
 def run_expire_due(*, now: datetime | None = None) -> int:

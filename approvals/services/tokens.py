@@ -13,7 +13,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
@@ -21,8 +21,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from approvals.models import Agent, AgentToken, PersonalToken, Run
-from audit.models import ActorType
 from audit.services import Actor, audit_append
+from console.core.actors import person_id
 from console.core.errors import ValidationFailed
 from console.permissions import is_admin, require_person
 
@@ -32,6 +32,7 @@ PERSONAL_PREFIX = "pt_"
 LOOKUP_PREFIX_LENGTH = 12  # "ak_" + 9 characters of the secret
 _LAST_USED_RESOLUTION = timedelta(minutes=1)
 _AGENT_NAME = re.compile(r"^[-a-zA-Z0-9_]+\Z")  # Django's slug
+_IssuedToken = TypeVar("_IssuedToken", AgentToken, PersonalToken)
 
 
 @dataclass(frozen=True)
@@ -138,13 +139,6 @@ def _touch(model: Any, pk: int, last_used_at: datetime | None, now: datetime) ->
         ).update(last_used_at=now)
 
 
-def _person_id(actor: Actor) -> int | None:
-    """The user id behind a person actor (None for the system, agents and runs)."""
-    if actor.type != ActorType.PERSON or not actor.id.isdigit():
-        return None
-    return int(actor.id)
-
-
 def agent_token_create(
     *,
     agent: Agent,
@@ -160,22 +154,15 @@ def agent_token_create(
     (decisions.answers_for_agent).
     """
     require_person(actor, is_admin, "Only admins create agent tokens.")
-    new = token_generate(AGENT_PREFIX)
-    with transaction.atomic():
-        token = AgentToken.objects.create(
-            agent=agent,
-            prefix=new.prefix,
-            token_hash=new.hash,
-            label=label,
-            expires_at=expires_at,
-            created_by_id=_person_id(actor),
-        )
-        audit_append(
-            event_type="token.created",
-            actor=actor,
-            details={"kind": "agent", "agent": agent.name, "prefix": new.prefix, "label": label},
-        )
-    return token, new.secret
+    return _token_issue(
+        AgentToken,
+        AGENT_PREFIX,
+        actor=actor,
+        label=label,
+        expires_at=expires_at,
+        owner={"agent": agent, "created_by_id": person_id(actor)},
+        details={"kind": "agent", "agent": agent.name},
+    )
 
 
 def personal_token_create(
@@ -186,24 +173,37 @@ def personal_token_create(
     expires_at: datetime | None = None,
 ) -> tuple[PersonalToken, str]:
     """Issue a personal token carrying `user`'s permissions."""
-    new = token_generate(PERSONAL_PREFIX)
+    return _token_issue(
+        PersonalToken,
+        PERSONAL_PREFIX,
+        actor=actor,
+        label=label,
+        expires_at=expires_at,
+        owner={"user": user},
+        details={"kind": "personal", "user": user.get_username()},
+    )
+
+
+def _token_issue(
+    model: type[_IssuedToken],
+    prefix: str,
+    *,
+    actor: Actor,
+    label: str,
+    expires_at: datetime | None,
+    owner: dict[str, Any],
+    details: dict[str, Any],
+) -> tuple[_IssuedToken, str]:
+    """Store a new token's hash for `owner` and audit it; the secret is returned once."""
+    new = token_generate(prefix)
     with transaction.atomic():
-        token = PersonalToken.objects.create(
-            user=user,
-            prefix=new.prefix,
-            token_hash=new.hash,
-            label=label,
-            expires_at=expires_at,
+        token = model.objects.create(
+            prefix=new.prefix, token_hash=new.hash, label=label, expires_at=expires_at, **owner
         )
         audit_append(
             event_type="token.created",
             actor=actor,
-            details={
-                "kind": "personal",
-                "user": user.get_username(),
-                "prefix": new.prefix,
-                "label": label,
-            },
+            details={**details, "prefix": new.prefix, "label": label},
         )
     return token, new.secret
 
@@ -286,7 +286,7 @@ def agent_create(
     try:
         with transaction.atomic():
             agent = Agent.objects.create(
-                name=name, owner=person, description=description, created_by_id=_person_id(actor)
+                name=name, owner=person, description=description, created_by_id=person_id(actor)
             )
             audit_append(
                 event_type="agent.created",

@@ -41,7 +41,8 @@ from approvals.services.attempts import (
 )
 from approvals.services.runs import RunNotActive
 from audit.models import ActorType
-from audit.services import Actor, audit_append
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
 from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     Forbidden,
@@ -169,12 +170,10 @@ def action_undo_request(
                 "idempotency_key": idempotency_key[:255],
             },
         )
-        audit_append(
+        audit_action_event(
+            locked,
             event_type="undo.requested",
             actor=actor,
-            resource=locked.resource_identifier,
-            run_id=locked.run_id,
-            action_id=locked.pk,
             details={
                 "operation": original.pk,
                 "undo_operation": undo_op.pk,
@@ -263,12 +262,10 @@ def _retry_undo(
 
 def _audit_undo_event(event_type: str, undo_op: Operation, details: dict[str, Any]) -> None:
     action = undo_op.action
-    audit_append(
+    audit_action_event(
+        action,
         event_type=event_type,
         actor=Actor.system("worker"),
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
         details={"undo_operation": undo_op.pk, "operation": undo_op.undo_of_id, **details},
     )
 

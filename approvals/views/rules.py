@@ -19,7 +19,6 @@ from console.pages import (
     console_page,
     error_status,
     forbid_unless,
-    form_errors_from,
     render_fragment_or_page,
 )
 
@@ -93,34 +92,18 @@ def _rule_save(request: HttpRequest, rule_id: int | None) -> HttpResponse:
         editing = get_object_or_404(AutoApproveRule, pk=rule_id)
     form = AutoApproveRuleForm(request.POST)
 
-    def respond(*, notice: str = "", status: int = 200) -> HttpResponse:
-        failed = status >= 400
-        return RULES.respond(
-            request,
-            lambda: _rules_context(
-                request, form=form if failed else None, editing=editing if failed else None
-            ),
-            notice=notice,
-            status=status,
-        )
-
-    if not form.is_valid():
-        return respond(status=422)
-    try:
+    def save() -> str:
         if rule_id is None:
             rule = rule_services.auto_approve_rule_create(
                 actor=Actor.person(request.user), **_rule_values(form)
             )
-            notice = f"Rule {rule.pk} created."
-        else:
-            rule, changed = rule_services.auto_approve_rule_update(
-                actor=Actor.person(request.user), rule_id=rule_id, **_rule_values(form)
-            )
-            notice = f"Rule {rule.pk} saved." if changed else f"Rule {rule.pk} is unchanged."
-    except DomainError as exc:
-        form_errors_from(form, exc)
-        return respond(status=error_status(exc))
-    return respond(notice=notice)
+            return f"Rule {rule.pk} created."
+        rule, changed = rule_services.auto_approve_rule_update(
+            actor=Actor.person(request.user), rule_id=rule_id, **_rule_values(form)
+        )
+        return f"Rule {rule.pk} saved." if changed else f"Rule {rule.pk} is unchanged."
+
+    return RULES.submit(request, form, save, _rules_context, form=form, editing=editing)
 
 
 @console_page

@@ -46,9 +46,10 @@ from approvals.models import (
     WriteOperation,
     run_end_exempt,
 )
-from audit.services import Actor, audit_append
-from console.core.errors import KillSwitchEngaged, NotFound
-from console.core.killswitch import engaged_switch_for, hold_switches_shared
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
+from console.core.errors import NotFound
+from console.core.killswitch import hold_switches_shared, refuse_if_engaged
 from console.core.operations import EXECUTABLE_STATUSES
 from ownership.diff import proposed_document
 from ownership.models import Resource, ResourceVersion, TargetType
@@ -132,13 +133,7 @@ def apply_action(
             # A re-delivered job: the first delivery already recorded the outcome.
             return _finished_outcome(action, operation)
 
-        identifier = action.resource_identifier
-        switch = engaged_switch_for(identifier)
-        if switch is not None:
-            raise KillSwitchEngaged(
-                f"kill switch {switch.scope} is engaged: {switch.reason}".rstrip(": "),
-                extra={"scope": switch.scope, "reason": switch.reason, "resource": identifier},
-            )
+        refuse_if_engaged(action.resource_identifier)
 
         if action.status not in EXECUTABLE_STATUSES:
             refusal = Refusal(ACTION_NOT_EXECUTABLE, f"the action is {action.status}", fence=fence)
@@ -313,19 +308,15 @@ def _record_applied(
         error=None,
         updated_at=now,
     )
-    audit_append(
-        event_type="write.applied",
-        actor=_write_actor(action),
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
+    _audit_write(
+        "write.applied",
+        action,
+        operation,
+        actor=actor,
         details={
-            "operation": action.operation,
-            "operation_id": operation.pk,
             "fence": fence,
             "from_version": result.base_version,
             "to_version": result.result_version,
-            **_executor(actor, action),
         },
     )
     return WriteOutcome(
@@ -359,18 +350,26 @@ def _write_existing(action: Action, *, fence: int, now: datetime) -> _Written | 
     # tombstone keeps its last document (readers see a delete as `{}`, the
     # proposed document; the history row keeps what was deleted).
     document = current["document"] if deleting else proposed_document(action, current["document"])
-    rows = Resource.objects.filter(
-        pk=current["id"], version=observed, last_fence__lt=fence, deleted=False
-    ).update(
+    if _conditional_update(
+        document, deleting, fence, now, pk=current["id"], version=observed, deleted=False
+    ):
+        return _Written(current["id"], observed, observed + 1, document, deleting)
+    return _Refused(_classify_miss(current["id"], expected=observed, fence=fence), current["id"])
+
+
+def _conditional_update(
+    document: Any, tombstone: bool, fence: int, now: datetime, **expected: Any
+) -> bool:
+    """The one conditional UPDATE: it writes only while the row still matches `expected`
+    (its id, version and tombstone flag) and `fence` is newer than the last one accepted."""
+    rows = Resource.objects.filter(last_fence__lt=fence, **expected).update(
         document=document,
-        deleted=deleting,
+        deleted=tombstone,
         version=F("version") + 1,
         last_fence=fence,
         updated_at=now,
     )
-    if rows == 1:
-        return _Written(current["id"], observed, observed + 1, document, deleting)
-    return _Refused(_classify_miss(current["id"], expected=observed, fence=fence), current["id"])
+    return rows == 1
 
 
 def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _Refused:
@@ -406,83 +405,88 @@ def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _R
         return _Written(resource.pk, None, 1, document, False)
     if not existing["deleted"]:
         return _Refused(_already_exists(existing, fence), existing["id"])
-    rows = Resource.objects.filter(
-        pk=existing["id"], version=existing["version"], deleted=True, last_fence__lt=fence
-    ).update(
-        document=document,
-        deleted=False,
-        version=F("version") + 1,
-        last_fence=fence,
-        updated_at=now,
-    )
-    if rows == 1:
+    if _conditional_update(
+        document, False, fence, now, pk=existing["id"], version=existing["version"], deleted=True
+    ):
         return _Written(
             existing["id"], existing["version"], existing["version"] + 1, document, False
         )
-    fresh = (
-        Resource.objects.filter(pk=existing["id"]).values("version", "deleted", "last_fence").get()
-    )
+    fresh = _reread(existing["id"])
     if fresh["last_fence"] >= fence:
         refusal = _stale_fence(fresh, expected=existing["version"], fence=fence)
     elif not fresh["deleted"]:
         refusal = _already_exists(fresh, fence)
     else:
-        refusal = Refusal(
+        refusal = _refusal_from_row(
             STALE_VERSION,
             "the tombstone changed while it was being revived",
-            expected_version=existing["version"],
-            current_version=fresh["version"],
+            fresh,
+            expected=existing["version"],
             fence=fence,
-            current_fence=fresh["last_fence"],
         )
     return _Refused(refusal, existing["id"])
 
 
 def _classify_miss(resource_id: int, *, expected: int, fence: int) -> Refusal:
     """Zero rows matched: re-read (a new statement sees the latest commit) and say why."""
-    fresh = Resource.objects.filter(pk=resource_id).values("version", "deleted", "last_fence").get()
+    fresh = _reread(resource_id)
     if fresh["last_fence"] >= fence:
         # Checked first: a holder whose fence is stale must not write at all, and
         # its refusal is not a conflict for a person — a newer holder has the resource.
         return _stale_fence(fresh, expected=expected, fence=fence)
     if fresh["deleted"]:
-        return Refusal(
+        return _refusal_from_row(
             MISSING,
             "the resource has been deleted",
-            expected_version=expected,
-            current_version=fresh["version"],
+            fresh,
+            expected=expected,
             fence=fence,
-            current_fence=fresh["last_fence"],
         )
-    return Refusal(
+    return _refusal_from_row(
         STALE_VERSION,
         f"the resource is at version {fresh['version']}, the action observed {expected}",
-        expected_version=expected,
-        current_version=fresh["version"],
+        fresh,
+        expected=expected,
         fence=fence,
-        current_fence=fresh["last_fence"],
     )
 
 
+def _reread(resource_id: int) -> Mapping[str, Any]:
+    """The row's version, tombstone flag and last fence, as committed now."""
+    return Resource.objects.filter(pk=resource_id).values("version", "deleted", "last_fence").get()
+
+
 def _stale_fence(fresh: Mapping[str, Any], *, expected: int | None, fence: int) -> Refusal:
-    return Refusal(
+    return _refusal_from_row(
         STALE_FENCE,
         f"fence {fence} is stale: fence {fresh['last_fence']} has already written",
-        expected_version=expected,
-        current_version=fresh["version"],
+        fresh,
+        expected=expected,
         fence=fence,
-        current_fence=fresh["last_fence"],
+    )
+
+
+def _refusal_from_row(
+    reason: str, message: str, row: Mapping[str, Any], *, expected: int | None, fence: int
+) -> Refusal:
+    """A refusal that reports the resource row as re-read: its version and last fence."""
+    return Refusal(
+        reason,
+        message,
+        expected_version=expected,
+        current_version=row["version"],
+        fence=fence,
+        current_fence=row["last_fence"],
     )
 
 
 def _already_exists(existing: Mapping[str, Any], fence: int) -> Refusal:
-    return Refusal(
+    return _refusal_from_row(
         ALREADY_EXISTS,
         "a resource with this name already exists",
-        expected_version=None,
-        current_version=existing["version"],
+        existing,
+        expected=None,
         fence=fence,
-        current_fence=existing["last_fence"],
     )
 
 
@@ -500,19 +504,7 @@ def _refuse(
         outcome=refusal.as_dict(),
         finished_at=timezone.now(),
     )
-    audit_append(
-        event_type="write.refused",
-        actor=_write_actor(action),
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
-        details={
-            "operation": action.operation,
-            "operation_id": operation.pk,
-            **refusal.as_dict(),
-            **_executor(actor, action),
-        },
-    )
+    _audit_write("write.refused", action, operation, actor=actor, details=refusal.as_dict())
     return WriteOutcome(
         applied=False,
         action_id=action.pk,
@@ -526,6 +518,23 @@ def _refuse(
 def _write_actor(action: Action) -> Actor:
     """A write (and its refusal) is the run's: the run is the accountable principal."""
     return Actor.run(action.run)
+
+
+def _audit_write(
+    event_type: str, action: Action, operation: Operation, *, actor: Actor, details: dict[str, Any]
+) -> None:
+    """The run's audit event for a write or its refusal, naming the executor."""
+    audit_action_event(
+        action,
+        event_type=event_type,
+        actor=_write_actor(action),
+        details={
+            "operation": action.operation,
+            "operation_id": operation.pk,
+            **details,
+            **_executor(actor, action),
+        },
+    )
 
 
 def _executor(actor: Actor, action: Action) -> dict[str, Any]:

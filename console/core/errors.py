@@ -82,3 +82,15 @@ class UndoWindowExpired(DomainError):
 
 class InvalidTransition(DomainError):
     code = "invalid_transition"
+
+
+def text_within(value: str | None, *, field: str, limit: int) -> str:
+    """Free text as a service stores it: stripped, and at most `limit` characters
+    (ValidationFailed naming `field` otherwise)."""
+    text = (value or "").strip()
+    if len(text) > limit:
+        raise ValidationFailed(
+            f"{field} is longer than {limit} characters",
+            extra={"errors": [{"field": field, "message": "too long"}]},
+        )
+    return text

@@ -12,6 +12,7 @@ import re
 
 from django.db import connection
 
+from console.core.errors import KillSwitchEngaged
 from console.models import KillSwitch
 
 # The one rule for a scope, used by the service, the API schema and the form:
@@ -67,6 +68,21 @@ def engaged_switch_for(resource_identifier: str) -> KillSwitch | None:
     if not covering:
         return None
     return min(covering, key=lambda switch: (switch.scope != "*", len(switch.scope)))
+
+
+def refuse_if_engaged(resource_identifier: str) -> None:
+    """KillSwitchEngaged (retryable) when a switch covers the resource: the barrier's
+    and the undo's check under the shared switch lock."""
+    switch = engaged_switch_for(resource_identifier)
+    if switch is not None:
+        raise KillSwitchEngaged(
+            f"kill switch {switch.scope} is engaged: {switch.reason}".rstrip(": "),
+            extra={
+                "scope": switch.scope,
+                "reason": switch.reason,
+                "resource": resource_identifier,
+            },
+        )
 
 
 def any_engaged() -> bool:

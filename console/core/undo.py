@@ -26,10 +26,11 @@ from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
-from audit.services import Actor, audit_append
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
 from console.core.actors import person_id
-from console.core.errors import KillSwitchEngaged, NotFound
-from console.core.killswitch import engaged_switch_for, hold_switches_shared
+from console.core.errors import NotFound
+from console.core.killswitch import hold_switches_shared, refuse_if_engaged
 from ownership.models import Resource, ResourceVersion
 
 WINDOW_EXPIRED = "window_expired"
@@ -106,13 +107,7 @@ def apply_undo(
         if refusal is not None:
             return _refuse(undo_op, action, actor, *refusal, base)
 
-        identifier = action.resource_identifier
-        switch = engaged_switch_for(identifier)
-        if switch is not None:
-            raise KillSwitchEngaged(
-                f"kill switch {switch.scope} is engaged: {switch.reason}".rstrip(": "),
-                extra={"scope": switch.scope, "reason": switch.reason, "resource": identifier},
-            )
+        refuse_if_engaged(action.resource_identifier)
 
         resource_id = action.resource_id
         assert resource_id is not None  # set by apply_action on every accepted write
@@ -251,12 +246,10 @@ def _record_undone(
     Action.objects.filter(pk=action.pk).update(
         status=ActionStatus.UNDONE, revision=F("revision") + 1, updated_at=now
     )
-    audit_append(
+    audit_action_event(
+        action,
         event_type="write.undone",
         actor=actor,
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
         details={
             "operation_id": original.pk,
             "undo_operation_id": undo_op.pk,
@@ -295,12 +288,10 @@ def _refuse(
         )
     # A stale fence leaves the undo pending: this holder was overtaken, and the
     # retry with a fresh fence must still be able to finish the one undo.
-    audit_append(
+    audit_action_event(
+        action,
         event_type="write.undo_refused",
         actor=actor,
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
         details={k: v for k, v in recorded.items() if k != "action_id"},
     )
     return outcome

@@ -163,7 +163,16 @@ _WRITE_RESPONSES = {
             "Location": {"schema": {"type": "string"}, "description": "/api/v1/actions/{id}"},
             "Idempotent-Replayed": {"schema": {"type": "string"}},
         },
-    }
+    },
+    "412": {
+        "description": "stale_version: If-Match (or If-None-Match: *) no longer holds. Members "
+        "`resource`, `expected_etag`, `current_etag`, `conflict_class`, `resolver`, "
+        "`retryable_by_agent`; `retryable: false`. When the tag still matches but an approved "
+        "write already queued on the resource will replace that version (or, for a create, "
+        "another create of the name is queued), the body also names it: `queued_action` "
+        "`{id, url}`. Wait for that action (GET its url with `Prefer: wait=N`; readable when "
+        "it is your agent's own), then re-read."
+    },
 }
 _WRITE_ERRORS = errors(400, 401, 403, 404, 409, 412, 413, 415, 422, 423, 428, 429)
 

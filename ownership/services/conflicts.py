@@ -26,7 +26,8 @@ from django.utils import timezone
 from approvals.models import Action, ActionStatus, Operation
 from approvals.outbox import notify_action_on_commit
 from approvals.services.decisions import action_transition
-from audit.services import Actor, audit_append
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
 from console.permissions import resolver_group
 from ownership.diff import proposed_document, three_way_diff
 from ownership.models import (
@@ -163,14 +164,10 @@ def conflict_open_for_action(
             Operation.objects.filter(pk=operation_id, status="pending").update(
                 status="failed", finished_at=now, outcome={"refused": refusal}
             )
-        audit_append(
-            event_type="conflict.opened",
-            actor=Actor.system("worker"),
-            resource=action.resource_identifier,
-            run_id=action.run_id,
-            action_id=action.pk,
-            details={
-                "conflict": str(conflict.pk),
+        _audit_conflict_opened(
+            action,
+            conflict,
+            {
                 "conflict_class": cls.slug,
                 "resolver": cls.resolver,
                 "resolver_group": conflict.resolver_group,
@@ -216,14 +213,10 @@ def conflict_open_for_undo(
         proposed_document=proposed,
         fields=three_way_diff(base, current, proposed),
     )
-    audit_append(
-        event_type="conflict.opened",
-        actor=Actor.system("worker"),
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
-        details={
-            "conflict": str(conflict.pk),
+    _audit_conflict_opened(
+        action,
+        conflict,
+        {
             "origin": "undo",
             "resolver_group": group,
             "requested_by": requested_by,
@@ -233,3 +226,13 @@ def conflict_open_for_undo(
     )
     notify_action_on_commit(action.pk)
     return conflict
+
+
+def _audit_conflict_opened(action: Action, conflict: Conflict, details: dict[str, Any]) -> None:
+    """The worker found the conflict: the event names it, then what the caller adds."""
+    audit_action_event(
+        action,
+        event_type="conflict.opened",
+        actor=Actor.system("worker"),
+        details={"conflict": str(conflict.pk), **details},
+    )

@@ -32,9 +32,16 @@ from approvals.services.approval_open import (
 )
 from approvals.services.decisions import answers_for_agent
 from audit.models import ActorType, AuditEvent
-from audit.services import Actor, audit_append
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
 from console.core.actors import acting_person
-from console.core.errors import Forbidden, InvalidTransition, NotFound, ValidationFailed
+from console.core.errors import (
+    Forbidden,
+    InvalidTransition,
+    NotFound,
+    ValidationFailed,
+    text_within,
+)
 from ownership.diff import merge_documents
 from ownership.models import (
     Conflict,
@@ -87,12 +94,7 @@ def _validate_request(choice: str, comment: str) -> str:
             "choice must be keep_current, take_proposed or merge",
             extra={"errors": [{"field": "choice", "message": "unknown choice"}]},
         )
-    comment = (comment or "").strip()
-    if len(comment) > MAX_COMMENT_LENGTH:
-        raise ValidationFailed(
-            "comment too long", extra={"errors": [{"field": "comment", "message": "too long"}]}
-        )
-    return comment
+    return text_within(comment, field="comment", limit=MAX_COMMENT_LENGTH)
 
 
 def _undo_requester(conflict: Conflict) -> str:
@@ -235,12 +237,10 @@ def _conflict_close(
         error=error, revision=action.revision + 1, updated_at=now
     )
     notify_action_on_commit(action.pk)
-    audit_append(
+    audit_action_event(
+        action,
         event_type="conflict.resolved",
         actor=actor,
-        resource=action.resource_identifier,
-        run_id=action.run_id,
-        action_id=action.pk,
         details={
             "conflict": str(conflict.pk),
             "choice": choice,
@@ -262,12 +262,10 @@ def _resolution_action_submit(
     """Audit the new action and record the resolver's decision as its approval:
     the first vote on a pending approval, or an approval granted at once (then
     the action is enqueued after commit)."""
-    audit_append(
+    audit_action_event(
+        new_action,
         event_type="action.proposed",
         actor=actor,
-        resource=new_action.resource_identifier,
-        run_id=new_action.run_id,
-        action_id=new_action.pk,
         details={
             "parent": str(conflict.action_id),
             "from_conflict": str(conflict.pk),

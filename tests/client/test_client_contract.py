@@ -251,6 +251,27 @@ def test_a_stale_version_is_raised_at_once_with_its_fields() -> None:
         session_of(airlock).put(BASE, {"a": 1})
     assert len(seen) == 1
     assert (refused.value.current_etag, refused.value.resolver) == ('"42"', "group:operators")
+    assert refused.value.queued_action is None
+
+
+def test_a_stale_version_names_the_queued_write_that_will_replace_the_version_read() -> None:
+    queued = {"id": "0b5e0c1e-8f1d-4d52-9d0e-2a7c1f6c1a11", "url": "/api/v1/actions/0b5e0c1e"}
+    airlock, seen = scripted(
+        [
+            problem(
+                412,
+                "stale_version",
+                False,
+                resource="notification-policy/prod-alerts",
+                expected_etag='"41"',
+                current_etag='"41"',
+                queued_action=queued,
+            )
+        ]
+    )
+    with pytest.raises(StaleVersion) as refused:
+        session_of(airlock).put(BASE, {"a": 1})
+    assert len(seen) == 1 and refused.value.queued_action == queued["id"]
 
 
 def test_a_retry_after_beyond_the_budget_raises_rate_limited_without_waiting(

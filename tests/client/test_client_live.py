@@ -56,6 +56,7 @@ def test_the_design_collision_refuses_the_stale_agent_who_re_reads_re_plans_and_
         assert refused.value.current_etag == '"42"'
         assert refused.value.resolver == "group:operators"
         assert refused.value.conflict_class == "replace_shared_document"
+        assert refused.value.queued_action is None  # B's write applied: plainly stale
         # Re-read, re-plan on the current document, propose again.
         current = run.read(POLICY)
         replanned = {**current.document, "channels": ["email", "pager"]}

@@ -227,6 +227,13 @@ class StaleVersion(ProblemError):
     def resolver(self) -> str:
         return str(self.problem.get("resolver") or "")
 
+    @property
+    def queued_action(self) -> str | None:
+        """The id of the approved write already queued that will replace the version
+        you read (the tag still matched): wait for it, then re-read. None otherwise."""
+        queued = self.problem.get("queued_action")
+        return str(queued["id"]) if isinstance(queued, dict) and queued.get("id") else None
+
 
 class PayloadTooLarge(ProblemError):
     code = "payload_too_large"

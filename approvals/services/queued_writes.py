@@ -1,0 +1,70 @@
+"""Approved writes already queued on a resource, as a proposal sees them.
+
+A proposal whose tag matches the current version can still be doomed: an
+approved write queued on the same resource, based on that same version, will
+run first, and the proposal would only become a conflict at execution.
+`action_propose` refuses it at once (412 naming the queued action) so the
+agent waits for that write and re-reads. Proposals on one resource serialise
+on `lock_resource_for_proposal`, so of two based on the same version only the
+first is recorded.
+"""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+from dataclasses import dataclass
+
+from django.db import connection
+
+from approvals.models import Action, ActionStatus
+
+# Approved writes that will run: not pending_approval (it may never be approved).
+_WRITING = (ActionStatus.QUEUED, ActionStatus.EXECUTING)
+
+# Advisory lock namespace (the kind locks use 7171, the kill switch 7172).
+_PROPOSAL_LOCK = 7173
+
+
+@dataclass(frozen=True)
+class QueuedWrite:
+    id: uuid.UUID
+    operation: str
+    observed_version: int | None
+
+
+def lock_resource_for_proposal(kind: str, name: str) -> None:
+    """Exclusive per-resource advisory lock, after the shared kind lock and before
+    any row lock (the one lock order, step 2). Only proposals take it; a hash
+    collision merely serialises two resources' proposals."""
+    if connection.vendor != "postgresql":
+        return  # SQLite serialises writers already.
+    key = zlib.crc32(f"airlock.proposal:{kind}/{name}".encode()) - 2**31
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_PROPOSAL_LOCK, key])
+
+
+def writes_in_flight(kind: str, name: str) -> list[QueuedWrite]:
+    """The approved writes (queued or executing) on kind/name, oldest first."""
+    rows = (
+        Action.objects.filter(kind_id=kind, name=name, status__in=_WRITING)
+        .order_by("created_at", "id")
+        .values_list("id", "operation", "observed_version")
+    )
+    return [QueuedWrite(*row) for row in rows]
+
+
+def superseding_write(
+    in_flight: list[QueuedWrite], *, creating: bool, observed_version: int | None
+) -> QueuedWrite | None:
+    """The queued write that will supersede a proposal whose tag matched: for an
+    update or delete, one based on the same version; for a create, another create.
+    One based on an older version is left out: it will itself be a conflict."""
+    for write in in_flight:
+        if (
+            (write.operation == "create")
+            if creating
+            else (write.observed_version == observed_version)
+        ):
+            return write
+    return None
