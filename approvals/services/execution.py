@@ -102,11 +102,8 @@ def _execute(action: Action, *, connection: redis.Redis | None) -> str:
         return "transient"
     try:
         lock.start_heartbeat()
-        # Re-read under the lock: a duplicate delivery that waited for it finds
-        # the action already done.
-        status = Action.objects.filter(pk=action.pk).values_list("status", flat=True).first()
-        if status != ActionStatus.QUEUED:
-            return f"skipped:{status}"
+        # A duplicate delivery that waited for the lock finds the action done: the
+        # claim (a conditional UPDATE from `queued`, under the lock) refuses it.
         if action.kind.target == TargetType.HTTP:
             return execute_http(action=action, lock=lock, fence=fence)
         return _execute_managed(action=action, lock=lock, fence=fence)
@@ -134,8 +131,8 @@ def _refusal_code(outcome: Any) -> str:
 
 def _execute_managed(*, action: Action, lock: Any, fence: int) -> str:
     operation = claim(action, fence)
-    if operation is None:
-        return "not_claimed"
+    if isinstance(operation, str):
+        return operation
     crash_point("after_open_operation")
     try:
         lock.check()

@@ -115,14 +115,17 @@ def apply_action(
     with transaction.atomic():
         # Before any row lock: an engage waits for this write, or this write sees it.
         hold_switches_shared()
+        # The action's run id comes with the operation row (one statement; only the
+        # operation row is locked here, the run and the action follow in order).
         operation = (
-            Operation.objects.select_for_update()
+            Operation.objects.select_for_update(of=("self",))
             .filter(pk=operation_id, action_id=action_id, undo_of__isnull=True)
+            .annotate(action_run_id=F("action__run_id"))
             .first()
         )
         if operation is None:
             raise NotFound("no such operation for this action", extra={"operation": operation_id})
-        run_id = Action.objects.filter(pk=action_id).values_list("run_id", flat=True).first()
+        run_id = operation.action_run_id
         run_state = lock_run_for_share(run_id) if run_id is not None else None
         action = (
             Action.objects.select_for_update(of=("self",))
