@@ -93,7 +93,10 @@ def _send(
 ) -> None:
     kwargs: dict[str, Any] = {
         "job_id": job_id,
-        "result_ttl": 600,
+        # Nobody reads these jobs' return values (the outcome is in PostgreSQL; the
+        # reconciler reads a job's status only while it is pending), so a finished job
+        # is deleted at once instead of being kept with its result.
+        "result_ttl": 0,
         "failure_ttl": 24 * 3600,
         "job_timeout": 120,
     }

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from approvals.models import Action
+from approvals.models import Action, Operation
 from approvals.selectors import actions_visible_to, approval_list_for_person
 from approvals.services.attempts import route_refusal
 from approvals.services.execution import action_execute
@@ -15,6 +15,7 @@ from audit.services import Actor
 from console.core.barrier import apply_action
 from console.core.errors import Forbidden, NotFound, ValidationFailed
 from console.core.fence import next_fence
+from console.core.lock import FencedLock
 from console.core.operations import open_operation
 from console.models import KillSwitch
 from console.services import kill_switch_set
@@ -97,6 +98,29 @@ def test_a_stale_fence_is_recorded_and_retried_with_a_new_fence(
     Action.objects.filter(pk=action.pk).update(not_before=None)
     assert action_execute(action_id=action.pk) == "applied"
     assert AuditEvent.objects.filter(event_type="write.refused", action_id=action.pk).count() == 1
+
+
+@pytest.mark.parametrize("moved_to", ["applied", "paused"])
+def test_a_delivery_that_finds_the_action_moved_on_once_it_holds_the_lock_claims_nothing(
+    engine_world: Any, engine_redis: Any, monkeypatch: Any, moved_to: str
+) -> None:
+    """The action leaves `queued` between the job's first read and its lock (another
+    delivery finished it, a kill switch paused it): the claim under the lock refuses it,
+    so no operation is opened and the action is not moved."""
+    kind = engine_world.kind("cfg", update="recompute_field")
+    engine_world.resource(kind, "late", {"n": 0})
+    action = engine_world.propose(kind, "late", payload={"n": 1}, observed_version=1)
+    real_acquire = FencedLock.acquire
+
+    def moved_then_acquire(lock: FencedLock, wait_seconds: float | None = None) -> int:
+        Action.objects.filter(pk=action.pk).update(status=moved_to)
+        return real_acquire(lock, wait_seconds)
+
+    monkeypatch.setattr(FencedLock, "acquire", moved_then_acquire)
+    assert action_execute(action_id=action.pk) == f"skipped:{moved_to}"
+    assert Action.objects.values_list("status", flat=True).get(pk=action.pk) == moved_to
+    assert not Operation.objects.filter(action=action).exists()
+    assert Resource.objects.get(kind=kind, name="late").version == 1
 
 
 def test_selectors_hide_what_the_actor_may_not_see(engine_world: Any, engine_redis: Any) -> None:

@@ -25,6 +25,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.decisions import action_transition
 from audit.services import Actor
@@ -49,9 +50,12 @@ def crash_point(name: str) -> None:
 
 
 def notify_action_changed_now(action_id: uuid.UUID) -> None:
-    """Wake long-pollers after a transition the core committed on its own."""
-    with transaction.atomic():
+    """Wake long-pollers after a transition the core committed on its own (outside a
+    transaction: publish at once, without opening an empty one to hang the hook on)."""
+    if db_connection.in_atomic_block:
         notify_action_on_commit(action_id)
+    else:
+        notify_action_changed(action_id)
 
 
 def worker_name() -> str:
@@ -126,19 +130,22 @@ def attempt_superseded(operation_id: int) -> bool:
     ).exists()
 
 
-def claim(action: Action, fence: int) -> Operation | None:
-    """Open this attempt's operation (the action becomes `executing`), or None when
-    the action moved on between our check and the claim."""
+def claim(action: Action, fence: int) -> Operation | str:
+    """Open this attempt's operation (the action becomes `executing`) — only from
+    `queued`, checked by the claim's own conditional UPDATE under the lock, so a
+    duplicate delivery that waited for the lock stops here — or return the outcome
+    `skipped:<status>` when the action moved on since it was read."""
     try:
         operation = open_operation(
             action_id=action.pk,
             fence=fence,
             worker=worker_name(),
             lease_seconds=operation_lease_seconds(),
+            from_statuses=(ActionStatus.QUEUED,),
         )
     except DomainError as exc:
         log.info("action %s not claimed: %s", action.pk, exc)
-        return None
+        return f"skipped:{exc.extra.get('status', 'missing')}"
     notify_action_changed_now(action.pk)  # now `executing`
     return operation
 

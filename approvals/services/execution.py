@@ -20,13 +20,14 @@ whose job is missing from RQ and recovers operations a dead worker left
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from datetime import timedelta
 from typing import Any
 
 import redis
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus
@@ -102,11 +103,8 @@ def _execute(action: Action, *, connection: redis.Redis | None) -> str:
         return "transient"
     try:
         lock.start_heartbeat()
-        # Re-read under the lock: a duplicate delivery that waited for it finds
-        # the action already done.
-        status = Action.objects.filter(pk=action.pk).values_list("status", flat=True).first()
-        if status != ActionStatus.QUEUED:
-            return f"skipped:{status}"
+        # A duplicate delivery that waited for the lock finds the action done: the
+        # claim (a conditional UPDATE from `queued`, under the lock) refuses it.
         if action.kind.target == TargetType.HTTP:
             return execute_http(action=action, lock=lock, fence=fence)
         return _execute_managed(action=action, lock=lock, fence=fence)
@@ -132,20 +130,26 @@ def _refusal_code(outcome: Any) -> str:
     return str(refusal)
 
 
+def _before_barrier_commit(action_id: uuid.UUID) -> None:
+    # The barrier leaves wake-ups to its caller: registered inside its transaction.
+    notify_action_on_commit(action_id)
+    crash_point("inside_barrier_before_commit")
+
+
 def _execute_managed(*, action: Action, lock: Any, fence: int) -> str:
     operation = claim(action, fence)
-    if operation is None:
-        return "not_claimed"
+    if isinstance(operation, str):
+        return operation
     crash_point("after_open_operation")
     try:
         lock.check()
-        with transaction.atomic():
-            outcome = apply_action(
-                action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
-            )
-            # The barrier leaves wake-ups to its caller.
-            notify_action_on_commit(action.pk)
-            crash_point("inside_barrier_before_commit")
+        outcome = apply_action(
+            action_id=action.pk,
+            operation_id=operation.pk,
+            fence=fence,
+            actor=WORKER_ACTOR,
+            before_commit=functools.partial(_before_barrier_commit, action.pk),
+        )
         crash_point("after_barrier_commit")
     except KillSwitchEngaged as exc:
         # Engaged between our check and the barrier's: nothing was written.

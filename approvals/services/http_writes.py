@@ -67,8 +67,8 @@ def _mirror_resource(action: Action, response: Any) -> Resource | None:
 def execute_http(*, action: Action, lock: Any, fence: int) -> str:
     """One attempt against an external HTTP target; returns a short outcome."""
     operation = claim(action, fence)
-    if operation is None:
-        return "not_claimed"
+    if isinstance(operation, str):
+        return operation
     if refuse_if_run_ended(
         action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
     ):

@@ -27,7 +27,7 @@ This module never touches Redis: publishing wake-ups after commit is the caller'
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -101,7 +101,12 @@ def undo_window(action: Action) -> timedelta:
 
 
 def apply_action(
-    *, action_id: uuid.UUID | str, operation_id: int, fence: int, actor: Actor
+    *,
+    action_id: uuid.UUID | str,
+    operation_id: int,
+    fence: int,
+    actor: Actor,
+    before_commit: Callable[[], None] | None = None,
 ) -> WriteOutcome:
     """Apply the action's write through the barrier, in one transaction.
 
@@ -111,48 +116,64 @@ def apply_action(
 
     The audit event is attributed to the action's run (Actor.run); `actor` — who
     carried it out, e.g. the worker — is kept in the details as `executor`.
+    `before_commit` runs last inside the transaction (the engine registers its
+    wake-up there), so a caller needs no enclosing transaction and its savepoint.
     """
     with transaction.atomic():
-        # Before any row lock: an engage waits for this write, or this write sees it.
-        hold_switches_shared()
-        operation = (
-            Operation.objects.select_for_update()
-            .filter(pk=operation_id, action_id=action_id, undo_of__isnull=True)
-            .first()
+        outcome = _apply_in_transaction(
+            action_id=action_id, operation_id=operation_id, fence=fence, actor=actor
         )
-        if operation is None:
-            raise NotFound("no such operation for this action", extra={"operation": operation_id})
-        run_id = Action.objects.filter(pk=action_id).values_list("run_id", flat=True).first()
-        run_state = lock_run_for_share(run_id) if run_id is not None else None
-        action = (
-            Action.objects.select_for_update(of=("self",))
-            .select_related("kind", "conflict_class", "run__agent")
-            .get(pk=action_id)
+        if before_commit is not None:
+            before_commit()
+        return outcome
+
+
+def _apply_in_transaction(
+    *, action_id: uuid.UUID | str, operation_id: int, fence: int, actor: Actor
+) -> WriteOutcome:
+    # Before any row lock: an engage waits for this write, or this write sees it.
+    hold_switches_shared()
+    # The action's run id comes with the operation row (one statement; only the
+    # operation row is locked here, the run and the action follow in order).
+    operation = (
+        Operation.objects.select_for_update(of=("self",))
+        .filter(pk=operation_id, action_id=action_id, undo_of__isnull=True)
+        .annotate(action_run_id=F("action__run_id"))
+        .first()
+    )
+    if operation is None:
+        raise NotFound("no such operation for this action", extra={"operation": operation_id})
+    run_id = operation.action_run_id
+    run_state = lock_run_for_share(run_id) if run_id is not None else None
+    action = (
+        Action.objects.select_for_update(of=("self",))
+        .select_related("kind", "conflict_class", "run__agent")
+        .get(pk=action_id)
+    )
+    if operation.status != OperationStatus.PENDING:
+        # A re-delivered job: the first delivery already recorded the outcome.
+        return _finished_outcome(action, operation)
+
+    refuse_if_engaged(action.resource_identifier)
+
+    if action.status not in EXECUTABLE_STATUSES:
+        refusal = Refusal(ACTION_NOT_EXECUTABLE, f"the action is {action.status}", fence=fence)
+        return _refuse(action, operation, refusal, actor=actor, resource_id=action.resource_id)
+
+    now = timezone.now()
+    ended = run_end_status(action, run_state, now=now)
+    if ended is not None:
+        return _refuse_ended_run(action, operation, ended, fence=fence, actor=actor, now=now)
+    if action.operation == WriteOperation.CREATE:
+        result = _write_create(action, fence=fence, now=now)
+    else:
+        result = _write_existing(action, fence=fence, now=now)
+    if isinstance(result, _Refused):
+        return _refuse(
+            action, operation, result.refusal, actor=actor, resource_id=result.resource_id
         )
-        if operation.status != OperationStatus.PENDING:
-            # A re-delivered job: the first delivery already recorded the outcome.
-            return _finished_outcome(action, operation)
 
-        refuse_if_engaged(action.resource_identifier)
-
-        if action.status not in EXECUTABLE_STATUSES:
-            refusal = Refusal(ACTION_NOT_EXECUTABLE, f"the action is {action.status}", fence=fence)
-            return _refuse(action, operation, refusal, actor=actor, resource_id=action.resource_id)
-
-        now = timezone.now()
-        ended = run_end_status(action, run_state, now=now)
-        if ended is not None:
-            return _refuse_ended_run(action, operation, ended, fence=fence, actor=actor, now=now)
-        if action.operation == WriteOperation.CREATE:
-            result = _write_create(action, fence=fence, now=now)
-        else:
-            result = _write_existing(action, fence=fence, now=now)
-        if isinstance(result, _Refused):
-            return _refuse(
-                action, operation, result.refusal, actor=actor, resource_id=result.resource_id
-            )
-
-        return _record_applied(action, operation, result, fence=fence, actor=actor, now=now)
+    return _record_applied(action, operation, result, fence=fence, actor=actor, now=now)
 
 
 def lock_run_for_share(run_id: Any) -> tuple[str, datetime] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -27,12 +27,20 @@ def open_operation(
     worker: str,
     lease_seconds: int,
     undo_of_id: int | None = None,
+    from_statuses: tuple[str, ...] = EXECUTABLE_STATUSES,
 ) -> Operation:
     """Record an execution attempt (status pending) before the write.
 
-    For a write: moves the action queued/paused/executing -> executing (revision + 1)
-    with a conditional UPDATE; raises NotFound, or InvalidTransition when the action
-    is in any other status (e.g. already applied: a re-delivered job must stop).
+    For a write: moves the action from `from_statuses` (default queued/paused/executing)
+    -> executing (revision + 1) with a conditional UPDATE; raises NotFound, or
+    InvalidTransition when the action is in any other status (e.g. already applied: a
+    re-delivered job must stop).
+
+    The claim is committed without waiting for the WAL flush (synchronous_commit off
+    for this transaction only): it is a recovery hint, not an outcome. The write that
+    follows commits synchronously, which flushes the WAL past this commit too; if the
+    database crashes first, the claim is lost with nothing written and the action is
+    `queued` again, as if never claimed.
 
     For an undo (`undo_of_id`): the action keeps its status; at most one live
     (not failed) undo operation exists per operation (a partial unique constraint),
@@ -52,7 +60,8 @@ def open_operation(
                 lease_expires_at=lease_expires_at,
                 undo_of_id=undo_of_id,
             )
-        moved = Action.objects.filter(pk=action_id, status__in=EXECUTABLE_STATUSES).update(
+        _commit_without_flush()
+        moved = Action.objects.filter(pk=action_id, status__in=from_statuses).update(
             status=ActionStatus.EXECUTING, revision=F("revision") + 1, updated_at=now
         )
         if not moved:
@@ -70,6 +79,12 @@ def open_operation(
             lease_expires_at=lease_expires_at,
             status=OperationStatus.PENDING,
         )
+
+
+def _commit_without_flush() -> None:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit TO OFF")
 
 
 def _open_undo_operation(
