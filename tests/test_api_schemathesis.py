@@ -85,7 +85,10 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
                 negative_statuses=(423,),
             ),
             block("^POST /api/v1/runs$", agent_token, (422,)),
-            block("^POST /api/v1/runs/[^/]+/revoke$", admin_token),
+            # JSON safety (console/core/jsonsafe.py, issue 9) refuses U+0000 and lone
+            # surrogates in any key or string with a 422: stricter than JSON Schema can say,
+            # so a schema-valid body carrying them is a legitimate 422 wherever text is taken.
+            block("^POST /api/v1/runs/[^/]+/revoke$", admin_token, (422,)),
             # Heartbeat/finish (and the run listing that feeds the stateful phase
             # their ids) use a second run, so finishing it never stops the run
             # the writes are made with.
@@ -99,6 +102,7 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             block("^PUT /api/v1/conflict-classes/", admin_token, (422,)),
             # A rule naming a kind or an agent that does not exist is a 422.
             block("^(POST|PUT) /api/v1/auto-approve-rules", admin_token, (422,)),
+            block("^POST /api/v1/(conflicts|approvals|kill-switch)", admin_token, (422,)),
             block(f"^(GET|POST|PUT|DELETE) /api/v1/({people})", admin_token),
             block("^GET /api/v1/(runs|resources|whoami|actions)", run_token),
         ]
