@@ -64,9 +64,8 @@ def approval_get_for_person(person: Any, approval_id: Any) -> Approval:
 
 
 def _action_list_for_actor(actor: Any) -> QuerySet[Action]:
+    # An Agent or a person; a run token reads through actions_visible_to.
     qs = Action.objects.select_related("run", "agent", "kind", "conflict_class", "resource")
-    if isinstance(actor, Run):
-        return qs.filter(run=actor)
     if isinstance(actor, Agent):
         return qs.filter(agent=actor)
     if can_read_everything(actor):
