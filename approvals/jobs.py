@@ -14,8 +14,10 @@ from typing import ParamSpec, TypeVar
 
 from django.db import close_old_connections
 
+from approvals.models import Operation
 from approvals.services.execution import action_execute
 from approvals.services.housekeeping import housekeeping_run
+from approvals.services.plan_engine import plan_advance, plan_after_action
 from approvals.services.reconcile import reconcile
 from approvals.services.undo import undo_execute
 
@@ -41,12 +43,33 @@ def _fresh_database(job: Callable[P, R]) -> Callable[P, R]:
 
 @_fresh_database
 def execute_action_job(action_id: str) -> str:
-    return action_execute(action_id=uuid.UUID(action_id))
+    outcome = action_execute(action_id=uuid.UUID(action_id))
+    # A plan's step (or a resolution of one) goes on to the next step in this worker.
+    plan_after_action(action_id=action_id)
+    return outcome
 
 
 @_fresh_database
 def execute_undo_job(operation_id: str) -> str:
-    return undo_execute(undo_operation_id=int(operation_id))
+    outcome = undo_execute(undo_operation_id=int(operation_id))
+    compensated = (
+        Operation.objects.filter(pk=int(operation_id), compensation=True)
+        .values_list("action_id", flat=True)
+        .first()
+    )
+    if compensated is not None:  # a plan's compensation: its plan compensates the next step
+        plan_after_action(action_id=compensated)
+    return outcome
+
+
+@_fresh_database
+def advance_plan_job(plan_id: str) -> str:
+    return plan_advance(plan_id=plan_id)
+
+
+@_fresh_database
+def plan_after_action_job(action_id: str) -> str:
+    return plan_after_action(action_id=action_id)
 
 
 @_fresh_database

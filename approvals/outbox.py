@@ -34,6 +34,8 @@ QUEUE_NAME = "default"
 MARKER_TTL_SECONDS = 3600
 EXECUTE_ACTION_JOB = "approvals.jobs.execute_action_job"
 EXECUTE_UNDO_JOB = "approvals.jobs.execute_undo_job"
+ADVANCE_PLAN_JOB = "approvals.jobs.advance_plan_job"
+PLAN_AFTER_ACTION_JOB = "approvals.jobs.plan_after_action_job"
 # A job that is still due in RQ's eyes: the outbox does not need to resend it.
 PENDING_JOB_STATUSES = {
     JobStatus.QUEUED,
@@ -166,3 +168,17 @@ def notify_action_on_commit(action_id: uuid.UUID) -> None:
             log.warning("could not notify action %s", action_id, exc_info=True)
 
     transaction.on_commit(_notify)
+
+
+def enqueue_plan_advance(
+    plan_id: uuid.UUID | str, *, connection: redis.Redis | None = None
+) -> None:
+    """Enqueue one step of a plan's state machine (approvals/services/plan_engine.py).
+    Call from transaction.on_commit only; the reconciler resends what Redis lost."""
+    _enqueue("plan", plan_id, ADVANCE_PLAN_JOB, connection=connection)
+
+
+def enqueue_plan_after_action(action_id: uuid.UUID | str) -> None:
+    """A write that may be a plan's step (or the resolution of one) was settled by a
+    person: let its plan, if any, go on. Call from transaction.on_commit only."""
+    _enqueue("plan-action", action_id, PLAN_AFTER_ACTION_JOB)

@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console", BASE),
     ("ownership", BASE),
     ("*.models", BASE),
+    ("*.models.*", BASE),  # a models package split by sub-domain (approvals.models.plans)
     ("console.core.errors", BASE),  # the one DomainError hierarchy: every layer raises it
     ("console.core.jsonsafe", BASE),
     ("console.requestctx", BASE),

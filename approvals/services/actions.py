@@ -256,6 +256,12 @@ def _check_authority(run: Run, status: str, kind: str, name: str, operation: str
         )
 
 
+def authority_check_locked(*, run: Run, status: str, kind: str, name: str, operation: str) -> None:
+    """The run/write-set/lease check for a caller that already holds the kind and
+    resource locks and the run FOR SHARE (a plan's proposal checks all its steps)."""
+    _check_authority(run, status, kind, name, operation)
+
+
 def action_check_writable(*, run: Run, kind: str, name: str, operation: str) -> ResourceKind:
     """Run active, kind exists, the run's ownership covers (kind/name, operation),
     and no other run holds an exclusive lease over it.
@@ -386,9 +392,9 @@ def action_propose(
         # as the newer version (a plain 412) instead of slipping past both reads.
         in_flight = writes_in_flight(kind.slug, proposal.name)
         resource = Resource.objects.filter(kind=kind, name=proposal.name).first()
-        observed_version, refused = _check_precondition(proposal, resource, conflict_class)
+        observed_version, refused = precondition_check(proposal, resource, conflict_class)
         if refused is None:
-            refused = _superseded(proposal, observed_version, in_flight, conflict_class)
+            refused = superseded_by_queued(proposal, observed_version, in_flight, conflict_class)
         if refused is None:
             action = _record(run, proposal, resource, observed_version, conflict_class)
             if on_recorded is not None:
@@ -414,7 +420,7 @@ def action_propose(
     raise refused
 
 
-def _check_precondition(
+def precondition_check(
     proposal: Proposal, resource: Resource | None, conflict_class: ConflictClass
 ) -> tuple[int | None, DomainError | None]:
     """(observed version, None) when the tag matches, (None, the 412 error) when it
@@ -452,7 +458,7 @@ def _check_precondition(
     )
 
 
-def _superseded(
+def superseded_by_queued(
     proposal: Proposal,
     observed: int | None,
     in_flight: list[QueuedWrite],

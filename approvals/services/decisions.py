@@ -27,12 +27,20 @@ from approvals.models import (
     ApprovalStatus,
     ApprovalSubject,
     Decision,
+    Plan,
+    PlanStatus,
     Run,
     RunStatus,
 )
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.approval_open import approval_details
+from approvals.services.plans import (
+    plan_admit_locked,
+    plan_end_unapproved_locked,
+    plan_forbids_owner_approval,
+    plan_touch,
+)
 from approvals.services.run_policy import classes_for_write_set
 from approvals.services.runs import run_activate, run_reject
 from approvals.services.write_sets import entries_of, lock_kinds
@@ -109,6 +117,9 @@ def _check_separation_of_duties(*, approval: Approval, person: Any) -> None:
     if approval.subject == ApprovalSubject.ACTION:
         assert approval.action is not None
         forbids = approval.action.conflict_class.forbid_agent_owner_approval
+    elif approval.subject == ApprovalSubject.PLAN:
+        assert approval.plan is not None
+        forbids = plan_forbids_owner_approval(approval.plan)
     else:
         classes = classes_for_write_set(run.write_set or [])
         # No known class: stay on the safe side and keep the owner out.
@@ -136,15 +147,16 @@ def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
       2. the run row: FOR UPDATE for a run approval (run_activate / _end update
          it), FOR SHARE for an action approval (a revoke or finish waits for us,
          or we see its end);
-      3. the action row (FOR UPDATE), as actions.action_cancel does first;
+      3. the action row (FOR UPDATE), as actions.action_cancel does first — or,
+         for a plan approval, the plan row (FOR UPDATE);
       4. the approval row (FOR UPDATE).
 
     `subject`, `run_id`, `action_id` and the run's write set never change, so
     they are read without a lock first. Raises Approval.DoesNotExist.
     """
-    subject, run_id, action_id = Approval.objects.values_list("subject", "run_id", "action_id").get(
-        pk=approval_id
-    )
+    subject, run_id, action_id, plan_id = Approval.objects.values_list(
+        "subject", "run_id", "action_id", "plan_id"
+    ).get(pk=approval_id)
     if subject == ApprovalSubject.RUN:
         unlocked_run = Run.objects.only("pk", "write_set").get(pk=run_id)
         lock_kinds({entry.kind for entry in entries_of(unlocked_run)})
@@ -157,9 +169,11 @@ def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
                 .filter(pk=action_id)
                 .values_list("pk")
             )
+        if plan_id is not None:
+            list(Plan.objects.select_for_update(of=("self",)).filter(pk=plan_id).values_list("pk"))
     return (
         Approval.objects.select_for_update(of=("self",))
-        .select_related("run__agent", "action__conflict_class", "action__kind")
+        .select_related("run__agent", "action__conflict_class", "action__kind", "plan")
         .get(pk=approval_id)
     )
 
@@ -223,6 +237,7 @@ def approval_decide(
                 details={
                     "approval": str(approval.pk),
                     "subject": approval.subject,
+                    **({"plan": str(approval.plan_id)} if approval.plan_id else {}),
                     "comment": comment,
                 },
             )
@@ -250,6 +265,8 @@ def _record_partial_vote(approval: Approval, *, now: datetime) -> None:
             revision=F("revision") + 1, updated_at=now
         )
         notify_action_on_commit(approval.action_id)
+    elif approval.plan_id is not None:
+        plan_touch(approval.plan_id)
     else:
         transaction.on_commit(partial(notify_run_changed, approval.run_id))
 
@@ -265,6 +282,10 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
             details=approval_details(approval),
         )
         run_activate(run=approval.run, actor=actor)
+        return
+    if approval.subject == ApprovalSubject.PLAN:
+        assert approval.plan_id is not None
+        plan_admit_locked(plan_id=approval.plan_id, actor=actor, approval=approval)
         return
     action, moved = _leave_approval(approval, ActionStatus.QUEUED)
     audit_action_event(
@@ -306,6 +327,23 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
             details={"approval": str(approval.pk), "subject": "run", "comment": comment},
         )
         return
+    if approval.subject == ApprovalSubject.PLAN:
+        assert approval.plan_id is not None
+        plan_end_unapproved_locked(
+            plan_id=approval.plan_id, status=PlanStatus.REJECTED, error=error
+        )
+        audit_append(
+            event_type="approval.rejected",
+            actor=actor,
+            run_id=approval.run_id,
+            details={
+                "approval": str(approval.pk),
+                "subject": "plan",
+                "plan": str(approval.plan_id),
+                "comment": comment,
+            },
+        )
+        return
     action, rejected = _leave_approval(approval, ActionStatus.REJECTED, error=error)
     audit_action_event(
         action,
@@ -336,6 +374,13 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
             error={"code": "approval_expired", "expired_at": now.isoformat()},
         )
         reopen = expired and approval.action.parent_id is not None
+    elif approval.subject == ApprovalSubject.PLAN:
+        assert approval.plan_id is not None
+        plan_end_unapproved_locked(
+            plan_id=approval.plan_id,
+            status=PlanStatus.EXPIRED,
+            error={"code": "approval_expired", "expired_at": now.isoformat()},
+        )
     else:
         updated = Run.objects.filter(pk=approval.run_id, status=RunStatus.PENDING_APPROVAL).update(
             status=RunStatus.EXPIRED, status_reason="approval expired", ended_at=now
@@ -351,7 +396,11 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
         resource=resource,
         run_id=approval.run_id,
         action_id=approval.action_id,
-        details={"approval": str(approval.pk), "subject": approval.subject},
+        details={
+            "approval": str(approval.pk),
+            "subject": approval.subject,
+            **({"plan": str(approval.plan_id)} if approval.plan_id else {}),
+        },
     )
     if reopen:
         # An expired resolution wrote nothing: its conflict is open again.

@@ -8,7 +8,9 @@ is a conditional UPDATE in its own short transaction):
   and the action goes back to `queued` for a new fence;
 - paused actions and paused undos whose kill switch is gone resume;
 - queued actions (not_before passed) and pending undo operations whose job
-  is missing from RQ are enqueued again.
+  is missing from RQ are enqueued again;
+- plans still moving are advanced from their steps' states (a worker killed
+  between two steps, a plan job Redis lost).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from approvals.outbox import (
 )
 from approvals.services.attempts import enqueue_on_commit, max_attempts, operation_lease_seconds
 from approvals.services.decisions import action_transition
+from approvals.services.plan_engine import plans_resume
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from console.models import KillSwitch
@@ -64,6 +67,7 @@ def reconcile(
     ).filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
     counts["resumed"] += _resume_paused_undos(pending_undos)
     counts["undo_requeued"] = _requeue_missing_undos(pending_undos, conn)
+    counts["plans_advanced"] = plans_resume()
     if any(counts.values()):
         log.info("reconcile: %s", counts)
     return counts

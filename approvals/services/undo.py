@@ -373,6 +373,7 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
                     resource=resource,
                     undone_operation=original,
                     requested_by=str(requested.get("requested_by") or ""),
+                    undo_operation=undo_op,
                 )
             return "conflict"
         return f"refused:{outcome.reason}"

@@ -111,7 +111,7 @@ def apply_undo(
 
         resource_id = action.resource_id
         assert resource_id is not None  # set by apply_action on every accepted write
-        restored = _restored_state(resource_id, original)
+        restored = _restored_state(resource_id, original, undo_op)
         if restored is None:
             # A resource seeded without its history row: nothing to restore from.
             message = f"version {original.base_version} was never recorded; it cannot be restored"
@@ -150,14 +150,21 @@ def _refusal_before_write(original: Operation, undo_op: Operation) -> tuple[str,
         return NOT_APPLIED, "the operation did not write"
     # The window is judged when the undo was accepted (202), not when a worker
     # got to it: a kill switch or a busy lock may hold an accepted undo past it.
+    if undo_op.compensation:
+        return None  # a plan's compensation is part of the plan, not an undo window's
     accepted = undo_op.accepted_at or undo_op.started_at
     if original.undo_deadline is None or accepted >= original.undo_deadline:
         return WINDOW_EXPIRED, "the undo window of this operation has closed"
     return None
 
 
-def _restored_state(resource_id: int, original: Operation) -> tuple[Any, bool] | None:
-    """(document, deleted) from before the operation; None when it was never recorded."""
+def _restored_state(
+    resource_id: int, original: Operation, undo_op: Operation
+) -> tuple[Any, bool] | None:
+    """(document, deleted) from before the operation — or a plan's explicit
+    compensation (`undo_op.restore`); None when it was never recorded."""
+    if isinstance(undo_op.restore, dict):
+        return undo_op.restore.get("document") or {}, bool(undo_op.restore.get("deleted"))
     if original.base_version is None:
         # The operation created the resource: undo leaves a tombstone.
         return {}, True

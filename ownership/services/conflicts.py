@@ -181,8 +181,24 @@ def conflict_open_for_action(
     return conflict
 
 
+def _undo_target_document(
+    resource: Resource, undone_operation: Operation, undo_operation: Operation | None
+) -> dict[str, Any]:
+    """What the undo would write: the version before the write, or a plan's explicit
+    compensation document (`restore`; a deletion restores nothing: `{}`)."""
+    restore = undo_operation.restore if undo_operation is not None else None
+    if isinstance(restore, dict):
+        return {} if restore.get("deleted") else copy.deepcopy(restore.get("document") or {})
+    return _document_at(resource, undone_operation.base_version)
+
+
 def conflict_open_for_undo(
-    *, action: Action, resource: Resource, undone_operation: Operation, requested_by: str
+    *,
+    action: Action,
+    resource: Resource,
+    undone_operation: Operation,
+    requested_by: str,
+    undo_operation: Operation | None = None,
 ) -> Conflict:
     """An undo that found a later write: a person decides (caller's transaction).
 
@@ -194,7 +210,7 @@ def conflict_open_for_undo(
     base_version = undone_operation.result_version or resource.version
     base = _document_at(resource, base_version)
     current = copy.deepcopy(resource.document) if not resource.deleted else {}
-    proposed = _document_at(resource, undone_operation.base_version)
+    proposed = _undo_target_document(resource, undone_operation, undo_operation)
     existing = Conflict.objects.filter(action=action, origin=ConflictOrigin.UNDO).first()
     if existing is not None:
         return existing

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import uuid
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.db import transaction
@@ -22,10 +23,15 @@ from django.utils import timezone
 from approvals.models import (
     Action,
     ActionStatus,
+    Operation,
     PayloadFormat,
     WriteOperation,
 )
-from approvals.outbox import enqueue_action_execution, notify_action_on_commit
+from approvals.outbox import (
+    enqueue_action_execution,
+    enqueue_plan_after_action,
+    notify_action_on_commit,
+)
 from approvals.services.approval_open import (
     approval_open_for_resolution,
     resolution_needs_votes,
@@ -152,6 +158,20 @@ def _lock_for_resolver(conflict_id: uuid.UUID | str, actor: Actor) -> tuple[Conf
     return conflict, person
 
 
+def _undo_deletes(action: Action) -> bool:
+    """The undo of this write leaves a tombstone: it created the resource, or it is a
+    plan's compensation that deletes (`restore.deleted`)."""
+    restore = (
+        Operation.objects.filter(action=action, undo_of__isnull=False, compensation=True)
+        .exclude(restore=None)
+        .values_list("restore", flat=True)
+        .first()
+    )
+    if isinstance(restore, dict):
+        return bool(restore.get("deleted"))
+    return action.operation == WriteOperation.CREATE
+
+
 def _resolution_document(
     conflict: Conflict, choice: str, choices: dict[str, str]
 ) -> dict[str, Any] | None:
@@ -166,7 +186,7 @@ def _resolution_document(
     if choice == ResolutionChoice.TAKE_PROPOSED:
         if (
             conflict.origin == ConflictOrigin.WRITE and action.operation == WriteOperation.DELETE
-        ) or (conflict.origin == ConflictOrigin.UNDO and action.operation == WriteOperation.CREATE):
+        ) or (conflict.origin == ConflictOrigin.UNDO and _undo_deletes(action)):
             return None
         proposed: dict[str, Any] = copy.deepcopy(conflict.proposed_document)
         return proposed
@@ -237,6 +257,8 @@ def _conflict_close(
         error=error, revision=action.revision + 1, updated_at=now
     )
     notify_action_on_commit(action.pk)
+    # A plan waiting on this conflict (a step's, or a compensation's) goes on.
+    transaction.on_commit(partial(enqueue_plan_after_action, action.pk))
     audit_action_event(
         action,
         event_type="conflict.resolved",

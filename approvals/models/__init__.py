@@ -8,6 +8,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Exists, OuterRef, Q
 
+from approvals.models.choices import PayloadFormat, WriteOperation
+
 
 class Agent(models.Model):
     """A registered automated principal (e.g. `deploy-bot`)."""
@@ -129,19 +131,6 @@ class Run(models.Model):
         return f"run {self.id}"
 
 
-class WriteOperation(models.TextChoices):
-    CREATE = "create", "create"
-    UPDATE = "update", "update"
-    DELETE = "delete", "delete"
-
-
-class PayloadFormat(models.TextChoices):
-    REPLACE = "replace", "full document (PUT)"
-    MERGE_PATCH = "merge_patch", "JSON merge patch (PATCH)"
-    DELETE = "delete", "delete"
-    RESOLUTION = "resolution", "document chosen by a conflict resolution"
-
-
 class ActionStatus(models.TextChoices):
     PENDING_APPROVAL = "pending_approval", "pending approval"
     QUEUED = "queued", "queued"
@@ -249,6 +238,7 @@ class Action(models.Model):
 class ApprovalSubject(models.TextChoices):
     RUN = "run", "run"
     ACTION = "action", "action"
+    PLAN = "plan", "plan"
 
 
 class ApprovalStatus(models.TextChoices):
@@ -272,6 +262,10 @@ class Approval(models.Model):
     action = models.ForeignKey(
         Action, null=True, blank=True, on_delete=models.PROTECT, related_name="approvals"
     )
+    # A plan's one approval covers all its steps (approvals/services/plans.py).
+    plan = models.ForeignKey(
+        "approvals.Plan", null=True, blank=True, on_delete=models.PROTECT, related_name="approvals"
+    )
     status = models.CharField(
         max_length=12, choices=ApprovalStatus.choices, default=ApprovalStatus.PENDING
     )
@@ -292,14 +286,20 @@ class Approval(models.Model):
         indexes = [models.Index(fields=["status", "created_at"])]
         constraints = [
             models.CheckConstraint(
-                condition=Q(subject="run", action__isnull=True)
-                | Q(subject="action", action__isnull=False),
+                condition=Q(subject="run", action__isnull=True, plan__isnull=True)
+                | Q(subject="action", action__isnull=False, plan__isnull=True)
+                | Q(subject="plan", action__isnull=True, plan__isnull=False),
                 name="approval_subject_matches_target",
             ),
             models.UniqueConstraint(
                 fields=["action"],
                 condition=Q(status="pending"),
                 name="approval_one_pending_per_action",
+            ),
+            models.UniqueConstraint(
+                fields=["plan"],
+                condition=Q(status="pending"),
+                name="approval_one_pending_per_plan",
             ),
             models.CheckConstraint(condition=Q(quorum__gte=1), name="approval_quorum_positive"),
         ]
@@ -390,6 +390,11 @@ class Operation(models.Model):
     accepted_at = models.DateTimeField(null=True, blank=True)
     # An undo held by a kill switch (it stays `pending`; a release resumes it).
     paused_reason = models.TextField(blank=True)
+    # A plan's compensation: an undo the plan asked for, not bound by the undo window,
+    # restoring `restore` ({"document", "deleted"}: the agent's explicit compensation)
+    # instead of the version before the write when set.
+    compensation = models.BooleanField(default=False)
+    restore = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["-started_at"]
@@ -471,3 +476,26 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self) -> str:
         return f"idempotency {self.key}"
+
+
+# The plan models live in their own module; imported here so Django registers them
+# with the app (approvals.models is the module it loads).
+from approvals.models.plans import (  # noqa: E402
+    FINAL_PLAN_STATUSES,
+    CompensationStatus,
+    Plan,
+    PlanStatus,
+    PlanStep,
+    PlanStepStatus,
+)
+
+__all__ = [
+    "FINAL_PLAN_STATUSES",
+    "CompensationStatus",
+    "PayloadFormat",
+    "Plan",
+    "PlanStatus",
+    "PlanStep",
+    "PlanStepStatus",
+    "WriteOperation",
+]

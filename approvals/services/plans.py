@@ -1,0 +1,392 @@
+"""Plans: one change across several resources, proposed whole, approved as one.
+
+A run proposes an ordered list of conditional writes (each exactly like a single
+write: resource, method, document or patch, If-Match / If-None-Match, its conflict
+class) and, for each, its compensation: the undo of that step (default) or an
+explicit conditional write. Everything is checked and recorded in one transaction
+before anything executes; a refusal (outside the write set, a duplicate resource,
+more than `AIRLOCK_PLAN_MAX_STEPS` steps, a stale tag) records nothing.
+
+A plan whose steps are all per-run classes runs at once (the run's approval covers
+them); one per-call step makes the whole plan wait for one approval whose quorum,
+separation of duties and TTL are the strictest among its steps' classes.
+Execution, compensation and crash recovery are approvals/services/plan_engine.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from approvals.models import (
+    Approval,
+    ApprovalSubject,
+    Plan,
+    PlanStatus,
+    PlanStep,
+    PlanStepStatus,
+    Run,
+    RunStatus,
+)
+from approvals.notify import notify_run_changed
+from approvals.outbox import enqueue_plan_advance
+from approvals.services.actions import (
+    PreconditionRequired,
+    Proposal,
+    authority_check_locked,
+    precondition_check,
+    superseded_by_queued,
+)
+from approvals.services.approval_open import approval_details
+from approvals.services.queued_writes import lock_resource_for_proposal, writes_in_flight
+from approvals.services.runs import RunNotActive
+from approvals.services.write_sets import lock_kinds
+from audit.services import Actor, audit_append
+from console.core.barrier import lock_run_for_share
+from console.core.errors import DomainError, ValidationFailed
+from ownership.models import ApprovalMode, ConflictClass, Resource, TargetType
+
+COMPENSATION_METHODS = ("PUT", "PATCH", "DELETE")
+
+
+@dataclass(frozen=True)
+class PlanStepSpec:
+    """One step as the agent sent it: the write, and its compensation (None: undo)."""
+
+    proposal: Proposal
+    compensation: dict[str, Any] | None = None
+
+
+def max_plan_steps() -> int:
+    return int(settings.AIRLOCK_PLAN_MAX_STEPS)
+
+
+def _step_error(position: int, field: str, message: str) -> ValidationFailed:
+    return ValidationFailed(
+        f"step {position}: {message}",
+        extra={"errors": [{"field": f"steps[{position - 1}].{field}", "message": message}]},
+    )
+
+
+def _check_compensation(position: int, spec: PlanStepSpec) -> None:
+    """An explicit compensation is a method with what it needs (PUT: a document,
+    PATCH: a merge patch, DELETE: nothing); a created resource's is the delete
+    (its undo) unless given."""
+    compensation = spec.compensation
+    if compensation is None:
+        return
+    method = compensation.get("method")
+    if method not in COMPENSATION_METHODS:
+        raise _step_error(position, "compensation.method", "must be PUT, PATCH or DELETE")
+    needs = {"PUT": "document", "PATCH": "patch"}.get(str(method))
+    for key in compensation:
+        if key not in ("method", "document", "patch"):
+            raise _step_error(position, f"compensation.{key}", "unknown field")
+    if needs is not None and not isinstance(compensation.get(needs), dict):
+        raise _step_error(position, f"compensation.{needs}", f"{method} needs a JSON object")
+    extra = {"document", "patch"} - ({needs} if needs else set())
+    if any(key in compensation for key in extra):
+        raise _step_error(position, "compensation", f"{method} takes only {needs or 'no body'}")
+
+
+def _check_shape(steps: Sequence[PlanStepSpec]) -> None:
+    """Count, duplicates, preconditions and compensations: 422 / 428, before any lock."""
+    if not steps:
+        raise ValidationFailed(
+            "A plan needs at least one step.",
+            extra={"errors": [{"field": "steps", "message": "at least one step"}]},
+        )
+    limit = max_plan_steps()
+    if len(steps) > limit:
+        raise ValidationFailed(
+            f"A plan has at most {limit} steps; this one has {len(steps)}.",
+            extra={"errors": [{"field": "steps", "message": f"at most {limit} steps"}]},
+        )
+    seen: dict[str, int] = {}
+    for position, spec in enumerate(steps, start=1):
+        proposal = spec.proposal
+        identifier = f"{proposal.kind.slug}/{proposal.name}"
+        if identifier in seen:
+            raise _step_error(
+                position,
+                "resource",
+                f"{identifier} is already step {seen[identifier]}; a plan writes each "
+                "resource once",
+            )
+        seen[identifier] = position
+        if proposal.kind.target == TargetType.HTTP:
+            raise _step_error(
+                position,
+                "resource",
+                f"{identifier} is written to an external HTTP target, which cannot be "
+                "compensated; write it on its own",
+            )
+        if proposal.operation == "create" and not proposal.create_if_absent:
+            raise PreconditionRequired(
+                f"step {position}: creating needs if_none_match '*'.",
+                extra={"resource": identifier, "step": position},
+            )
+        if proposal.operation != "create" and proposal.if_match is None:
+            raise PreconditionRequired(
+                f"step {position}: writes need if_match with the ETag you read.",
+                extra={"resource": identifier, "step": position},
+            )
+        _check_compensation(position, spec)
+
+
+def _lock_and_check_authority(run: Run, steps: Sequence[PlanStepSpec]) -> None:
+    """The single write's locks in the one lock order, for every step at once: the
+    kinds (shared), the resources (sorted), then the run FOR SHARE; then each step's
+    write set and lease check."""
+    proposals = [spec.proposal for spec in steps]
+    lock_kinds({p.kind.slug for p in proposals}, shared=True)
+    for kind, name in sorted({(p.kind.slug, p.name) for p in proposals}):
+        lock_resource_for_proposal(kind, name)
+    state = lock_run_for_share(run.pk)
+    if state is None:
+        raise RunNotActive(f"Run {run.pk} no longer exists.", extra={"run": str(run.pk)})
+    status, expires_at = state
+    if status == RunStatus.ACTIVE and expires_at is not None and expires_at <= timezone.now():
+        status = RunStatus.EXPIRED
+    for position, proposal in enumerate(proposals, start=1):
+        try:
+            authority_check_locked(
+                run=run,
+                status=status,
+                kind=proposal.kind.slug,
+                name=proposal.name,
+                operation=proposal.operation,
+            )
+        except DomainError as error:
+            error.extra = {**(error.extra or {}), "step": position}
+            raise
+
+
+def _observed_versions(steps: Sequence[PlanStepSpec]) -> list[int | None] | DomainError:
+    """Each step's observed version, or the 412 of the first stale step (`step` named)."""
+    observed: list[int | None] = []
+    for position, spec in enumerate(steps, start=1):
+        proposal = spec.proposal
+        conflict_class = proposal.kind.class_for(proposal.operation)
+        in_flight = writes_in_flight(proposal.kind.slug, proposal.name)
+        resource = Resource.objects.filter(kind=proposal.kind, name=proposal.name).first()
+        version, refused = precondition_check(proposal, resource, conflict_class)
+        if refused is None:
+            refused = superseded_by_queued(proposal, version, in_flight, conflict_class)
+        if refused is not None:
+            refused.extra = {**(refused.extra or {}), "step": position}
+            return refused
+        observed.append(version)
+    return observed
+
+
+def _strictest(classes: Sequence[ConflictClass]) -> dict[str, Any]:
+    """What the plan's approval asks: the highest quorum, the shortest TTL and
+    escalation, separation of duties if any class asks for it."""
+    escalations = [c.escalation_seconds for c in classes if c.escalation_seconds]
+    return {
+        "quorum": max(c.quorum for c in classes),
+        "ttl_seconds": min(c.approval_ttl_seconds for c in classes),
+        "escalation_seconds": min(escalations) if escalations else 0,
+        "forbid_agent_owner_approval": any(c.forbid_agent_owner_approval for c in classes),
+    }
+
+
+def plan_classes(plan: Plan) -> list[ConflictClass]:
+    """The distinct conflict classes of a plan's steps, by slug."""
+    classes = {
+        step.conflict_class.slug: step.conflict_class
+        for step in plan.steps.select_related("conflict_class")
+    }
+    return [classes[slug] for slug in sorted(classes)]
+
+
+def plan_forbids_owner_approval(plan: Plan) -> bool:
+    """Separation of duties for the plan's approval: the strictest of its classes."""
+    return any(c.forbid_agent_owner_approval for c in plan_classes(plan))
+
+
+def _record(
+    run: Run,
+    steps: Sequence[PlanStepSpec],
+    observed: list[int | None],
+    *,
+    reason: str,
+    idempotency_key: str,
+) -> Plan:
+    classes = [spec.proposal.kind.class_for(spec.proposal.operation) for spec in steps]
+    needs_approval = any(c.approval_mode == ApprovalMode.PER_CALL for c in classes)
+    plan = Plan.objects.create(
+        run=run,
+        agent_id=run.agent_id,
+        status=PlanStatus.PENDING_APPROVAL if needs_approval else PlanStatus.EXECUTING,
+        reason=reason,
+        idempotency_key=idempotency_key,
+    )
+    PlanStep.objects.bulk_create(
+        PlanStep(
+            plan=plan,
+            position=position,
+            kind=spec.proposal.kind,
+            name=spec.proposal.name,
+            operation=spec.proposal.operation,
+            payload_format=spec.proposal.payload_format,
+            payload=spec.proposal.payload,
+            observed_version=observed[position - 1],
+            conflict_class=classes[position - 1],
+            compensation=copy.deepcopy(spec.compensation),
+        )
+        for position, spec in enumerate(steps, start=1)
+    )
+    audit_append(
+        event_type="plan.proposed",
+        actor=Actor.run(run),
+        run_id=run.pk,
+        details={
+            "plan": str(plan.pk),
+            "steps": [
+                {
+                    "position": position,
+                    "resource": f"{spec.proposal.kind.slug}/{spec.proposal.name}",
+                    "operation": spec.proposal.operation,
+                    "observed_version": observed[position - 1],
+                    "conflict_class": classes[position - 1].slug,
+                    "compensation": (spec.compensation or {}).get("method", "undo"),
+                }
+                for position, spec in enumerate(steps, start=1)
+            ],
+            "approval": "per_call" if needs_approval else "per_run",
+            "idempotency_key": idempotency_key,
+            "reason": reason,
+        },
+    )
+    if needs_approval:
+        _approval_open_for_plan(plan, classes)
+    else:
+        plan_id = plan.pk
+        transaction.on_commit(lambda: enqueue_plan_advance(plan_id))
+    return plan
+
+
+def _approval_open_for_plan(plan: Plan, classes: Sequence[ConflictClass]) -> Approval:
+    """One pending approval for the whole plan, with its strictest class's terms."""
+    strictest = _strictest(classes)
+    now = timezone.now()
+    escalation = strictest["escalation_seconds"]
+    approval = Approval.objects.create(
+        subject=ApprovalSubject.PLAN,
+        run_id=plan.run_id,
+        plan=plan,
+        quorum=strictest["quorum"],
+        expires_at=now + timedelta(seconds=strictest["ttl_seconds"]),
+        escalate_at=now + timedelta(seconds=escalation) if escalation else None,
+    )
+    audit_append(
+        event_type="approval.requested",
+        actor=Actor.system(),
+        run_id=plan.run_id,
+        details=approval_details(
+            approval,
+            plan=str(plan.pk),
+            conflict_classes=sorted({c.slug for c in classes}),
+        ),
+    )
+    return approval
+
+
+def plan_propose(
+    *,
+    run: Run,
+    steps: Sequence[PlanStepSpec],
+    reason: str = "",
+    idempotency_key: str = "",
+    on_recorded: Callable[[Plan], None] | None = None,
+    on_refused: Callable[[DomainError], None] | None = None,
+) -> Plan:
+    """Check every step and record the plan whole, in one transaction.
+
+    Raises ValidationFailed (422: no steps, too many, a duplicate resource, an HTTP
+    target, a bad compensation), PreconditionRequired (428), RunNotActive (409),
+    Forbidden `not_in_write_set` (403), Leased (423) — each naming the `step` —
+    and the 412 `stale_version` of the first stale step (audited
+    `plan.refused_stale`, `on_refused` inside that transaction). Nothing is
+    recorded on a refusal. On success `on_recorded` runs inside the transaction.
+    """
+    _check_shape(steps)
+    with transaction.atomic():
+        _lock_and_check_authority(run, steps)
+        observed = _observed_versions(steps)
+        if not isinstance(observed, DomainError):
+            plan = _record(run, steps, observed, reason=reason, idempotency_key=idempotency_key)
+            if on_recorded is not None:
+                on_recorded(plan)
+            return plan
+        refused = observed
+        audit_append(
+            event_type="plan.refused_stale",
+            actor=Actor.run(run),
+            resource=str(refused.extra.get("resource", "")),
+            run_id=run.pk,
+            details={
+                "step": refused.extra.get("step"),
+                "expected_etag": refused.extra.get("expected_etag"),
+                "current_etag": refused.extra.get("current_etag"),
+                "idempotency_key": idempotency_key,
+            },
+        )
+        if on_refused is not None:
+            on_refused(refused)
+    raise refused
+
+
+# --- The plan's approval, decided by approvals.services.decisions -------------
+
+
+def plan_touch(plan_id: uuid.UUID, **fields: Any) -> None:
+    """Move the plan's ETag (its revision) and wake the run's waiters after commit
+    (a plan's long-poll listens on its run's channel)."""
+    Plan.objects.filter(pk=plan_id).update(
+        revision=F("revision") + 1, updated_at=timezone.now(), **fields
+    )
+    run_id = Plan.objects.filter(pk=plan_id).values_list("run_id", flat=True).first()
+    if run_id is not None:
+        transaction.on_commit(lambda: notify_run_changed(run_id))
+
+
+def plan_admit_locked(*, plan_id: uuid.UUID, actor: Actor, approval: Approval) -> bool:
+    """The plan's approval reached its quorum (caller's transaction, plan row locked):
+    it starts executing after commit. False when it was no longer waiting."""
+    moved = Plan.objects.filter(pk=plan_id, status=PlanStatus.PENDING_APPROVAL).update(
+        status=PlanStatus.EXECUTING
+    )
+    if moved:
+        plan_touch(plan_id)
+        transaction.on_commit(lambda: enqueue_plan_advance(plan_id))
+    audit_append(
+        event_type="approval.approved",
+        actor=actor,
+        run_id=approval.run_id,
+        details=approval_details(approval, plan=str(plan_id), queued=bool(moved)),
+    )
+    return bool(moved)
+
+
+def plan_end_unapproved_locked(*, plan_id: uuid.UUID, status: str, error: dict[str, Any]) -> bool:
+    """The plan's approval was rejected or expired: nothing ran, every step skipped."""
+    now = timezone.now()
+    ended = Plan.objects.filter(pk=plan_id, status=PlanStatus.PENDING_APPROVAL).update(
+        status=status, error=error, ended_at=now
+    )
+    if ended:
+        PlanStep.objects.filter(plan_id=plan_id).update(status=PlanStepStatus.SKIPPED)
+        plan_touch(plan_id)
+    return bool(ended)
