@@ -17,6 +17,8 @@ from approvals.models import (
     Approval,
     ApprovalStatus,
     Decision,
+    Plan,
+    PlanStep,
     Run,
     RunStatus,
 )
@@ -124,3 +126,43 @@ def actions_visible_to(reader: Any) -> QuerySet[Action]:
     if run_effective_status(reader) in live:
         return _action_list_for_actor(reader.agent)
     return _action_list_for_actor(reader.agent).filter(run=reader)
+
+
+# --- Plans -------------------------------------------------------------------------
+
+
+def plans_visible_to(reader: Any) -> QuerySet[Plan]:
+    """The plans `reader` may read: an agent its own; a run token its agent's while the
+    run is pending or active, only its run's once ended (as for actions); a person the
+    plans of the runs they may read."""
+    qs = Plan.objects.select_related("run", "agent")
+    if isinstance(reader, Run):
+        if run_effective_status(reader) in (RunStatus.PENDING_APPROVAL, RunStatus.ACTIVE):
+            return qs.filter(agent_id=reader.agent_id)
+        return qs.filter(run=reader)
+    if isinstance(reader, Agent):
+        return qs.filter(agent=reader)
+    return qs.filter(run__in=run_list_for_actor(reader))
+
+
+def plan_detail(plan: Plan) -> dict[str, Any]:
+    """What a plan's page and JSON show beside the plan row: its steps (with the
+    resource's current version for the diff) and its approval, votes included."""
+    steps = list(
+        PlanStep.objects.filter(plan=plan)
+        .select_related("kind", "conflict_class", "applied_operation", "compensation_operation")
+        .order_by("position")
+    )
+    action_ids = [s.action_id for s in steps if s.action_id] + [
+        s.applied_operation.action_id for s in steps if s.applied_operation
+    ]
+    conflicts = {
+        (c.action_id, c.origin): c for c in Conflict.objects.filter(action_id__in=action_ids)
+    }
+    approval = (
+        Approval.objects.filter(plan=plan)
+        .prefetch_related("decisions__person")
+        .order_by("-created_at")
+        .first()
+    )
+    return {"steps": steps, "conflicts": conflicts, "approval": approval}

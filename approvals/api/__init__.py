@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from ninja import Router
 
-from approvals.api import actions, decisions, rules, runs
+from approvals.api import actions, decisions, plans, rules, runs
 
 __all__ = ["router"]
 
 router = Router()
-for part in (runs, actions, decisions, rules):
+for part in (runs, actions, plans, decisions, rules):
     router.add_router("", part.router)

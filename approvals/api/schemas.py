@@ -167,9 +167,15 @@ class DiffRow(Schema):
 
 class ApprovalItem(Schema):
     id: uuid.UUID
-    subject: Literal["run", "action"]
+    subject: Literal["run", "action", "plan"]
     run: uuid.UUID
     action: uuid.UUID | None
+    plan: uuid.UUID | None = Field(None, description="A plan approval: the plan it admits")
+    steps: list[dict[str, Any]] | None = Field(
+        None,
+        description="A plan approval: every step (resource, operation, class, diff against "
+        "the resource now, compensation); `quorum` is the strictest class's",
+    )
     agent: str
     task: str
     write_set: list[WriteSetEntryOut] | None

@@ -24,6 +24,7 @@ from approvals.models import (
     AutoApproveRule,
     Decision,
     Operation,
+    PlanStep,
     Run,
 )
 from approvals.services.runs import run_effective_status
@@ -315,7 +316,32 @@ def approval_json(approval: Approval) -> dict[str, Any]:
     }
     if approval.action is not None:
         item.update(_approval_call(approval, approval.action))
+    item["plan"] = str(approval.plan_id) if approval.plan_id else None
+    if approval.plan_id is not None:
+        steps = PlanStep.objects.filter(plan_id=approval.plan_id).order_by("position")
+        item["steps"] = [_approval_plan_step(step) for step in steps]
     return item
+
+
+def _approval_plan_step(step: PlanStep) -> dict[str, Any]:
+    """What a plan approval shows of one step: the write, its diff against the
+    resource now, and its compensation."""
+    resource = Resource.objects.filter(kind_id=step.kind_id, name=step.name).first()
+    live = resource is not None and not resource.deleted
+    current = resource.document if resource is not None and live else {}
+    return {
+        "position": step.position,
+        "resource": step.resource_identifier,
+        "operation": step.operation,
+        "conflict_class": step.conflict_class_id,
+        "observed_etag": None if step.observed_version is None else f'"{step.observed_version}"',
+        "current_etag": resource.etag if resource is not None and live else None,
+        "diff": [
+            {"path": row["path"], "current": row["current"], "proposed": row["proposed"]}
+            for row in three_way_diff(current, current, proposed_document(step, current))
+        ],
+        "compensation": (step.compensation or {}).get("method", "undo"),
+    }
 
 
 def _approval_call(approval: Approval, action: Action) -> dict[str, Any]:
