@@ -15,6 +15,7 @@ from typing import ParamSpec, TypeVar
 from django.db import close_old_connections
 
 from approvals.models import Operation
+from approvals.services.attempts import crash_point
 from approvals.services.execution import action_execute
 from approvals.services.housekeeping import housekeeping_run
 from approvals.services.plan_engine import plan_advance, plan_after_action
@@ -57,6 +58,7 @@ def execute_undo_job(operation_id: str) -> str:
         .values_list("action_id", flat=True)
         .first()
     )
+    crash_point("after_undo_job")
     if compensated is not None:  # a plan's compensation: its plan compensates the next step
         plan_after_action(action_id=compensated)
     return outcome

@@ -68,11 +68,24 @@ def _document(identifier: str) -> Any:
 
 def _three_steps() -> list[dict[str, Any]]:
     return [
-        {"resource": "dns-record/app-a", "method": "PATCH", "if_match": '"3"', "patch": {"ip": "2"}},
-        {"resource": "dns-record/app-new", "method": "PUT", "if_none_match": "*",
-         "document": {"ip": "9"}},
-        {"resource": POLICY, "method": "PATCH", "if_match": '"41"',
-         "patch": {"channels": ["pager"]}},
+        {
+            "resource": "dns-record/app-a",
+            "method": "PATCH",
+            "if_match": '"3"',
+            "patch": {"ip": "2"},
+        },
+        {
+            "resource": "dns-record/app-new",
+            "method": "PUT",
+            "if_none_match": "*",
+            "document": {"ip": "9"},
+        },
+        {
+            "resource": POLICY,
+            "method": "PATCH",
+            "if_match": '"41"',
+            "patch": {"channels": ["pager"]},
+        },
     ]
 
 
@@ -117,9 +130,9 @@ def test_a_three_step_plan_across_two_kinds_is_approved_once_and_applied_in_orde
     )
     assert applied == ["dns-record/app-a", "dns-record/app-new", POLICY]
     events = list(
-        AuditEvent.objects.filter(details__plan=plan["id"]).order_by("seq").values_list(
-            "event_type", flat=True
-        )
+        AuditEvent.objects.filter(details__plan=plan["id"])
+        .order_by("seq")
+        .values_list("event_type", flat=True)
     )
     assert events[0] == "plan.proposed" and events[-1] == "plan.ended"
     assert events.count("plan.step_applied") == 3
@@ -133,17 +146,28 @@ def test_step_three_refused_as_stale_compensates_steps_two_and_one_in_reverse(
     make_resource("dns-record/app-c", {"ip": "c"}, version=5)
     worker = rq_worker()
     steps = [
-        {"resource": "dns-record/app-a", "method": "PATCH", "if_match": '"3"', "patch": {"ip": "2"}},
-        {"resource": "dns-record/app-new", "method": "PUT", "if_none_match": "*",
-         "document": {"ip": "9"}},
-        {"resource": "dns-record/app-c", "method": "PUT", "if_match": '"5"',
-         "document": {"ip": "c2"}},
+        {
+            "resource": "dns-record/app-a",
+            "method": "PATCH",
+            "if_match": '"3"',
+            "patch": {"ip": "2"},
+        },
+        {
+            "resource": "dns-record/app-new",
+            "method": "PUT",
+            "if_none_match": "*",
+            "document": {"ip": "9"},
+        },
+        {
+            "resource": "dns-record/app-c",
+            "method": "PUT",
+            "if_match": '"5"',
+            "document": {"ip": "c2"},
+        },
     ]
     # Hold the plan in its approval while someone else moves app-c on (a per-call
     # step makes the plan wait for a person).
-    steps.append(
-        {"resource": POLICY, "method": "PATCH", "if_match": '"41"', "patch": {"x": 1}}
-    )
+    steps.append({"resource": POLICY, "method": "PATCH", "if_match": '"41"', "patch": {"x": 1}})
     steps[2], steps[3] = steps[3], steps[2]  # policy is step 3, app-c step 4
     response = _propose(api, run, steps)
     assert response.status_code == 202, response.content
@@ -152,7 +176,9 @@ def test_step_three_refused_as_stale_compensates_steps_two_and_one_in_reverse(
         document={"ip": "someone"}, version=6
     )
     ResourceVersion.objects.create(
-        resource=_document("dns-record/app-c"), version=6, document={"ip": "someone"},
+        resource=_document("dns-record/app-c"),
+        version=6,
+        document={"ip": "someone"},
         operation="seed",
     )
     _approve(api, operator, plan_id)
@@ -182,30 +208,50 @@ def test_step_three_refused_as_stale_compensates_steps_two_and_one_in_reverse(
     ("steps", "status", "code"),
     [
         (
-            [{"resource": "dns-record/other", "method": "PUT", "if_match": '"1"',
-              "document": {}}],
+            [{"resource": "dns-record/other", "method": "PUT", "if_match": '"1"', "document": {}}],
             403,
             "not_in_write_set",
         ),
         (
             [
-                {"resource": "dns-record/app-a", "method": "PATCH", "if_match": '"3"',
-                 "patch": {"ip": "2"}},
-                {"resource": "dns-record/app-a", "method": "PATCH", "if_match": '"3"',
-                 "patch": {"ip": "3"}},
+                {
+                    "resource": "dns-record/app-a",
+                    "method": "PATCH",
+                    "if_match": '"3"',
+                    "patch": {"ip": "2"},
+                },
+                {
+                    "resource": "dns-record/app-a",
+                    "method": "PATCH",
+                    "if_match": '"3"',
+                    "patch": {"ip": "3"},
+                },
             ],
             422,
             "validation_error",
         ),
         (
-            [{"resource": f"dns-record/app-{n}", "method": "PUT", "if_none_match": "*",
-              "document": {}} for n in range(11)],
+            [
+                {
+                    "resource": f"dns-record/app-{n}",
+                    "method": "PUT",
+                    "if_none_match": "*",
+                    "document": {},
+                }
+                for n in range(11)
+            ],
             422,
             "validation_error",
         ),
         (
-            [{"resource": "dns-record/app-a", "method": "PATCH", "if_match": '"2"',
-              "patch": {"ip": "2"}}],
+            [
+                {
+                    "resource": "dns-record/app-a",
+                    "method": "PATCH",
+                    "if_match": '"2"',
+                    "patch": {"ip": "2"},
+                }
+            ],
             412,
             "stale_version",
         ),
@@ -215,21 +261,42 @@ def test_step_three_refused_as_stale_compensates_steps_two_and_one_in_reverse(
             "precondition_required",
         ),
         (
-            [{"resource": "dns-record/app-a", "method": "PATCH", "if_match": '"3"',
-              "document": {"ip": "2"}}],
+            [
+                {
+                    "resource": "dns-record/app-a",
+                    "method": "PATCH",
+                    "if_match": '"3"',
+                    "document": {"ip": "2"},
+                }
+            ],
             422,
             "validation_error",
         ),
         (
-            [{"resource": "dns-record/app-a", "method": "PATCH", "if_match": '"3"',
-              "patch": {"ip": "2"}, "surprise": 1}],
+            [
+                {
+                    "resource": "dns-record/app-a",
+                    "method": "PATCH",
+                    "if_match": '"3"',
+                    "patch": {"ip": "2"},
+                    "surprise": 1,
+                }
+            ],
             422,
             "validation_error",
         ),
         ([], 422, "validation_error"),
     ],
-    ids=["outside-write-set", "duplicate", "too-many", "stale", "no-if-match", "wrong-body",
-         "unknown-field", "empty"],
+    ids=[
+        "outside-write-set",
+        "duplicate",
+        "too-many",
+        "stale",
+        "no-if-match",
+        "wrong-body",
+        "unknown-field",
+        "empty",
+    ],
 )
 def test_a_bad_plan_is_a_problem_and_records_nothing(
     api: Any, run: Any, world: Any, steps: Any, status: int, code: str
@@ -242,3 +309,389 @@ def test_a_bad_plan_is_a_problem_and_records_nothing(
     assert Plan.objects.count() == 0 and PlanStep.objects.count() == 0
     assert Action.objects.count() == 0
     assert AuditEvent.objects.exclude(event_type="plan.refused_stale").count() == events_before
+
+
+# --- A compensation that finds someone's later write, and a step a person resolves ----
+
+
+def _bump(identifier: str, document: dict[str, Any]) -> None:
+    """Someone else's write (a person, another system) moves the resource on."""
+    resource = _document(identifier)
+    Resource.objects.filter(pk=resource.pk).update(document=document, version=resource.version + 1)
+    ResourceVersion.objects.create(
+        resource=resource, version=resource.version + 1, document=document, operation="seed"
+    )
+
+
+def _step_action(plan_id: str, position: int) -> Action | None:
+    step = PlanStep.objects.select_related("action").get(plan_id=plan_id, position=position)
+    return step.action
+
+
+def test_a_compensation_over_a_later_write_becomes_a_conflict_and_resolving_it_finishes(
+    api: Any, run: Any, operator: Any, world: Any, rq_worker: Any
+) -> None:
+    """Step 1 (the policy) applies; a kill switch holds step 2; a person changes the
+    policy; step 2 is cancelled: the policy's compensation must not overwrite that
+    change — it becomes a conflict for the class's resolver (operators), the plan
+    ends partially_compensated, and the operator's resolution finishes it."""
+    from approvals.services.actions import action_cancel
+    from approvals.services.plan_engine import plan_advance
+    from audit.services import Actor
+    from console.services import kill_switch_set
+
+    worker = rq_worker()
+    kill_switch_set(
+        scope="dns-record/app-a", engaged=True, reason="hold step 2", actor=Actor.system("t")
+    )
+    steps = [
+        {
+            "resource": POLICY,
+            "method": "PATCH",
+            "if_match": '"41"',
+            "patch": {"channels": ["pager"]},
+        },
+        {
+            "resource": "dns-record/app-a",
+            "method": "PATCH",
+            "if_match": '"3"',
+            "patch": {"ip": "2"},
+        },
+    ]
+    response = _propose(api, run, steps)
+    assert response.status_code == 202, response.content
+    plan_id = response.json()["id"]
+    _approve(api, operator, plan_id)
+    wait_for(
+        lambda: (a := _step_action(plan_id, 2)) is not None and a.status == "paused", timeout=30
+    )
+    assert _document(POLICY).document == {"channels": ["pager"]}
+
+    _bump(POLICY, {"channels": ["pager", "sms"]})  # a person's change after step 1
+    step_two = _step_action(plan_id, 2)
+    assert step_two is not None
+    action_cancel(action=step_two, actor=Actor.person(operator.user))
+    plan_advance(plan_id=plan_id)  # the reconciler's move, without waiting for its tick
+    wait_for(lambda: _status(plan_id) == "partially_compensated", timeout=30)
+
+    body = _plan(api, operator.token, plan_id)
+    compensation = body["steps"][0]["compensation"]
+    assert compensation["status"] == "conflict", worker.output()
+    assert _document(POLICY).document == {"channels": ["pager", "sms"]}  # not overwritten
+    conflict = api.get(f"/api/v1/conflicts/{compensation['conflict']}", token=operator.token)
+    assert conflict.status_code == 200, conflict.content
+    assert conflict.json()["origin"] == "undo"
+    assert AuditEvent.objects.filter(
+        event_type="plan.compensation_refused", details__plan=plan_id
+    ).exists()
+
+    resolved = api.post(
+        f"/api/v1/conflicts/{compensation['conflict']}/resolution",
+        token=operator.token,
+        body={"choice": "take_proposed", "comment": "put the policy back"},
+    )
+    assert resolved.status_code == 200, resolved.content
+    wait_for(lambda: _status(plan_id) == "compensated", timeout=30)
+    assert _document(POLICY).document == {"channels": ["email"]}
+    body = _plan(api, operator.token, plan_id)
+    assert body["steps"][0]["compensation"]["status"] == "resolved"
+    assert [s["status"] for s in body["steps"]] == ["applied", "refused"]
+
+
+def test_a_stale_step_routed_to_a_person_waits_and_their_resolution_resumes_the_plan(
+    api: Any, run: Any, operator: Any, world: Any, rq_worker: Any
+) -> None:
+    worker = rq_worker()
+    steps = [
+        {
+            "resource": POLICY,
+            "method": "PATCH",
+            "if_match": '"41"',
+            "patch": {"channels": ["pager"]},
+        },
+        {
+            "resource": "dns-record/app-a",
+            "method": "PATCH",
+            "if_match": '"3"',
+            "patch": {"ip": "2"},
+        },
+    ]
+    response = _propose(api, run, steps)
+    assert response.status_code == 202, response.content
+    plan_id = response.json()["id"]
+    _bump(POLICY, {"channels": ["email", "sms"]})  # moved on while the plan waited
+    _approve(api, operator, plan_id)
+
+    def waiting_on_conflict() -> bool:
+        step = PlanStep.objects.get(plan_id=plan_id, position=1)
+        return isinstance(step.error, dict) and bool(step.error.get("conflict"))
+
+    wait_for(waiting_on_conflict, timeout=30)
+    body = _plan(api, run.token, plan_id)
+    assert body["status"] == "executing"
+    assert [s["status"] for s in body["steps"]] == ["executing", "pending"], worker.output()
+    conflict_id = body["steps"][0]["error"]["conflict"]
+    resolved = api.post(
+        f"/api/v1/conflicts/{conflict_id}/resolution",
+        token=operator.token,
+        body={"choice": "take_proposed", "comment": "the plan's pointer wins"},
+    )
+    assert resolved.status_code == 200, resolved.content
+    wait_for(lambda: _status(plan_id) == "applied", timeout=30)
+    assert _document(POLICY).document == {"channels": ["pager"]}
+    assert _document("dns-record/app-a").document == {"ip": "2"}
+
+
+def test_an_approved_plan_survives_a_redis_flushall(
+    api: Any, run: Any, world: Any, rq_worker: Any, engine_redis: Any
+) -> None:
+    """Per-run steps only: the plan runs at once. Redis loses its job before any
+    worker runs; the reconciler (PostgreSQL is the outbox) still carries it through."""
+    from approvals.outbox import engine_redis as redis_of_the_engine
+    from approvals.services.reconcile import reconcile
+
+    steps = [
+        {
+            "resource": "dns-record/app-a",
+            "method": "PATCH",
+            "if_match": '"3"',
+            "patch": {"ip": "2"},
+        },
+        {
+            "resource": "dns-record/app-b",
+            "method": "PUT",
+            "if_none_match": "*",
+            "document": {"ip": "b"},
+        },
+    ]
+    response = _propose(api, run, steps)
+    assert response.status_code == 202, response.content
+    plan_id = response.json()["id"]
+    assert response.json()["status"] == "executing"
+    redis_of_the_engine().flushall()
+    rq_worker()
+
+    def reconciled_to_the_end() -> bool:
+        reconcile()
+        return _status(plan_id) == "applied"
+
+    wait_for(reconciled_to_the_end, timeout=40, interval=0.5)
+    assert _document("dns-record/app-a").document == {"ip": "2"}
+    assert _document("dns-record/app-b").document == {"ip": "b"}
+
+
+# --- A worker killed at every point ---------------------------------------------------
+
+
+def _applied_at_most_once(run_id: Any) -> None:
+    for action in Action.objects.filter(run_id=run_id):
+        writes = ResourceVersion.objects.filter(action_id=action.pk).exclude(operation="undo")
+        assert writes.count() <= 1, f"{action.resource_identifier} written twice"
+        undos = ResourceVersion.objects.filter(action_id=action.pk, operation="undo")
+        assert undos.count() <= 1, f"{action.resource_identifier} undone twice"
+        applied = AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk)
+        assert applied.count() <= 1
+
+
+@pytest.mark.parametrize(
+    "point", ["after_barrier_commit", "plan_advance_before_commit", "after_undo_job"]
+)
+def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_twice(
+    api: Any, run: Any, operator: Any, world: Any, rq_worker: Any, point: str
+) -> None:
+    """Three steps apply, the fourth is stale (the agent's to retry): the plan
+    compensates three steps. A worker that SIGKILLs itself at `point` is started
+    again and again (each dies at the next time it reaches the point) until the plan
+    ends; then every write and every undo happened at most once and the plan ends
+    `compensated` with every resource back where it was."""
+    from approvals.services.reconcile import reconcile
+
+    make_resource("dns-record/app-c", {"ip": "c"}, version=5)
+    steps = [
+        {
+            "resource": "dns-record/app-a",
+            "method": "PATCH",
+            "if_match": '"3"',
+            "patch": {"ip": "2"},
+        },
+        {
+            "resource": "dns-record/app-new",
+            "method": "PUT",
+            "if_none_match": "*",
+            "document": {"ip": "9"},
+        },
+        {"resource": POLICY, "method": "PATCH", "if_match": '"41"', "patch": {"x": 1}},
+        {
+            "resource": "dns-record/app-c",
+            "method": "PUT",
+            "if_match": '"5"',
+            "document": {"ip": "c2"},
+        },
+    ]
+    response = _propose(api, run, steps)
+    assert response.status_code == 202, response.content
+    plan_id = response.json()["id"]
+    _bump("dns-record/app-c", {"ip": "someone"})
+    _approve(api, operator, plan_id)
+
+    crashes = 0
+    for _ in range(10):
+        worker = rq_worker(AIRLOCK_TEST_CRASH_AT=point)
+        try:
+            wait_for(lambda: not worker.alive() or _status(plan_id) == "compensated", timeout=20)
+        except AssertionError:
+            break  # this worker no longer reaches the point
+        if _status(plan_id) == "compensated":
+            break
+        crashes += 1
+        reconcile()
+    assert crashes >= 1, f"the worker never reached {point}"
+    survivor = rq_worker()
+
+    def reconciled_to_the_end() -> bool:
+        reconcile()
+        return _status(plan_id) == "compensated"
+
+    wait_for(reconciled_to_the_end, timeout=60, interval=0.5)
+    _applied_at_most_once(run.run.pk)
+    assert _document("dns-record/app-a").document == {"ip": "1"}
+    assert _document("dns-record/app-new").deleted
+    assert _document(POLICY).document == {"channels": ["email"]}, survivor.output()
+    assert _document("dns-record/app-c").document == {"ip": "someone"}
+    ended = AuditEvent.objects.filter(event_type="plan.ended", details__plan=plan_id)
+    assert ended.count() == 1
+
+
+# --- The plan's approval, its reads and its key ---------------------------------------
+
+
+def test_a_plan_needs_the_strictest_quorum_and_keeps_the_agents_owner_out(
+    api: Any, run: Any, operator: Any, world: Any
+) -> None:
+    from approvals.models import Approval
+    from ownership.models import ConflictClass
+    from tests.fixtures.api import make_person_with_token
+
+    ConflictClass.objects.filter(slug="replace_shared_document").update(quorum=2)
+    owner = make_person_with_token("agent-owner", "operators")
+    run.agent.owner = owner.user
+    run.agent.save(update_fields=["owner"])
+    second = make_person_with_token("second-operator", "operators")
+    response = _propose(api, run, _three_steps())
+    assert response.status_code == 202, response.content
+    plan_id = response.json()["id"]
+    approval = Approval.objects.get(plan_id=plan_id)
+    assert approval.quorum == 2 and approval.subject == "plan"
+    item = next(
+        i
+        for i in api.get("/api/v1/approvals?status=pending", token=operator.token).json()["items"]
+        if i.get("plan") == plan_id
+    )
+    assert [s["resource"] for s in item["steps"]] == [
+        "dns-record/app-a",
+        "dns-record/app-new",
+        POLICY,
+    ]
+    assert item["steps"][2]["diff"] == [
+        {"path": "/channels", "current": ["email"], "proposed": ["pager"]}
+    ]
+    assert item["quorum"] == 2
+
+    url = f"/api/v1/approvals/{approval.pk}/decision"
+    refused = api.post(url, token=owner.token, body={"decision": "approve"})
+    assert refused.status_code == 403 and refused.json()["code"] == "self_approval"
+    assert api.post(url, token=operator.token, body={"decision": "approve"}).status_code == 200
+    assert _status(plan_id) == "pending_approval"  # one of two
+    assert api.post(url, token=second.token, body={"decision": "approve"}).status_code == 200
+    assert _status(plan_id) == "executing"
+
+
+def test_a_rejected_plan_runs_nothing_and_the_agent_reads_why(
+    api: Any, run: Any, operator: Any, world: Any
+) -> None:
+    response = _propose(api, run, _three_steps())
+    plan_id = response.json()["id"]
+    [item] = [
+        i
+        for i in api.get("/api/v1/approvals?status=pending", token=operator.token).json()["items"]
+        if i.get("plan") == plan_id
+    ]
+    rejected = api.post(
+        f"/api/v1/approvals/{item['id']}/decision",
+        token=operator.token,
+        body={"decision": "reject", "comment": "not during the freeze"},
+    )
+    assert rejected.status_code == 200, rejected.content
+    body = _plan(api, run.token, plan_id)
+    assert body["status"] == "rejected"
+    assert body["error"]["comment"] == "not during the freeze"
+    assert [s["status"] for s in body["steps"]] == ["skipped"] * 3
+    assert Action.objects.filter(run=run.run).count() == 0
+
+
+def test_the_plan_answers_304_to_its_etag_and_a_replayed_key_gets_the_same_plan(
+    api: Any, run: Any, world: Any
+) -> None:
+    key = _key()
+    body = {"reason": "r", "steps": _three_steps()}
+    path = f"/api/v1/runs/{run.run.pk}/plans"
+    first = api.post(path, token=run.token, body=body, headers={"Idempotency-Key": key})
+    assert first.status_code == 202, first.content
+    again = api.post(path, token=run.token, body=body, headers={"Idempotency-Key": key})
+    assert again.status_code == 202 and again["Idempotent-Replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
+    assert Plan.objects.count() == 1
+    other = api.post(
+        path, token=run.token, body={**body, "reason": "x"}, headers={"Idempotency-Key": key}
+    )
+    assert other.status_code == 422 and other.json()["code"] == "idempotency_key_reused"
+    assert Plan.objects.count() == 1
+    missing = api.post(path, token=run.token, body=body)
+    assert missing.status_code == 400 and missing.json()["code"] == "idempotency_key_missing"
+
+    plan_url = f"/api/v1/plans/{first.json()['id']}"
+    etag = api.get(plan_url, token=run.token)["ETag"]
+    unchanged = api.get(plan_url, token=run.token, headers={"If-None-Match": etag})
+    assert unchanged.status_code == 304
+    elsewhere = api.post(
+        f"/api/v1/runs/{uuid.uuid4()}/plans",
+        token=run.token,
+        body=body,
+        headers={"Idempotency-Key": _key()},
+    )
+    assert elsewhere.status_code == 404
+
+
+def test_a_kill_switch_pauses_a_step_and_the_release_resumes_the_plan_where_it_stopped(
+    api: Any, run: Any, world: Any, rq_worker: Any
+) -> None:
+    from audit.services import Actor
+    from console.services import kill_switch_set
+
+    rq_worker()
+    actor = Actor.system("test")
+    kill_switch_set(scope="dns-record/app-b", engaged=True, reason="incident", actor=actor)
+    steps = [
+        {
+            "resource": "dns-record/app-a",
+            "method": "PATCH",
+            "if_match": '"3"',
+            "patch": {"ip": "2"},
+        },
+        {
+            "resource": "dns-record/app-b",
+            "method": "PUT",
+            "if_none_match": "*",
+            "document": {"b": 1},
+        },
+    ]
+    plan_id = _propose(api, run, steps).json()["id"]
+    wait_for(
+        lambda: (a := _step_action(plan_id, 2)) is not None and a.status == "paused", timeout=30
+    )
+    assert _document("dns-record/app-a").document == {"ip": "2"}
+    assert _status(plan_id) == "executing"
+    kill_switch_set(scope="dns-record/app-b", engaged=False, reason="", actor=actor)
+    wait_for(lambda: _status(plan_id) == "applied", timeout=30)
+    assert _document("dns-record/app-b").document == {"b": 1}
+    assert ResourceVersion.objects.filter(resource=_document("dns-record/app-a")).count() == 2

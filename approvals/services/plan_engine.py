@@ -46,6 +46,7 @@ from approvals.models import (
     PlanStepStatus,
 )
 from approvals.outbox import enqueue_action_execution, enqueue_undo_execution
+from approvals.services.attempts import crash_point
 from approvals.services.plans import plan_touch
 from audit.services import Actor, audit_append
 from console.core.fence import next_fence
@@ -80,10 +81,13 @@ def plan_advance(*, plan_id: uuid.UUID | str) -> str:
             .order_by("position")
         )
         if plan.status == PlanStatus.EXECUTING:
-            return _forward(plan, steps)
-        if plan.status in (PlanStatus.COMPENSATING, PlanStatus.PARTIALLY_COMPENSATED):
-            return _compensate(plan, steps)
-        return f"skipped:{plan.status}"
+            outcome = _forward(plan, steps)
+        elif plan.status in (PlanStatus.COMPENSATING, PlanStatus.PARTIALLY_COMPENSATED):
+            outcome = _compensate(plan, steps)
+        else:
+            return f"skipped:{plan.status}"
+        crash_point("plan_advance_before_commit")
+        return outcome
 
 
 def _audit(plan: Plan, event_type: str, step: PlanStep | None, **details: Any) -> None:
