@@ -538,7 +538,10 @@ def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_tw
     for _ in range(10):
         worker = rq_worker(AIRLOCK_TEST_CRASH_AT=point)
         try:
-            wait_for(lambda: not worker.alive() or _status(plan_id) == "compensated", timeout=20)
+            wait_for(
+                lambda worker=worker: not worker.alive() or _status(plan_id) == "compensated",
+                timeout=20,
+            )
         except AssertionError:
             break  # this worker no longer reaches the point
         if _status(plan_id) == "compensated":
@@ -546,6 +549,7 @@ def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_tw
         crashes += 1
         reconcile()
     assert crashes >= 1, f"the worker never reached {point}"
+    print(f"{point}: the worker was killed {crashes} times")
     survivor = rq_worker()
 
     def reconciled_to_the_end() -> bool:
