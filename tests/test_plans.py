@@ -699,3 +699,44 @@ def test_a_kill_switch_pauses_a_step_and_the_release_resumes_the_plan_where_it_s
     wait_for(lambda: _status(plan_id) == "applied", timeout=30)
     assert _document("dns-record/app-b").document == {"b": 1}
     assert ResourceVersion.objects.filter(resource=_document("dns-record/app-a")).count() == 2
+
+
+def test_a_run_that_ends_cancels_its_waiting_plan_and_compensates_its_running_one(
+    api: Any, run: Any, operator: Any, world: Any, rq_worker: Any
+) -> None:
+    from approvals.services.runs import run_finish
+    from audit.services import Actor
+    from console.services import kill_switch_set
+
+    waiting_id = _propose(api, run, _three_steps()).json()["id"]  # per-call: waits
+    rq_worker()
+    kill_switch_set(
+        scope="dns-record/app-b", engaged=True, reason="hold", actor=Actor.system("test")
+    )
+    running = _propose(
+        api,
+        run,
+        [
+            {
+                "resource": "dns-record/app-c",
+                "method": "PUT",
+                "if_none_match": "*",
+                "document": {"c": 1},
+            },
+            {
+                "resource": "dns-record/app-b",
+                "method": "PUT",
+                "if_none_match": "*",
+                "document": {"b": 1},
+            },
+        ],
+    )
+    running_id = running.json()["id"]
+    wait_for(lambda: (a := _step_action(running_id, 2)) is not None and a.status == "paused")
+    run_finish(run=run.run, actor=Actor.run(run.run))
+
+    assert _status(waiting_id) == "cancelled"
+    assert _plan(api, run.token, waiting_id)["error"]["code"] == "run_not_active"
+    wait_for(lambda: _status(running_id) == "compensated", timeout=30)
+    assert _document("dns-record/app-c").deleted
+    assert not Resource.objects.filter(kind_id="dns-record", name="app-b").exists()

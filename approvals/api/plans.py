@@ -125,6 +125,7 @@ class PlanOut(Schema):
         "partially_compensated",
         "rejected",
         "expired",
+        "cancelled",
     ]
     reason: str
     error: dict[str, Any] | None
@@ -409,7 +410,7 @@ def _plan_state(
     summary="Read a plan (long-poll with Prefer: wait=N)",
     description="The plan with every step's state, its approval and compensations. Held "
     "with `Prefer: wait=N` while the ETag still matches If-None-Match, or (without it) "
-    "while the plan has not ended (`applied`, `compensated`, `rejected`, `expired`).",
+    "while the plan has not ended (`applied`, `compensated`, `rejected`, `expired`, `cancelled`).",
     tags=["plans"],
     openapi_extra={
         "parameters": [prefer_doc("plan", "(see If-None-Match)"), if_none_match_doc("plan")],

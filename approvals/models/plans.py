@@ -20,10 +20,17 @@ class PlanStatus(models.TextChoices):
     PARTIALLY_COMPENSATED = "partially_compensated", "partially compensated"
     REJECTED = "rejected", "rejected"
     EXPIRED = "expired", "expired"
+    CANCELLED = "cancelled", "cancelled"  # its run ended before the plan was approved
 
 
 FINAL_PLAN_STATUSES = frozenset(
-    {PlanStatus.APPLIED, PlanStatus.COMPENSATED, PlanStatus.REJECTED, PlanStatus.EXPIRED}
+    {
+        PlanStatus.APPLIED,
+        PlanStatus.COMPENSATED,
+        PlanStatus.REJECTED,
+        PlanStatus.EXPIRED,
+        PlanStatus.CANCELLED,
+    }
 )
 
 

@@ -21,11 +21,16 @@ from approvals.models import (
     Agent,
     Approval,
     ApprovalStatus,
+    Plan,
+    PlanStatus,
+    PlanStep,
+    PlanStepStatus,
     Run,
     RunStatus,
     run_end_exempt,
 )
 from approvals.notify import notify_action_changed, notify_run_changed
+from approvals.outbox import enqueue_plan_advance
 from approvals.services.approval_open import approval_open_for_run
 from approvals.services.tokens import RUN_PREFIX, token_generate
 from approvals.services.write_sets import (
@@ -203,7 +208,8 @@ def _end(
         return False
     transaction.on_commit(partial(notify_run_changed, run_id))
     OwnershipRecord.objects.filter(run_id=run_id, active=True).update(active=False, released_at=now)
-    # The project's lock order: run -> actions -> approvals -> audit head last
+    ended_plans = _end_plans(run_id, status=status, now=now)
+    # The project's lock order: run -> plans -> actions -> approvals -> audit head last
     # (approval_decide and action_cancel take the action before its approval).
     # A person's conflict resolution, and an external write that may already have
     # reached its target, outlive the run (run_end_exempt): they settle later.
@@ -228,9 +234,39 @@ def _end(
         event_type=event,
         actor=actor,
         run_id=run_id,
-        details={"reason": reason[:500], "closed_actions": [str(a) for a in open_ids]},
+        details={
+            "reason": reason[:500],
+            "closed_actions": [str(a) for a in open_ids],
+            **({"cancelled_plans": ended_plans} if ended_plans else {}),
+        },
     )
     return True
+
+
+def _end_plans(run_id: Any, *, status: str, now: datetime) -> list[str]:
+    """A run's end: a plan still waiting for its approval is cancelled (nothing ran, its
+    approval is cancelled with the others); a plan on its way compensates — its
+    current step's write is closed with the run's other open actions — so it is moved
+    now rather than at the reconciler's next pass. Returns the cancelled plans."""
+    waiting = [
+        str(plan_id)
+        for plan_id in Plan.objects.filter(
+            run_id=run_id, status=PlanStatus.PENDING_APPROVAL
+        ).values_list("pk", flat=True)
+    ]
+    if waiting:
+        Plan.objects.filter(pk__in=waiting).update(
+            status=PlanStatus.CANCELLED,
+            error={"code": "run_not_active", "detail": f"the run was {status}"},
+            ended_at=now,
+            revision=F("revision") + 1,
+        )
+        PlanStep.objects.filter(plan_id__in=waiting).update(status=PlanStepStatus.SKIPPED)
+    for plan_id in Plan.objects.filter(run_id=run_id, status=PlanStatus.EXECUTING).values_list(
+        "pk", flat=True
+    ):
+        transaction.on_commit(partial(enqueue_plan_advance, plan_id))
+    return waiting
 
 
 def run_finish(*, run: Run, actor: Actor) -> Run:
