@@ -85,6 +85,16 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
                 negative_statuses=(423,),
             ),
             block("^POST /api/v1/runs$", agent_token, (422,)),
+            # A plan is checked step by step like single writes (write set, lease, If-Match
+            # syntax and freshness) and refused whole; the fuzzer's run ids are not the
+            # token's run (404).
+            block(
+                "^POST /api/v1/runs/[^/]+/plans$",
+                run_token,
+                (400, 412, 422, 423, 428),
+                missing_header_statuses=(404, 409, 423),
+                negative_statuses=(423,),
+            ),
             # JSON safety (console/core/jsonsafe.py, issue 9) refuses U+0000 and lone
             # surrogates in any key or string with a 422: stricter than JSON Schema can say,
             # so a schema-valid body carrying them is a legitimate 422 wherever text is taken.
@@ -104,7 +114,7 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             block("^(POST|PUT) /api/v1/auto-approve-rules", admin_token, (422,)),
             block("^POST /api/v1/(conflicts|approvals|kill-switch)", admin_token, (422,)),
             block(f"^(GET|POST|PUT|DELETE) /api/v1/({people})", admin_token),
-            block("^GET /api/v1/(runs|resources|whoami|actions)", run_token),
+            block("^GET /api/v1/(runs|resources|whoami|actions|plans)", run_token),
         ]
     )
 

@@ -17,7 +17,6 @@ from datetime import datetime
 from typing import Any, Literal
 
 from asgiref.sync import sync_to_async
-from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, Router, Schema
 from pydantic import ConfigDict
@@ -35,7 +34,7 @@ from approvals.selectors import plan_detail, plans_visible_to
 from approvals.services import actions as action_services
 from approvals.services import idempotency
 from approvals.services.actions import TagCondition, read_condition
-from approvals.services.plans import PlanStepSpec, plan_propose
+from approvals.services.plans import PlanStepSpec, max_plan_steps, plan_propose
 from console.api_support import (
     TEXT_PATTERN,
     conditional_response,
@@ -299,7 +298,9 @@ def _field_error(position: int, field: str, message: str) -> ValidationFailed:
                 "in": "header",
                 "name": "Idempotency-Key",
                 "required": True,
-                "schema": {"type": "string"},
+                "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:-]{8,255}$"},
+                "description": "Scoped to the agent, kept at least 24 h. A retry with the same "
+                "key and body replays the original answer (`Idempotent-Replayed: true`).",
             }
         ]
     },
@@ -311,7 +312,7 @@ def plan_create(request: HttpRequest, run_id: uuid.UUID, payload: PlanCreateIn) 
     if run.pk != run_id:
         raise NotFound(f"Run {run_id} not found.")
     rate_limit_writes(principal)
-    limit = int(settings.AIRLOCK_PLAN_MAX_STEPS)
+    limit = max_plan_steps()
     if len(payload.steps) > limit:
         raise ValidationFailed(
             f"A plan has at most {limit} steps; this one has {len(payload.steps)}.",

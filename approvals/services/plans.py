@@ -201,7 +201,7 @@ def _strictest(classes: Sequence[ConflictClass]) -> dict[str, Any]:
     }
 
 
-def plan_classes(plan: Plan) -> list[ConflictClass]:
+def _plan_classes(plan: Plan) -> list[ConflictClass]:
     """The distinct conflict classes of a plan's steps, by slug."""
     classes = {
         step.conflict_class.slug: step.conflict_class
@@ -212,7 +212,7 @@ def plan_classes(plan: Plan) -> list[ConflictClass]:
 
 def plan_forbids_owner_approval(plan: Plan) -> bool:
     """Separation of duties for the plan's approval: the strictest of its classes."""
-    return any(c.forbid_agent_owner_approval for c in plan_classes(plan))
+    return any(c.forbid_agent_owner_approval for c in _plan_classes(plan))
 
 
 def _record(
