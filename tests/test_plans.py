@@ -740,3 +740,25 @@ def test_a_run_that_ends_cancels_its_waiting_plan_and_compensates_its_running_on
     wait_for(lambda: _status(running_id) == "compensated", timeout=30)
     assert _document("dns-record/app-c").deleted
     assert not Resource.objects.filter(kind_id="dns-record", name="app-b").exists()
+
+
+def test_a_plan_whose_approval_expires_ends_expired_with_nothing_run(
+    api: Any, run: Any, world: Any
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from approvals.models import Approval
+    from approvals.services.decisions import approval_expire_due
+
+    plan_id = _propose(api, run, _three_steps()).json()["id"]
+    Approval.objects.filter(plan_id=plan_id).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    assert approval_expire_due()["expired"] == 1
+    body = _plan(api, run.token, plan_id)
+    assert body["status"] == "expired" and body["error"]["code"] == "approval_expired"
+    assert [s["status"] for s in body["steps"]] == ["skipped"] * 3
+    assert AuditEvent.objects.filter(event_type="approval.expired", details__plan=plan_id).exists()
+    assert Action.objects.filter(run=run.run).count() == 0
