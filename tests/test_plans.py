@@ -762,3 +762,53 @@ def test_a_plan_whose_approval_expires_ends_expired_with_nothing_run(
     assert [s["status"] for s in body["steps"]] == ["skipped"] * 3
     assert AuditEvent.objects.filter(event_type="approval.expired", details__plan=plan_id).exists()
     assert Action.objects.filter(run=run.run).count() == 0
+
+
+def test_a_long_poll_on_a_plan_is_answered_when_its_approval_is_decided(
+    api_server: Any, run: Any, operator: Any, world: Any
+) -> None:
+    """On a real uvicorn server: the agent holds `GET /plans/{id}` (If-None-Match,
+    Prefer: wait) and is answered with `executing` once the operator approves."""
+    import threading
+
+    import httpx
+
+    from tests.test_api_longpoll import wait_until_held
+
+    base = api_server.url
+    agent_headers = {"Authorization": f"Bearer {run.token}"}
+    proposed = httpx.post(
+        f"{base}/api/v1/runs/{run.run.pk}/plans",
+        headers={**agent_headers, "Idempotency-Key": _key()},
+        json={"steps": _three_steps()},
+        timeout=10,
+    )
+    assert proposed.status_code == 202, proposed.text
+    url = f"{base}{proposed.headers['Location']}"
+    etag = proposed.headers["ETag"]
+    result: dict[str, Any] = {}
+
+    def wait() -> None:
+        result["response"] = httpx.get(
+            url, headers={**agent_headers, "Prefer": "wait=30", "If-None-Match": etag}, timeout=40
+        )
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_until_held(base, 1, thread)
+    person = {"Authorization": f"Bearer {operator.token}"}
+    items = httpx.get(f"{base}/api/v1/approvals?status=pending", headers=person, timeout=10)
+    [item] = [i for i in items.json()["items"] if i["plan"] == proposed.json()["id"]]
+    decided = httpx.post(
+        f"{base}/api/v1/approvals/{item['id']}/decision",
+        headers=person,
+        json={"decision": "approve"},
+        timeout=10,
+    )
+    assert decided.status_code == 200, decided.text
+    thread.join(timeout=40)
+    response = result["response"]
+    assert response.status_code == 200
+    assert response.json()["status"] == "executing"
+    assert response.headers["ETag"] != etag
+    assert response.headers["Preference-Applied"] == "wait=30"
