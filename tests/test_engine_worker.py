@@ -184,4 +184,5 @@ def test_a_worker_killed_mid_job_leaves_the_action_applied_exactly_once(
         "requeued": 0,
         "undo_requeued": 0,
         "resumed": 0,
+        "plans_advanced": 0,
     }

@@ -94,7 +94,9 @@ class PlanCreateIn(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     reason: str = Field("", max_length=500, pattern=TEXT_PATTERN)
-    steps: list[PlanStepIn] = Field(..., min_length=1)
+    steps: list[PlanStepIn] = Field(
+        ..., min_length=1, max_length=settings.AIRLOCK_PLAN_MAX_STEPS, description="In order"
+    )
 
 
 class PlanStepOut(Schema):
