@@ -56,7 +56,7 @@ def test_an_operator_approves_a_plan_in_the_inbox_and_watches_it_reach_applied(
                     "patch": {"channels": ["pager"]},
                 },
             ],
-        },  # fmt: skip
+        },
         headers={"Idempotency-Key": f"plan-{uuid.uuid4().hex}"},
     )
     assert proposed.status_code == 202, proposed.content
