@@ -12,6 +12,8 @@ from approvals.models import (
     IdempotencyRecord,
     Operation,
     PersonalToken,
+    Plan,
+    PlanStep,
     Run,
 )
 from console.admin import ReadOnlyAdmin
@@ -60,7 +62,7 @@ class ActionAdmin(ReadOnlyAdmin):
 class ApprovalAdmin(ReadOnlyAdmin):
     list_display = ("id", "subject", "status", "quorum", "expires_at")
     list_filter = ("status", "subject")
-    raw_id_fields = ("run", "action", "from_conflict")
+    raw_id_fields = ("run", "action", "plan", "from_conflict")
 
 
 @admin.register(ApprovalDecision)
@@ -86,3 +88,18 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
     list_display = ("agent", "person", "key", "status", "response_status", "expires_at")
     exclude = ("response_body",)
     raw_id_fields = ("action",)
+
+
+# Plans move only through their services (proposal, approval, the engine): looked at here.
+@admin.register(Plan)
+class PlanAdmin(ReadOnlyAdmin):
+    list_display = ("id", "run", "agent", "status", "created_at", "ended_at")
+    list_filter = ("status",)
+    raw_id_fields = ("run", "agent")
+
+
+@admin.register(PlanStep)
+class PlanStepAdmin(ReadOnlyAdmin):
+    list_display = ("plan", "position", "kind", "name", "operation", "status")
+    list_filter = ("status", "compensation_status")
+    raw_id_fields = ("plan", "action", "applied_operation", "compensation_operation")

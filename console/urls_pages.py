@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import URLPattern, URLResolver, path
 
-from approvals.views import inbox, rules, runs, tokens
+from approvals.views import inbox, plans, rules, runs, tokens
 from audit import views as audit_views
 from console import people_views, views
 from ownership import views as ownership_views
@@ -27,6 +27,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     ),
     path("actions/<uuid:action_id>/", runs.action_detail, name="action_detail"),
     path("actions/<uuid:action_id>/status/", runs.action_status, name="action_status"),
+    path("plans/<uuid:plan_id>/", plans.plan_page, name="plan_detail"),
     path("runs/", runs.runs_list, name="runs"),
     path("runs/<uuid:run_id>/", runs.run_detail, name="run_detail"),
     path("runs/<uuid:run_id>/revoke/", runs.run_revoke_view, name="run_revoke"),

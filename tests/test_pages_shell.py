@@ -144,6 +144,8 @@ def test_every_model_is_in_the_admin_and_history_is_read_only(people: People, wo
         ("approvals", "operation"),
         ("approvals", "approvaldecision"),
         ("approvals", "idempotencyrecord"),
+        ("approvals", "plan"),
+        ("approvals", "planstep"),
         # Changed only through audited services, never in the admin:
         ("approvals", "agent"),
         ("approvals", "autoapproverule"),

@@ -18,9 +18,10 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_GET, require_POST
 
 from approvals.forms import DecisionForm
-from approvals.models import Approval, ApprovalDecision, ApprovalStatus
+from approvals.models import Approval, ApprovalDecision, ApprovalStatus, PlanStep
 from approvals.selectors import approval_get_for_person, approval_list_for_person
 from approvals.services.decisions import approval_decide
+from approvals.views.plan_rows import plan_step_rows
 from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError, NotFound
@@ -40,6 +41,10 @@ def _approval_rows(approvals: list[Approval]) -> list[dict[str, Any]]:
             "decisions": decisions,
             "approvals_so_far": sum(1 for d in decisions if d.decision == "approve"),
         }
+        if approval.plan_id is not None:
+            # One card for the whole plan: every step against the document now.
+            steps = PlanStep.objects.filter(plan_id=approval.plan_id).order_by("position")
+            row["plan_steps"] = plan_step_rows(list(steps.select_related("applied_operation")))
         action = approval.action
         if action is not None:
             current = action.resource
@@ -59,7 +64,7 @@ def _approvals_for(user: Any, *, status: str | None = ApprovalStatus.PENDING) ->
     """The engine's selector: approvals this person may decide, oldest first."""
     return (
         approval_list_for_person(user, status=status)
-        .select_related("action__agent")
+        .select_related("action__agent", "plan")
         .prefetch_related(
             Prefetch("decisions", queryset=ApprovalDecision.objects.select_related("person"))
         )

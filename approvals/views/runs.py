@@ -15,8 +15,8 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from approvals.forms import RevokeForm, RunFilterForm
-from approvals.models import Action, ApprovalDecision, Run, RunStatus
-from approvals.selectors import actions_visible_to, run_list_for_actor
+from approvals.models import Action, ApprovalDecision, PlanStep, Run, RunStatus
+from approvals.selectors import actions_visible_to, plans_visible_to, run_list_for_actor
 from approvals.services.runs import run_revoke
 from audit.services import Actor
 from console import permissions
@@ -67,6 +67,8 @@ def action_detail(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
         "operations": operations,
         "conflicts": conflicts,
         "approvals": approvals,
+        # A step of a plan: the page links the plan it belongs to.
+        "plan_step": PlanStep.objects.filter(action=action).select_related("plan").first(),
         "children": list(action.children.all()[:20]),
         "payload": pretty(action.payload) if action.payload is not None else "(none)",
         "error": pretty(action.error) if action.error else "",
@@ -127,6 +129,7 @@ def _run_context(request: HttpRequest, run: Run) -> dict[str, Any]:
     actions = list(
         run.actions.select_related("conflict_class", "resource").order_by("-created_at")[:100]
     )
+    plans = list(plans_visible_to(request.user).filter(run=run).order_by("-created_at")[:50])
     records = list(OwnershipRecord.objects.filter(run=run).order_by("-active", "kind_id", "name"))
     now = timezone.now()
     heartbeat_age = (
@@ -136,6 +139,7 @@ def _run_context(request: HttpRequest, run: Run) -> dict[str, Any]:
         "nav": "runs",
         "run": run,
         "actions": actions,
+        "plans": plans,
         "records": [r for r in records if not r.exclusive],
         "leases": [r for r in records if r.exclusive],
         "heartbeat_age": heartbeat_age,
@@ -154,7 +158,10 @@ def run_detail(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     context = _run_context(request, run)
     response = render_fragment_or_page(request, "approvals/run.html", context, partial="timeline")
     ended = run.status not in (RunStatus.ACTIVE, RunStatus.PENDING_APPROVAL)
-    if is_htmx(request) and ended and all(a.is_final for a in context["actions"]):
+    settled = all(a.is_final for a in context["actions"]) and all(
+        p.is_final for p in context["plans"]
+    )
+    if is_htmx(request) and ended and settled:
         response.status_code = 286  # htmx: nothing will change any more, stop polling
     return response
 

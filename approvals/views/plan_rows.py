@@ -1,0 +1,95 @@
+"""What the console shows of a plan's steps: one row per step with its diff and its
+compensation. Shared by the plan page and the approvals inbox (no view here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from approvals.models import PlanStep, PlanStepStatus
+from ownership.diff import document_diff, proposed_document
+from ownership.models import Conflict, ConflictOrigin, Resource, ResourceVersion
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: PlanStep
+    resource: Resource | None  # the resource as it is now (None: not created yet)
+    current_version: int | None
+    version_moved: bool  # pending: the resource moved past the version the agent read
+    diff: list[dict[str, Any]]
+    diff_label: str
+    compensation_method: str  # "undo" (the default) or the agent's PUT/PATCH/DELETE
+    compensation_payload: Any
+    forward_conflict: Conflict | None
+    undo_conflict: Conflict | None
+
+
+def _live_document(resource: Resource | None) -> dict[str, Any]:
+    if resource is None or resource.deleted or not isinstance(resource.document, dict):
+        return {}
+    return resource.document
+
+
+def _version_document(resource: Resource | None, version: int | None) -> dict[str, Any] | None:
+    """The document a version held ({} for a tombstone), None when it is not recorded."""
+    if resource is None or version is None:
+        return None
+    row = ResourceVersion.objects.filter(resource=resource, version=version).first()
+    if row is None:
+        return None
+    return {} if row.deleted or not isinstance(row.document, dict) else row.document
+
+
+def _diff(step: PlanStep, resource: Resource | None) -> tuple[list[dict[str, Any]], str]:
+    """An applied step shows what it changed (its base version → its result); any
+    other step shows its payload against the document now, which is what it would
+    write over if it ran."""
+    applied = step.applied_operation
+    if step.status == PlanStepStatus.APPLIED and applied is not None:
+        after = _version_document(resource, applied.result_version)
+        if after is not None:
+            before = _version_document(resource, applied.base_version) or {}
+            label = f"What it changed (version {applied.base_version or '(none)'} → "
+            return document_diff(before, after), f"{label}{applied.result_version})"
+    current = _live_document(resource)
+    return (
+        document_diff(current, proposed_document(step, current)),
+        "What it changes (current document → result of this step)",
+    )
+
+
+def plan_step_rows(
+    steps: list[PlanStep], conflicts: dict[tuple[Any, str], Conflict] | None = None
+) -> list[StepRow]:
+    """Rows for `steps` (ordered by position); `conflicts` is plan_detail's map keyed
+    (action_id, origin), to link a step's refusal and its compensation's conflict."""
+    found = conflicts or {}
+    rows = []
+    for step in steps:
+        resource = Resource.objects.filter(kind_id=step.kind_id, name=step.name).first()
+        current_version = resource.version if resource is not None else None
+        applied = step.applied_operation
+        diff, label = _diff(step, resource)
+        compensation = step.compensation or {}
+        rows.append(
+            StepRow(
+                step=step,
+                resource=resource,
+                current_version=current_version,
+                version_moved=step.status == PlanStepStatus.PENDING
+                and step.observed_version is not None
+                and current_version != step.observed_version,
+                diff=diff,
+                diff_label=label,
+                compensation_method=str(compensation.get("method", "undo")),
+                compensation_payload=compensation.get("document", compensation.get("patch")),
+                forward_conflict=found.get((step.action_id, ConflictOrigin.WRITE)),
+                undo_conflict=(
+                    found.get((applied.action_id, ConflictOrigin.UNDO))
+                    if applied is not None
+                    else None
+                ),
+            )
+        )
+    return rows
