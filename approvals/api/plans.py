@@ -95,7 +95,7 @@ class PlanCreateIn(Schema):
 
     reason: str = Field("", max_length=500, pattern=TEXT_PATTERN)
     steps: list[PlanStepIn] = Field(
-        ..., min_length=1, max_length=settings.AIRLOCK_PLAN_MAX_STEPS, description="In order"
+        ..., min_length=1, max_length=max_plan_steps(), description="In order"
     )
 
 
