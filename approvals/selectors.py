@@ -48,9 +48,15 @@ def approval_list_for_person(person: Any, *, status: str | None = "pending") -> 
     groups = user_groups(person)
     if not groups:
         return qs.none()
-    return qs.filter(
-        escalated_at__isnull=False, action__conflict_class__escalation_group__in=groups
-    ).order_by("created_at")
+    # A plan's approval escalates to the groups of its steps' classes.
+    plan_steps = PlanStep.objects.filter(
+        plan_id=OuterRef("plan_id"), conflict_class__escalation_group__in=groups
+    )
+    return (
+        qs.filter(escalated_at__isnull=False)
+        .filter(Q(action__conflict_class__escalation_group__in=groups) | Exists(plan_steps))
+        .order_by("created_at")
+    )
 
 
 def approval_get_for_person(person: Any, approval_id: Any) -> Approval:

@@ -812,3 +812,37 @@ def test_a_long_poll_on_a_plan_is_answered_when_its_approval_is_decided(
     assert response.json()["status"] == "executing"
     assert response.headers["ETag"] != etag
     assert response.headers["Preference-Applied"] == "wait=30"
+
+
+def test_an_overdue_plan_approval_escalates_to_its_steps_escalation_group(
+    api: Any, run: Any, world: Any
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from approvals.models import Approval
+    from approvals.services.decisions import approval_expire_due
+    from ownership.models import ConflictClass
+    from tests.fixtures.api import make_person_with_token
+
+    ConflictClass.objects.filter(slug="replace_shared_document").update(
+        escalation_seconds=60, escalation_group="oncall"
+    )
+    oncall = make_person_with_token("pager-holder", "oncall")
+    plan_id = _propose(api, run, _three_steps()).json()["id"]
+    approval = Approval.objects.get(plan_id=plan_id)
+    assert approval.escalate_at is not None
+
+    def listed() -> list[Any]:
+        items = api.get("/api/v1/approvals?status=pending", token=oncall.token).json()["items"]
+        return [i["plan"] for i in items]
+
+    assert listed() == []
+    Approval.objects.filter(pk=approval.pk).update(
+        escalate_at=timezone.now() - timedelta(seconds=1)
+    )
+    assert approval_expire_due()["escalated"] == 1
+    assert listed() == [plan_id]
+    escalated = AuditEvent.objects.get(event_type="approval.escalated")
+    assert escalated.details["escalation_group"] == "oncall"

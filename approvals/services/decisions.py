@@ -38,6 +38,7 @@ from approvals.services.approval_open import approval_details
 from approvals.services.plans import (
     plan_admit_locked,
     plan_end_unapproved_locked,
+    plan_escalation_group,
     plan_forbids_owner_approval,
     plan_touch,
 )
@@ -452,6 +453,8 @@ def approval_expire_due(*, now: datetime | None = None) -> dict[str, int]:
             group = ""
             if approval.action is not None:
                 group = approval.action.conflict_class.escalation_group
+            elif approval.plan_id is not None:
+                group = plan_escalation_group(approval.plan_id)
             Approval.objects.filter(pk=approval.pk).update(escalated_at=now)
             audit_append(
                 event_type="approval.escalated",

@@ -210,6 +210,18 @@ def _plan_classes(plan: Plan) -> list[ConflictClass]:
     return [classes[slug] for slug in sorted(classes)]
 
 
+def plan_escalation_group(plan_id: uuid.UUID) -> str:
+    """Whom an overdue plan approval escalates to: the first escalation group among its
+    steps' classes, in step order ("" when none names one)."""
+    groups = (
+        PlanStep.objects.filter(plan_id=plan_id)
+        .exclude(conflict_class__escalation_group="")
+        .order_by("position")
+        .values_list("conflict_class__escalation_group", flat=True)
+    )
+    return str(groups.first() or "")
+
+
 def plan_forbids_owner_approval(plan: Plan) -> bool:
     """Separation of duties for the plan's approval: the strictest of its classes."""
     return any(c.forbid_agent_owner_approval for c in _plan_classes(plan))
