@@ -22,7 +22,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from ownership.models import Resource as ResourceRow
-from tests.client.conftest import POLICY, Live
+from tests.client.conftest import CLIENT_SRC, POLICY, Live
 from tests.client.test_client_live import apply_severity_change
 from tests.conftest import free_port
 
@@ -59,7 +59,9 @@ class Tools:
 
 def with_mcp(live: Live, env: dict[str, str], scenario: Callable[[Tools], Awaitable[None]]) -> None:
     params = StdioServerParameters(
-        command=AIRLOCK_MCP, env={"AIRLOCK_URL": live.url, **env}, cwd=str(Path.cwd())
+        command=AIRLOCK_MCP,
+        env={"AIRLOCK_URL": live.url, "PYTHONPATH": CLIENT_SRC, **env},
+        cwd=str(Path.cwd()),
     )
 
     async def main() -> None:
@@ -189,6 +191,7 @@ def test_it_serves_the_same_tools_over_streamable_http(
         env={
             **os.environ,
             "AIRLOCK_URL": live.url,
+            "PYTHONPATH": CLIENT_SRC,
             "AIRLOCK_AGENT_TOKEN": agent_tokens["alerts-bot-a"],
         },
         stdout=subprocess.DEVNULL,
