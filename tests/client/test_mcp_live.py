@@ -219,3 +219,59 @@ def test_it_serves_the_same_tools_over_streamable_http(
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_a_plan_is_proposed_and_waited_for_through_the_plan_tools(
+    live: Live, agent_tokens: dict[str, str]
+) -> None:
+    airlock = Airlock(live.url, agent_tokens["alerts-bot-a"])
+    live.approve_next_run_of(agent_tokens["alerts-bot-a"])
+    run = airlock.start_run(
+        "point alerts at the new app",
+        [(POLICY, ["update"]), ("dns-record/app-*", ["create"])],
+    )
+
+    async def scenario(tools: Tools) -> None:
+        listed = await tools.session.list_tools()
+        plan_tools = {tool.name: tool for tool in listed.tools}
+        assert {"propose_plan", "wait_for_plan"} <= set(plan_tools)
+        assert "steps" in plan_tools["propose_plan"].input_schema["properties"]
+        create = {"resource": "dns-record/app-new", "operation": "create", "document": {"ip": "9"}}
+        patch = {
+            "resource": POLICY,
+            "operation": "merge_patch",
+            "document": {"channels": ["pager"]},
+        }
+        # A step never read first is refused before it reaches the server, by its number.
+        message = await tools.error("propose_plan", steps=[create, patch])
+        assert "step 2: read" in message and "read_resource first" in message
+        # A stale base: the server's problem, naming the step.
+        message = await tools.error(
+            "propose_plan", steps=[create, {**patch, "base_etag": '"40"'}], reason="stale"
+        )
+        assert "Stale write refused (412 stale_version)" in message and '"41"' in message
+        outside = {"resource": "dns-record/db-1", "operation": "create", "document": {}}
+        message = await tools.error("propose_plan", steps=[outside])
+        assert "not_in_write_set" in message and "'resource': 'dns-record/db-1'" in message
+        message = await tools.error("propose_plan", steps=[create, create])
+        assert "(422 validation_error) (step 2)" in message
+        await tools.ok("read_resource", resource=POLICY)
+        proposed = await tools.ok("propose_plan", steps=[create, patch], reason="move alerts")
+        assert proposed["status"] == "pending_approval"
+        assert [s["step"] for s in proposed["steps"]] == [1, 2]
+        assert proposed["steps"][1]["based_on"] == '"41"'
+        pending = await tools.ok("wait_for_plan", plan_id=proposed["plan"], wait_seconds=1)
+        assert pending["next"].startswith("Still pending: a person approves the plan")
+        await asyncio.to_thread(live.decide, plan=proposed["plan"])
+        applied = await tools.ok("wait_for_plan", plan_id=proposed["plan"], wait_seconds=60)
+        assert applied["status"] == "applied", applied
+        assert [s["status"] for s in applied["steps"]] == ["applied", "applied"]
+        assert applied["next"].startswith("Applied: every step, in order")
+        assert f'{POLICY} at "42"' in applied["next"]
+        message = await tools.error("wait_for_plan", plan_id=str(run.id))
+        assert "Not found (404)" in message
+
+    with_mcp(live, {"AIRLOCK_RUN_TOKEN": str(run.token)}, scenario)
+    assert ResourceRow.objects.get(name="app-new").document == {"ip": "9"}
+    assert ResourceRow.objects.get(name="prod-alerts").document["channels"] == ["pager"]
+    airlock.close()
