@@ -255,11 +255,21 @@ def test_a_plan_is_proposed_and_waited_for_through_the_plan_tools(
         assert "not_in_write_set" in message and "'resource': 'dns-record/db-1'" in message
         message = await tools.error("propose_plan", steps=[create, create])
         assert "(422 validation_error) (step 2)" in message
+        message = await tools.error("propose_plan", steps=[{**create, "document": None}])
+        assert "step 1: operation 'create' needs a document" in message
         await tools.ok("read_resource", resource=POLICY)
-        proposed = await tools.ok("propose_plan", steps=[create, patch], reason="move alerts")
+        back = {"operation": "merge_patch", "document": {"channels": ["email"]}}
+        proposed = await tools.ok(
+            "propose_plan", steps=[create, {**patch, "compensation": back}], reason="move alerts"
+        )
         assert proposed["status"] == "pending_approval"
         assert [s["step"] for s in proposed["steps"]] == [1, 2]
         assert proposed["steps"][1]["based_on"] == '"41"'
+        compensations = [s["compensation"] for s in proposed["steps"]]
+        assert [(c["method"], c["status"]) for c in compensations] == [
+            ("undo", "none"),
+            ("PATCH", "none"),
+        ]
         pending = await tools.ok("wait_for_plan", plan_id=proposed["plan"], wait_seconds=1)
         assert pending["next"].startswith("Still pending: a person approves the plan")
         await asyncio.to_thread(live.decide, plan=proposed["plan"])

@@ -37,6 +37,10 @@ def plan_steps_json(
             )
         method = _METHOD_OF[operation]
         document = given.get("document")
+        if method != "DELETE" and document is None:
+            raise ToolError(f"step {position}: operation {operation!r} needs a document.")
+        if method == "PATCH" and not isinstance(document, dict):
+            raise ToolError(f"step {position}: a merge_patch document must be a JSON object.")
         compensation = given.get("compensation")
         try:
             built.append(
@@ -83,8 +87,8 @@ def _plan_step_view(step: PlanStep) -> dict[str, Any]:
         view["action"] = step.action_id
     if step.result_etag:
         view["result_etag"] = step.result_etag
-    if step.compensation_status != "none":
-        view["compensation"] = step.compensation
+    # Always shown: the method says whether it is the step's undo or the agent's own write.
+    view["compensation"] = step.compensation
     if step.error:
         view["error"] = step.error
     return view
