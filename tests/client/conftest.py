@@ -4,10 +4,12 @@ the design's resource (notification-policy/prod-alerts at version 41)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,14 +23,22 @@ from tests.fixtures.api import (
     stop_api_server,
 )
 
+#: The client under test is this checkout's, even when the shared virtualenv has it
+#: installed (editable) from another one; the airlock-mcp subprocesses get it too.
+CLIENT_SRC = str(Path(__file__).resolve().parents[2] / "clients" / "python" / "src")
+if CLIENT_SRC not in sys.path:
+    sys.path.insert(0, CLIENT_SRC)
+
 
 @dataclass
 class Live:
     url: str
     operator_token: str
 
-    def pending_approval(self, *, run: str | None = None, action: str | None = None) -> str:
-        """The id of the pending approval of a run or an action, once it exists."""
+    def pending_approval(
+        self, *, run: str | None = None, action: str | None = None, plan: str | None = None
+    ) -> str:
+        """The id of the pending approval of a run, an action or a plan, once it exists."""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             page = httpx.get(
@@ -37,22 +47,25 @@ class Live:
                 timeout=10,
             ).json()
             for item in page["items"]:
-                if (run and item["subject"] == "run" and item["run"] == run) or (
-                    action and item.get("action") == action
+                if (
+                    (run and item["subject"] == "run" and item["run"] == run)
+                    or (action and item.get("action") == action)
+                    or (plan and item.get("plan") == plan)
                 ):
                     return str(item["id"])
             time.sleep(0.05)
-        raise AssertionError(f"no pending approval for run={run} action={action}")
+        raise AssertionError(f"no pending approval for run={run} action={action} plan={plan}")
 
     def decide(
         self,
         *,
         run: str | None = None,
         action: str | None = None,
+        plan: str | None = None,
         decision: str = "approve",
         comment: str = "",
     ) -> None:
-        approval = self.pending_approval(run=run, action=action)
+        approval = self.pending_approval(run=run, action=action, plan=plan)
         response = httpx.post(
             f"{self.url}/api/v1/approvals/{approval}/decision",
             headers={"Authorization": f"Bearer {self.operator_token}"},

@@ -18,6 +18,8 @@ from airlock_client import (
     RateLimited,
     StaleVersion,
     TransportFailed,
+    ValidationError,
+    plan_step,
 )
 from airlock_client import _protocol as protocol
 from airlock_client.client import RunSession
@@ -71,12 +73,16 @@ RUN = {
 }
 ACTION = {"id": ACTION_ID, "status": "applied", "etag": '"a3"', "run": RUN_ID}
 RESOURCE = {"kind": "notification-policy", "name": "prod-alerts", "version": 41, "etag": '"41"'}
+PLAN_ID = "00000000-0000-4000-8000-000000000003"
+PLAN = {"id": PLAN_ID, "status": "pending_approval", "run": RUN_ID, "steps": []}
 
 
 def canned(request: httpx.Request) -> httpx.Response:
     path = request.url.path
     if path.endswith("/whoami"):
         return httpx.Response(200, json={"principal": "agent", "name": "a"})
+    if path.endswith("/plans") or path.startswith("/api/v1/plans/"):
+        return httpx.Response(202 if request.method == "POST" else 200, json=PLAN)
     if path.startswith("/api/v1/runs"):
         if path == "/api/v1/runs" and request.method == "GET":
             return httpx.Response(200, json={"items": [RUN], "next": None})
@@ -114,6 +120,12 @@ def exercise_every_call(record: list[httpx.Request]) -> None:
     session.actions()
     session.heartbeat()
     session.refresh()
+    plan = session.propose_plan(
+        [plan_step(base, "PATCH", patch={"a": 4}), plan_step("dns-record/x", "DELETE", etag='"2"')],
+        reason="why",
+    )
+    session.wait_for_plan(plan, timeout=2, until=lambda plan: False)
+    airlock.get_plan(PLAN_ID)
     session.finish()
     # Waiting on a pending run long-polls GET /runs/{id} with Prefer + If-None-Match.
     airlock._run(protocol.wait_for_run("t", RUN_ID, 2, until=lambda run: False))
@@ -283,3 +295,73 @@ def test_a_retry_after_beyond_the_budget_raises_rate_limited_without_waiting(
     with pytest.raises(RateLimited) as limited:
         session_of(airlock).patch(BASE, {"a": 1})
     assert limited.value.retry_after == 120 and len(seen) == 1 and slept == []
+
+
+def test_a_plan_whose_connection_broke_is_resent_with_the_same_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("airlock_client.client.time.sleep", lambda seconds: None)
+    airlock, seen = scripted([dropped, lambda request: httpx.Response(202, json=PLAN)])
+    plan = session_of(airlock).propose_plan([plan_step(BASE, "DELETE")], reason="r")
+    assert plan.id == PLAN_ID and plan.pending and not plan.is_final
+    assert len(seen) == 2
+    assert seen[0].headers["Idempotency-Key"] == seen[1].headers["Idempotency-Key"]
+    assert seen[0].content == seen[1].content
+
+
+def test_waiting_for_a_plan_long_polls_with_its_etag_until_it_is_final() -> None:
+    answers = [
+        lambda request: httpx.Response(200, json=PLAN, headers={"ETag": '"p1"'}),
+        lambda request: httpx.Response(304, headers={"ETag": '"p1"'}),
+        lambda request: httpx.Response(
+            200, json={**PLAN, "status": "applied"}, headers={"ETag": '"p4"'}
+        ),
+    ]
+    airlock, seen = scripted(answers)
+    plan = airlock.wait_for_plan(PLAN_ID, timeout=30)
+    assert plan.applied and plan.is_final and plan.etag == '"p4"'
+    assert len(seen) == 3
+    assert "Prefer" not in seen[0].headers
+    assert [r.headers["If-None-Match"] for r in seen[1:]] == ['"p1"', '"p1"']
+    assert all(r.headers["Prefer"].startswith("wait=") for r in seen[1:])
+
+
+def test_a_plan_step_is_built_from_what_was_read_and_refuses_a_shape_the_server_would() -> None:
+    assert plan_step(BASE, "PATCH", patch={"a": 1}) == {
+        "resource": "notification-policy/prod-alerts",
+        "method": "PATCH",
+        "if_match": '"41"',
+        "patch": {"a": 1},
+    }
+    created = plan_step("dns-record/new", "PUT", document={"ip": "1"}, create=True)
+    assert created["if_none_match"] == "*" and "if_match" not in created
+    undo_by_hand = {"method": "PUT", "document": {"a": 0}}
+    assert plan_step(BASE, "DELETE", compensation=undo_by_hand)["compensation"] == undo_by_hand
+    with pytest.raises(ValueError, match="needs the ETag"):
+        plan_step("dns-record/x", "PATCH", patch={})
+    with pytest.raises(ValueError, match="PUT needs document"):
+        plan_step(BASE, "PUT")
+    with pytest.raises(ValueError, match="DELETE takes no patch"):
+        plan_step(BASE, "DELETE", patch={"a": 1})
+    with pytest.raises(ValueError, match="a create is a PUT"):
+        plan_step("dns-record/x", "PATCH", patch={}, create=True)
+    with pytest.raises(ValueError, match="kind/name"):
+        plan_step("no-slash", "DELETE", etag='"1"')
+
+
+def test_a_refused_plan_names_its_step_from_the_problem_or_its_field_errors() -> None:
+    named = protocol.problem_error(412, {"code": "stale_version", "step": 2})
+    assert named.step == 2
+    from_field = protocol.problem_error(
+        422,
+        {"code": "validation_error", "errors": [{"field": "steps[1].resource", "message": "x"}]},
+    )
+    assert isinstance(from_field, ValidationError) and from_field.step == 2
+    from_ninja = protocol.problem_error(
+        422, {"code": "validation_error", "errors": [{"field": "body.payload.steps.0.x"}]}
+    )
+    assert from_ninja.step == 1
+    whole = protocol.problem_error(
+        422, {"code": "validation_error", "errors": [{"field": "steps", "message": "at most"}]}
+    )
+    assert whole.step is None

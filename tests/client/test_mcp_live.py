@@ -22,7 +22,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from ownership.models import Resource as ResourceRow
-from tests.client.conftest import POLICY, Live
+from tests.client.conftest import CLIENT_SRC, POLICY, Live
 from tests.client.test_client_live import apply_severity_change
 from tests.conftest import free_port
 
@@ -59,7 +59,9 @@ class Tools:
 
 def with_mcp(live: Live, env: dict[str, str], scenario: Callable[[Tools], Awaitable[None]]) -> None:
     params = StdioServerParameters(
-        command=AIRLOCK_MCP, env={"AIRLOCK_URL": live.url, **env}, cwd=str(Path.cwd())
+        command=AIRLOCK_MCP,
+        env={"AIRLOCK_URL": live.url, "PYTHONPATH": CLIENT_SRC, **env},
+        cwd=str(Path.cwd()),
     )
 
     async def main() -> None:
@@ -189,6 +191,7 @@ def test_it_serves_the_same_tools_over_streamable_http(
         env={
             **os.environ,
             "AIRLOCK_URL": live.url,
+            "PYTHONPATH": CLIENT_SRC,
             "AIRLOCK_AGENT_TOKEN": agent_tokens["alerts-bot-a"],
         },
         stdout=subprocess.DEVNULL,
@@ -216,3 +219,69 @@ def test_it_serves_the_same_tools_over_streamable_http(
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_a_plan_is_proposed_and_waited_for_through_the_plan_tools(
+    live: Live, agent_tokens: dict[str, str]
+) -> None:
+    airlock = Airlock(live.url, agent_tokens["alerts-bot-a"])
+    live.approve_next_run_of(agent_tokens["alerts-bot-a"])
+    run = airlock.start_run(
+        "point alerts at the new app",
+        [(POLICY, ["update"]), ("dns-record/app-*", ["create"])],
+    )
+
+    async def scenario(tools: Tools) -> None:
+        listed = await tools.session.list_tools()
+        plan_tools = {tool.name: tool for tool in listed.tools}
+        assert {"propose_plan", "wait_for_plan"} <= set(plan_tools)
+        assert "steps" in plan_tools["propose_plan"].input_schema["properties"]
+        create = {"resource": "dns-record/app-new", "operation": "create", "document": {"ip": "9"}}
+        patch = {
+            "resource": POLICY,
+            "operation": "merge_patch",
+            "document": {"channels": ["pager"]},
+        }
+        # A step never read first is refused before it reaches the server, by its number.
+        message = await tools.error("propose_plan", steps=[create, patch])
+        assert "step 2: read" in message and "read_resource first" in message
+        # A stale base: the server's problem, naming the step.
+        message = await tools.error(
+            "propose_plan", steps=[create, {**patch, "base_etag": '"40"'}], reason="stale"
+        )
+        assert "Stale write refused (412 stale_version)" in message and '"41"' in message
+        outside = {"resource": "dns-record/db-1", "operation": "create", "document": {}}
+        message = await tools.error("propose_plan", steps=[outside])
+        assert "not_in_write_set" in message and "'resource': 'dns-record/db-1'" in message
+        message = await tools.error("propose_plan", steps=[create, create])
+        assert "(422 validation_error) (step 2)" in message
+        message = await tools.error("propose_plan", steps=[{**create, "document": None}])
+        assert "step 1: operation 'create' needs a document" in message
+        await tools.ok("read_resource", resource=POLICY)
+        back = {"operation": "merge_patch", "document": {"channels": ["email"]}}
+        proposed = await tools.ok(
+            "propose_plan", steps=[create, {**patch, "compensation": back}], reason="move alerts"
+        )
+        assert proposed["status"] == "pending_approval"
+        assert [s["step"] for s in proposed["steps"]] == [1, 2]
+        assert proposed["steps"][1]["based_on"] == '"41"'
+        compensations = [s["compensation"] for s in proposed["steps"]]
+        assert [(c["method"], c["status"]) for c in compensations] == [
+            ("undo", "none"),
+            ("PATCH", "none"),
+        ]
+        pending = await tools.ok("wait_for_plan", plan_id=proposed["plan"], wait_seconds=1)
+        assert pending["next"].startswith("Still pending: a person approves the plan")
+        await asyncio.to_thread(live.decide, plan=proposed["plan"])
+        applied = await tools.ok("wait_for_plan", plan_id=proposed["plan"], wait_seconds=60)
+        assert applied["status"] == "applied", applied
+        assert [s["status"] for s in applied["steps"]] == ["applied", "applied"]
+        assert applied["next"].startswith("Applied: every step, in order")
+        assert f'{POLICY} at "42"' in applied["next"]
+        message = await tools.error("wait_for_plan", plan_id=str(run.id))
+        assert "Not found (404)" in message
+
+    with_mcp(live, {"AIRLOCK_RUN_TOKEN": str(run.token)}, scenario)
+    assert ResourceRow.objects.get(name="app-new").document == {"ip": "9"}
+    assert ResourceRow.objects.get(name="prod-alerts").document["channels"] == ["pager"]
+    airlock.close()

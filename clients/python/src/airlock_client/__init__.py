@@ -1,10 +1,12 @@
 """airlock-client: a small typed client (sync and async) for the Airlock REST API.
 
 Conditional writes from what was read, idempotency keys reused on retries, retryable
-problems retried with backoff within a budget, bounded long-polls, undo, and a
-background heartbeat while a run is open. Every API problem code is a typed error.
+problems retried with backoff within a budget, bounded long-polls, undo, plans
+(several writes approved as one), and a background heartbeat while a run is open.
+Every API problem code is a typed error.
 """
 
+from airlock_client._protocol import plan_step
 from airlock_client.aclient import AsyncAirlock, AsyncRunSession
 from airlock_client.client import Airlock, RunSession
 from airlock_client.errors import (
@@ -54,7 +56,7 @@ from airlock_client.errors import (
     WriteSetConflict,
     problem_error,
 )
-from airlock_client.models import Action, Resource, Run, WriteSetEntry
+from airlock_client.models import Action, Plan, PlanStep, Resource, Run, WriteSetEntry
 
 __all__ = [
     "ERRORS_BY_CODE",
@@ -88,6 +90,8 @@ __all__ = [
     "NotImplementedOnServer",
     "OutsideWriteSet",
     "PayloadTooLarge",
+    "Plan",
+    "PlanStep",
     "PreconditionRequired",
     "ProblemError",
     "RateLimited",
@@ -109,5 +113,6 @@ __all__ = [
     "ValidationError",
     "WriteSetConflict",
     "WriteSetEntry",
+    "plan_step",
     "problem_error",
 ]

@@ -21,7 +21,7 @@ from urllib.parse import quote
 import httpx
 
 from airlock_client.errors import ProblemError, TransportFailed, problem_error
-from airlock_client.models import Action, Resource, Run
+from airlock_client.models import Action, Plan, Resource, Run
 
 T = TypeVar("T")
 
@@ -352,6 +352,106 @@ def undo_settled(action: Action) -> bool:
     return bool((action.undo or {}).get("conflict_id")) or status in ("failed", "undone")
 
 
+# --- Plans ---------------------------------------------------------------------------
+
+_BODY_OF = {"PUT": "document", "PATCH": "patch", "DELETE": None}
+
+
+def plan_step(
+    resource: Resource | str,
+    method: str,
+    *,
+    etag: str | None = None,
+    document: Any = None,
+    patch: dict[str, Any] | None = None,
+    create: bool = False,
+    compensation: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One step of a plan, as the API takes it: a conditional write like `write`.
+
+    `resource` is what you read (its ETag becomes `if_match`) or `kind/name` with
+    `etag`; `create=True` (with PUT) sends `if_none_match: *` instead. PUT takes
+    `document`, PATCH a merge `patch`, DELETE neither. `compensation` (optional:
+    {"method", "document"|"patch"}) replaces the default, the undo of the step.
+    Raises ValueError for a step the server would refuse for its shape alone."""
+    identifier = resource if isinstance(resource, str) else resource.identifier
+    resource_path(identifier)  # the same 'kind/name' check as a single write
+    if method not in _BODY_OF:
+        raise ValueError(f"method must be PUT, PATCH or DELETE, got {method!r}")
+    body: dict[str, Any] = {"resource": identifier, "method": method}
+    if create:
+        if method != "PUT":
+            raise ValueError("a create is a PUT")
+        body["if_none_match"] = "*"
+    else:
+        tag = etag or (None if isinstance(resource, str) else resource.etag)
+        if not tag:
+            raise ValueError(f"{identifier}: an update or delete needs the ETag you read")
+        body["if_match"] = tag
+    given = {"document": document, "patch": patch}
+    needs = _BODY_OF[method]
+    for name, value in given.items():
+        if (value is not None) != (name == needs):
+            raise ValueError(
+                f"{method} needs {name}" if value is None else f"{method} takes no {name}"
+            )
+    if needs:
+        body[needs] = given[needs]
+    if compensation is not None:
+        body["compensation"] = dict(compensation)
+    return body
+
+
+def propose_plan(
+    token: str,
+    run_id: str,
+    steps: list[dict[str, Any]],
+    reason: str = "",
+    idempotency_key: str | None = None,
+) -> Op[Plan]:
+    """POST the whole plan; it is recorded whole or not at all. The Idempotency-Key is
+    made once here (as for `write`), so every retry is the identical request and the
+    server records the plan at most once."""
+    headers = {
+        "Content-Type": "application/json",
+        "Idempotency-Key": idempotency_key or new_idempotency_key(),
+    }
+    content = json.dumps({"reason": reason, "steps": steps}).encode()
+    response = yield Call("POST", f"{API_PREFIX}/runs/{run_id}/plans", token, headers, content)
+    return Plan.from_json(
+        _json(response),
+        response.headers.get("ETag"),
+        replayed=response.headers.get("Idempotent-Replayed") == "true",
+    )
+
+
+def get_plan(token: str, plan_id: str) -> Op[Plan]:
+    response = yield Call("GET", f"{API_PREFIX}/plans/{plan_id}", token)
+    return Plan.from_json(_json(response), response.headers.get("ETag"))
+
+
+def wait_for_plan(
+    token: str, plan_id: str, timeout: float, until: Callable[[Plan], bool] | None = None
+) -> Op[Plan]:
+    """Long-poll the plan until `until(plan)` (default: a final state) or `timeout`
+    seconds pass; answers the last state either way (check `.is_final`)."""
+    wanted = until or (lambda plan: plan.is_final)
+    plan = yield from get_plan(token, plan_id)
+    deadline = time.monotonic() + timeout
+    while not wanted(plan):
+        remaining = deadline - time.monotonic()
+        if remaining < 1:
+            break
+        hold = min(MAX_SERVER_WAIT, int(remaining))
+        headers = {"Prefer": f"wait={hold}"}
+        if plan.etag:
+            headers["If-None-Match"] = plan.etag
+        response = yield Call("GET", f"{API_PREFIX}/plans/{plan_id}", token, headers, None, hold)
+        if response.status_code == 200:
+            plan = Plan.from_json(_json(response), response.headers.get("ETag"))
+    return plan
+
+
 #: Every (method, path template) the client sends; the tests check them against the
 #: served OpenAPI document.
 ENDPOINTS: tuple[tuple[str, str], ...] = (
@@ -368,4 +468,6 @@ ENDPOINTS: tuple[tuple[str, str], ...] = (
     ("GET", "/api/v1/actions"),
     ("GET", "/api/v1/actions/{action_id}"),
     ("POST", "/api/v1/actions/{action_id}/undo"),
+    ("POST", "/api/v1/runs/{run_id}/plans"),
+    ("GET", "/api/v1/plans/{plan_id}"),
 )

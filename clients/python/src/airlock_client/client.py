@@ -25,7 +25,7 @@ import httpx
 from airlock_client import _protocol as protocol
 from airlock_client._protocol import Call, Op, RetryPolicy
 from airlock_client.errors import RunNotActive, RunNotApproved
-from airlock_client.models import Action, Resource, Run, WriteSetEntry
+from airlock_client.models import Action, Plan, Resource, Run, WriteSetEntry
 
 T = TypeVar("T")
 logger = logging.getLogger("airlock_client")
@@ -167,6 +167,21 @@ class Airlock:
 
     def list_actions(self, run_id: str | None = None) -> list[Action]:
         return self._run(protocol.list_actions(self.token, run_id))
+
+    def get_plan(self, plan_id: str) -> Plan:
+        return self._run(protocol.get_plan(self.token, plan_id))
+
+    def wait_for_plan(
+        self,
+        plan: Plan | str,
+        *,
+        timeout: float = 60.0,
+        until: Callable[[Plan], bool] | None = None,
+    ) -> Plan:
+        """Long-poll until the plan is final (or `until(plan)`), at most `timeout`
+        seconds; returns its latest state either way (check `.is_final`)."""
+        plan_id = plan.id if isinstance(plan, Plan) else plan
+        return self._run(protocol.wait_for_plan(self.token, plan_id, timeout, until))
 
     def close(self) -> None:
         if self._owns_http:
@@ -319,6 +334,30 @@ class RunSession:
         if wait <= 0:
             return accepted
         return self.wait(action_id, timeout=wait, until=protocol.undo_settled)
+
+    def propose_plan(
+        self,
+        steps: Iterable[dict[str, Any]],
+        *,
+        reason: str = "",
+        idempotency_key: str | None = None,
+    ) -> Plan:
+        """Propose several writes as one plan (build steps with `plan_step`): approved
+        as one, applied in order, compensated in reverse if a step fails for good.
+        Recorded whole or not at all; a refusal names its step (`error.step`)."""
+        return self._call(
+            protocol.propose_plan(self.token, self.id, list(steps), reason, idempotency_key)
+        )
+
+    def wait_for_plan(
+        self,
+        plan: Plan | str,
+        *,
+        timeout: float = 60.0,
+        until: Callable[[Plan], bool] | None = None,
+    ) -> Plan:
+        plan_id = plan.id if isinstance(plan, Plan) else plan
+        return self._call(protocol.wait_for_plan(self.token, plan_id, timeout, until))
 
     def actions(self) -> list[Action]:
         return self._call(protocol.list_actions(self.token, self.id))

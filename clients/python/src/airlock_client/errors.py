@@ -7,6 +7,7 @@ the problem's fields as attributes (and the whole body as `problem`).
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 
@@ -50,6 +51,22 @@ class ProblemError(AirlockError):
         self.retry_after = retry_after
         self.request_id = request_id or problem.get("request_id")
         super().__init__(f"{status} {self.problem_code}: {self.detail or self.title}")
+
+    @property
+    def step(self) -> int | None:
+        """The plan step (counted from 1) a refused plan proposal names: the problem's
+        `step`, or the first field error under `steps[i]` / `steps.i` (0-based)."""
+        named = self.problem.get("step")
+        if isinstance(named, int):
+            return named
+        for error in self.problem.get("errors") or []:
+            found = _STEP_FIELD.search(str((error or {}).get("field") or ""))
+            if found:
+                return int(found.group(1) or found.group(2)) + 1
+        return None
+
+
+_STEP_FIELD = re.compile(r"\bsteps(?:\[(\d+)\]|\.(\d+))")
 
 
 class BadRequest(ProblemError):

@@ -39,6 +39,7 @@ from airlock_client.errors import (
     StaleVersion,
     WriteSetConflict,
 )
+from airlock_client.mcp_plans import plan_steps_json, plan_view
 from airlock_client.models import Action, Resource, Run
 
 #: MCP clients cap a tool call's duration (often at 120 s): never wait longer per call.
@@ -62,7 +63,9 @@ approval before a worker applies it. Work like this:
    says "still pending".
 4. If a write is refused as stale: re-read, re-plan your change on the current document,
    and propose again. Never resend the same write.
-Inside the undo window you may undo_action an applied change."""
+Inside the undo window you may undo_action an applied change.
+For one change across several resources, propose_plan instead: every step is approved as
+one, applied in order, and compensated in reverse if a later step fails; wait_for_plan."""
 
 
 class AirlockTools:
@@ -240,7 +243,8 @@ def tool_error(exc: AirlockError, *, resource: str = "", operation: str = "") ->
     if isinstance(exc, IdempotencyKeyReused):
         return ToolError(f"Refused: {exc.detail}")
     if isinstance(exc, ProblemError):
-        return ToolError(f"Refused ({exc.status} {exc.problem_code}): {exc.detail}")
+        where = f" (step {exc.step})" if exc.step is not None else ""
+        return ToolError(f"Refused ({exc.status} {exc.problem_code}){where}: {exc.detail}")
     if isinstance(exc, RunNotApproved):
         return ToolError(f"The run was not approved: {exc}")
     return ToolError(f"Airlock could not be reached: {exc}")
@@ -399,6 +403,44 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
         except AirlockError as exc:
             raise tool_error(exc) from exc
         return action_view(action)
+
+    @server.tool(
+        description="Propose one change across several resources of your run's write set as "
+        "a plan: approved as one, applied in the order given, and if a step fails for good "
+        "the steps before it are compensated in reverse (by default each step's undo). "
+        "steps: a list of {resource, operation, document, base_etag?, compensation?} with "
+        "propose_write's operations ('merge_patch', 'replace', 'delete', 'create'); each step "
+        "is based on the version you last read with read_resource. compensation (optional): "
+        "{operation: 'replace'|'merge_patch'|'delete', document} applied against the version "
+        "the step produced. A refused plan records nothing and names its step. Then call "
+        "wait_for_plan. reason is shown to the approvers (no secrets)."
+    )
+    async def propose_plan(steps: list[dict[str, Any]], reason: str = "") -> dict[str, Any]:
+        session = await tools.current_run()
+        built = plan_steps_json(steps, tools.read_etags)
+        try:
+            plan = await session.propose_plan(built, reason=reason)
+        except AirlockError as exc:
+            failed = steps[exc.step - 1] if isinstance(exc, ProblemError) and exc.step else {}
+            operation = _WRITE_SET_OPERATION.get(str(failed.get("operation")), "")
+            raise tool_error(
+                exc, resource=str(failed.get("resource") or ""), operation=operation
+            ) from exc
+        return plan_view(plan)
+
+    @server.tool(
+        description="Wait for a plan's outcome: the approval, then its steps in order (and "
+        "compensations if one fails). Waits at most wait_seconds (at most 110) and answers "
+        "'still pending' with what it waits for; call it again to keep waiting. When it ends, "
+        "says what happened to every step and what to do next."
+    )
+    async def wait_for_plan(plan_id: str, wait_seconds: int = 100) -> dict[str, Any]:
+        session = await tools.current_run()
+        try:
+            plan = await session.wait_for_plan(plan_id, timeout=_clamp(wait_seconds))
+        except AirlockError as exc:
+            raise tool_error(exc) from exc
+        return plan_view(plan)
 
     @server.tool(description="List the current run's actions (newest first) with their status.")
     async def list_actions() -> dict[str, Any]:

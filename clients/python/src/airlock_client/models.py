@@ -159,3 +159,129 @@ class Action:
             raw=body,
             replayed=replayed,
         )
+
+
+#: A plan that will not move any more. `partially_compensated` is not among them: its
+#: blocked compensations are conflicts a person settles, which finishes the plan.
+FINAL_PLAN_STATUSES = frozenset({"applied", "compensated", "rejected", "expired"})
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One step of a plan as the server reports it (`position` counts from 1)."""
+
+    position: int
+    resource: str
+    operation: str
+    status: str
+    observed_etag: str | None
+    conflict_class: str
+    #: The step's action once its turn came (None while it waits).
+    action_id: str | None
+    applied: dict[str, Any] | None
+    compensation: dict[str, Any]
+    error: dict[str, Any] | None
+    raw: dict[str, Any] = field(repr=False)
+
+    @property
+    def result_etag(self) -> str | None:
+        """The ETag of the version this step produced (None until applied)."""
+        version = (self.applied or {}).get("result_version")
+        return None if version is None else f'"{version}"'
+
+    @property
+    def compensation_status(self) -> str:
+        """`none`, `pending`, `compensated`, `conflict`, `resolved` or `failed`."""
+        return str(self.compensation.get("status") or "none")
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> PlanStep:
+        action = body.get("action") or {}
+        return cls(
+            position=int(body["position"]),
+            resource=str(body.get("resource") or ""),
+            operation=str(body.get("operation") or ""),
+            status=str(body["status"]),
+            observed_etag=body.get("observed_etag"),
+            conflict_class=str(body.get("conflict_class") or ""),
+            action_id=str(action["id"]) if action.get("id") else None,
+            applied=body.get("applied"),
+            compensation=dict(body.get("compensation") or {}),
+            error=body.get("error"),
+            raw=body,
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Several writes of one run, approved as one, applied in order and compensated in
+    reverse when a later step fails for good. `is_final` once it will not move."""
+
+    id: str
+    run: str
+    agent: str
+    status: str
+    reason: str
+    error: dict[str, Any] | None
+    approval: dict[str, Any] | None
+    steps: tuple[PlanStep, ...]
+    etag: str | None
+    raw: dict[str, Any] = field(repr=False)
+    #: True when the server answered a retried proposal from its idempotency record.
+    replayed: bool = False
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL_PLAN_STATUSES
+
+    @property
+    def pending(self) -> bool:
+        return self.status == "pending_approval"
+
+    @property
+    def applied(self) -> bool:
+        """Every step applied."""
+        return self.status == "applied"
+
+    @property
+    def compensated(self) -> bool:
+        """A step failed for good and every applied step before it was compensated."""
+        return self.status == "compensated"
+
+    @property
+    def partially_compensated(self) -> bool:
+        """Some compensations became conflicts that a person decides (`conflicts`)."""
+        return self.status == "partially_compensated"
+
+    @property
+    def failed_step(self) -> PlanStep | None:
+        """The step that failed for good (the plan's `error` names it)."""
+        position = (self.error or {}).get("step")
+        return next((s for s in self.steps if s.position == position), None)
+
+    @property
+    def conflicts(self) -> list[str]:
+        """Ids of the conflicts that block compensations (a person resolves them)."""
+        return [
+            str(step.compensation["conflict"])
+            for step in self.steps
+            if step.compensation.get("conflict")
+        ]
+
+    @classmethod
+    def from_json(
+        cls, body: dict[str, Any], etag: str | None = None, *, replayed: bool = False
+    ) -> Plan:
+        return cls(
+            id=str(body["id"]),
+            run=str(body.get("run") or ""),
+            agent=str(body.get("agent") or ""),
+            status=str(body["status"]),
+            reason=str(body.get("reason") or ""),
+            error=body.get("error"),
+            approval=body.get("approval"),
+            steps=tuple(PlanStep.from_json(step) for step in body.get("steps") or []),
+            etag=etag,
+            raw=body,
+            replayed=replayed,
+        )
