@@ -134,6 +134,8 @@ def _plan_next(plan: Plan) -> str:
         )
     if plan.status == "expired":
         return "Nobody approved the plan in time; nothing was written."
+    if plan.status == "cancelled":
+        return "The run ended before the plan was approved; nothing was written."
     return f"The plan is {plan.status}."
 
 

@@ -163,7 +163,7 @@ class Action:
 
 #: A plan that will not move any more. `partially_compensated` is not among them: its
 #: blocked compensations are conflicts a person settles, which finishes the plan.
-FINAL_PLAN_STATUSES = frozenset({"applied", "compensated", "rejected", "expired"})
+FINAL_PLAN_STATUSES = frozenset({"applied", "compensated", "rejected", "expired", "cancelled"})
 
 
 @dataclass(frozen=True)
