@@ -9,6 +9,7 @@ update: recompute_field, both per-run and retryable by the agent).
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -109,8 +110,10 @@ def test_a_three_step_plan_across_two_kinds_is_approved_once_and_applied_in_orde
     assert [s["status"] for s in plan["steps"]] == ["pending"] * 3
     assert Action.objects.filter(run=run.run).count() == 0  # nothing runs before approval
 
+    approved_at = time.monotonic()
     _approve(api, operator, plan["id"])
-    wait_for(lambda: _status(plan["id"]) == "applied", timeout=30)
+    wait_for(lambda: _status(plan["id"]) == "applied", timeout=30, interval=0.01)
+    print(f"three-step plan: approved -> applied in {time.monotonic() - approved_at:.3f} s")
 
     body = _plan(api, run.token, plan["id"])
     assert [s["status"] for s in body["steps"]] == ["applied"] * 3, worker.output()
