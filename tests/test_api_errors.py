@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from approvals.models import Action, IdempotencyRecord
 from audit.models import AuditEvent
+from audit.services import Actor
 from ownership.models import OwnershipRecord, Resource
 from tests.fixtures.api import make_active_run, make_agent_with_token
 
@@ -314,7 +315,7 @@ def test_a_key_in_flight_is_409_with_retry_after(api: Any, run: Any, prod_alerts
 
     body = json.dumps({"channels": ["email", "pager"]}).encode()
     idempotency_begin(
-        agent=run.agent,
+        actor=Actor.agent(run.agent),
         key="key-error-table-1",
         method="PATCH",
         path=PROD,

@@ -230,6 +230,17 @@ def test_cancel_before_execution_only(api: Any, run: Any, prod_alerts: Any) -> N
     assert late.status_code == 409
 
 
+def test_a_person_cancels_only_with_the_operator_role(
+    api: Any, run: Any, owner: Any, operator: Any, prod_alerts: Any
+) -> None:
+    url = f"/api/v1/actions/{body(propose(api, run))['id']}/cancel"
+    refused = api.post(url, token=owner.token)  # the owner reads the action, may not cancel it
+    assert refused.status_code == 403 and body(refused)["code"] == "forbidden"
+    assert not AuditEvent.objects.filter(event_type="action.cancelled").exists()
+    cancelled = api.post(url, token=operator.token)
+    assert cancelled.status_code == 200 and body(cancelled)["status"] == "cancelled"
+
+
 def test_undo_of_an_applied_action_is_accepted_once(api: Any, run: Any, prod_alerts: Any) -> None:
     from approvals.models import Operation
     from tests.fixtures.core import execute

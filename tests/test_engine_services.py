@@ -6,10 +6,12 @@ from typing import Any
 
 import pytest
 
-from approvals.models import Action, Operation
+from approvals.models import Action, Operation, Run
 from approvals.selectors import actions_visible_to, approval_list_for_person
+from approvals.services.actions import action_cancel
 from approvals.services.attempts import route_refusal
 from approvals.services.execution import action_execute
+from approvals.services.runs import RunNotActive
 from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.barrier import apply_action
@@ -161,3 +163,25 @@ def test_paused_work_whose_switch_disappeared_is_resumed_by_the_reconciler(
     assert reconcile()["resumed"] == 1
     action.refresh_from_db()
     assert action.status == "queued"
+
+
+def test_action_cancel_decides_who_may_cancel(engine_world: Any) -> None:
+    """The rule lives in the service, not in its callers: operators, the agent, and
+    its run's token while the run is active."""
+    world = engine_world
+    action = world.proposed_update("c1", {"v": 1}, {"v": 2})
+    owner = world.person("oscar", "owners")  # reads the resource's actions, is no operator
+    for person in (owner, world.outsider):
+        with pytest.raises(Forbidden):
+            action_cancel(action=action, actor=Actor.person(person))
+    with pytest.raises(NotFound):
+        action_cancel(action=action, actor=Actor.run(world.other_run))
+    with pytest.raises(NotFound):
+        action_cancel(action=action, actor=Actor.agent(world.other_run.agent))
+    Run.objects.filter(pk=world.run.pk).update(status="revoked")
+    with pytest.raises(RunNotActive):
+        action_cancel(action=action, actor=Actor.run(Run.objects.get(pk=world.run.pk)))
+    assert not AuditEvent.objects.filter(event_type="action.cancelled").exists()
+    assert action_cancel(action=action, actor=Actor.person(world.operator)).status == "cancelled"
+    other = world.propose(action.kind, "c1", payload={"v": 3}, observed_version=1)
+    assert action_cancel(action=other, actor=Actor.agent(world.agent)).status == "cancelled"

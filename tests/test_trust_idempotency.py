@@ -87,7 +87,11 @@ def test_completing_a_record_that_was_taken_over_raises_and_rolls_the_request_ba
     from audit.services import Actor, audit_append
 
     begin = idempotency.idempotency_begin(
-        agent=run.agent, key="key-gone-00001", method="PATCH", path=PROD, fingerprint="f" * 64
+        actor=Actor.agent(run.agent),
+        key="key-gone-00001",
+        method="PATCH",
+        path=PROD,
+        fingerprint="f" * 64,
     )
     assert begin.record_id is not None
     IdempotencyRecord.objects.filter(pk=begin.record_id).delete()  # a retry took it over

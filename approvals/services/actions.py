@@ -38,7 +38,7 @@ from approvals.services.queued_writes import (
     superseding_write,
     writes_in_flight,
 )
-from approvals.services.runs import RunNotActive, run_effective_status
+from approvals.services.runs import RunNotActive, run_effective_status, run_require_own_active
 from approvals.services.write_sets import lock_kind_for_proposal
 from audit.models import ActorType
 from audit.services import Actor, audit_append
@@ -52,6 +52,7 @@ from console.core.errors import (
     ValidationFailed,
 )
 from console.core.killswitch import engaged_switch_for
+from console.permissions import can_decide_approvals, require_person
 from console.requestctx import current_request_id
 from ownership.models import ConflictClass, OwnershipRecord, Resource, ResourceKind
 from ownership.reopen import conflict_reopen_for_resolution
@@ -539,23 +540,16 @@ def _record(
 
 
 def action_cancel(*, action: Action, actor: Actor) -> Action:
-    """Cancel an action before execution starts; 409 invalid_transition after.
-    Cancelling a cancelled action is a no-op (no second audit row).
+    """Cancel an action before execution starts (409 invalid_transition after; again, a
+    no-op). Lock order: the action row (the conditional UPDATE), approvals, audit head.
 
-    Lock order, the project's one order (decisions._lock_approval_subject, runs._end):
-    the action row (this conditional UPDATE is the first lock), then its
-    approvals, the audit head last. A cancel racing a decision or a revoke
-    waits instead of deadlocking.
-
-    A conflict resolution (`parent` set) belongs to the person who made it: an
-    agent or run token may not cancel it (Forbidden); a person who cancels it
-    reopens the conflict (audited), since nothing was written.
+    Who may (the rule's one copy; the API reads the action through the visibility
+    selector first): a person with the operator role; the agent, its own actions; a
+    run's token, its own run's while the run is active (NotFound / RunNotActive); the
+    system. A conflict resolution (`parent` set) is its person's: the agent's tokens
+    may not cancel it (Forbidden); a person who does reopens the conflict (audited).
     """
-    if action.parent_id is not None and actor.type in (ActorType.RUN, ActorType.AGENT):
-        raise Forbidden(
-            "This action is a person's conflict resolution; the agent's tokens cannot cancel it.",
-            code="forbidden",
-        )
+    _authorise_cancel(action, actor)
     with transaction.atomic():
         changed = Action.objects.filter(pk=action.pk, status__in=CANCELLABLE).update(
             status=ActionStatus.CANCELLED, revision=F("revision") + 1, updated_at=timezone.now()
@@ -583,6 +577,20 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
             extra={"action_status": action.status},
         )
     return action
+
+
+def _authorise_cancel(action: Action, actor: Actor) -> None:
+    if actor.type == ActorType.PERSON:
+        require_person(actor, can_decide_approvals, "Cancelling needs the operator role.")
+        return
+    if actor.type == ActorType.AGENT and actor.id != str(action.agent_id):
+        raise NotFound(f"Action {action.pk} not found.")
+    run_require_own_active(actor=actor, run_id=action.run_id)
+    if action.parent_id is not None and actor.type in (ActorType.RUN, ActorType.AGENT):
+        raise Forbidden(
+            "This action is a person's conflict resolution; the agent's tokens cannot cancel it.",
+            code="forbidden",
+        )
 
 
 PAYLOAD_FORMATS = {

@@ -18,6 +18,7 @@ from approvals.models import Action
 from approvals.services import actions as action_services
 from approvals.services import idempotency
 from approvals.services.actions import TagCondition
+from audit.services import Actor
 from console.api_support import (
     RESOURCE_CURSOR_PATTERN,
     Keyset,
@@ -278,7 +279,7 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
         reason=preconditions.reason,
     )
     begin = idempotency.idempotency_begin(
-        agent=principal.agent,
+        actor=Actor.agent(principal.agent),  # keys belong to the agent, not the run
         key=key,
         method=method,
         path=request.path,
