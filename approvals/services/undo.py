@@ -57,7 +57,7 @@ from console.core.fence import next_fence
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
 from console.core.lock import FencedLock
 from console.core.operations import open_operation
-from console.core.undo import RESOURCE_MOVED, STALE_FENCE, apply_undo
+from console.core.undo import RESOURCE_MOVED, STALE_FENCE, UndoOutcome, apply_undo
 from console.permissions import can_undo_as_person, require_person
 from ownership.models import Resource, TargetType
 from ownership.services.conflicts import conflict_open_for_undo
@@ -308,15 +308,16 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
     )
     if undo_op is None or undo_op.status != OperationStatus.PENDING:
         return "skipped"
-    action = undo_op.action
+    action = undo_op.action  # with its kind and class (refresh_from_db drops the cache)
     if engaged_switch_for(action.resource_identifier) is not None:
         return _pause_undo(undo_op, connection)
     if undo_op.paused_reason:
         # Delivered after its switch was released (a release or the reconciler resumed it).
         Operation.objects.filter(pk=undo_op.pk).update(paused_reason="")
         undo_op.paused_reason = ""
-    conn = connection or engine_redis()
-    lock = FencedLock(conn, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
+    lock = FencedLock(
+        connection or engine_redis(), key=action.resource_identifier, ttl_ms=lock_ttl_ms()
+    )
     try:
         fence = lock.acquire(wait_seconds=0.2)
     except LockBusy:
@@ -325,58 +326,76 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
         return _retry_undo(undo_op, type(exc).__name__, connection)
     try:
         lock.start_heartbeat()
-        requested = dict(undo_op.outcome or {})
-        # This delivery's fence and lease on the undo operation (a newer fence only).
-        Operation.objects.filter(
-            pk=undo_op.pk, status=OperationStatus.PENDING, fence__lt=fence
-        ).update(
-            fence=fence,
-            worker=worker_name()[:200],
-            lease_expires_at=timezone.now() + timedelta(seconds=operation_lease_seconds()),
-        )
-        undo_op.refresh_from_db()
-        if undo_op.status != OperationStatus.PENDING:
+        if not _claim_delivery(undo_op, fence):
             return "skipped"
-        actor = _requested_by(undo_op, action)
-        try:
-            lock.check()
-            outcome = apply_undo(
-                operation_id=undo_op.undo_of_id,  # type: ignore[arg-type]
-                undo_operation_id=undo_op.pk,
-                fence=fence,
-                actor=actor,
-            )
-        except KillSwitchEngaged:
-            return _pause_undo(undo_op, connection)
-        except Exception as exc:  # lock lost, transient database/redis errors
-            if isinstance(exc, (redis.RedisError, DatabaseError)) or getattr(
-                exc, "retryable", False
-            ):
-                return _retry_undo(undo_op, type(exc).__name__, connection)
-            raise
-        if outcome.applied:
-            with transaction.atomic():
-                notify_action_on_commit(action.pk)
-            return "undone"
-        if outcome.reason == STALE_FENCE:
-            return _retry_undo(undo_op, STALE_FENCE, connection)
-        if outcome.reason == RESOURCE_MOVED:
-            with transaction.atomic():
-                resource = Resource.objects.get(pk=int(action.resource_id or 0))
-                original = Operation.objects.get(pk=int(undo_op.undo_of_id or 0))
-                conflict_open_for_undo(
-                    action=action,
-                    resource=resource,
-                    undone_operation=original,
-                    requested_by=str(requested.get("requested_by") or ""),
-                )
-            return "conflict"
-        return f"refused:{outcome.reason}"
+        return _apply_under_lock(undo_op, action, lock, fence, connection)
     finally:
         try:
             lock.release()
         except redis.RedisError:
             log.warning("could not release the lock on %s", action.resource_identifier)
+
+
+def _claim_delivery(undo_op: Operation, fence: int) -> bool:
+    """Stamp this delivery's fence and lease on the undo operation (a newer fence
+    only); False when the undo is no longer pending."""
+    Operation.objects.filter(pk=undo_op.pk, status=OperationStatus.PENDING, fence__lt=fence).update(
+        fence=fence,
+        worker=worker_name()[:200],
+        lease_expires_at=timezone.now() + timedelta(seconds=operation_lease_seconds()),
+    )
+    undo_op.refresh_from_db()
+    return undo_op.status == OperationStatus.PENDING
+
+
+def _apply_under_lock(
+    undo_op: Operation,
+    action: Action,
+    lock: FencedLock,
+    fence: int,
+    connection: redis.Redis | None,
+) -> str:
+    """apply_undo under the held lock; a switch engaged meanwhile pauses the undo,
+    a lost lock or a transient error schedules another delivery."""
+    try:
+        lock.check()
+        outcome = apply_undo(
+            operation_id=undo_op.undo_of_id,  # type: ignore[arg-type]
+            undo_operation_id=undo_op.pk,
+            fence=fence,
+            actor=_requested_by(undo_op, action),
+        )
+    except KillSwitchEngaged:
+        return _pause_undo(undo_op, connection)
+    except Exception as exc:  # lock lost, transient database/redis errors
+        if isinstance(exc, (redis.RedisError, DatabaseError)) or getattr(exc, "retryable", False):
+            return _retry_undo(undo_op, type(exc).__name__, connection)
+        raise
+    return _settle(undo_op, action, outcome, connection)
+
+
+def _settle(
+    undo_op: Operation, action: Action, outcome: UndoOutcome, connection: redis.Redis | None
+) -> str:
+    """What the barrier's answer means for the job: done, another delivery (a newer
+    fence won), a conflict for a person (someone wrote since), or refused."""
+    if outcome.applied:
+        with transaction.atomic():
+            notify_action_on_commit(action.pk)
+        return "undone"
+    if outcome.reason == STALE_FENCE:
+        return _retry_undo(undo_op, STALE_FENCE, connection)
+    if outcome.reason == RESOURCE_MOVED:
+        requested_by = str((undo_op.outcome or {}).get("requested_by") or "")
+        with transaction.atomic():
+            conflict_open_for_undo(
+                action=action,
+                resource=Resource.objects.get(pk=int(action.resource_id or 0)),
+                undone_operation=Operation.objects.get(pk=int(undo_op.undo_of_id or 0)),
+                requested_by=requested_by,
+            )
+        return "conflict"
+    return f"refused:{outcome.reason}"
 
 
 def operations_open_to_undo() -> QuerySet[Operation]:
