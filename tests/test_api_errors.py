@@ -359,16 +359,9 @@ def test_undo_after_the_deadline_is_409_undo_window_expired(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
     from approvals.models import Operation
-    from tests.fixtures.core import execute, make_action
+    from tests.fixtures.core import applied_prod_alerts_action
 
-    action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
-    outcome = execute(action)
-    assert outcome.applied
+    action = applied_prod_alerts_action(run.run)
     Operation.objects.filter(action=action).update(
         undo_deadline=timezone.now() - timedelta(seconds=1)
     )

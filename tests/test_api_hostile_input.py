@@ -29,7 +29,7 @@ from approvals.services.idempotency import KEY_PATTERN
 from audit.models import AuditEvent
 from ownership.models import OwnershipRecord, Resource, ResourceVersion
 from tests.fixtures.api import ApiClient
-from tests.fixtures.core import execute, make_action
+from tests.fixtures.core import applied_prod_alerts_action
 
 pytestmark = pytest.mark.django_db
 
@@ -244,13 +244,7 @@ def test_no_generated_run_creation_is_a_5xx_and_a_refusal_changes_nothing(
 
 @pytest.fixture
 def applied(run: Any, prod_alerts: Any) -> Action:
-    action: Action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
-    assert execute(action).applied
+    action: Action = applied_prod_alerts_action(run.run)
     return action
 
 

@@ -22,7 +22,7 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from ownership.models import OwnershipRecord
 from tests.fixtures.api import make_active_run, make_agent_with_token, make_person_with_token
-from tests.fixtures.core import execute, make_action
+from tests.fixtures.core import applied_prod_alerts_action, make_action
 from tests.races import WAIT, Worker, wait_until_blocked_or_finished
 
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
@@ -43,17 +43,6 @@ def patch_prod(api: Any, token: str, key: str = "key-review-0001", etag: str = '
         body={"severity": "critical"},
         headers={"If-Match": etag, "Idempotency-Key": key},
     )
-
-
-def _applied_action(run: Any) -> Action:
-    action: Action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
-    assert execute(action).applied
-    return action
 
 
 # -- finding 1: a run token dies with its run -----------------------------------------
@@ -150,7 +139,7 @@ def test_a_revoked_runs_token_cannot_undo(
     from approvals.services.runs import RunNotActive, run_revoke
     from approvals.services.undo import action_undo_request
 
-    action = _applied_action(run)
+    action = applied_prod_alerts_action(run.run)
     run_revoke(run=run.run, actor=Actor.person(operator.user), reason="token leaked")
     body = problem(
         api.post(
@@ -187,7 +176,7 @@ def test_a_revoked_runs_token_cannot_undo(
 def test_undo_answers_404_and_403_before_a_missing_idempotency_key(
     api: Any, run: Any, outsider: Any, operator: Any, prod_alerts: Any
 ) -> None:
-    action = _applied_action(run)
+    action = applied_prod_alerts_action(run.run)
     other = make_active_run(
         make_agent_with_token("other-bot").agent,
         [{"resource": "dns-record/zz-*", "operations": ["create"]}],

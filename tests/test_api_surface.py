@@ -14,7 +14,12 @@ from approvals.models import Action, AgentToken, PersonalToken
 from audit.models import AuditEvent
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.api import make_agent_with_token
-from tests.fixtures.core import make_action, make_resource
+from tests.fixtures.core import (
+    applied_prod_alerts_action,
+    make_action,
+    make_resource,
+    prod_alerts_action,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -243,15 +248,8 @@ def test_a_person_cancels_only_with_the_operator_role(
 
 def test_undo_of_an_applied_action_is_accepted_once(api: Any, run: Any, prod_alerts: Any) -> None:
     from approvals.models import Operation
-    from tests.fixtures.core import execute
 
-    action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
-    assert execute(action).applied
+    action = applied_prod_alerts_action(run.run)
     shown = body(api.get(f"/api/v1/actions/{action.pk}", token=run.token))
     assert shown["status"] == "applied"
     assert shown["execution"]["result_etag"] == '"42"'
@@ -279,12 +277,7 @@ def test_a_conflict_is_shown_to_its_resolver_and_resolved(
 ) -> None:
     from ownership.services.conflicts import conflict_open_for_action
 
-    action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
+    action = prod_alerts_action(run.run)
     Resource.objects.filter(pk=prod_alerts.pk).update(
         version=42, document={"severity": "warning", "channels": ["sms"]}
     )

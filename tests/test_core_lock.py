@@ -31,19 +31,20 @@ from ownership.models import Resource
 from tests.conftest import ROOT, PrivateRedis, subprocess_env
 from tests.fixtures.core import execute, make_action, make_resource, make_run
 
+# Fences come from PostgreSQL: every test here reaches the database.
+pytestmark = pytest.mark.django_db
+
 
 def unique_key() -> str:
     return f"notification-policy/lock-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.mark.django_db
 def test_fences_rise_strictly_and_come_from_postgresql() -> None:
     fences = [next_fence() for _ in range(20)]
     assert fences == sorted(set(fences))
     assert current_fence() == fences[-1]
 
 
-@pytest.mark.django_db
 def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release(
     redis_client: redis.Redis,
 ) -> None:
@@ -71,7 +72,6 @@ def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release
     second.release()
 
 
-@pytest.mark.django_db
 def test_an_expired_lock_cannot_be_renewed_and_its_successor_has_a_larger_fence(
     redis_client: redis.Redis,
 ) -> None:
@@ -92,7 +92,6 @@ def test_an_expired_lock_cannot_be_renewed_and_its_successor_has_a_larger_fence(
     successor.release()
 
 
-@pytest.mark.django_db
 def test_waiting_acquire_gets_the_lock_when_the_holder_releases(redis_client: redis.Redis) -> None:
     key = unique_key()
     with FencedLock(redis_client, key=key, ttl_ms=300) as holder:
@@ -106,7 +105,6 @@ def test_waiting_acquire_gets_the_lock_when_the_holder_releases(redis_client: re
     waiter.release()
 
 
-@pytest.mark.django_db
 def test_the_heartbeat_keeps_the_lock_past_its_ttl(redis_client: redis.Redis) -> None:
     # TTL 1 s renewed every 250 ms: a scheduling stall of up to ~750 ms on a loaded
     # machine still renews in time. The sleep is the subject (time passing past the
@@ -120,7 +118,6 @@ def test_the_heartbeat_keeps_the_lock_past_its_ttl(redis_client: redis.Redis) ->
     assert lock.release() is True
 
 
-@pytest.mark.django_db
 def test_flushall_and_a_restart_of_redis_never_send_the_fence_backwards(
     private_redis: PrivateRedis,
 ) -> None:
@@ -162,7 +159,6 @@ def test_flushall_and_a_restart_of_redis_never_send_the_fence_backwards(
     assert Resource.objects.get(pk=resource.pk).document == {"v": 3}
 
 
-@pytest.mark.django_db
 def test_ensure_fence_floor_lifts_a_sequence_left_behind_by_a_restore() -> None:
     ensure_fence_floor_once()  # this process has taken its first fence already
     resource = make_resource("notification-policy/restored", {}, version=1)

@@ -20,6 +20,7 @@ from django.db import OperationalError, transaction
 from django.utils import timezone
 
 from approvals.models import Action, Approval, ApprovalDecision, Operation, Run
+from approvals.services.actions import action_cancel
 from approvals.services.attempts import WORKER_ACTOR, operation_lease_seconds
 from approvals.services.decisions import approval_decide
 from approvals.services.execution import action_execute
@@ -240,14 +241,10 @@ def test_approving_a_run_while_another_run_of_the_kind_is_created_does_not_deadl
     assert Run.objects.get(pk=second.pk).status == "pending_approval"
 
 
-def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
-    world: Any, policy: Any
-) -> None:
-    from approvals.services.actions import action_cancel
-
-    action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
-    approval = Approval.objects.get(action=action)
-    # action_cancel locks the action row first (its conditional UPDATE), then the approval.
+def _cancel_holding_the_action_row(action: Action, actor: Actor) -> tuple[Worker, threading.Event]:
+    """A started worker that locks the action row (action_cancel's first lock) and,
+    once `release` is set, cancels the action in that transaction: the other side
+    of a race starts in between and must queue behind it, not deadlock."""
     release = threading.Event()
     gate = threading.Event()
 
@@ -256,13 +253,22 @@ def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
             _lock_action_row(action)
             gate.set()
             assert release.wait(WAIT)
-            return action_cancel(
-                action=Action.objects.get(pk=action.pk), actor=Actor.run(world.run)
-            )
+            return action_cancel(action=Action.objects.get(pk=action.pk), actor=actor)
 
     canceller = Worker(cancel)
     canceller.start()
     assert gate.wait(WAIT)
+    return canceller, release
+
+
+def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
+    world: Any, policy: Any
+) -> None:
+
+    action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
+    approval = Approval.objects.get(action=action)
+    # action_cancel locks the action row first (its conditional UPDATE), then the approval.
+    canceller, release = _cancel_holding_the_action_row(action, Actor.run(world.run))
     decider = Worker(
         lambda: approval_decide(
             approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve"
@@ -286,25 +292,10 @@ def test_cancelling_an_action_while_its_run_is_revoked_does_not_deadlock(
 ) -> None:
     """Needs runs._end (API area) to update the run's actions before its approvals
     (run -> action -> approval -> audit); before that change this deadlocked."""
-    from approvals.services.actions import action_cancel
     from approvals.services.runs import run_revoke
 
     action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
-    release = threading.Event()
-    gate = threading.Event()
-
-    def cancel() -> Any:
-        with transaction.atomic():
-            _lock_action_row(action)  # action_cancel's first statement locks the action
-            gate.set()
-            assert release.wait(WAIT)
-            return action_cancel(
-                action=Action.objects.get(pk=action.pk), actor=Actor.run(world.run)
-            )
-
-    canceller = Worker(cancel)
-    canceller.start()
-    assert gate.wait(WAIT)
+    canceller, release = _cancel_holding_the_action_row(action, Actor.run(world.run))
     revoker = Worker(
         lambda: run_revoke(
             run=Run.objects.get(pk=world.run.pk), actor=Actor.person(world.operator), reason="stop"

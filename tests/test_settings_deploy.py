@@ -64,22 +64,19 @@ def test_secure_cookies_follow_a_deployment_that_names_its_hosts(tmp_path: Path)
     )
     env = subprocess_env(DEBUG="false", ALLOWED_HOSTS="airlock.example.com", SECRET_KEY="x" * 60)
     env["AIRLOCK_DATA_DIR"] = str(tmp_path)
-    deployed = subprocess.run(
-        [sys.executable, "-c", f"import django; django.setup(); {script}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def printed(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", f"import django; django.setup(); {script}"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    deployed = printed(env)
     assert deployed.stdout.split() == ["True", "True"], deployed.stderr
     env.pop("ALLOWED_HOSTS")
-    local = subprocess.run(
-        [sys.executable, "-c", f"import django; django.setup(); {script}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    local = printed(env)
     assert local.stdout.split() == ["False", "False"], local.stderr
