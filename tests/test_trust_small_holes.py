@@ -27,7 +27,7 @@ from tests.conftest import ROOT, subprocess_env
 from tests.fixtures.audit import ordinary_role_in_maintenance
 from tests.fixtures.console import PASSWORD, People
 from tests.fixtures.engine import wait_for
-from tests.test_settings_deploy import PRODUCTION
+from tests.test_settings_deploy import PRODUCTION, check_deploy
 
 # -- (a) the fence floor ---------------------------------------------------------------
 
@@ -130,14 +130,7 @@ def test_check_deploy_warns_when_metrics_token_is_unset(tmp_path: Path) -> None:
     env = subprocess_env(**PRODUCTION, SECRET_KEY=secrets.token_urlsafe(60))
     env.pop("METRICS_TOKEN")
     env["AIRLOCK_DATA_DIR"] = str(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = check_deploy(env)
     assert result.returncode != 0
     assert "airlock.W010" in result.stdout + result.stderr
     assert "METRICS_TOKEN" in result.stdout + result.stderr
