@@ -89,29 +89,31 @@ def test_an_edited_row_is_detected_at_its_seq() -> None:
 
 
 @pytest.mark.django_db
-def test_a_deleted_row_is_detected_at_its_seq() -> None:
+@pytest.mark.parametrize(
+    ("statements", "first_bad_seq"),
+    [
+        (["DELETE FROM audit_auditevent WHERE seq = 4"], 4),
+        # Checked against the head row: nothing after seq 8 says a tail is missing.
+        (["DELETE FROM audit_auditevent WHERE seq >= 9"], 9),
+        (
+            [
+                "UPDATE audit_auditevent SET seq = -4 WHERE seq = 4",
+                "UPDATE audit_auditevent SET seq = 4 WHERE seq = 5",
+                "UPDATE audit_auditevent SET seq = 5 WHERE seq = -4",
+            ],
+            4,
+        ),
+    ],
+    ids=["a-deleted-row", "a-deleted-tail", "two-swapped-rows"],
+)
+def test_a_missing_or_moved_row_is_detected_at_the_first_bad_seq(
+    statements: list[str], first_bad_seq: int
+) -> None:
     _append(10)
-    _sql("DELETE FROM audit_auditevent WHERE seq = 4")
+    for statement in statements:
+        _sql(statement)
     result = verify_chain()
-    assert not result.ok and result.first_bad_seq == 4
-
-
-@pytest.mark.django_db
-def test_a_deleted_tail_is_detected_against_the_head_row() -> None:
-    _append(10)
-    _sql("DELETE FROM audit_auditevent WHERE seq >= 9")
-    result = verify_chain()
-    assert not result.ok and result.first_bad_seq == 9
-
-
-@pytest.mark.django_db
-def test_two_swapped_rows_are_detected_at_the_first() -> None:
-    _append(10)
-    _sql("UPDATE audit_auditevent SET seq = -4 WHERE seq = 4")
-    _sql("UPDATE audit_auditevent SET seq = 4 WHERE seq = 5")
-    _sql("UPDATE audit_auditevent SET seq = 5 WHERE seq = -4")
-    result = verify_chain()
-    assert not result.ok and result.first_bad_seq == 4
+    assert not result.ok and result.first_bad_seq == first_bad_seq
 
 
 def _forged_row(seq: int, prev_hash: str, *, valid_hash: bool) -> list[Any]:

@@ -27,9 +27,17 @@ class Live:
     url: str
     operator_token: str
 
-    def pending_approval(self, *, run: str | None = None, action: str | None = None) -> str:
-        """The id of the pending approval of a run or an action, once it exists."""
-        deadline = time.monotonic() + 30
+    def pending_approval(
+        self,
+        *,
+        run: str | None = None,
+        action: str | None = None,
+        agent: str | None = None,
+        timeout: float = 30,
+    ) -> str:
+        """The id of the pending approval of a run, an action or (`agent`) an action
+        of that agent, once it exists."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             page = httpx.get(
                 f"{self.url}/api/v1/approvals?status=pending&limit=200",
@@ -37,22 +45,26 @@ class Live:
                 timeout=10,
             ).json()
             for item in page["items"]:
-                if (run and item["subject"] == "run" and item["run"] == run) or (
-                    action and item.get("action") == action
+                if (
+                    (run and item["subject"] == "run" and item["run"] == run)
+                    or (action and item.get("action") == action)
+                    or (agent and item["subject"] == "action" and item["agent"] == agent)
                 ):
                     return str(item["id"])
             time.sleep(0.05)
-        raise AssertionError(f"no pending approval for run={run} action={action}")
+        raise AssertionError(f"no pending approval for run={run} action={action} agent={agent}")
 
     def decide(
         self,
         *,
         run: str | None = None,
         action: str | None = None,
+        agent: str | None = None,
         decision: str = "approve",
         comment: str = "",
+        timeout: float = 30,
     ) -> None:
-        approval = self.pending_approval(run=run, action=action)
+        approval = self.pending_approval(run=run, action=action, agent=agent, timeout=timeout)
         response = httpx.post(
             f"{self.url}/api/v1/approvals/{approval}/decision",
             headers={"Authorization": f"Bearer {self.operator_token}"},
