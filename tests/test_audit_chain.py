@@ -146,23 +146,22 @@ def _shift_up_from(seq: int, last: int) -> None:
 
 
 @pytest.mark.django_db
-def test_a_naively_inserted_row_is_detected_at_its_seq() -> None:
+@pytest.mark.parametrize(
+    ("valid_hash", "first_bad_seq"),
+    [
+        (False, 6),
+        # The forged row itself is well formed; the chain breaks where the real
+        # event 6 (now at 7) no longer hashes.
+        (True, 7),
+    ],
+    ids=["a-naive-row-at-its-seq", "a-row-with-a-valid-hash-at-the-next-link"],
+)
+def test_an_inserted_row_is_detected(valid_hash: bool, first_bad_seq: int) -> None:
     events = _append(10)
     _shift_up_from(6, 10)
-    _sql(_INSERT, _forged_row(6, events[4].hash, valid_hash=False))
+    _sql(_INSERT, _forged_row(6, events[4].hash, valid_hash=valid_hash))
     result = verify_chain()
-    assert not result.ok and result.first_bad_seq == 6
-
-
-@pytest.mark.django_db
-def test_a_row_inserted_with_a_valid_hash_breaks_the_next_link() -> None:
-    events = _append(10)
-    _shift_up_from(6, 10)
-    _sql(_INSERT, _forged_row(6, events[4].hash, valid_hash=True))
-    result = verify_chain()
-    # The forged row itself is well formed; the chain breaks where the real
-    # event 6 (now at 7) no longer hashes.
-    assert not result.ok and result.first_bad_seq == 7
+    assert not result.ok and result.first_bad_seq == first_bad_seq
 
 
 @pytest.mark.django_db

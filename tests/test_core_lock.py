@@ -39,6 +39,12 @@ def unique_key() -> str:
     return f"notification-policy/lock-{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture
+def key() -> str:
+    """A lock key no other test uses."""
+    return unique_key()
+
+
 def test_fences_rise_strictly_and_come_from_postgresql() -> None:
     fences = [next_fence() for _ in range(20)]
     assert fences == sorted(set(fences))
@@ -46,9 +52,8 @@ def test_fences_rise_strictly_and_come_from_postgresql() -> None:
 
 
 def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, key: str
 ) -> None:
-    key = unique_key()
     first = FencedLock(redis_client, key=key, ttl_ms=5_000)
     fence = first.acquire()
     assert first.fence == fence and first.held()
@@ -73,9 +78,8 @@ def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release
 
 
 def test_an_expired_lock_cannot_be_renewed_and_its_successor_has_a_larger_fence(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, key: str
 ) -> None:
-    key = unique_key()
     first = FencedLock(redis_client, key=key, ttl_ms=100)
     old_fence = first.acquire()
     time.sleep(0.2)
@@ -92,8 +96,9 @@ def test_an_expired_lock_cannot_be_renewed_and_its_successor_has_a_larger_fence(
     successor.release()
 
 
-def test_waiting_acquire_gets_the_lock_when_the_holder_releases(redis_client: redis.Redis) -> None:
-    key = unique_key()
+def test_waiting_acquire_gets_the_lock_when_the_holder_releases(
+    redis_client: redis.Redis, key: str
+) -> None:
     with FencedLock(redis_client, key=key, ttl_ms=300) as holder:
         assert holder.held()
         waiter = FencedLock(redis_client, key=key, ttl_ms=1_000)

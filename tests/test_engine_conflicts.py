@@ -327,14 +327,9 @@ def test_undo_after_a_later_write_opens_a_conflict_for_a_person(world: Any) -> N
     kind = world.kind("cfg", update="recompute_field", owner_group="owners")
     owner = world.person("oscar", "owners")
     action = _applied(world, kind, "a")
-    later = world.propose(kind, "a", payload={"v": 3}, observed_version=2, run=world.other_run)
-    assert action_execute(action_id=later.pk) == "applied"
-
-    undo = action_undo_request(
-        action_id=action.pk, actor=Actor.person(owner), idempotency_key="undo-key-3"
+    conflict = world.undo_into_conflict(
+        action, later_payload={"v": 3}, observed_version=2, requester=owner, key="undo-key-3"
     )
-    assert undo_execute(undo_operation_id=undo.pk) == "conflict"
-    conflict = Conflict.objects.get(action=action, origin="undo")
     assert conflict.status == "open" and conflict.resolver_group == "owners"
     assert conflict.current_document == {"v": 3} and conflict.proposed_document == {"v": 1}
     assert Resource.objects.get(kind=kind, name="a").document == {"v": 3}

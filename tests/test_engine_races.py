@@ -440,21 +440,14 @@ def test_a_resolution_of_a_quorum_two_class_waits_for_a_second_person(world: Any
 
 
 def test_resolving_the_undo_conflict_of_a_create_deletes_the_resource(world: Any) -> None:
-    from approvals.services.undo import action_undo_request, undo_execute
-
     kind = world.kind("cfg2", create="add_unique", update="recompute_field", owner_group="owners")
     requester = world.person("oscar", "owners")
     resolver = world.person("otto", "owners")
     created = world.propose(kind, "new", operation="create", payload={"v": 1})
     assert action_execute(action_id=created.pk) == "applied"
-    later = world.propose(kind, "new", payload={"v": 2}, observed_version=1, run=world.other_run)
-    assert action_execute(action_id=later.pk) == "applied"
-
-    undo = action_undo_request(
-        action_id=created.pk, actor=Actor.person(requester), idempotency_key="undo-c-1"
+    conflict = world.undo_into_conflict(
+        created, later_payload={"v": 2}, observed_version=1, requester=requester, key="undo-c-1"
     )
-    assert undo_execute(undo_operation_id=undo.pk) == "conflict"
-    conflict = Conflict.objects.get(action=created, origin="undo")
     resolved = conflict_resolve(
         conflict_id=conflict.pk, actor=Actor.person(resolver), choice="take_proposed"
     )
@@ -543,15 +536,21 @@ def target() -> Iterator[TargetServer]:
     server.stop()
 
 
+def _queued_http_write(world: Any, target: TargetServer, settings: Any) -> Action:
+    """A queued update of ext-policy/prod, an HTTP target at version 4 (5 s timeout)."""
+    settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 5
+    kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
+    target.seed("prod", {"severity": "high"}, version=4)
+    action: Action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
+    return action
+
+
 def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
     world: Any, engine_redis: Any, target: TargetServer, settings: Any, monkeypatch: Any
 ) -> None:
     from console.core import targets
 
-    settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 5
-    kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
-    target.seed("prod", {"severity": "high"}, version=4)
-    action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
+    action = _queued_http_write(world, target, settings)
 
     real_write = targets.HttpTarget.write
     sent = threading.Event()
@@ -595,10 +594,7 @@ def test_a_stale_http_worker_resuming_with_a_retry_does_not_steal_the_new_claim(
 ) -> None:
     from console.core import targets
 
-    settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 5
-    kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
-    target.seed("prod", {"severity": "high"}, version=4)
-    action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
+    action = _queued_http_write(world, target, settings)
     target.fail_next(503)  # worker A is told "try later" ...
 
     real_write = targets.HttpTarget.write
