@@ -120,6 +120,7 @@ def test_resources_are_listed_by_kind_and_prefix_with_pagination(api: Any, agent
 
 
 def test_a_create_with_if_none_match_star(api: Any, run: Any) -> None:
+    # Also the check that issue 9's strict If-Match parsing left If-None-Match: * alone.
     response = api.put(
         "/api/v1/resources/notification-policy/staging-new",
         token=run.token,

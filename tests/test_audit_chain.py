@@ -22,6 +22,7 @@ from audit.services import Actor, audit_append, audit_append_many
 from audit.verify import verify_chain
 from console.core.errors import ValidationFailed
 from tests.conftest import ROOT, subprocess_env
+from tests.fixtures.core import spawn_worker
 
 
 def _append(count: int, **kwargs: Any) -> list[AuditEvent]:
@@ -206,23 +207,7 @@ def test_a_rolled_back_append_leaves_no_gap() -> None:
 def test_four_processes_appending_concurrently_leave_one_contiguous_chain() -> None:
     per_process = 100
     processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.fixtures.core",
-                "append",
-                "--count",
-                str(per_process),
-                "--label",
-                f"writer-{index}",
-            ],
-            cwd=ROOT,
-            env=subprocess_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        spawn_worker("append", "--count", str(per_process), "--label", f"writer-{index}")
         for index in range(4)
     ]
     kept = 0

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from typing import Any
@@ -28,8 +27,8 @@ from console.core.fence import (
 )
 from console.core.lock import FencedLock, lock_key
 from ownership.models import Resource
-from tests.conftest import ROOT, PrivateRedis, subprocess_env
-from tests.fixtures.core import execute, make_action, make_resource, make_run
+from tests.conftest import PrivateRedis
+from tests.fixtures.core import execute, make_action, make_resource, make_run, spawn_worker
 
 # Fences come from PostgreSQL: every test here reaches the database.
 pytestmark = pytest.mark.django_db
@@ -181,16 +180,9 @@ def test_ensure_fence_floor_lifts_a_sequence_left_behind_by_a_restore() -> None:
 
 
 def _spawn(action_id: Any, key: str, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.fixtures.core", "write", "--action", str(action_id),
-         "--key", key, "--ttl-ms", "1000", *extra],
-        cwd=ROOT,
-        env=subprocess_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    return spawn_worker(
+        "write", "--action", str(action_id), "--key", key, "--ttl-ms", "1000", *extra
+    )
 
 
 def _read_event(process: subprocess.Popen[str]) -> dict[str, Any]:
@@ -307,28 +299,10 @@ def _increment_in_processes(
     make_resource(key, {"n": 0}, version=1)
     run = make_run(f"counter-{uuid.uuid4().hex[:6]}")
     workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.fixtures.core",
-                "increment",
-                "--run",
-                str(run.pk),
-                "--key",
-                key,
-                "--count",
-                str(count),
-                "--label",
-                f"p{index}",
-                *(["--lock"] if lock else []),
-            ],
-            cwd=ROOT,
-            env=subprocess_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        spawn_worker(
+            "increment",
+            *("--run", str(run.pk), "--key", key, "--count", str(count), "--label", f"p{index}"),
+            *(["--lock"] if lock else []),
         )
         for index in range(processes)
     ]

@@ -11,7 +11,6 @@ recorded once, one resolution.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -527,13 +526,6 @@ def test_an_engage_waits_for_a_barrier_already_past_its_check(world: Any, cfg: A
 
 
 # -- finding 8: a stale HTTP worker records nothing twice -------------------------------
-
-
-@pytest.fixture
-def target() -> Iterator[TargetServer]:
-    server = TargetServer().start()
-    yield server
-    server.stop()
 
 
 def _queued_http_write(world: Any, target: TargetServer, settings: Any) -> Action:

@@ -108,17 +108,6 @@ def test_a_single_strong_tag_is_still_accepted_and_observed(
     assert json.loads(response.content)["observed_etag"] == '"41"'
 
 
-def test_if_none_match_star_still_creates(api: Any, run: Any) -> None:
-    response = api.put(
-        "/api/v1/resources/dns-record/app-new",
-        token=run.token,
-        body={"ip": "10.0.0.1"},
-        headers={"If-None-Match": "*", "Idempotency-Key": "key-create-001"},
-    )
-    assert response.status_code == 202, response.content
-    assert json.loads(response.content)["operation"] == "create"
-
-
 @pytest.mark.parametrize("condition", ["*", 'W/"41"', '"40", W/"41"', '"41"'])
 def test_reads_keep_rfc_9110_if_none_match(
     api: Any, run: Any, prod_alerts: Any, condition: str

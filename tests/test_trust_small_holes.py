@@ -32,14 +32,18 @@ from tests.test_settings_deploy import PRODUCTION, check_deploy
 # -- (a) the fence floor ---------------------------------------------------------------
 
 
-def _restore_an_older_sequence(resource: Resource) -> int:
-    """What a restore does: rows carry fences the (older) sequence has not reached."""
+def _restore_an_older_sequence(world: Any) -> tuple[Any, int]:
+    """What a restore does: rows carry fences the (older) sequence has not reached.
+    Returns the kind of the restored resource (cfg/restored at version 1) and the
+    fence its row carries."""
+    kind = world.kind("cfg", update="recompute_field")
+    resource = world.resource(kind, "restored", {"v": 1})
     floor = current_fence() + 10_000
     Resource.objects.filter(pk=resource.pk).update(last_fence=floor)
     with connection.cursor() as cursor:
         cursor.execute("SELECT setval(%s, 1, true)", [FENCE_SEQUENCE])
     assert current_fence() < floor
-    return floor
+    return kind, floor
 
 
 def _write(world: Any, kind: Any) -> Action:
@@ -51,8 +55,7 @@ def _write(world: Any, kind: Any) -> Action:
 def test_the_first_fence_of_a_process_lifts_a_sequence_restored_behind_the_rows(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    floor = _restore_an_older_sequence(engine_world.resource(kind, "restored", {"v": 1}))
+    kind, floor = _restore_an_older_sequence(engine_world)
     forget_fence_floor_check()  # what a freshly started web or worker process has
 
     assert action_execute(action_id=_write(engine_world, kind).pk) == "applied"
@@ -66,8 +69,7 @@ def test_the_first_fence_of_a_process_lifts_a_sequence_restored_behind_the_rows(
 def test_a_worker_started_on_a_restored_database_applies_the_next_write(
     engine_world: Any, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    floor = _restore_an_older_sequence(engine_world.resource(kind, "restored", {"v": 1}))
+    kind, floor = _restore_an_older_sequence(engine_world)
     worker = rq_worker()
 
     action = _write(engine_world, kind)
@@ -82,8 +84,7 @@ def test_a_worker_started_on_a_restored_database_applies_the_next_write(
 def test_migrate_lifts_a_sequence_restored_behind_the_rows(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    floor = _restore_an_older_sequence(engine_world.resource(kind, "restored", {"v": 1}))
+    kind, floor = _restore_an_older_sequence(engine_world)
 
     migrate = subprocess.run(
         [sys.executable, "manage.py", "migrate", "--noinput"],
