@@ -33,7 +33,7 @@ from console.core.lock import lock_key
 from console.core.operations import open_operation
 from console.models import KillSwitch
 from console.services import kill_switch_set
-from ownership.models import Conflict, ConflictClass, Resource, ResourceVersion
+from ownership.models import Conflict, ConflictClass, Resource
 from ownership.services.resolution import conflict_resolve
 from tests.races import WAIT, Holder, Worker, wait_for_lock_waiters
 from tests.targetserver import TargetServer
@@ -356,22 +356,12 @@ def test_two_operators_deciding_a_quorum_two_approval_at_once_both_count(
 
 def _collide(world: Any, kind: Any, name: str) -> Action:
     """The agent read v1, someone else wrote v2 first: a conflict for a person."""
-    world.resource(kind, name, {"destinations": ["oncall"], "severity": "high"})
-    action = world.propose(
-        kind, name, payload={"destinations": ["oncall", "backup"]}, observed_version=1
+    action: Action = world.collide(
+        kind,
+        name,
+        {"destinations": ["oncall", "backup"]},
+        {"destinations": ["oncall"], "severity": "critical"},
     )
-    if action.status == "pending_approval":
-        approval_decide(
-            approval_id=Approval.objects.get(action=action).pk,
-            actor=Actor.person(world.operator),
-            decision="approve",
-        )
-    resource = Resource.objects.get(kind=kind, name=name)
-    other = {"destinations": ["oncall"], "severity": "critical"}
-    Resource.objects.filter(pk=resource.pk).update(document=other, version=2)
-    ResourceVersion.objects.create(resource=resource, version=2, document=other, operation="update")
-    assert action_execute(action_id=action.pk) == "conflict"
-    action.refresh_from_db()
     return action
 
 
