@@ -81,9 +81,8 @@ def test_engaging_twice_is_a_no_op_and_release_resumes_only_uncovered_work(
 def test_a_stale_fence_is_recorded_and_retried_with_a_new_fence(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "a", {"n": 0})
-    action = engine_world.propose(kind, "a", payload={"n": 1}, observed_version=1)
+    action = engine_world.proposed_update("a", {"n": 0}, {"n": 1})
+    kind = action.kind
     fence = next_fence()
     operation = open_operation(action_id=action.pk, fence=fence, worker="zombie", lease_seconds=30)
     Resource.objects.filter(kind=kind, name="a").update(last_fence=fence)  # a newer holder's mark
@@ -109,9 +108,8 @@ def test_a_delivery_that_finds_the_action_moved_on_once_it_holds_the_lock_claims
     """The action leaves `queued` between the job's first read and its lock (another
     delivery finished it, a kill switch paused it): the claim under the lock refuses it,
     so no operation is opened and the action is not moved."""
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "late", {"n": 0})
-    action = engine_world.propose(kind, "late", payload={"n": 1}, observed_version=1)
+    action = engine_world.proposed_update("late", {"n": 0}, {"n": 1})
+    kind = action.kind
     real_acquire = FencedLock.acquire
 
     def moved_then_acquire(lock: FencedLock, wait_seconds: float | None = None) -> int:
