@@ -20,7 +20,8 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 
 from approvals.models import Action, Agent, Approval, Run
-from approvals.services.actions import Proposal, action_propose, parse_tag_condition
+from approvals.services.actions import Proposal, action_propose
+from approvals.services.preconditions import parse_tag_condition
 from approvals.services.rules import auto_approve_rule_create
 from approvals.services.runs import run_create
 from approvals.services.tokens import agent_create, personal_token_create

@@ -22,8 +22,8 @@ from django.http import HttpRequest, HttpResponse
 from pydantic import BeforeValidator
 
 from approvals.services import idempotency
-from approvals.services.actions import TagCondition
 from approvals.services.idempotency import StoredResponse
+from approvals.services.preconditions import TagCondition
 from approvals.services.tokens import Principal
 from console.auth import PERSON, Bearer
 from console.core import jsonsafe

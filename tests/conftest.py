@@ -149,6 +149,18 @@ def subprocess_env(**overrides: str) -> dict[str, str]:
     return env
 
 
+def start_make_run(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """scripts/run.py as `make run` starts it, in its own session (stop it with killpg)."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "run.py")],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
 @pytest.fixture(autouse=True)
 def _reference_data(request: pytest.FixtureRequest) -> None:
     """Conflict classes, role groups and the audit head exist in every test that has a db."""

@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from approvals.models import Action, IdempotencyRecord
 from audit.models import AuditEvent
+from audit.services import Actor
 from ownership.models import OwnershipRecord, Resource
 from tests.fixtures.api import make_active_run, make_agent_with_token
 
@@ -314,7 +315,7 @@ def test_a_key_in_flight_is_409_with_retry_after(api: Any, run: Any, prod_alerts
 
     body = json.dumps({"channels": ["email", "pager"]}).encode()
     idempotency_begin(
-        agent=run.agent,
+        actor=Actor.agent(run.agent),
         key="key-error-table-1",
         method="PATCH",
         path=PROD,
@@ -358,16 +359,9 @@ def test_undo_after_the_deadline_is_409_undo_window_expired(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
     from approvals.models import Operation
-    from tests.fixtures.core import execute, make_action
+    from tests.fixtures.core import applied_prod_alerts_action
 
-    action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
-    outcome = execute(action)
-    assert outcome.applied
+    action = applied_prod_alerts_action(run.run)
     Operation.objects.filter(action=action).update(
         undo_deadline=timezone.now() - timedelta(seconds=1)
     )

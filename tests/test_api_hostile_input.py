@@ -29,7 +29,7 @@ from approvals.services.idempotency import KEY_PATTERN
 from audit.models import AuditEvent
 from ownership.models import OwnershipRecord, Resource, ResourceVersion
 from tests.fixtures.api import ApiClient
-from tests.fixtures.core import execute, make_action
+from tests.fixtures.core import applied_prod_alerts_action
 
 pytestmark = pytest.mark.django_db
 
@@ -229,28 +229,35 @@ def test_no_generated_resource_write_is_a_5xx_and_a_refusal_changes_nothing(
     check(response, before, recorded_refusals=(412,))
 
 
+def post_generated(
+    settings: Any,
+    path: str,
+    token: str,
+    body: bytes,
+    content_type: str,
+    *,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """POST a generated body: no 5xx, and a refusal changes nothing (see check)."""
+    settings.AIRLOCK_WRITE_RATE_PER_MINUTE = 1_000_000  # hypothesis sends hundreds
+    before = Counts.take()
+    response = ApiClient().post(
+        path, token=token, raw=body, headers=headers, content_type=content_type
+    )
+    check(response, before)
+
+
 @PROPERTY
 @given(body=bodies, content_type=content_types)
 def test_no_generated_run_creation_is_a_5xx_and_a_refusal_changes_nothing(
     agent: Any, settings: Any, body: bytes, content_type: str
 ) -> None:
-    settings.AIRLOCK_WRITE_RATE_PER_MINUTE = 1_000_000
-    before = Counts.take()
-    response = ApiClient().post(
-        "/api/v1/runs", token=agent.token, raw=body, content_type=content_type
-    )
-    check(response, before)
+    post_generated(settings, "/api/v1/runs", agent.token, body, content_type)
 
 
 @pytest.fixture
 def applied(run: Any, prod_alerts: Any) -> Action:
-    action: Action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
-    assert execute(action).applied
+    action: Action = applied_prod_alerts_action(run.run)
     return action
 
 
@@ -259,16 +266,9 @@ def applied(run: Any, prod_alerts: Any) -> Action:
 def test_no_generated_undo_is_a_5xx_and_a_refusal_changes_nothing(
     run: Any, applied: Action, settings: Any, body: bytes, key: str | None, content_type: str
 ) -> None:
-    settings.AIRLOCK_WRITE_RATE_PER_MINUTE = 1_000_000
-    before = Counts.take()
-    response = ApiClient().post(
-        f"/api/v1/actions/{applied.pk}/undo",
-        token=run.token,
-        raw=body,
-        headers=_headers(None, key, None),
-        content_type=content_type,
-    )
-    check(response, before)
+    path = f"/api/v1/actions/{applied.pk}/undo"
+    headers = _headers(None, key, None)
+    post_generated(settings, path, run.token, body, content_type, headers=headers)
 
 
 @pytest.fixture
@@ -289,12 +289,5 @@ def pending_approval(api: Any, run: Any, prod_alerts: Any) -> Approval:
 def test_no_generated_decision_is_a_5xx_and_a_refusal_changes_nothing(
     pending_approval: Approval, operator: Any, settings: Any, body: bytes, content_type: str
 ) -> None:
-    settings.AIRLOCK_WRITE_RATE_PER_MINUTE = 1_000_000
-    before = Counts.take()
-    response = ApiClient().post(
-        f"/api/v1/approvals/{pending_approval.pk}/decision",
-        token=operator.token,
-        raw=body,
-        content_type=content_type,
-    )
-    check(response, before)
+    path = f"/api/v1/approvals/{pending_approval.pk}/decision"
+    post_generated(settings, path, operator.token, body, content_type)

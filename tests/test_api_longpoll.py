@@ -106,16 +106,22 @@ def test_a_waiting_client_is_answered_within_100ms_of_a_change(api_server: Any) 
     assert median < 0.1
 
 
-def test_an_unchanged_action_answers_304_when_the_wait_ends(api_server: Any) -> None:
-    run, (action,) = queued_actions(1)
-    url = f"{api_server.url}/api/v1/actions/{action.pk}"
-    headers = {"Authorization": f"Bearer {run.token}"}
+def poll_unchanged(url: str, token: str) -> tuple[httpx.Response, str, float]:
+    """Read `url`, then long-poll it (wait=1) with the ETag it gave: the answer, that
+    ETag, and how long the server held the poll."""
+    headers = {"Authorization": f"Bearer {token}"}
     etag = httpx.get(url, headers=headers, timeout=5).headers["ETag"]
     started = time.monotonic()
     response = httpx.get(
         url, headers={**headers, "Prefer": "wait=1", "If-None-Match": etag}, timeout=10
     )
-    held = time.monotonic() - started
+    return response, etag, time.monotonic() - started
+
+
+def test_an_unchanged_action_answers_304_when_the_wait_ends(api_server: Any) -> None:
+    run, (action,) = queued_actions(1)
+    url = f"{api_server.url}/api/v1/actions/{action.pk}"
+    response, etag, held = poll_unchanged(url, run.token)
     assert response.status_code == 304
     assert response.headers["Preference-Applied"] == "wait=1"
     assert response.headers["ETag"] == etag
@@ -123,7 +129,8 @@ def test_an_unchanged_action_answers_304_when_the_wait_ends(api_server: Any) -> 
     # Without If-None-Match: held while not final; a final action answers at once.
     action_cancel(action=action, actor=Actor.system("tests"))
     started = time.monotonic()
-    response = httpx.get(url, headers={**headers, "Prefer": "wait=30"}, timeout=10)
+    headers = {"Authorization": f"Bearer {run.token}", "Prefer": "wait=30"}
+    response = httpx.get(url, headers=headers, timeout=10)
     assert response.status_code == 200 and time.monotonic() - started < 1.0
 
 

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from approvals.models import Action, Approval
-from approvals.services.actions import Proposal, action_propose, parse_write_if_match
+from approvals.services.actions import Proposal, action_propose
 from approvals.services.decisions import approval_decide
 from approvals.services.execution import action_execute
+from approvals.services.preconditions import parse_write_if_match
 from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import DomainError

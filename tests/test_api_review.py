@@ -22,8 +22,8 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from ownership.models import OwnershipRecord
 from tests.fixtures.api import make_active_run, make_agent_with_token, make_person_with_token
-from tests.fixtures.core import execute, make_action
-from tests.races import WAIT, Worker, wait_until_blocked_or_finished
+from tests.fixtures.core import applied_prod_alerts_action, make_action
+from tests.races import WAIT, Holder, Worker, wait_until_blocked_or_finished
 
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
 
@@ -43,17 +43,6 @@ def patch_prod(api: Any, token: str, key: str = "key-review-0001", etag: str = '
         body={"severity": "critical"},
         headers={"If-Match": etag, "Idempotency-Key": key},
     )
-
-
-def _applied_action(run: Any) -> Action:
-    action: Action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
-    assert execute(action).applied
-    return action
 
 
 # -- finding 1: a run token dies with its run -----------------------------------------
@@ -150,7 +139,7 @@ def test_a_revoked_runs_token_cannot_undo(
     from approvals.services.runs import RunNotActive, run_revoke
     from approvals.services.undo import action_undo_request
 
-    action = _applied_action(run)
+    action = applied_prod_alerts_action(run.run)
     run_revoke(run=run.run, actor=Actor.person(operator.user), reason="token leaked")
     body = problem(
         api.post(
@@ -187,7 +176,7 @@ def test_a_revoked_runs_token_cannot_undo(
 def test_undo_answers_404_and_403_before_a_missing_idempotency_key(
     api: Any, run: Any, outsider: Any, operator: Any, prod_alerts: Any
 ) -> None:
-    action = _applied_action(run)
+    action = applied_prod_alerts_action(run.run)
     other = make_active_run(
         make_agent_with_token("other-bot").agent,
         [{"resource": "dns-record/zz-*", "operations": ["create"]}],
@@ -236,28 +225,16 @@ def test_a_revoke_committing_while_a_write_is_proposed_leaves_no_queued_action(
         idempotency_key="race-propose-1",
         reason="",
     )
-    revoked = threading.Event()
-    release = threading.Event()
-
-    def revoke() -> Any:
-        with transaction.atomic():
-            ended = runs.run_revoke(
-                run=Run.objects.get(pk=run.run.pk), actor=Actor.person(operator.user), reason="x"
-            )
-            revoked.set()
-            assert release.wait(WAIT)
-        return ended
-
-    revoker = Worker(revoke)
-    revoker.start()
-    assert revoked.wait(WAIT)
+    revoker = Holder(
+        lambda: runs.run_revoke(
+            run=Run.objects.get(pk=run.run.pk), actor=Actor.person(operator.user), reason="x"
+        )
+    ).hold()
     proposer = Worker(lambda: actions.action_propose(run=run.run, proposal=proposal))
     proposer.start()
-    wait_until_blocked_or_finished(
-        proposer
-    )  # on the run row (fixed) or on the audit head (unfixed)
-    release.set()
-    assert revoker.finish().status == "revoked"
+    # Blocked on the run row (fixed) or on the audit head (unfixed).
+    wait_until_blocked_or_finished(proposer)
+    assert revoker.release().status == "revoked"
     try:
         action = proposer.finish()
     except runs.RunNotActive:
@@ -534,24 +511,11 @@ def test_a_lease_grant_racing_another_runs_proposal_never_leaves_a_write_in_flig
         actor=Actor.agent(holder_agent.agent),
     )
     proposal = _low_severity_proposal(writer.run, "race-lease-1")
-    recorded = threading.Event()
-    release = threading.Event()
-
-    def propose() -> Any:
-        with transaction.atomic():
-            action = actions.action_propose(run=writer.run, proposal=proposal)
-            recorded.set()
-            assert release.wait(WAIT)
-        return action
-
-    proposer = Worker(propose)
-    proposer.start()
-    assert recorded.wait(WAIT)
+    proposer = Holder(lambda: actions.action_propose(run=writer.run, proposal=proposal)).hold()
     granter = Worker(lambda: run_activate(run=holder, actor=Actor.system("tests")))
     granter.start()
     wait_until_blocked_or_finished(granter)
-    release.set()
-    action = proposer.finish()
+    action = proposer.release()
     with pytest.raises(WriteSetConflict):
         granter.finish()
     assert not OwnershipRecord.objects.filter(run=holder, exclusive=True).exists()

@@ -14,7 +14,12 @@ from approvals.models import Action, AgentToken, PersonalToken
 from audit.models import AuditEvent
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.api import make_agent_with_token
-from tests.fixtures.core import make_action, make_resource
+from tests.fixtures.core import (
+    applied_prod_alerts_action,
+    make_action,
+    make_resource,
+    prod_alerts_action,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -115,6 +120,7 @@ def test_resources_are_listed_by_kind_and_prefix_with_pagination(api: Any, agent
 
 
 def test_a_create_with_if_none_match_star(api: Any, run: Any) -> None:
+    # Also the check that issue 9's strict If-Match parsing left If-None-Match: * alone.
     response = api.put(
         "/api/v1/resources/notification-policy/staging-new",
         token=run.token,
@@ -230,17 +236,21 @@ def test_cancel_before_execution_only(api: Any, run: Any, prod_alerts: Any) -> N
     assert late.status_code == 409
 
 
+def test_a_person_cancels_only_with_the_operator_role(
+    api: Any, run: Any, owner: Any, operator: Any, prod_alerts: Any
+) -> None:
+    url = f"/api/v1/actions/{body(propose(api, run))['id']}/cancel"
+    refused = api.post(url, token=owner.token)  # the owner reads the action, may not cancel it
+    assert refused.status_code == 403 and body(refused)["code"] == "forbidden"
+    assert not AuditEvent.objects.filter(event_type="action.cancelled").exists()
+    cancelled = api.post(url, token=operator.token)
+    assert cancelled.status_code == 200 and body(cancelled)["status"] == "cancelled"
+
+
 def test_undo_of_an_applied_action_is_accepted_once(api: Any, run: Any, prod_alerts: Any) -> None:
     from approvals.models import Operation
-    from tests.fixtures.core import execute
 
-    action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
-    assert execute(action).applied
+    action = applied_prod_alerts_action(run.run)
     shown = body(api.get(f"/api/v1/actions/{action.pk}", token=run.token))
     assert shown["status"] == "applied"
     assert shown["execution"]["result_etag"] == '"42"'
@@ -268,12 +278,7 @@ def test_a_conflict_is_shown_to_its_resolver_and_resolved(
 ) -> None:
     from ownership.services.conflicts import conflict_open_for_action
 
-    action = make_action(
-        run=run.run,
-        identifier="notification-policy/prod-alerts",
-        payload={"severity": "critical"},
-        observed_version=41,
-    )
+    action = prod_alerts_action(run.run)
     Resource.objects.filter(pk=prod_alerts.pk).update(
         version=42, document={"severity": "warning", "channels": ["sms"]}
     )

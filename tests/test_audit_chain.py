@@ -22,6 +22,7 @@ from audit.services import Actor, audit_append, audit_append_many
 from audit.verify import verify_chain
 from console.core.errors import ValidationFailed
 from tests.conftest import ROOT, subprocess_env
+from tests.fixtures.core import spawn_worker
 
 
 def _append(count: int, **kwargs: Any) -> list[AuditEvent]:
@@ -89,29 +90,31 @@ def test_an_edited_row_is_detected_at_its_seq() -> None:
 
 
 @pytest.mark.django_db
-def test_a_deleted_row_is_detected_at_its_seq() -> None:
+@pytest.mark.parametrize(
+    ("statements", "first_bad_seq"),
+    [
+        (["DELETE FROM audit_auditevent WHERE seq = 4"], 4),
+        # Checked against the head row: nothing after seq 8 says a tail is missing.
+        (["DELETE FROM audit_auditevent WHERE seq >= 9"], 9),
+        (
+            [
+                "UPDATE audit_auditevent SET seq = -4 WHERE seq = 4",
+                "UPDATE audit_auditevent SET seq = 4 WHERE seq = 5",
+                "UPDATE audit_auditevent SET seq = 5 WHERE seq = -4",
+            ],
+            4,
+        ),
+    ],
+    ids=["a-deleted-row", "a-deleted-tail", "two-swapped-rows"],
+)
+def test_a_missing_or_moved_row_is_detected_at_the_first_bad_seq(
+    statements: list[str], first_bad_seq: int
+) -> None:
     _append(10)
-    _sql("DELETE FROM audit_auditevent WHERE seq = 4")
+    for statement in statements:
+        _sql(statement)
     result = verify_chain()
-    assert not result.ok and result.first_bad_seq == 4
-
-
-@pytest.mark.django_db
-def test_a_deleted_tail_is_detected_against_the_head_row() -> None:
-    _append(10)
-    _sql("DELETE FROM audit_auditevent WHERE seq >= 9")
-    result = verify_chain()
-    assert not result.ok and result.first_bad_seq == 9
-
-
-@pytest.mark.django_db
-def test_two_swapped_rows_are_detected_at_the_first() -> None:
-    _append(10)
-    _sql("UPDATE audit_auditevent SET seq = -4 WHERE seq = 4")
-    _sql("UPDATE audit_auditevent SET seq = 4 WHERE seq = 5")
-    _sql("UPDATE audit_auditevent SET seq = 5 WHERE seq = -4")
-    result = verify_chain()
-    assert not result.ok and result.first_bad_seq == 4
+    assert not result.ok and result.first_bad_seq == first_bad_seq
 
 
 def _forged_row(seq: int, prev_hash: str, *, valid_hash: bool) -> list[Any]:
@@ -144,23 +147,22 @@ def _shift_up_from(seq: int, last: int) -> None:
 
 
 @pytest.mark.django_db
-def test_a_naively_inserted_row_is_detected_at_its_seq() -> None:
+@pytest.mark.parametrize(
+    ("valid_hash", "first_bad_seq"),
+    [
+        (False, 6),
+        # The forged row itself is well formed; the chain breaks where the real
+        # event 6 (now at 7) no longer hashes.
+        (True, 7),
+    ],
+    ids=["a-naive-row-at-its-seq", "a-row-with-a-valid-hash-at-the-next-link"],
+)
+def test_an_inserted_row_is_detected(valid_hash: bool, first_bad_seq: int) -> None:
     events = _append(10)
     _shift_up_from(6, 10)
-    _sql(_INSERT, _forged_row(6, events[4].hash, valid_hash=False))
+    _sql(_INSERT, _forged_row(6, events[4].hash, valid_hash=valid_hash))
     result = verify_chain()
-    assert not result.ok and result.first_bad_seq == 6
-
-
-@pytest.mark.django_db
-def test_a_row_inserted_with_a_valid_hash_breaks_the_next_link() -> None:
-    events = _append(10)
-    _shift_up_from(6, 10)
-    _sql(_INSERT, _forged_row(6, events[4].hash, valid_hash=True))
-    result = verify_chain()
-    # The forged row itself is well formed; the chain breaks where the real
-    # event 6 (now at 7) no longer hashes.
-    assert not result.ok and result.first_bad_seq == 7
+    assert not result.ok and result.first_bad_seq == first_bad_seq
 
 
 @pytest.mark.django_db
@@ -205,23 +207,7 @@ def test_a_rolled_back_append_leaves_no_gap() -> None:
 def test_four_processes_appending_concurrently_leave_one_contiguous_chain() -> None:
     per_process = 100
     processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.fixtures.core",
-                "append",
-                "--count",
-                str(per_process),
-                "--label",
-                f"writer-{index}",
-            ],
-            cwd=ROOT,
-            env=subprocess_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        spawn_worker("append", "--count", str(per_process), "--label", f"writer-{index}")
         for index in range(4)
     ]
     kept = 0

@@ -22,9 +22,10 @@ from ownership.models import Resource, ResourceVersion
 from tests.fixtures.core import execute, make_action, make_resource, make_run
 
 PROD_ALERTS = "notification-policy/prod-alerts"
+# The barrier is SQL: all but the merge-patch table test reach the database.
+pytestmark = pytest.mark.django_db
 
 
-@pytest.mark.django_db
 def test_the_design_collision_refuses_the_stale_full_document_write(prod_alerts: Any) -> None:
     run_a = make_run("agent-a", task="add a backup destination")
     run_b = make_run("agent-b", task="raise severity")
@@ -85,7 +86,6 @@ def test_the_design_collision_refuses_the_stale_full_document_write(prod_alerts:
     assert verify_chain().ok
 
 
-@pytest.mark.django_db
 def test_an_accepted_write_records_version_operation_and_deadline(prod_alerts: Any) -> None:
     run = make_run()
     action = make_action(
@@ -113,7 +113,6 @@ def test_an_accepted_write_records_version_operation_and_deadline(prod_alerts: A
     assert Resource.objects.get(pk=prod_alerts.pk).last_fence == outcome.fence
 
 
-@pytest.mark.django_db
 def test_a_kind_undo_window_overrides_the_class_window() -> None:
     make_resource("dns-record/www", {"ip": "10.0.0.1"})
     from tests.fixtures.core import make_kind
@@ -145,7 +144,6 @@ def test_merge_patch_follows_rfc_7396() -> None:
     assert target["c"] == {"d": "e", "f": "g"}  # the input is not mutated
 
 
-@pytest.mark.django_db
 def test_a_merge_patch_is_applied_to_the_current_document(prod_alerts: Any) -> None:
     action = make_action(
         run=make_run(),
@@ -161,7 +159,6 @@ def test_a_merge_patch_is_applied_to_the_current_document(prod_alerts: Any) -> N
     }
 
 
-@pytest.mark.django_db
 def test_a_delete_proposes_the_empty_document_while_its_tombstone_keeps_the_last_one() -> None:
     make_resource("dns-record/gone", {"ip": "10.0.0.9"}, version=3)
     delete = make_action(
@@ -177,7 +174,6 @@ def test_a_delete_proposes_the_empty_document_while_its_tombstone_keeps_the_last
     assert history.deleted and history.document == {"ip": "10.0.0.9"}
 
 
-@pytest.mark.django_db
 def test_delete_leaves_a_tombstone_and_create_revives_it() -> None:
     make_resource("dns-record/old", {"ip": "10.0.0.9"}, version=3)
     run = make_run()
@@ -207,7 +203,6 @@ def test_delete_leaves_a_tombstone_and_create_revives_it() -> None:
     assert not resource.deleted and resource.document == {"ip": "10.0.0.10"}
 
 
-@pytest.mark.django_db
 def test_create_of_an_existing_name_is_refused() -> None:
     make_resource("dns-record/taken", {"ip": "10.0.0.1"})
     action = make_action(
@@ -218,7 +213,6 @@ def test_create_of_an_existing_name_is_refused() -> None:
     assert Resource.objects.get(kind_id="dns-record", name="taken").document == {"ip": "10.0.0.1"}
 
 
-@pytest.mark.django_db
 def test_update_of_a_missing_resource_is_refused() -> None:
     from tests.fixtures.core import make_kind
 
@@ -231,7 +225,6 @@ def test_update_of_a_missing_resource_is_refused() -> None:
     assert AuditEvent.objects.filter(event_type="write.refused", action_id=action.pk).exists()
 
 
-@pytest.mark.django_db
 def test_the_kill_switch_is_checked_inside_the_barrier(prod_alerts: Any) -> None:
     run = make_run()
     action = make_action(
@@ -269,7 +262,6 @@ def test_the_kill_switch_is_checked_inside_the_barrier(prod_alerts: Any) -> None
     assert outcome.applied and outcome.result_version == 42
 
 
-@pytest.mark.django_db
 def test_a_redelivered_operation_writes_nothing_twice(prod_alerts: Any) -> None:
     run = make_run()
     action = make_action(
@@ -408,7 +400,6 @@ def test_two_concurrent_creates_of_one_name_leave_one_row() -> None:
     assert verify_chain().ok
 
 
-@pytest.mark.django_db
 def test_open_operation_claims_only_executable_actions(prod_alerts: Any) -> None:
     import uuid
 
@@ -437,7 +428,6 @@ def test_open_operation_claims_only_executable_actions(prod_alerts: Any) -> None
     assert paused.status == ActionStatus.EXECUTING and paused.revision == 2
 
 
-@pytest.mark.django_db
 def test_a_write_executed_by_a_worker_is_attributed_to_its_run(prod_alerts: Any) -> None:
     run = make_run("deploy-bot")
     action = make_action(run=run, identifier=PROD_ALERTS, payload={}, observed_version=41)
@@ -455,7 +445,6 @@ def test_a_write_executed_by_a_worker_is_attributed_to_its_run(prod_alerts: Any)
     assert event.details["executor"] == {"type": "system", "id": "", "label": "worker"}
 
 
-@pytest.mark.django_db
 def test_an_operation_closed_by_the_reconciler_never_writes(prod_alerts: Any) -> None:
     run = make_run()
     action = make_action(
@@ -475,7 +464,6 @@ def test_an_operation_closed_by_the_reconciler_never_writes(prod_alerts: Any) ->
     assert not AuditEvent.objects.filter(action_id=action.pk).exists()
 
 
-@pytest.mark.django_db
 def test_engaged_switch_for_matches_global_prefix_and_exact_scopes() -> None:
     from console.core.killswitch import engaged_switch_for
 

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from typing import Any
@@ -28,26 +27,32 @@ from console.core.fence import (
 )
 from console.core.lock import FencedLock, lock_key
 from ownership.models import Resource
-from tests.conftest import ROOT, PrivateRedis, subprocess_env
-from tests.fixtures.core import execute, make_action, make_resource, make_run
+from tests.conftest import PrivateRedis
+from tests.fixtures.core import execute, make_action, make_resource, make_run, spawn_worker
+
+# Fences come from PostgreSQL: every test here reaches the database.
+pytestmark = pytest.mark.django_db
 
 
 def unique_key() -> str:
     return f"notification-policy/lock-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.mark.django_db
+@pytest.fixture
+def key() -> str:
+    """A lock key no other test uses."""
+    return unique_key()
+
+
 def test_fences_rise_strictly_and_come_from_postgresql() -> None:
     fences = [next_fence() for _ in range(20)]
     assert fences == sorted(set(fences))
     assert current_fence() == fences[-1]
 
 
-@pytest.mark.django_db
 def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, key: str
 ) -> None:
-    key = unique_key()
     first = FencedLock(redis_client, key=key, ttl_ms=5_000)
     fence = first.acquire()
     assert first.fence == fence and first.held()
@@ -71,11 +76,9 @@ def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release
     second.release()
 
 
-@pytest.mark.django_db
 def test_an_expired_lock_cannot_be_renewed_and_its_successor_has_a_larger_fence(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, key: str
 ) -> None:
-    key = unique_key()
     first = FencedLock(redis_client, key=key, ttl_ms=100)
     old_fence = first.acquire()
     time.sleep(0.2)
@@ -92,9 +95,9 @@ def test_an_expired_lock_cannot_be_renewed_and_its_successor_has_a_larger_fence(
     successor.release()
 
 
-@pytest.mark.django_db
-def test_waiting_acquire_gets_the_lock_when_the_holder_releases(redis_client: redis.Redis) -> None:
-    key = unique_key()
+def test_waiting_acquire_gets_the_lock_when_the_holder_releases(
+    redis_client: redis.Redis, key: str
+) -> None:
     with FencedLock(redis_client, key=key, ttl_ms=300) as holder:
         assert holder.held()
         waiter = FencedLock(redis_client, key=key, ttl_ms=1_000)
@@ -106,7 +109,6 @@ def test_waiting_acquire_gets_the_lock_when_the_holder_releases(redis_client: re
     waiter.release()
 
 
-@pytest.mark.django_db
 def test_the_heartbeat_keeps_the_lock_past_its_ttl(redis_client: redis.Redis) -> None:
     # TTL 1 s renewed every 250 ms: a scheduling stall of up to ~750 ms on a loaded
     # machine still renews in time. The sleep is the subject (time passing past the
@@ -120,7 +122,6 @@ def test_the_heartbeat_keeps_the_lock_past_its_ttl(redis_client: redis.Redis) ->
     assert lock.release() is True
 
 
-@pytest.mark.django_db
 def test_flushall_and_a_restart_of_redis_never_send_the_fence_backwards(
     private_redis: PrivateRedis,
 ) -> None:
@@ -162,7 +163,6 @@ def test_flushall_and_a_restart_of_redis_never_send_the_fence_backwards(
     assert Resource.objects.get(pk=resource.pk).document == {"v": 3}
 
 
-@pytest.mark.django_db
 def test_ensure_fence_floor_lifts_a_sequence_left_behind_by_a_restore() -> None:
     ensure_fence_floor_once()  # this process has taken its first fence already
     resource = make_resource("notification-policy/restored", {}, version=1)
@@ -180,16 +180,9 @@ def test_ensure_fence_floor_lifts_a_sequence_left_behind_by_a_restore() -> None:
 
 
 def _spawn(action_id: Any, key: str, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.fixtures.core", "write", "--action", str(action_id),
-         "--key", key, "--ttl-ms", "1000", *extra],
-        cwd=ROOT,
-        env=subprocess_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    return spawn_worker(
+        "write", "--action", str(action_id), "--key", key, "--ttl-ms", "1000", *extra
+    )
 
 
 def _read_event(process: subprocess.Popen[str]) -> dict[str, Any]:
@@ -306,28 +299,10 @@ def _increment_in_processes(
     make_resource(key, {"n": 0}, version=1)
     run = make_run(f"counter-{uuid.uuid4().hex[:6]}")
     workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.fixtures.core",
-                "increment",
-                "--run",
-                str(run.pk),
-                "--key",
-                key,
-                "--count",
-                str(count),
-                "--label",
-                f"p{index}",
-                *(["--lock"] if lock else []),
-            ],
-            cwd=ROOT,
-            env=subprocess_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        spawn_worker(
+            "increment",
+            *("--run", str(run.pk), "--key", key, "--count", str(count), "--label", f"p{index}"),
+            *(["--lock"] if lock else []),
         )
         for index in range(processes)
     ]

@@ -14,9 +14,6 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from audit.verify import verify_chain
 from console.core.errors import KillSwitchEngaged
-from console.core.fence import next_fence
-from console.core.operations import open_operation
-from console.core.undo import apply_undo
 from console.models import KillSwitch
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.core import execute, make_action, make_resource, make_run, undo
@@ -173,20 +170,7 @@ def test_two_concurrent_undos_apply_exactly_once() -> None:
         original = Operation.objects.get(pk=written.operation_id)
 
         def ask(index: int, original: Operation = original) -> Any:
-            fence = next_fence()
-            undo_op = open_operation(
-                action_id=original.action_id,
-                fence=fence,
-                worker=f"undo-{index}",
-                lease_seconds=60,
-                undo_of_id=original.pk,
-            )
-            return apply_undo(
-                operation_id=original.pk,
-                undo_operation_id=undo_op.pk,
-                fence=fence,
-                actor=Actor.system("test"),
-            )
+            return undo(original.pk, actor=Actor.system("test"), worker=f"undo-{index}")
 
         results = _race(2, ask)
         assert not [r for r in results if isinstance(r, BaseException)], results

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from django.conf import settings
 
-from tests.conftest import ROOT, free_port, test_database_url
+from tests.conftest import ROOT, free_port, start_make_run, test_database_url
 from tests.deployload import (
     ConnectionSampler,
     ProcfileProcess,
@@ -102,14 +102,7 @@ def test_make_run_embedded_default_answers_32_polling_clients_without_a_5xx(
     port = free_port()
     env = default_environment(AIRLOCK_DATA_DIR=str(data_dir), PORT=str(port), AIRLOCK_DEMO="0")
     log = tmp_path / "run.log"
-    runner = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "run.py")],
-        cwd=ROOT,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    runner = start_make_run(env, log)
     web = ProcfileProcess(name="make run", process=runner, log=log, url=f"http://127.0.0.1:{port}")
     try:
         wait_until_healthy(web, timeout=90)

@@ -39,6 +39,11 @@ def _pending_item(api: Any, person: Any, action_id: str) -> dict[str, Any]:
     return item
 
 
+def _decide(api: Any, person: Any, item: dict[str, Any], **decision: str) -> Any:
+    """POST `decision` ({"decision": ..., "comment": ...}) on the approval `item`."""
+    return api.post(f"/api/v1/approvals/{item['id']}/decision", token=person.token, body=decision)
+
+
 def test_propose_approve_apply_through_the_api(
     api: Any, run: Any, operator: Any, prod_alerts: Any, rq_worker: Any
 ) -> None:
@@ -48,17 +53,9 @@ def test_propose_approve_apply_through_the_api(
     assert action["status"] == "pending_approval"
 
     item = _pending_item(api, operator, action["id"])
-    decided = api.post(
-        f"/api/v1/approvals/{item['id']}/decision",
-        token=operator.token,
-        body={"decision": "approve", "comment": "looks right"},
-    )
+    decided = _decide(api, operator, item, decision="approve", comment="looks right")
     assert decided.status_code == 200, decided.content
-    again = api.post(
-        f"/api/v1/approvals/{item['id']}/decision",
-        token=operator.token,
-        body={"decision": "approve"},
-    )
+    again = _decide(api, operator, item, decision="approve")
     assert again.status_code == 409 and again["Content-Type"] == "application/problem+json"
 
     wait_for(lambda: _action(api, run.token, action["id"])["status"] == "applied", timeout=20)
@@ -73,11 +70,7 @@ def test_a_rejection_comment_reaches_the_agent_and_expiry_expires(
 ) -> None:
     rejected = _propose(api, run, {"severity": "info"}, "key-reject-00001")
     item = _pending_item(api, operator, rejected["id"])
-    response = api.post(
-        f"/api/v1/approvals/{item['id']}/decision",
-        token=operator.token,
-        body={"decision": "reject", "comment": "info would hide pages"},
-    )
+    response = _decide(api, operator, item, decision="reject", comment="info would hide pages")
     assert response.status_code == 200, response.content
     body = _action(api, run.token, rejected["id"])
     assert body["status"] == "rejected"
@@ -117,11 +110,7 @@ def test_a_collision_is_resolved_by_merge_and_a_later_undo_becomes_a_conflict(
     )
     for action in (first, second):
         item = _pending_item(api, operator, action["id"])
-        response = api.post(
-            f"/api/v1/approvals/{item['id']}/decision",
-            token=operator.token,
-            body={"decision": "approve"},
-        )
+        response = _decide(api, operator, item, decision="approve")
         assert response.status_code == 200, response.content
     wait_for(
         lambda: (

@@ -15,6 +15,7 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import Forbidden, InvalidTransition, ValidationFailed
 from ownership.models import ConflictClass, Resource, ResourceVersion
+from tests.fixtures.engine import reject
 
 pytestmark = pytest.mark.django_db
 
@@ -59,12 +60,7 @@ def test_a_rejected_action_carries_the_comment_for_the_agent(
 ) -> None:
     action = _propose_replace(engine_world, policy, {"destinations": []})
     approval = Approval.objects.get(action=action)
-    approval_decide(
-        approval_id=approval.pk,
-        actor=Actor.person(engine_world.operator),
-        decision="reject",
-        comment="removing every destination silences prod",
-    )
+    reject(approval, engine_world.operator, "removing every destination silences prod")
     action.refresh_from_db()
     assert action.status == "rejected"
     assert action.error["code"] == "rejected"
@@ -194,12 +190,7 @@ def test_one_reject_ends_a_quorum_approval(engine_world: Any, policy: Any) -> No
     approval_decide(
         approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"
     )
-    approval_decide(
-        approval_id=approval.pk,
-        actor=Actor.person(engine_world.operator2),
-        decision="reject",
-        comment="no",
-    )
+    reject(approval, engine_world.operator2, "no")
     action.refresh_from_db()
     assert action.status == "rejected"
 
@@ -339,11 +330,6 @@ def test_a_run_approval_activates_the_run_and_a_rejection_rejects_it(
 
     second = make("second")
     approval = Approval.objects.get(run=second, subject="run")
-    approval_decide(
-        approval_id=approval.pk,
-        actor=Actor.person(engine_world.operator),
-        decision="reject",
-        comment="scope",
-    )
+    reject(approval, engine_world.operator, "scope")
     second.refresh_from_db()
     assert second.status == "rejected"

@@ -9,14 +9,13 @@ import pytest
 from django.utils import timezone
 
 from approvals.models import Action, Approval, Operation
-from approvals.services.decisions import approval_decide
 from approvals.services.execution import action_execute
 from approvals.services.undo import action_undo_request, undo_execute
 from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import Forbidden, InvalidTransition, UndoWindowExpired, ValidationFailed
 from ownership.diff import apply_merge_patch, merge_documents, three_way_diff
-from ownership.models import Conflict, Resource, ResourceVersion
+from ownership.models import Conflict, Resource
 from ownership.selectors import conflict_list_for_person
 from ownership.services.resolution import conflict_merge_preview, conflict_resolve
 
@@ -83,34 +82,6 @@ def world(engine_world: Any, engine_redis: Any) -> Any:
     return engine_world
 
 
-def _collide(
-    world: Any,
-    kind: Any,
-    name: str,
-    proposal: dict[str, Any],
-    other: dict[str, Any],
-    *,
-    payload_format: str = "replace",
-) -> Action:
-    """The design's collision: the agent read v1, someone else wrote v2 first."""
-    world.resource(kind, name, {"destinations": ["oncall"], "severity": "high"})
-    action = world.propose(
-        kind, name, payload=proposal, payload_format=payload_format, observed_version=1
-    )
-    if action.status == "pending_approval":
-        approval_decide(
-            approval_id=Approval.objects.get(action=action).pk,
-            actor=Actor.person(world.operator),
-            decision="approve",
-        )
-    resource = Resource.objects.get(kind=kind, name=name)
-    Resource.objects.filter(pk=resource.pk).update(document=other, version=2)
-    ResourceVersion.objects.create(resource=resource, version=2, document=other, operation="update")
-    assert action_execute(action_id=action.pk) == "conflict"
-    action.refresh_from_db()
-    return action
-
-
 @pytest.mark.parametrize("slug", ["add_unique", "recompute_field"])
 def test_agent_classes_return_the_conflict_to_the_agent(world: Any, slug: str) -> None:
     if slug == "add_unique":
@@ -121,7 +92,7 @@ def test_agent_classes_return_the_conflict_to_the_agent(world: Any, slug: str) -
         action.refresh_from_db()
     else:
         kind = world.kind("report", update="recompute_field")
-        action = _collide(world, kind, "daily", {"total": 3}, {"total": 5})
+        action = world.collide(kind, "daily", {"total": 3}, {"total": 5})
     assert action.status == "conflict"
     assert action.error["retryable_by_agent"] is True
     assert action.error["resolver"] == "agent" and action.error["conflict_class"] == slug
@@ -143,8 +114,7 @@ def test_person_classes_open_a_conflict_for_their_resolver_group(
     world: Any, slug: str, group: str
 ) -> None:
     kind = world.kind("thing", update=slug)
-    action = _collide(
-        world,
+    action = world.collide(
         kind,
         "x",
         {"destinations": ["oncall", "backup"], "severity": "high"},
@@ -173,8 +143,7 @@ def test_merge_resolution_creates_a_new_action_on_the_current_version_and_execut
     world: Any,
 ) -> None:
     kind = world.kind("group", update="access_change")
-    action = _collide(
-        world,
+    action = world.collide(
         kind,
         "admins",
         {"destinations": ["oncall", "backup"], "severity": "low"},
@@ -226,7 +195,7 @@ def test_merge_resolution_creates_a_new_action_on_the_current_version_and_execut
 
 def test_keep_current_closes_the_conflict_without_writing(world: Any) -> None:
     kind = world.kind("policy", update="replace_shared_document")
-    action = _collide(world, kind, "p", {"severity": "low"}, {"severity": "critical"})
+    action = world.collide(kind, "p", {"severity": "low"}, {"severity": "critical"})
     conflict = Conflict.objects.get(pk=action.error["conflict_id"])
     # the agent's owner is an operator, but may not settle their own agent's write
     with pytest.raises(Forbidden) as excinfo:
@@ -249,7 +218,7 @@ def test_keep_current_closes_the_conflict_without_writing(world: Any) -> None:
 
 def test_take_proposed_writes_the_agents_document_over_the_current_version(world: Any) -> None:
     kind = world.kind("pointer", update="advance_pointer")
-    action = _collide(world, kind, "release", {"release": "v2"}, {"release": "v3"})
+    action = world.collide(kind, "release", {"release": "v2"}, {"release": "v3"})
     conflict = Conflict.objects.get(pk=action.error["conflict_id"])
     resolved = conflict_resolve(
         conflict_id=conflict.pk, actor=Actor.person(world.release_owner), choice="take_proposed"
@@ -260,8 +229,7 @@ def test_take_proposed_writes_the_agents_document_over_the_current_version(world
 
 def test_a_merge_patch_proposal_is_diffed_as_the_patch_applied_to_the_base(world: Any) -> None:
     kind = world.kind("policy2", update="replace_shared_document")
-    action = _collide(
-        world,
+    action = world.collide(
         kind,
         "p",
         {"destinations": ["oncall", "backup"]},
@@ -327,14 +295,9 @@ def test_undo_after_a_later_write_opens_a_conflict_for_a_person(world: Any) -> N
     kind = world.kind("cfg", update="recompute_field", owner_group="owners")
     owner = world.person("oscar", "owners")
     action = _applied(world, kind, "a")
-    later = world.propose(kind, "a", payload={"v": 3}, observed_version=2, run=world.other_run)
-    assert action_execute(action_id=later.pk) == "applied"
-
-    undo = action_undo_request(
-        action_id=action.pk, actor=Actor.person(owner), idempotency_key="undo-key-3"
+    conflict = world.undo_into_conflict(
+        action, later_payload={"v": 3}, observed_version=2, requester=owner, key="undo-key-3"
     )
-    assert undo_execute(undo_operation_id=undo.pk) == "conflict"
-    conflict = Conflict.objects.get(action=action, origin="undo")
     assert conflict.status == "open" and conflict.resolver_group == "owners"
     assert conflict.current_document == {"v": 3} and conflict.proposed_document == {"v": 1}
     assert Resource.objects.get(kind=kind, name="a").document == {"v": 3}

@@ -11,7 +11,6 @@ recorded once, one resolution.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +19,7 @@ from django.db import OperationalError, transaction
 from django.utils import timezone
 
 from approvals.models import Action, Approval, ApprovalDecision, Operation, Run
+from approvals.services.actions import action_cancel
 from approvals.services.attempts import WORKER_ACTOR, operation_lease_seconds
 from approvals.services.decisions import approval_decide
 from approvals.services.execution import action_execute
@@ -33,7 +33,7 @@ from console.core.lock import lock_key
 from console.core.operations import open_operation
 from console.models import KillSwitch
 from console.services import kill_switch_set
-from ownership.models import Conflict, ConflictClass, Resource, ResourceVersion
+from ownership.models import Conflict, ConflictClass, Resource
 from ownership.services.resolution import conflict_resolve
 from tests.races import WAIT, Holder, Worker, wait_for_lock_waiters
 from tests.targetserver import TargetServer
@@ -240,14 +240,10 @@ def test_approving_a_run_while_another_run_of_the_kind_is_created_does_not_deadl
     assert Run.objects.get(pk=second.pk).status == "pending_approval"
 
 
-def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
-    world: Any, policy: Any
-) -> None:
-    from approvals.services.actions import action_cancel
-
-    action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
-    approval = Approval.objects.get(action=action)
-    # action_cancel locks the action row first (its conditional UPDATE), then the approval.
+def _cancel_holding_the_action_row(action: Action, actor: Actor) -> tuple[Worker, threading.Event]:
+    """A started worker that locks the action row (action_cancel's first lock) and,
+    once `release` is set, cancels the action in that transaction: the other side
+    of a race starts in between and must queue behind it, not deadlock."""
     release = threading.Event()
     gate = threading.Event()
 
@@ -256,13 +252,22 @@ def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
             _lock_action_row(action)
             gate.set()
             assert release.wait(WAIT)
-            return action_cancel(
-                action=Action.objects.get(pk=action.pk), actor=Actor.run(world.run)
-            )
+            return action_cancel(action=Action.objects.get(pk=action.pk), actor=actor)
 
     canceller = Worker(cancel)
     canceller.start()
     assert gate.wait(WAIT)
+    return canceller, release
+
+
+def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
+    world: Any, policy: Any
+) -> None:
+
+    action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
+    approval = Approval.objects.get(action=action)
+    # action_cancel locks the action row first (its conditional UPDATE), then the approval.
+    canceller, release = _cancel_holding_the_action_row(action, Actor.run(world.run))
     decider = Worker(
         lambda: approval_decide(
             approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve"
@@ -286,25 +291,10 @@ def test_cancelling_an_action_while_its_run_is_revoked_does_not_deadlock(
 ) -> None:
     """Needs runs._end (API area) to update the run's actions before its approvals
     (run -> action -> approval -> audit); before that change this deadlocked."""
-    from approvals.services.actions import action_cancel
     from approvals.services.runs import run_revoke
 
     action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
-    release = threading.Event()
-    gate = threading.Event()
-
-    def cancel() -> Any:
-        with transaction.atomic():
-            _lock_action_row(action)  # action_cancel's first statement locks the action
-            gate.set()
-            assert release.wait(WAIT)
-            return action_cancel(
-                action=Action.objects.get(pk=action.pk), actor=Actor.run(world.run)
-            )
-
-    canceller = Worker(cancel)
-    canceller.start()
-    assert gate.wait(WAIT)
+    canceller, release = _cancel_holding_the_action_row(action, Actor.run(world.run))
     revoker = Worker(
         lambda: run_revoke(
             run=Run.objects.get(pk=world.run.pk), actor=Actor.person(world.operator), reason="stop"
@@ -366,22 +356,12 @@ def test_two_operators_deciding_a_quorum_two_approval_at_once_both_count(
 
 def _collide(world: Any, kind: Any, name: str) -> Action:
     """The agent read v1, someone else wrote v2 first: a conflict for a person."""
-    world.resource(kind, name, {"destinations": ["oncall"], "severity": "high"})
-    action = world.propose(
-        kind, name, payload={"destinations": ["oncall", "backup"]}, observed_version=1
+    action: Action = world.collide(
+        kind,
+        name,
+        {"destinations": ["oncall", "backup"]},
+        {"destinations": ["oncall"], "severity": "critical"},
     )
-    if action.status == "pending_approval":
-        approval_decide(
-            approval_id=Approval.objects.get(action=action).pk,
-            actor=Actor.person(world.operator),
-            decision="approve",
-        )
-    resource = Resource.objects.get(kind=kind, name=name)
-    other = {"destinations": ["oncall"], "severity": "critical"}
-    Resource.objects.filter(pk=resource.pk).update(document=other, version=2)
-    ResourceVersion.objects.create(resource=resource, version=2, document=other, operation="update")
-    assert action_execute(action_id=action.pk) == "conflict"
-    action.refresh_from_db()
     return action
 
 
@@ -449,21 +429,14 @@ def test_a_resolution_of_a_quorum_two_class_waits_for_a_second_person(world: Any
 
 
 def test_resolving_the_undo_conflict_of_a_create_deletes_the_resource(world: Any) -> None:
-    from approvals.services.undo import action_undo_request, undo_execute
-
     kind = world.kind("cfg2", create="add_unique", update="recompute_field", owner_group="owners")
     requester = world.person("oscar", "owners")
     resolver = world.person("otto", "owners")
     created = world.propose(kind, "new", operation="create", payload={"v": 1})
     assert action_execute(action_id=created.pk) == "applied"
-    later = world.propose(kind, "new", payload={"v": 2}, observed_version=1, run=world.other_run)
-    assert action_execute(action_id=later.pk) == "applied"
-
-    undo = action_undo_request(
-        action_id=created.pk, actor=Actor.person(requester), idempotency_key="undo-c-1"
+    conflict = world.undo_into_conflict(
+        created, later_payload={"v": 2}, observed_version=1, requester=requester, key="undo-c-1"
     )
-    assert undo_execute(undo_operation_id=undo.pk) == "conflict"
-    conflict = Conflict.objects.get(action=created, origin="undo")
     resolved = conflict_resolve(
         conflict_id=conflict.pk, actor=Actor.person(resolver), choice="take_proposed"
     )
@@ -545,11 +518,13 @@ def test_an_engage_waits_for_a_barrier_already_past_its_check(world: Any, cfg: A
 # -- finding 8: a stale HTTP worker records nothing twice -------------------------------
 
 
-@pytest.fixture
-def target() -> Iterator[TargetServer]:
-    server = TargetServer().start()
-    yield server
-    server.stop()
+def _queued_http_write(world: Any, target: TargetServer, settings: Any) -> Action:
+    """A queued update of ext-policy/prod, an HTTP target at version 4 (5 s timeout)."""
+    settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 5
+    kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
+    target.seed("prod", {"severity": "high"}, version=4)
+    action: Action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
+    return action
 
 
 def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
@@ -557,10 +532,7 @@ def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
 ) -> None:
     from console.core import targets
 
-    settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 5
-    kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
-    target.seed("prod", {"severity": "high"}, version=4)
-    action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
+    action = _queued_http_write(world, target, settings)
 
     real_write = targets.HttpTarget.write
     sent = threading.Event()
@@ -604,10 +576,7 @@ def test_a_stale_http_worker_resuming_with_a_retry_does_not_steal_the_new_claim(
 ) -> None:
     from console.core import targets
 
-    settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 5
-    kind = world.kind("ext-policy", update="recompute_field", target_url=target.url)
-    target.seed("prod", {"severity": "high"}, version=4)
-    action = world.propose(kind, "prod", payload={"severity": "low"}, observed_version=4)
+    action = _queued_http_write(world, target, settings)
     target.fail_next(503)  # worker A is told "try later" ...
 
     real_write = targets.HttpTarget.write

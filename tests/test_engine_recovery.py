@@ -91,9 +91,8 @@ def test_the_reconcile_command_resends_a_lost_job(engine_world: Any, engine_redi
 def test_housekeeping_expires_leases_and_closes_undo_windows_once(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "a", {"n": 0})
-    action = engine_world.propose(kind, "a", payload={"n": 1}, observed_version=1)
+    action = engine_world.proposed_update("a", {"n": 0}, {"n": 1})
+    kind = action.kind
     assert action_execute(action_id=action.pk) == "applied"
     lease = OwnershipRecord.objects.create(
         run=engine_world.run,

@@ -6,10 +6,12 @@ from typing import Any
 
 import pytest
 
-from approvals.models import Action, Operation
+from approvals.models import Action, Operation, Run
 from approvals.selectors import actions_visible_to, approval_list_for_person
+from approvals.services.actions import action_cancel
 from approvals.services.attempts import route_refusal
 from approvals.services.execution import action_execute
+from approvals.services.runs import RunNotActive
 from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.barrier import apply_action
@@ -79,9 +81,8 @@ def test_engaging_twice_is_a_no_op_and_release_resumes_only_uncovered_work(
 def test_a_stale_fence_is_recorded_and_retried_with_a_new_fence(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "a", {"n": 0})
-    action = engine_world.propose(kind, "a", payload={"n": 1}, observed_version=1)
+    action = engine_world.proposed_update("a", {"n": 0}, {"n": 1})
+    kind = action.kind
     fence = next_fence()
     operation = open_operation(action_id=action.pk, fence=fence, worker="zombie", lease_seconds=30)
     Resource.objects.filter(kind=kind, name="a").update(last_fence=fence)  # a newer holder's mark
@@ -107,9 +108,8 @@ def test_a_delivery_that_finds_the_action_moved_on_once_it_holds_the_lock_claims
     """The action leaves `queued` between the job's first read and its lock (another
     delivery finished it, a kill switch paused it): the claim under the lock refuses it,
     so no operation is opened and the action is not moved."""
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "late", {"n": 0})
-    action = engine_world.propose(kind, "late", payload={"n": 1}, observed_version=1)
+    action = engine_world.proposed_update("late", {"n": 0}, {"n": 1})
+    kind = action.kind
     real_acquire = FencedLock.acquire
 
     def moved_then_acquire(lock: FencedLock, wait_seconds: float | None = None) -> int:
@@ -161,3 +161,25 @@ def test_paused_work_whose_switch_disappeared_is_resumed_by_the_reconciler(
     assert reconcile()["resumed"] == 1
     action.refresh_from_db()
     assert action.status == "queued"
+
+
+def test_action_cancel_decides_who_may_cancel(engine_world: Any) -> None:
+    """The rule lives in the service, not in its callers: operators, the agent, and
+    its run's token while the run is active."""
+    world = engine_world
+    action = world.proposed_update("c1", {"v": 1}, {"v": 2})
+    owner = world.person("oscar", "owners")  # reads the resource's actions, is no operator
+    for person in (owner, world.outsider):
+        with pytest.raises(Forbidden):
+            action_cancel(action=action, actor=Actor.person(person))
+    with pytest.raises(NotFound):
+        action_cancel(action=action, actor=Actor.run(world.other_run))
+    with pytest.raises(NotFound):
+        action_cancel(action=action, actor=Actor.agent(world.other_run.agent))
+    Run.objects.filter(pk=world.run.pk).update(status="revoked")
+    with pytest.raises(RunNotActive):
+        action_cancel(action=action, actor=Actor.run(Run.objects.get(pk=world.run.pk)))
+    assert not AuditEvent.objects.filter(event_type="action.cancelled").exists()
+    assert action_cancel(action=action, actor=Actor.person(world.operator)).status == "cancelled"
+    other = world.propose(action.kind, "c1", payload={"v": 3}, observed_version=1)
+    assert action_cancel(action=other, actor=Actor.agent(world.agent)).status == "cancelled"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,13 +17,6 @@ from ownership.models import Conflict
 from tests.targetserver import TargetServer
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def target() -> Iterator[TargetServer]:
-    server = TargetServer().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -172,9 +164,7 @@ def test_undo_is_refused_for_an_http_target(
 def test_a_worker_replays_a_timed_out_http_write_with_the_same_key_exactly_once(
     engine_world: Any, engine_redis: Any, target: TargetServer, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("ext-policy", update="recompute_field", target_url=target.url)
-    target.seed("prod", {"n": 1})
-    target.hang_after_apply(2.0)
+    kind = engine_world.hanging_http_kind(target, 2.0)
     worker = rq_worker(AIRLOCK_TARGET_TIMEOUT_SECONDS="0.5")
     action = engine_world.propose(kind, "prod", payload={"n": 2}, observed_version=1)
 

@@ -35,12 +35,8 @@ def _final(*actions: Action) -> bool:
 def test_an_approved_per_call_action_is_applied_by_a_worker(
     engine_world: Any, engine_redis: Any, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("notification-policy")
-    engine_world.resource(kind, "prod-alerts", {"severity": "high"})
+    action = engine_world.proposed_critical_alert()
     worker = rq_worker()
-    action = engine_world.propose(
-        kind, "prod-alerts", payload={"severity": "critical"}, observed_version=1
-    )
     approval = Approval.objects.get(action=action)
     from approvals.notify import action_channel
 

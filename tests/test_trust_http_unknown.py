@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -22,13 +21,6 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from tests.fixtures.engine import ROOT, wait_for
 from tests.targetserver import TargetServer
-
-
-@pytest.fixture
-def target() -> Iterator[TargetServer]:
-    server = TargetServer().start()
-    yield server
-    server.stop()
 
 
 def _status(action: Any) -> str:
@@ -51,9 +43,7 @@ def test_an_unknown_http_write_survives_the_run_end_and_its_replay_settles_it_on
     engine_world: Any, engine_redis: Any, target: TargetServer, settings: Any, end: str
 ) -> None:
     settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 0.5
-    kind = engine_world.kind("ext-policy", update="recompute_field", target_url=target.url)
-    target.seed("prod", {"n": 1})
-    target.hang_after_apply(1.5)
+    kind = engine_world.hanging_http_kind(target, 1.5)
     action = engine_world.propose(kind, "prod", payload={"n": 2}, observed_version=1)
     assert action_execute(action_id=action.pk) == "unknown"
     assert target.effects == 1
@@ -96,9 +86,7 @@ def test_an_http_write_abandoned_in_flight_survives_the_run_end(
 def test_a_worker_settles_a_timed_out_http_write_after_the_run_finished(
     engine_world: Any, engine_redis: Any, target: TargetServer, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("ext-policy", update="recompute_field", target_url=target.url)
-    target.seed("prod", {"n": 1})
-    target.hang_after_apply(2.0)
+    kind = engine_world.hanging_http_kind(target, 2.0)
     # A long first backoff: the run finishes while the write waits for its replay.
     worker = rq_worker(
         AIRLOCK_TARGET_TIMEOUT_SECONDS="0.5",
@@ -119,9 +107,8 @@ def test_a_worker_settles_a_timed_out_http_write_after_the_run_finished(
 def test_the_operation_lease_is_renewed_while_the_target_call_runs(
     engine_world: Any, engine_redis: Any, target: TargetServer, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("ext-policy", update="recompute_field", target_url=target.url)
-    target.seed("prod", {"n": 1})
-    target.hang_after_apply(1.3)  # answers inside the 1.4 s timeout, after a few heartbeats
+    # The target answers inside the 1.4 s timeout, after a few heartbeats.
+    kind = engine_world.hanging_http_kind(target, 1.3)
     worker = rq_worker(AIRLOCK_LOCK_TTL_MS="1500", AIRLOCK_TARGET_TIMEOUT_SECONDS="1.4")
     action = engine_world.propose(kind, "prod", payload={"n": 2}, observed_version=1)
     wait_for(lambda: Operation.objects.filter(action=action).exists())

@@ -87,7 +87,11 @@ def test_completing_a_record_that_was_taken_over_raises_and_rolls_the_request_ba
     from audit.services import Actor, audit_append
 
     begin = idempotency.idempotency_begin(
-        agent=run.agent, key="key-gone-00001", method="PATCH", path=PROD, fingerprint="f" * 64
+        actor=Actor.agent(run.agent),
+        key="key-gone-00001",
+        method="PATCH",
+        path=PROD,
+        fingerprint="f" * 64,
     )
     assert begin.record_id is not None
     IdempotencyRecord.objects.filter(pk=begin.record_id).delete()  # a retry took it over
@@ -124,19 +128,23 @@ def undo_requests() -> int:
     return AuditEvent.objects.filter(event_type="undo.requested").count()
 
 
+@pytest.fixture(params=["run", "operator"])
+def undo_token(request: pytest.FixtureRequest, run: Any, operator: Any) -> str:
+    """Each undo test runs twice: with the run's token and with an operator's."""
+    return str(run.token if request.param == "run" else operator.token)
+
+
 @pytest.mark.django_db
-@pytest.mark.parametrize("who", ["run", "operator"])
 def test_an_undo_retried_with_its_key_replays_the_first_answer(
-    api: Any, run: Any, operator: Any, prod_alerts: Any, who: str
+    api: Any, run: Any, prod_alerts: Any, undo_token: str
 ) -> None:
-    token = run.token if who == "run" else operator.token
     action = _applied_action(run, 41)
-    first = undo(api, action, token, "undo-key-0001")
+    first = undo(api, action, undo_token, "undo-key-0001")
     assert first.status_code == 202, first.content
     assert "Idempotent-Replayed" not in first
     # The action moves on, so a fresh answer would differ from the stored one.
     Action.objects.filter(pk=action.pk).update(reason="changed since")
-    again = undo(api, action, token, "undo-key-0001")
+    again = undo(api, action, undo_token, "undo-key-0001")
     assert again.status_code == 202
     assert again["Idempotent-Replayed"] == "true"
     assert again.content == first.content
@@ -161,16 +169,14 @@ def test_an_undo_replay_is_answered_even_after_the_window_closed(
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("who", ["run", "operator"])
 def test_an_undo_key_reused_for_another_action_is_422_and_changes_nothing(
-    api: Any, run: Any, operator: Any, prod_alerts: Any, who: str
+    api: Any, run: Any, prod_alerts: Any, undo_token: str
 ) -> None:
-    token = run.token if who == "run" else operator.token
     first_action = _applied_action(run, 41)
     second_action = _applied_action(run, 42)
-    assert undo(api, first_action, token, "undo-key-reuse").status_code == 202
+    assert undo(api, first_action, undo_token, "undo-key-reuse").status_code == 202
     records, audit = IdempotencyRecord.objects.count(), AuditEvent.objects.count()
-    response = undo(api, second_action, token, "undo-key-reuse")
+    response = undo(api, second_action, undo_token, "undo-key-reuse")
     assert response.status_code == 422, response.content
     assert json.loads(response.content)["code"] == "idempotency_key_reused"
     assert not Operation.objects.filter(action=second_action, undo_of__isnull=False).exists()

@@ -45,6 +45,14 @@ def _run_approval(run: Run) -> Approval:
     return Approval.objects.get(run=run, subject="run")
 
 
+def _quorum_two_run(agent: AgentActor) -> tuple[Run, Approval]:
+    """A run of DNS_UPDATE whose class (recompute_field) needs two approvals, and its
+    pending run approval."""
+    ConflictClass.objects.filter(slug="recompute_field").update(quorum=2)
+    run = _create(agent, DNS_UPDATE)
+    return run, _run_approval(run)
+
+
 @pytest.fixture
 def second_operator(db: Any) -> Person:
     return make_person_with_token("bea", "operators")
@@ -53,9 +61,7 @@ def second_operator(db: Any) -> Person:
 def test_one_approval_of_a_quorum_two_run_leaves_it_pending_and_a_second_person_activates_it(
     agent: AgentActor, operator: Person, second_operator: Person
 ) -> None:
-    ConflictClass.objects.filter(slug="recompute_field").update(quorum=2)
-    run = _create(agent, DNS_UPDATE)
-    approval = _run_approval(run)
+    run, approval = _quorum_two_run(agent)
     assert run.status == "pending_approval" and approval.quorum == 2
 
     approval_decide(approval_id=approval.pk, actor=Actor.person(operator.user), decision="approve")
@@ -77,9 +83,7 @@ def test_one_approval_of_a_quorum_two_run_leaves_it_pending_and_a_second_person_
 def test_the_same_person_approving_twice_counts_once_and_leaves_the_run_pending(
     agent: AgentActor, operator: Person
 ) -> None:
-    ConflictClass.objects.filter(slug="recompute_field").update(quorum=2)
-    run = _create(agent, DNS_UPDATE)
-    approval = _run_approval(run)
+    run, approval = _quorum_two_run(agent)
     approval_decide(approval_id=approval.pk, actor=Actor.person(operator.user), decision="approve")
     events = AuditEvent.objects.count()
 
@@ -164,9 +168,7 @@ def test_the_agents_owner_does_not_count_toward_a_run_quorum(
 def test_the_approvals_list_shows_votes_so_far_against_the_run_quorum(
     api: Any, agent: AgentActor, operator: Person, second_operator: Person
 ) -> None:
-    ConflictClass.objects.filter(slug="recompute_field").update(quorum=2)
-    run = _create(agent, DNS_UPDATE)
-    approval = _run_approval(run)
+    _, approval = _quorum_two_run(agent)
     approval_decide(approval_id=approval.pk, actor=Actor.person(operator.user), decision="approve")
 
     listed = json.loads(api.get("/api/v1/approvals", token=second_operator.token).content)
@@ -185,9 +187,7 @@ def test_the_approvals_list_shows_votes_so_far_against_the_run_quorum(
 def test_two_people_voting_at_once_activate_the_run_exactly_once(
     agent: AgentActor, operator: Person, second_operator: Person
 ) -> None:
-    ConflictClass.objects.filter(slug="recompute_field").update(quorum=2)
-    run = _create(agent, DNS_UPDATE)
-    approval = _run_approval(run)
+    run, approval = _quorum_two_run(agent)
 
     # Hold the run row so both votes queue behind it, then let them race.
     holder = Holder(

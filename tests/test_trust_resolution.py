@@ -22,6 +22,7 @@ from console.core.errors import Forbidden
 from ownership.models import ConflictClass, Resource, ResourceVersion
 from ownership.services.resolution import conflict_resolve
 from tests.fixtures.api import make_active_run
+from tests.fixtures.engine import reject
 
 pytestmark = pytest.mark.django_db
 
@@ -155,12 +156,7 @@ def test_a_rejected_resolution_reopens_the_conflict(world: Any) -> None:
     conflict = _conflict(world, quorum=2)
     resolution = _resolve(world, conflict)
     approval = Approval.objects.get(action=resolution, status="pending")
-    approval_decide(
-        approval_id=approval.pk,
-        actor=Actor.person(world.operator),
-        decision="reject",
-        comment="not this",
-    )
+    reject(approval, world.operator, "not this")
     resolution.refresh_from_db()
     assert resolution.status == "rejected"
     _reopened(conflict, "resolution rejected")

@@ -27,19 +27,23 @@ from tests.conftest import ROOT, subprocess_env
 from tests.fixtures.audit import ordinary_role_in_maintenance
 from tests.fixtures.console import PASSWORD, People
 from tests.fixtures.engine import wait_for
-from tests.test_settings_deploy import PRODUCTION
+from tests.test_settings_deploy import PRODUCTION, check_deploy
 
 # -- (a) the fence floor ---------------------------------------------------------------
 
 
-def _restore_an_older_sequence(resource: Resource) -> int:
-    """What a restore does: rows carry fences the (older) sequence has not reached."""
+def _restore_an_older_sequence(world: Any) -> tuple[Any, int]:
+    """What a restore does: rows carry fences the (older) sequence has not reached.
+    Returns the kind of the restored resource (cfg/restored at version 1) and the
+    fence its row carries."""
+    kind = world.kind("cfg", update="recompute_field")
+    resource = world.resource(kind, "restored", {"v": 1})
     floor = current_fence() + 10_000
     Resource.objects.filter(pk=resource.pk).update(last_fence=floor)
     with connection.cursor() as cursor:
         cursor.execute("SELECT setval(%s, 1, true)", [FENCE_SEQUENCE])
     assert current_fence() < floor
-    return floor
+    return kind, floor
 
 
 def _write(world: Any, kind: Any) -> Action:
@@ -51,8 +55,7 @@ def _write(world: Any, kind: Any) -> Action:
 def test_the_first_fence_of_a_process_lifts_a_sequence_restored_behind_the_rows(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    floor = _restore_an_older_sequence(engine_world.resource(kind, "restored", {"v": 1}))
+    kind, floor = _restore_an_older_sequence(engine_world)
     forget_fence_floor_check()  # what a freshly started web or worker process has
 
     assert action_execute(action_id=_write(engine_world, kind).pk) == "applied"
@@ -66,8 +69,7 @@ def test_the_first_fence_of_a_process_lifts_a_sequence_restored_behind_the_rows(
 def test_a_worker_started_on_a_restored_database_applies_the_next_write(
     engine_world: Any, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    floor = _restore_an_older_sequence(engine_world.resource(kind, "restored", {"v": 1}))
+    kind, floor = _restore_an_older_sequence(engine_world)
     worker = rq_worker()
 
     action = _write(engine_world, kind)
@@ -82,8 +84,7 @@ def test_a_worker_started_on_a_restored_database_applies_the_next_write(
 def test_migrate_lifts_a_sequence_restored_behind_the_rows(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    floor = _restore_an_older_sequence(engine_world.resource(kind, "restored", {"v": 1}))
+    kind, floor = _restore_an_older_sequence(engine_world)
 
     migrate = subprocess.run(
         [sys.executable, "manage.py", "migrate", "--noinput"],
@@ -130,14 +131,7 @@ def test_check_deploy_warns_when_metrics_token_is_unset(tmp_path: Path) -> None:
     env = subprocess_env(**PRODUCTION, SECRET_KEY=secrets.token_urlsafe(60))
     env.pop("METRICS_TOKEN")
     env["AIRLOCK_DATA_DIR"] = str(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = check_deploy(env)
     assert result.returncode != 0
     assert "airlock.W010" in result.stdout + result.stderr
     assert "METRICS_TOKEN" in result.stdout + result.stderr

@@ -36,6 +36,8 @@ SHORT_BUDGET = {
 # Well past the short budget, including RQ's scheduler moving delayed retries (~1 s each).
 PAST_THE_BUDGET_SECONDS = 5.0
 SYSTEM = Actor.system("test")
+# Workers and concurrent requests see only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _applied(engine_world: Any, name: str = "a") -> tuple[Any, Any]:
@@ -61,7 +63,6 @@ def _undone_exactly_once(action: Any) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
 def test_an_undo_held_by_a_kill_switch_past_its_retry_budget_applies_once_on_release(
     engine_world: Any, rq_worker: Any
 ) -> None:
@@ -84,7 +85,6 @@ def test_an_undo_held_by_a_kill_switch_past_its_retry_budget_applies_once_on_rel
 
 
 @pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
 def test_an_undo_waits_out_a_writer_holding_the_lock_longer_than_the_retry_budget(
     engine_world: Any, rq_worker: Any
 ) -> None:
@@ -105,7 +105,6 @@ def test_an_undo_waits_out_a_writer_holding_the_lock_longer_than_the_retry_budge
 
 
 @pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
 def test_an_undo_accepted_before_the_deadline_and_executed_after_it_applies(
     engine_world: Any, rq_worker: Any
 ) -> None:
@@ -125,7 +124,6 @@ def test_an_undo_accepted_before_the_deadline_and_executed_after_it_applies(
 
 
 @pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
 def test_after_a_flushall_the_reconciler_resends_a_pending_and_a_resumed_paused_undo_once(
     engine_world: Any, engine_redis: Any, rq_worker: Any
 ) -> None:
@@ -159,7 +157,6 @@ def test_after_a_flushall_the_reconciler_resends_a_pending_and_a_resumed_paused_
     assert AuditEvent.objects.filter(event_type="write.undone").count() == 2
 
 
-@pytest.mark.django_db(transaction=True)
 def test_an_undo_that_failed_for_a_retryable_reason_can_be_asked_for_again(
     engine_world: Any, engine_redis: Any, settings: Any
 ) -> None:
@@ -188,7 +185,6 @@ def test_an_undo_that_failed_for_a_retryable_reason_can_be_asked_for_again(
     _undone_exactly_once(action)
 
 
-@pytest.mark.django_db(transaction=True)
 def test_the_database_keeps_one_live_undo_per_operation(
     engine_world: Any, engine_redis: Any
 ) -> None:

@@ -34,14 +34,14 @@ from approvals.api.serialize import (
     action_response,
     with_body_facts,
 )
-from approvals.models import FINAL_ACTION_STATUSES, Action, RunStatus
+from approvals.models import FINAL_ACTION_STATUSES, Action
 from approvals.selectors import actions_visible_to
 from approvals.services import actions as action_services
 from approvals.services import idempotency
-from approvals.services.actions import TagCondition, read_condition
-from approvals.services.runs import RunNotActive, run_effective_status
+from approvals.services.preconditions import TagCondition, read_condition
 from approvals.services.tokens import Principal
-from approvals.services.undo import action_undo_request
+from approvals.services.undo import action_undo_authorise, action_undo_request
+from audit.services import Actor
 from console.api_support import (
     NEWEST_FIRST,
     TIME_CURSOR_PATTERN,
@@ -62,7 +62,6 @@ from console.auth import (
     run_or_person_token,
 )
 from console.core.errors import NotFound
-from console.permissions import can_decide_approvals, can_undo_as_person
 from console.problems import ApiError, errors
 
 router = Router()
@@ -78,21 +77,6 @@ def _visible(principal: Principal, action_id: uuid.UUID) -> Action:
     if action is None:
         raise NotFound(f"Action {action_id} not found.")
     return action
-
-
-def _own_run_only(principal: Principal, action: Action) -> None:
-    """A run token changes only its own run's actions, and only while the run is
-    active (409 run_not_active: the token still identifies the run)."""
-    if principal.kind != "run" or principal.run is None:
-        return
-    if principal.run.pk != action.run_id:
-        raise NotFound(f"Action {action.pk} not found.")
-    status = run_effective_status(principal.run)
-    if status != RunStatus.ACTIVE:
-        raise RunNotActive(
-            f"Run {principal.run.pk} is {status}; only active runs write.",
-            extra={"run": str(principal.run.pk), "run_status": status},
-        )
 
 
 # --- Read, with long-poll ------------------------------------------------------------
@@ -226,11 +210,8 @@ def action_list(
 def action_cancel(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     principal = principal_of(request)
     action = _visible(principal, action_id)
-    # The role is not (yet) checked by action_cancel itself.
-    if principal.kind == "person" and not can_decide_approvals(principal.user):
-        raise ApiError("Cancelling needs the operator role.", code="forbidden")
-    _own_run_only(principal, action)
     rate_limit_writes(principal)
+    # action_cancel decides who may (operator role, own run, active run).
     action = action_services.action_cancel(action=action, actor=principal.actor)
     return action_response(action_load(action.pk))
 
@@ -276,25 +257,19 @@ _UNDO_DOC: dict[str, Any] = {
 )
 def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     principal = principal_of(request)
-    # The contract's precedence: 404, 403 and 409 run_not_active come before the
-    # Idempotency-Key is looked at; action_undo_request checks them again, inside.
-    action = _visible(principal, action_id)
-    if principal.kind == "person":
-        owner_group = action.resource.owner_group if action.resource else action.kind.owner_group
-        if not can_undo_as_person(principal.user, owner_group=owner_group):
-            raise ApiError(
-                "Undo needs the operator role or membership of the resource's owner group.",
-                code="forbidden",
-            )
-    _own_run_only(principal, action)
+    actor = principal.actor
+    # The contract's precedence: 404 (what the caller cannot read, then the
+    # service's), 403 and 409 run_not_active come before the Idempotency-Key.
+    _visible(principal, action_id)
+    action_undo_authorise(action_id=action_id, actor=actor)
     rate_limit_writes(principal)
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     # Exactly like a write: the same key and request replay the first answer; the
     # same key for another action (another path) is 422 idempotency_key_reused.
     body = read_body(request)
     begin = idempotency.idempotency_begin(
-        agent=principal.agent if principal.kind == "run" else None,
-        person=principal.user if principal.kind == "person" else None,
+        # A run token's key belongs to its agent, a personal token's to the person.
+        actor=Actor.agent(principal.agent) if principal.kind == "run" else actor,
         key=key,
         method="POST",
         path=request.path,
@@ -303,7 +278,6 @@ def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     if begin.replay is not None:
         return replay_response(begin.replay)
     assert begin.record_id is not None
-    actor = principal.actor
     try:
         # The undo request and its stored answer commit together (or neither).
         with transaction.atomic():

@@ -32,9 +32,10 @@ from approvals.api.longpoll import (
 from approvals.models import ApprovalStatus, Plan, PlanStep, Run
 from approvals.selectors import plan_detail, plans_visible_to
 from approvals.services import actions as action_services
-from approvals.services import idempotency
-from approvals.services.actions import TagCondition, read_condition
+from approvals.services import idempotency, preconditions
 from approvals.services.plans import PlanStepSpec, max_plan_steps, plan_propose
+from approvals.services.preconditions import TagCondition, read_condition
+from audit.services import Actor
 from console.api_support import (
     TEXT_PATTERN,
     conditional_response,
@@ -251,7 +252,7 @@ def _step_spec(run: Run, position: int, step: PlanStepIn) -> PlanStepSpec:
         resource_kind: ResourceKind = action_services.action_check_writable(
             run=run, kind=kind, name=name, operation=operation
         )
-        if_match = action_services.parse_write_if_match(step.if_match)
+        if_match = preconditions.parse_write_if_match(step.if_match)
     except DomainError as error:
         error.extra = {**(error.extra or {}), "step": position}
         raise
@@ -324,7 +325,7 @@ def plan_create(request: HttpRequest, run_id: uuid.UUID, payload: PlanCreateIn) 
     steps = [_step_spec(run, n, step) for n, step in enumerate(payload.steps, start=1)]
     body = read_body(request)
     begin = idempotency.idempotency_begin(
-        agent=principal.agent,
+        actor=Actor.agent(principal.agent),  # keys belong to the agent, not the run
         key=key,
         method="POST",
         path=request.path,

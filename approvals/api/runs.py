@@ -29,7 +29,7 @@ from approvals.api.serialize import run_json
 from approvals.models import Run, RunStatus
 from approvals.selectors import run_list_for_actor
 from approvals.services import runs as run_services
-from approvals.services.actions import TagCondition, read_condition
+from approvals.services.preconditions import TagCondition, read_condition
 from approvals.services.tokens import Principal
 from console.api_support import (
     NEWEST_FIRST,

@@ -10,7 +10,6 @@ HTTP responses.
 from __future__ import annotations
 
 import logging
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,13 +31,14 @@ from approvals.models import (
 from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution
 from approvals.services.approval_open import approval_open_for_action
+from approvals.services.preconditions import PreconditionRequired, TagCondition
 from approvals.services.queued_writes import (
     QueuedWrite,
     lock_resource_for_proposal,
     superseding_write,
     writes_in_flight,
 )
-from approvals.services.runs import RunNotActive, run_effective_status
+from approvals.services.runs import RunNotActive, run_effective_status, run_require_own_active
 from approvals.services.write_sets import lock_kind_for_proposal
 from audit.models import ActorType
 from audit.services import Actor, audit_append
@@ -52,6 +52,7 @@ from console.core.errors import (
     ValidationFailed,
 )
 from console.core.killswitch import engaged_switch_for
+from console.permissions import can_decide_approvals, require_person
 from console.requestctx import current_request_id
 from ownership.models import ConflictClass, OwnershipRecord, Resource, ResourceKind
 from ownership.reopen import conflict_reopen_for_resolution
@@ -61,144 +62,9 @@ logger = logging.getLogger("airlock.actions")
 CANCELLABLE = (ActionStatus.PENDING_APPROVAL, ActionStatus.QUEUED, ActionStatus.PAUSED)
 
 
-class HeaderSyntaxError(DomainError):
-    code = "bad_header"
-
-
-class PreconditionRequired(DomainError):
-    code = "precondition_required"
-
-
 class Leased(DomainError):
     code = "leased"
     retryable = True
-
-
-# --- Entity tags (RFC 9110 section 8.8.3) ----------------------------------
-
-_ETAG = re.compile(r'(W/)?"([\x21\x23-\x7e]*)"')
-
-
-@dataclass(frozen=True)
-class EntityTag:
-    weak: bool
-    opaque: str
-
-    def __str__(self) -> str:
-        return f'{"W/" if self.weak else ""}"{self.opaque}"'
-
-
-@dataclass(frozen=True)
-class TagCondition:
-    """A parsed If-Match / If-None-Match: `*` or a list of entity tags."""
-
-    any: bool
-    tags: tuple[EntityTag, ...]
-
-    def strong_match(self, etag: str | None) -> bool:
-        """Strong comparison: weak tags never match (If-Match)."""
-        if etag is None:
-            return False
-        if self.any:
-            return True
-        return any(not tag.weak and str(tag) == etag for tag in self.tags)
-
-    def weak_match(self, etag: str | None) -> bool:
-        """Weak comparison (If-None-Match on reads)."""
-        if etag is None:
-            return False
-        if self.any:
-            return True
-        bare = etag.removeprefix("W/")
-        return any(f'"{tag.opaque}"' == bare for tag in self.tags)
-
-    def describe(self) -> str:
-        return "*" if self.any else ", ".join(str(tag) for tag in self.tags)
-
-
-def parse_tag_condition(raw: str | None, *, header: str) -> TagCondition | None:
-    """Parse `*` or `#entity-tag`. None when absent. Raises HeaderSyntaxError (400)."""
-    if raw is None:
-        return None
-    value = raw.strip()
-    if value == "*":
-        return TagCondition(any=True, tags=())
-    tags: list[EntityTag] = []
-    position = 0
-    saw_star = False
-    while position < len(value):
-        # Skip OWS and empty list elements (RFC 9110 section 5.6.1).
-        while position < len(value) and value[position] in " \t,":
-            position += 1
-        if position >= len(value):
-            break
-        if value[position] == "*":
-            saw_star = True
-            position += 1
-        else:
-            match = _ETAG.match(value, position)
-            if match is None:
-                raise HeaderSyntaxError(
-                    f"{header} is not '*' or a list of entity tags like \"41\".",
-                    extra={"header": header},
-                )
-            tags.append(EntityTag(weak=bool(match.group(1)), opaque=match.group(2)))
-            position = match.end()
-        while position < len(value) and value[position] in " \t":
-            position += 1
-        if position < len(value) and value[position] != ",":
-            raise HeaderSyntaxError(
-                f"{header} entity tags must be separated by commas.", extra={"header": header}
-            )
-    if saw_star:
-        raise HeaderSyntaxError(
-            f"{header}: '*' cannot be combined with entity tags.", extra={"header": header}
-        )
-    if not tags:
-        raise HeaderSyntaxError(f"{header} is empty.", extra={"header": header})
-    return TagCondition(any=False, tags=tuple(tags))
-
-
-class IfMatchInvalid(DomainError):
-    code = "if_match_invalid"
-
-
-def parse_write_if_match(raw: str | None) -> TagCondition | None:
-    """If-Match on a write: exactly one strong entity tag, the version the agent read.
-
-    RFC 9110 also allows `*` and lists, but either would let an agent that read
-    version 41 overwrite 42 without having seen it. Raises PreconditionRequired
-    (428) for `*`, IfMatchInvalid (400) for a list or a weak tag, and
-    HeaderSyntaxError (400) for anything that is not an entity-tag list.
-    """
-    condition = parse_tag_condition(raw, header="If-Match")
-    if condition is None:
-        return None
-    if condition.any:
-        raise PreconditionRequired(
-            'If-Match: * does not name a version: send the ETag you read, e.g. If-Match: "41".',
-            extra={"header": "If-Match"},
-        )
-    if len(condition.tags) != 1:
-        raise IfMatchInvalid(
-            "If-Match must name exactly one ETag, the version you read "
-            f"(got {len(condition.tags)}).",
-            extra={"header": "If-Match"},
-        )
-    if condition.tags[0].weak:
-        raise IfMatchInvalid(
-            "If-Match must be a strong ETag (no W/ prefix): a weak tag never matches a write.",
-            extra={"header": "If-Match"},
-        )
-    return condition
-
-
-def read_condition(raw: str | None) -> TagCondition | None:
-    """If-None-Match on a read: a malformed value is ignored (no condition)."""
-    try:
-        return parse_tag_condition(raw, header="If-None-Match")
-    except HeaderSyntaxError:
-        return None
 
 
 # --- Checks before the idempotency layer ---------------------------------
@@ -545,23 +411,16 @@ def _record(
 
 
 def action_cancel(*, action: Action, actor: Actor) -> Action:
-    """Cancel an action before execution starts; 409 invalid_transition after.
-    Cancelling a cancelled action is a no-op (no second audit row).
+    """Cancel an action before execution starts (409 invalid_transition after; again, a
+    no-op). Lock order: the action row (the conditional UPDATE), approvals, audit head.
 
-    Lock order, the project's one order (decisions._lock_approval_subject, runs._end):
-    the action row (this conditional UPDATE is the first lock), then its
-    approvals, the audit head last. A cancel racing a decision or a revoke
-    waits instead of deadlocking.
-
-    A conflict resolution (`parent` set) belongs to the person who made it: an
-    agent or run token may not cancel it (Forbidden); a person who cancels it
-    reopens the conflict (audited), since nothing was written.
+    Who may (the rule's one copy; the API reads the action through the visibility
+    selector first): a person with the operator role; the agent, its own actions; a
+    run's token, its own run's while the run is active (NotFound / RunNotActive); the
+    system. A conflict resolution (`parent` set) is its person's: the agent's tokens
+    may not cancel it (Forbidden); a person who does reopens the conflict (audited).
     """
-    if action.parent_id is not None and actor.type in (ActorType.RUN, ActorType.AGENT):
-        raise Forbidden(
-            "This action is a person's conflict resolution; the agent's tokens cannot cancel it.",
-            code="forbidden",
-        )
+    _authorise_cancel(action, actor)
     with transaction.atomic():
         changed = Action.objects.filter(pk=action.pk, status__in=CANCELLABLE).update(
             status=ActionStatus.CANCELLED, revision=F("revision") + 1, updated_at=timezone.now()
@@ -589,6 +448,20 @@ def action_cancel(*, action: Action, actor: Actor) -> Action:
             extra={"action_status": action.status},
         )
     return action
+
+
+def _authorise_cancel(action: Action, actor: Actor) -> None:
+    if actor.type == ActorType.PERSON:
+        require_person(actor, can_decide_approvals, "Cancelling needs the operator role.")
+        return
+    if actor.type == ActorType.AGENT and actor.id != str(action.agent_id):
+        raise NotFound(f"Action {action.pk} not found.")
+    run_require_own_active(actor=actor, run_id=action.run_id)
+    if action.parent_id is not None and actor.type in (ActorType.RUN, ActorType.AGENT):
+        raise Forbidden(
+            "This action is a person's conflict resolution; the agent's tokens cannot cancel it.",
+            code="forbidden",
+        )
 
 
 PAYLOAD_FORMATS = {

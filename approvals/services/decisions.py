@@ -47,6 +47,7 @@ from approvals.services.runs import run_activate, run_reject
 from approvals.services.write_sets import entries_of, lock_kinds
 from audit.services import Actor, audit_append
 from console.core.action_audit import audit_action_event
+from console.core.actors import person_id
 from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     Forbidden,
@@ -85,8 +86,9 @@ def action_transition(
     return bool(updated)
 
 
-def answers_for_agent(*, agent: Agent, person: Any) -> bool:
-    """Whether separation of duties treats `person` as the agent's owner.
+def answers_for_agent(*, agent: Agent, actor: Actor) -> bool:
+    """Whether separation of duties treats `actor` as the agent's owner (only a
+    person ever does).
 
     The recorded owner, the person who created the agent, and whoever minted
     one of its live agent tokens (not revoked, not expired) could act as the
@@ -94,14 +96,14 @@ def answers_for_agent(*, agent: Agent, person: Any) -> bool:
     minter whose token was revoked or has expired no longer speaks for the
     agent and is no longer kept out (unless they are also its owner or creator).
     """
-    person_id = getattr(person, "pk", None)
-    if person_id is None:
+    user_id = person_id(actor)
+    if user_id is None:
         return False
-    if person_id in (agent.owner_id, agent.created_by_id):
+    if user_id in (agent.owner_id, agent.created_by_id):
         return True
     now = timezone.now()
     return (
-        AgentToken.objects.filter(agent_id=agent.pk, created_by_id=person_id, revoked_at=None)
+        AgentToken.objects.filter(agent_id=agent.pk, created_by_id=user_id, revoked_at=None)
         .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
         .exists()
     )
@@ -125,7 +127,7 @@ def _check_separation_of_duties(*, approval: Approval, person: Any) -> None:
         classes = classes_for_write_set(run.write_set or [])
         # No known class: stay on the safe side and keep the owner out.
         forbids = not classes or any(c.forbid_agent_owner_approval for c in classes)
-    if forbids and answers_for_agent(agent=run.agent, person=person):
+    if forbids and answers_for_agent(agent=run.agent, actor=Actor.person(person)):
         raise Forbidden(
             "You own, created or minted a live token for this agent; its conflict class "
             "requires someone else to approve.",

@@ -30,7 +30,9 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from approvals.models import Agent, IdempotencyRecord, IdempotencyStatus
+from approvals.models import IdempotencyRecord, IdempotencyStatus
+from audit.models import ActorType
+from audit.services import Actor
 from console.core import jsonsafe
 from console.core.errors import DomainError
 
@@ -90,10 +92,17 @@ def request_fingerprint(*, method: str, path: str, body: bytes) -> str:
     return hashlib.sha256(material.encode("utf-8")).hexdigest()
 
 
+def _key_scope(actor: Actor) -> dict[str, Any]:
+    if actor.type == ActorType.AGENT and actor.id:
+        return {"agent_id": actor.id}
+    if actor.type == ActorType.PERSON and actor.id.isdigit():
+        return {"person_id": int(actor.id)}
+    raise ValueError("an idempotency key belongs to an agent or a person")
+
+
 def idempotency_begin(
     *,
-    agent: Agent | None = None,
-    person: Any = None,
+    actor: Actor,
     key: str,
     method: str,
     path: str,
@@ -101,15 +110,14 @@ def idempotency_begin(
 ) -> Begin:
     """Claim `key` for this request or find what it already produced.
 
-    Keys are scoped to the agent (writes, a run token's undo) or, for a
-    personal token's undo, to the person: pass exactly one.
+    `actor` is whom the key belongs to: an agent (writes, and a run token's undo:
+    pass the run's agent, so a key outlives the run) or a person (a personal
+    token's undo); ValueError for anyone else.
     Raises idempotency_key_reused (422) when the key was used for a different
     request, idempotency_key_in_flight (409, retryable) while the first
     request with it is still being processed.
     """
-    if (agent is None) == (person is None):
-        raise ValueError("an idempotency key belongs to exactly one agent or person")
-    scope: dict[str, Any] = {"agent": agent} if agent is not None else {"person": person}
+    scope = _key_scope(actor)
     now = timezone.now()
     # +1 s so `expires_at - created_at` (created_at is stamped a moment later) is
     # never under the configured retention.

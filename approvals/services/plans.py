@@ -40,13 +40,13 @@ from approvals.models import (
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_plan_advance
 from approvals.services.actions import (
-    PreconditionRequired,
     Proposal,
     authority_check_locked,
     precondition_check,
     superseded_by_queued,
 )
 from approvals.services.approval_open import approval_details
+from approvals.services.preconditions import PreconditionRequired
 from approvals.services.queued_writes import lock_resource_for_proposal, writes_in_flight
 from approvals.services.runs import RunNotActive
 from approvals.services.write_sets import lock_kinds

@@ -43,8 +43,9 @@ from approvals.services.write_sets import (
     raise_on_overlap,
     write_set_parse,
 )
+from audit.models import ActorType
 from audit.services import Actor, audit_append
-from console.core.errors import DomainError, InvalidTransition, ValidationFailed
+from console.core.errors import DomainError, InvalidTransition, NotFound, ValidationFailed
 from console.permissions import can_decide_approvals, require_person
 from ownership.models import OwnershipRecord
 
@@ -188,6 +189,28 @@ def _effective_status(run: Run, now: datetime) -> str:
 
 def run_effective_status(run: Run) -> str:
     return _effective_status(run, timezone.now())
+
+
+def run_require_own_active(*, actor: Actor, run_id: Any) -> None:
+    """A run's token changes only its own run's actions (NotFound for another run's:
+    it may not learn they exist), and only while that run is active (RunNotActive:
+    the token still names the run). Any other actor passes: the verb's own rules apply.
+
+    A plain read, no lock: a verb that must not race a revoke re-checks under the
+    run row's FOR SHARE (undo), or is harmless if it does (a cancel of an action the
+    revoke cancels anyway).
+    """
+    if actor.type != ActorType.RUN:
+        return
+    if actor.id != str(run_id):
+        raise NotFound("No such action.")
+    run = Run.objects.filter(pk=run_id).first()
+    status = run_effective_status(run) if run is not None else "deleted"
+    if status != RunStatus.ACTIVE:
+        raise RunNotActive(
+            f"Run {run_id} is {status}; only active runs write.",
+            extra={"run": str(run_id), "run_status": status},
+        )
 
 
 def _end(

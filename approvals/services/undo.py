@@ -30,7 +30,7 @@ from django.db import DatabaseError, transaction
 from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
-from approvals.models import Action, ActionStatus, Operation, OperationStatus, Run, RunStatus
+from approvals.models import Action, ActionStatus, Operation, OperationStatus, RunStatus
 from approvals.outbox import engine_redis, enqueue_undo_execution, notify_action_on_commit
 from approvals.services.attempts import (
     backoff_seconds,
@@ -39,7 +39,7 @@ from approvals.services.attempts import (
     operation_lease_seconds,
     worker_name,
 )
-from approvals.services.runs import RunNotActive
+from approvals.services.runs import RunNotActive, run_require_own_active
 from audit.models import ActorType
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
@@ -57,60 +57,64 @@ from console.core.fence import next_fence
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
 from console.core.lock import FencedLock
 from console.core.operations import open_operation
-from console.core.undo import RESOURCE_MOVED, STALE_FENCE, apply_undo
-from console.permissions import can_undo_as_person, person_of
+from console.core.undo import RESOURCE_MOVED, STALE_FENCE, UndoOutcome, apply_undo
+from console.permissions import can_undo_as_person, require_person
 from ownership.models import Resource, TargetType
 from ownership.services.conflicts import conflict_open_for_undo
 
 log = logging.getLogger("airlock.undo")
 
 
-def _requester(actor: Actor) -> tuple[Run | None, Any]:
-    """(run, None) for a run actor, (None, active person or None) for a person actor."""
+def action_undo_authorise(*, action_id: uuid.UUID | str, actor: Actor) -> Action:
+    """Who may undo the action, in the contract's order: NotFound (no such action, or
+    another run's), Forbidden, RunNotActive. Returns the action.
+
+    A run undoes its own actions while it is active, never a person's conflict
+    resolution; a person needs the operator role or the resource's owner group.
+    The API calls it before it reads the Idempotency-Key (an unauthorised caller
+    never learns about the key); `action_undo_request` calls it first too.
+    """
+    try:
+        action_uuid = uuid.UUID(str(action_id))
+    except ValueError as exc:
+        raise NotFound("No such action.") from exc
+    action = Action.objects.select_related("kind", "resource", "run").filter(pk=action_uuid).first()
+    if action is None:
+        raise NotFound("No such action.")
     if actor.type == ActorType.RUN:
-        run = Run.objects.select_related("agent").filter(pk=actor.id).first()
-        if run is None:
-            raise Forbidden("Unknown run.", code="forbidden")
-        return run, None
-    if actor.type == ActorType.PERSON:
-        return None, person_of(actor)
-    raise Forbidden("Only the action's run or a person may undo.", code="forbidden")
-
-
-def _authorise(action: Action, run: Run | None, person: Any) -> None:
-    """A run undoes its own actions, never a person's resolution; a person needs the
-    operator role or the resource's owner group. Raises NotFound / Forbidden."""
-    if run is not None:
-        if run.pk != action.run_id:
-            # Another run's action: it may not even know it exists.
-            raise NotFound("No such action.")
+        if actor.id != str(action.run_id):
+            raise NotFound("No such action.")  # another run's: it may not learn it exists
         if action.parent_id is not None:
             raise Forbidden(
                 "This action is a person's conflict resolution; the run's token cannot undo it.",
                 code="forbidden",
             )
-        return
+        run_require_own_active(actor=actor, run_id=action.run_id)
+        return action
+    if actor.type != ActorType.PERSON:
+        raise Forbidden("Only the action's run or a person may undo.", code="forbidden")
     owner_group = action.resource.owner_group if action.resource else action.kind.owner_group
-    if person is None or not can_undo_as_person(person, owner_group=owner_group):
-        raise Forbidden(
-            "Undo needs the operator role or membership of the resource's owner group.",
-            code="forbidden",
-        )
+    require_person(
+        actor,
+        lambda person: can_undo_as_person(person, owner_group=owner_group),
+        "Undo needs the operator role or membership of the resource's owner group.",
+    )
+    return action
 
 
-def _require_active_run(run: Run) -> None:
+def _require_active_run(run_id: uuid.UUID) -> None:
     """A run token undoes only while its run is active (a revoked run's token is no
     credential for production changes). FOR SHARE on the run: a revoke committing
     first is seen, one arriving later waits for us."""
-    run_state = lock_run_for_share(run.pk)
+    run_state = lock_run_for_share(run_id)
     if (
         run_state is None
         or run_state[0] != RunStatus.ACTIVE
         or (run_state[1] is not None and run_state[1] <= timezone.now())
     ):
         raise RunNotActive(
-            f"Run {run.pk} is not active; only an active run's token may undo.",
-            extra={"run": str(run.pk)},
+            f"Run {run_id} is not active; only an active run's token may undo.",
+            extra={"run": str(run_id)},
         )
 
 
@@ -125,23 +129,15 @@ def action_undo_request(
     `undo_window_expired`), InvalidTransition (409: nothing applied to undo).
     Repeating the request returns the same undo operation, with no new audit row.
     """
-    run, person = _requester(actor)
-    try:
-        action_uuid = uuid.UUID(str(action_id))
-    except ValueError as exc:
-        raise NotFound("No such action.") from exc
-    action = Action.objects.select_related("kind", "run").filter(pk=action_uuid).first()
-    if action is None:
-        raise NotFound("No such action.")
-    _authorise(action, run, person)
+    action = action_undo_authorise(action_id=action_id, actor=actor)
     if action.kind.target == TargetType.HTTP:
         raise UndoRefused(
             "Undo is not available for resources of an external HTTP target.",
             extra={"resource": action.resource_identifier},
         )
     with transaction.atomic():
-        if run is not None:
-            _require_active_run(run)
+        if actor.type == ActorType.RUN:
+            _require_active_run(action.run_id)
         locked = Action.objects.select_for_update(of=("self",)).get(pk=action.pk)
         original = _applied_operation(locked)
         latest = Operation.objects.filter(undo_of=original).order_by("-started_at").first()
@@ -166,7 +162,7 @@ def action_undo_request(
             outcome={
                 "requested_by": actor.label,
                 "requested_by_type": actor.type,
-                "requested_by_person": str(person.pk) if person is not None else "",
+                "requested_by_person": actor.id if actor.type == ActorType.PERSON else "",
                 "idempotency_key": idempotency_key[:255],
             },
         )
@@ -312,15 +308,16 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
     )
     if undo_op is None or undo_op.status != OperationStatus.PENDING:
         return "skipped"
-    action = undo_op.action
+    action = undo_op.action  # with its kind and class (refresh_from_db drops the cache)
     if engaged_switch_for(action.resource_identifier) is not None:
         return _pause_undo(undo_op, connection)
     if undo_op.paused_reason:
         # Delivered after its switch was released (a release or the reconciler resumed it).
         Operation.objects.filter(pk=undo_op.pk).update(paused_reason="")
         undo_op.paused_reason = ""
-    conn = connection or engine_redis()
-    lock = FencedLock(conn, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
+    lock = FencedLock(
+        connection or engine_redis(), key=action.resource_identifier, ttl_ms=lock_ttl_ms()
+    )
     try:
         fence = lock.acquire(wait_seconds=0.2)
     except LockBusy:
@@ -329,59 +326,77 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
         return _retry_undo(undo_op, type(exc).__name__, connection)
     try:
         lock.start_heartbeat()
-        requested = dict(undo_op.outcome or {})
-        # This delivery's fence and lease on the undo operation (a newer fence only).
-        Operation.objects.filter(
-            pk=undo_op.pk, status=OperationStatus.PENDING, fence__lt=fence
-        ).update(
-            fence=fence,
-            worker=worker_name()[:200],
-            lease_expires_at=timezone.now() + timedelta(seconds=operation_lease_seconds()),
-        )
-        undo_op.refresh_from_db()
-        if undo_op.status != OperationStatus.PENDING:
+        if not _claim_delivery(undo_op, fence):
             return "skipped"
-        actor = _requested_by(undo_op, action)
-        try:
-            lock.check()
-            outcome = apply_undo(
-                operation_id=undo_op.undo_of_id,  # type: ignore[arg-type]
-                undo_operation_id=undo_op.pk,
-                fence=fence,
-                actor=actor,
-            )
-        except KillSwitchEngaged:
-            return _pause_undo(undo_op, connection)
-        except Exception as exc:  # lock lost, transient database/redis errors
-            if isinstance(exc, (redis.RedisError, DatabaseError)) or getattr(
-                exc, "retryable", False
-            ):
-                return _retry_undo(undo_op, type(exc).__name__, connection)
-            raise
-        if outcome.applied:
-            with transaction.atomic():
-                notify_action_on_commit(action.pk)
-            return "undone"
-        if outcome.reason == STALE_FENCE:
-            return _retry_undo(undo_op, STALE_FENCE, connection)
-        if outcome.reason == RESOURCE_MOVED:
-            with transaction.atomic():
-                resource = Resource.objects.get(pk=int(action.resource_id or 0))
-                original = Operation.objects.get(pk=int(undo_op.undo_of_id or 0))
-                conflict_open_for_undo(
-                    action=action,
-                    resource=resource,
-                    undone_operation=original,
-                    requested_by=str(requested.get("requested_by") or ""),
-                    undo_operation=undo_op,
-                )
-            return "conflict"
-        return f"refused:{outcome.reason}"
+        return _apply_under_lock(undo_op, action, lock, fence, connection)
     finally:
         try:
             lock.release()
         except redis.RedisError:
             log.warning("could not release the lock on %s", action.resource_identifier)
+
+
+def _claim_delivery(undo_op: Operation, fence: int) -> bool:
+    """Stamp this delivery's fence and lease on the undo operation (a newer fence
+    only); False when the undo is no longer pending."""
+    Operation.objects.filter(pk=undo_op.pk, status=OperationStatus.PENDING, fence__lt=fence).update(
+        fence=fence,
+        worker=worker_name()[:200],
+        lease_expires_at=timezone.now() + timedelta(seconds=operation_lease_seconds()),
+    )
+    undo_op.refresh_from_db()
+    return undo_op.status == OperationStatus.PENDING
+
+
+def _apply_under_lock(
+    undo_op: Operation,
+    action: Action,
+    lock: FencedLock,
+    fence: int,
+    connection: redis.Redis | None,
+) -> str:
+    """apply_undo under the held lock; a switch engaged meanwhile pauses the undo,
+    a lost lock or a transient error schedules another delivery."""
+    try:
+        lock.check()
+        outcome = apply_undo(
+            operation_id=undo_op.undo_of_id,  # type: ignore[arg-type]
+            undo_operation_id=undo_op.pk,
+            fence=fence,
+            actor=_requested_by(undo_op, action),
+        )
+    except KillSwitchEngaged:
+        return _pause_undo(undo_op, connection)
+    except Exception as exc:  # lock lost, transient database/redis errors
+        if isinstance(exc, (redis.RedisError, DatabaseError)) or getattr(exc, "retryable", False):
+            return _retry_undo(undo_op, type(exc).__name__, connection)
+        raise
+    return _settle(undo_op, action, outcome, connection)
+
+
+def _settle(
+    undo_op: Operation, action: Action, outcome: UndoOutcome, connection: redis.Redis | None
+) -> str:
+    """What the barrier's answer means for the job: done, another delivery (a newer
+    fence won), a conflict for a person (someone wrote since), or refused."""
+    if outcome.applied:
+        with transaction.atomic():
+            notify_action_on_commit(action.pk)
+        return "undone"
+    if outcome.reason == STALE_FENCE:
+        return _retry_undo(undo_op, STALE_FENCE, connection)
+    if outcome.reason == RESOURCE_MOVED:
+        requested_by = str((undo_op.outcome or {}).get("requested_by") or "")
+        with transaction.atomic():
+            conflict_open_for_undo(
+                action=action,
+                resource=Resource.objects.get(pk=int(action.resource_id or 0)),
+                undone_operation=Operation.objects.get(pk=int(undo_op.undo_of_id or 0)),
+                requested_by=requested_by,
+                undo_operation=undo_op,
+            )
+        return "conflict"
+    return f"refused:{outcome.reason}"
 
 
 def operations_open_to_undo() -> QuerySet[Operation]:

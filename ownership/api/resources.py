@@ -16,8 +16,9 @@ from approvals.api.schemas import ActionOut
 from approvals.api.serialize import action_load, action_response
 from approvals.models import Action
 from approvals.services import actions as action_services
-from approvals.services import idempotency
-from approvals.services.actions import TagCondition
+from approvals.services import idempotency, preconditions
+from approvals.services.preconditions import TagCondition
+from audit.services import Actor
 from console.api_support import (
     RESOURCE_CURSOR_PATTERN,
     Keyset,
@@ -91,7 +92,7 @@ def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePat
     return conditional_response(
         etag=resource.etag,
         body=json_bytes(resource_json(resource)),
-        condition=action_services.read_condition(request.headers.get("If-None-Match")),
+        condition=preconditions.read_condition(request.headers.get("If-None-Match")),
         wait=None,
     )
 
@@ -202,8 +203,8 @@ def _operation(method: str, raw_if_none_match: str | None) -> str:
 def _preconditions(request: HttpRequest, method: str) -> _Preconditions:
     """If-Match (one strong tag: `*` -> 428, a list or W/ -> 400 if_match_invalid),
     If-None-Match (only `*` with PUT), Airlock-Reason (at most 500 characters)."""
-    if_match = action_services.parse_write_if_match(request.headers.get("If-Match"))
-    if_none_match = action_services.parse_tag_condition(
+    if_match = preconditions.parse_write_if_match(request.headers.get("If-Match"))
+    if_none_match = preconditions.parse_tag_condition(
         request.headers.get("If-None-Match"), header="If-None-Match"
     )
     if if_none_match is not None and not (method == "PUT" and if_none_match.any):
@@ -278,7 +279,7 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
         reason=preconditions.reason,
     )
     begin = idempotency.idempotency_begin(
-        agent=principal.agent,
+        actor=Actor.agent(principal.agent),  # keys belong to the agent, not the run
         key=key,
         method=method,
         path=request.path,

@@ -141,7 +141,7 @@ def _lock_for_resolver(conflict_id: uuid.UUID | str, actor: Actor) -> tuple[Conf
     if person is None or not conflict_may_resolve(conflict=conflict, person=person):
         raise Forbidden("Only the conflict's resolver group may resolve it.", code="forbidden")
     if conflict.conflict_class.forbid_agent_owner_approval and answers_for_agent(
-        agent=conflict.action.agent, person=person
+        agent=conflict.action.agent, actor=actor
     ):
         raise Forbidden(
             "You own the agent that made this write; someone else must resolve it.",

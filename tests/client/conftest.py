@@ -36,10 +36,17 @@ class Live:
     operator_token: str
 
     def pending_approval(
-        self, *, run: str | None = None, action: str | None = None, plan: str | None = None
+        self,
+        *,
+        run: str | None = None,
+        action: str | None = None,
+        plan: str | None = None,
+        agent: str | None = None,
+        timeout: float = 30,
     ) -> str:
-        """The id of the pending approval of a run, an action or a plan, once it exists."""
-        deadline = time.monotonic() + 30
+        """The id of the pending approval of a run, an action, a plan or (`agent`) an
+        action of that agent, once it exists."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             page = httpx.get(
                 f"{self.url}/api/v1/approvals?status=pending&limit=200",
@@ -51,10 +58,13 @@ class Live:
                     (run and item["subject"] == "run" and item["run"] == run)
                     or (action and item.get("action") == action)
                     or (plan and item.get("plan") == plan)
+                    or (agent and item["subject"] == "action" and item["agent"] == agent)
                 ):
                     return str(item["id"])
             time.sleep(0.05)
-        raise AssertionError(f"no pending approval for run={run} action={action} plan={plan}")
+        raise AssertionError(
+            f"no pending approval for run={run} action={action} plan={plan} agent={agent}"
+        )
 
     def decide(
         self,
@@ -62,10 +72,14 @@ class Live:
         run: str | None = None,
         action: str | None = None,
         plan: str | None = None,
+        agent: str | None = None,
         decision: str = "approve",
         comment: str = "",
+        timeout: float = 30,
     ) -> None:
-        approval = self.pending_approval(run=run, action=action, plan=plan)
+        approval = self.pending_approval(
+            run=run, action=action, plan=plan, agent=agent, timeout=timeout
+        )
         response = httpx.post(
             f"{self.url}/api/v1/approvals/{approval}/decision",
             headers={"Authorization": f"Bearer {self.operator_token}"},

@@ -244,18 +244,24 @@ def test_a_run_creation_whose_connection_broke_is_not_resent() -> None:
     assert len(seen) == 1
 
 
+def stale_version(current_etag: str, **extra: Any) -> Any:
+    """The server's 412 for a PUT of prod-alerts read at "41"."""
+    return problem(
+        412,
+        "stale_version",
+        False,
+        resource="notification-policy/prod-alerts",
+        expected_etag='"41"',
+        current_etag=current_etag,
+        **extra,
+    )
+
+
 def test_a_stale_version_is_raised_at_once_with_its_fields() -> None:
     airlock, seen = scripted(
         [
-            problem(
-                412,
-                "stale_version",
-                False,
-                resource="notification-policy/prod-alerts",
-                expected_etag='"41"',
-                current_etag='"42"',
-                conflict_class="replace_shared_document",
-                resolver="group:operators",
+            stale_version(
+                '"42"', conflict_class="replace_shared_document", resolver="group:operators"
             )
         ]
     )
@@ -268,19 +274,7 @@ def test_a_stale_version_is_raised_at_once_with_its_fields() -> None:
 
 def test_a_stale_version_names_the_queued_write_that_will_replace_the_version_read() -> None:
     queued = {"id": "0b5e0c1e-8f1d-4d52-9d0e-2a7c1f6c1a11", "url": "/api/v1/actions/0b5e0c1e"}
-    airlock, seen = scripted(
-        [
-            problem(
-                412,
-                "stale_version",
-                False,
-                resource="notification-policy/prod-alerts",
-                expected_etag='"41"',
-                current_etag='"41"',
-                queued_action=queued,
-            )
-        ]
-    )
+    airlock, seen = scripted([stale_version('"41"', queued_action=queued)])
     with pytest.raises(StaleVersion) as refused:
         session_of(airlock).put(BASE, {"a": 1})
     assert len(seen) == 1 and refused.value.queued_action == queued["id"]

@@ -72,11 +72,16 @@ def test_the_design_collision_refuses_the_stale_agent_who_re_reads_re_plans_and_
     agent_a.close()
 
 
+def _alerts_bot_a(live: Live, agent_tokens: dict[str, str]) -> Airlock:
+    """alerts-bot-a's client; a person approves the next run it starts."""
+    live.approve_next_run_of(agent_tokens["alerts-bot-a"])
+    return Airlock(live.url, agent_tokens["alerts-bot-a"])
+
+
 def test_a_per_call_approval_is_waited_for_by_long_poll_and_applied(
     live: Live, agent_tokens: dict[str, str]
 ) -> None:
-    airlock = Airlock(live.url, agent_tokens["alerts-bot-a"])
-    live.approve_next_run_of(agent_tokens["alerts-bot-a"])
+    airlock = _alerts_bot_a(live, agent_tokens)
     with airlock.start_run("tune escalation", POLICY_WRITE_SET) as run:
         policy = run.read(POLICY)
         action = run.patch(policy, {"escalation": {"after_minutes": 5}}, reason="faster pages")
@@ -100,8 +105,7 @@ def test_a_per_call_approval_is_waited_for_by_long_poll_and_applied(
 def test_a_rejection_is_read_back_with_its_comment(
     live: Live, agent_tokens: dict[str, str]
 ) -> None:
-    airlock = Airlock(live.url, agent_tokens["alerts-bot-a"])
-    live.approve_next_run_of(agent_tokens["alerts-bot-a"])
+    airlock = _alerts_bot_a(live, agent_tokens)
     with airlock.start_run("silence prod alerts", POLICY_WRITE_SET) as run:
         policy = run.read(POLICY)
         action = run.patch(policy, {"channels": []}, reason="too noisy")
@@ -151,8 +155,7 @@ def test_a_write_retried_after_its_response_was_lost_creates_one_action(
 
 
 def test_undo_restores_the_previous_document(live: Live, agent_tokens: dict[str, str]) -> None:
-    airlock = Airlock(live.url, agent_tokens["alerts-bot-a"])
-    live.approve_next_run_of(agent_tokens["alerts-bot-a"])
+    airlock = _alerts_bot_a(live, agent_tokens)
     with airlock.start_run("tune escalation", POLICY_WRITE_SET) as run:
         before = run.read(POLICY)
         action = run.patch(before, {"escalation": {"after_minutes": 1}}, reason="undo me")

@@ -7,10 +7,8 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from ownership.models import Resource as ResourceRow
@@ -23,18 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def approve_the_agents_change(live: Live, agent: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        page = httpx.get(
-            f"{live.url}/api/v1/approvals?status=pending&limit=200",
-            headers={"Authorization": f"Bearer {live.operator_token}"},
-            timeout=10,
-        ).json()
-        for item in page["items"]:
-            if item["subject"] == "action" and item["agent"] == agent:
-                live.decide(action=item["action"], comment="fine")
-                return
-        time.sleep(0.1)
+    live.decide(agent=agent, comment="fine", timeout=60)
 
 
 def run_example(live: Live, token: str) -> subprocess.CompletedProcess[str]:

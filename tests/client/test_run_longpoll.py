@@ -17,7 +17,7 @@ from approvals.services.decisions import approval_decide
 from approvals.services.runs import run_create
 from audit.services import Actor
 from tests.fixtures.api import ensure_api_kinds, make_agent_with_token, make_person_with_token
-from tests.test_api_longpoll import wait_until_held
+from tests.test_api_longpoll import poll_unchanged, wait_until_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -104,13 +104,7 @@ def test_it_answers_a_rejected_run_with_its_reason_without_if_none_match(
 
 def test_an_unchanged_run_answers_304_when_the_wait_ends(api_server: Any) -> None:
     run, token = pending_run()
-    url = f"{api_server.url}/api/v1/runs/{run.pk}"
-    headers = {"Authorization": f"Bearer {token}"}
-    etag = httpx.get(url, headers=headers, timeout=5).headers["ETag"]
-    started = time.monotonic()
-    response = httpx.get(
-        url, headers={**headers, "Prefer": "wait=1", "If-None-Match": etag}, timeout=10
-    )
+    response, _, held = poll_unchanged(f"{api_server.url}/api/v1/runs/{run.pk}", token)
     assert response.status_code == 304
     assert response.headers["Preference-Applied"] == "wait=1"
-    assert time.monotonic() - started >= 0.9
+    assert held >= 0.9
