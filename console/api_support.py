@@ -28,7 +28,7 @@ from approvals.services.tokens import Principal
 from console.auth import PERSON, Bearer
 from console.core import jsonsafe
 from console.core.errors import DomainError, Forbidden
-from console.problems import ApiError
+from console.problems import ApiError, problem_from_error
 
 logger = logging.getLogger("airlock.api")
 
@@ -109,6 +109,42 @@ def store_for_replay(record_id: int, response: HttpResponse, *, action_id: Any =
     }
     stored = StoredResponse(status=response.status_code, headers=headers, body=response.content)
     idempotency.idempotency_complete(record_id=record_id, response=stored, action_id=action_id)
+
+
+def propose_for_replay(
+    record_id: int,
+    propose: Callable[[Callable[[Any], None], Callable[[DomainError], None]], Any],
+    render: Callable[[Any], tuple[HttpResponse, Any]],
+) -> HttpResponse:
+    """Run a proposal (a write, a plan) whose answer is kept under its Idempotency-Key
+    inside the proposal's own transaction: the 202 of what it recorded (`render` gives
+    the response and the action it names, if any) or the problem of a refused stale
+    tag, which is an answer too. A response counts as produced only once stored: if
+    storing fails (the key was taken over), the proposal rolls back and the error is
+    the answer. Any other error frees the key."""
+    produced: dict[str, HttpResponse] = {}
+
+    def on_recorded(recorded: Any) -> None:
+        response, action_id = render(recorded)
+        store_for_replay(record_id, response, action_id=action_id)
+        produced["response"] = response
+
+    def on_refused(error: DomainError) -> None:
+        response = problem_from_error(error)
+        store_for_replay(record_id, response)
+        produced["response"] = response
+
+    try:
+        propose(on_recorded, on_refused)
+    except DomainError as error:
+        if "response" in produced:  # the refused stale proposal, stored for replay
+            return produced["response"]
+        idempotency.idempotency_release(record_id=record_id)
+        raise error from None
+    except BaseException:
+        idempotency.idempotency_release(record_id=record_id)
+        raise
+    return produced["response"]
 
 
 def read_body(request: HttpRequest) -> bytes:

@@ -67,26 +67,23 @@ def _document(identifier: str) -> Any:
     return Resource.objects.get(kind_id=kind, name=name)
 
 
+def _patch(resource: str, etag: str, patch: dict[str, Any]) -> dict[str, Any]:
+    return {"resource": resource, "method": "PATCH", "if_match": etag, "patch": patch}
+
+
+def _put(resource: str, etag: str, document: dict[str, Any]) -> dict[str, Any]:
+    return {"resource": resource, "method": "PUT", "if_match": etag, "document": document}
+
+
+def _create(resource: str, document: dict[str, Any]) -> dict[str, Any]:
+    return {"resource": resource, "method": "PUT", "if_none_match": "*", "document": document}
+
+
 def _three_steps() -> list[dict[str, Any]]:
     return [
-        {
-            "resource": "dns-record/app-a",
-            "method": "PATCH",
-            "if_match": '"3"',
-            "patch": {"ip": "2"},
-        },
-        {
-            "resource": "dns-record/app-new",
-            "method": "PUT",
-            "if_none_match": "*",
-            "document": {"ip": "9"},
-        },
-        {
-            "resource": POLICY,
-            "method": "PATCH",
-            "if_match": '"41"',
-            "patch": {"channels": ["pager"]},
-        },
+        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
+        _create("dns-record/app-new", {"ip": "9"}),
+        _patch(POLICY, '"41"', {"channels": ["pager"]}),
     ]
 
 
@@ -149,28 +146,13 @@ def test_step_three_refused_as_stale_compensates_steps_two_and_one_in_reverse(
     make_resource("dns-record/app-c", {"ip": "c"}, version=5)
     worker = rq_worker()
     steps = [
-        {
-            "resource": "dns-record/app-a",
-            "method": "PATCH",
-            "if_match": '"3"',
-            "patch": {"ip": "2"},
-        },
-        {
-            "resource": "dns-record/app-new",
-            "method": "PUT",
-            "if_none_match": "*",
-            "document": {"ip": "9"},
-        },
-        {
-            "resource": "dns-record/app-c",
-            "method": "PUT",
-            "if_match": '"5"',
-            "document": {"ip": "c2"},
-        },
+        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
+        _create("dns-record/app-new", {"ip": "9"}),
+        _put("dns-record/app-c", '"5"', {"ip": "c2"}),
     ]
     # Hold the plan in its approval while someone else moves app-c on (a per-call
     # step makes the plan wait for a person).
-    steps.append({"resource": POLICY, "method": "PATCH", "if_match": '"41"', "patch": {"x": 1}})
+    steps.append(_patch(POLICY, '"41"', {"x": 1}))
     steps[2], steps[3] = steps[3], steps[2]  # policy is step 3, app-c step 4
     response = _propose(api, run, steps)
     assert response.status_code == 202, response.content
@@ -211,50 +193,25 @@ def test_step_three_refused_as_stale_compensates_steps_two_and_one_in_reverse(
     ("steps", "status", "code"),
     [
         (
-            [{"resource": "dns-record/other", "method": "PUT", "if_match": '"1"', "document": {}}],
+            [_put("dns-record/other", '"1"', {})],
             403,
             "not_in_write_set",
         ),
         (
             [
-                {
-                    "resource": "dns-record/app-a",
-                    "method": "PATCH",
-                    "if_match": '"3"',
-                    "patch": {"ip": "2"},
-                },
-                {
-                    "resource": "dns-record/app-a",
-                    "method": "PATCH",
-                    "if_match": '"3"',
-                    "patch": {"ip": "3"},
-                },
+                _patch("dns-record/app-a", '"3"', {"ip": "2"}),
+                _patch("dns-record/app-a", '"3"', {"ip": "3"}),
             ],
             422,
             "validation_error",
         ),
         (
-            [
-                {
-                    "resource": f"dns-record/app-{n}",
-                    "method": "PUT",
-                    "if_none_match": "*",
-                    "document": {},
-                }
-                for n in range(11)
-            ],
+            [_create(f"dns-record/app-{n}", {}) for n in range(11)],
             422,
             "validation_error",
         ),
         (
-            [
-                {
-                    "resource": "dns-record/app-a",
-                    "method": "PATCH",
-                    "if_match": '"2"',
-                    "patch": {"ip": "2"},
-                }
-            ],
+            [_patch("dns-record/app-a", '"2"', {"ip": "2"})],
             412,
             "stale_version",
         ),
@@ -326,6 +283,17 @@ def _bump(identifier: str, document: dict[str, Any]) -> None:
     )
 
 
+def _take_proposed(api: Any, person: Any, conflict_id: str) -> None:
+    """The resolver settles the conflict with the proposed side (the plan's write, or
+    what its compensation would restore)."""
+    resolved = api.post(
+        f"/api/v1/conflicts/{conflict_id}/resolution",
+        token=person.token,
+        body={"choice": "take_proposed", "comment": "as the plan says"},
+    )
+    assert resolved.status_code == 200, resolved.content
+
+
 def _step_action(plan_id: str, position: int) -> Action | None:
     step = PlanStep.objects.select_related("action").get(plan_id=plan_id, position=position)
     return step.action
@@ -348,18 +316,8 @@ def test_a_compensation_over_a_later_write_becomes_a_conflict_and_resolving_it_f
         scope="dns-record/app-a", engaged=True, reason="hold step 2", actor=Actor.system("t")
     )
     steps = [
-        {
-            "resource": POLICY,
-            "method": "PATCH",
-            "if_match": '"41"',
-            "patch": {"channels": ["pager"]},
-        },
-        {
-            "resource": "dns-record/app-a",
-            "method": "PATCH",
-            "if_match": '"3"',
-            "patch": {"ip": "2"},
-        },
+        _patch(POLICY, '"41"', {"channels": ["pager"]}),
+        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
     ]
     response = _propose(api, run, steps)
     assert response.status_code == 202, response.content
@@ -388,12 +346,7 @@ def test_a_compensation_over_a_later_write_becomes_a_conflict_and_resolving_it_f
         event_type="plan.compensation_refused", details__plan=plan_id
     ).exists()
 
-    resolved = api.post(
-        f"/api/v1/conflicts/{compensation['conflict']}/resolution",
-        token=operator.token,
-        body={"choice": "take_proposed", "comment": "put the policy back"},
-    )
-    assert resolved.status_code == 200, resolved.content
+    _take_proposed(api, operator, compensation["conflict"])
     wait_for(lambda: _status(plan_id) == "compensated", timeout=30)
     assert _document(POLICY).document == {"channels": ["email"]}
     body = _plan(api, operator.token, plan_id)
@@ -406,18 +359,8 @@ def test_a_stale_step_routed_to_a_person_waits_and_their_resolution_resumes_the_
 ) -> None:
     worker = rq_worker()
     steps = [
-        {
-            "resource": POLICY,
-            "method": "PATCH",
-            "if_match": '"41"',
-            "patch": {"channels": ["pager"]},
-        },
-        {
-            "resource": "dns-record/app-a",
-            "method": "PATCH",
-            "if_match": '"3"',
-            "patch": {"ip": "2"},
-        },
+        _patch(POLICY, '"41"', {"channels": ["pager"]}),
+        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
     ]
     response = _propose(api, run, steps)
     assert response.status_code == 202, response.content
@@ -434,12 +377,7 @@ def test_a_stale_step_routed_to_a_person_waits_and_their_resolution_resumes_the_
     assert body["status"] == "executing"
     assert [s["status"] for s in body["steps"]] == ["executing", "pending"], worker.output()
     conflict_id = body["steps"][0]["error"]["conflict"]
-    resolved = api.post(
-        f"/api/v1/conflicts/{conflict_id}/resolution",
-        token=operator.token,
-        body={"choice": "take_proposed", "comment": "the plan's pointer wins"},
-    )
-    assert resolved.status_code == 200, resolved.content
+    _take_proposed(api, operator, conflict_id)
     wait_for(lambda: _status(plan_id) == "applied", timeout=30)
     assert _document(POLICY).document == {"channels": ["pager"]}
     assert _document("dns-record/app-a").document == {"ip": "2"}
@@ -454,18 +392,8 @@ def test_an_approved_plan_survives_a_redis_flushall(
     from approvals.services.reconcile import reconcile
 
     steps = [
-        {
-            "resource": "dns-record/app-a",
-            "method": "PATCH",
-            "if_match": '"3"',
-            "patch": {"ip": "2"},
-        },
-        {
-            "resource": "dns-record/app-b",
-            "method": "PUT",
-            "if_none_match": "*",
-            "document": {"ip": "b"},
-        },
+        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
+        _create("dns-record/app-b", {"ip": "b"}),
     ]
     response = _propose(api, run, steps)
     assert response.status_code == 202, response.content
@@ -511,25 +439,10 @@ def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_tw
 
     make_resource("dns-record/app-c", {"ip": "c"}, version=5)
     steps = [
-        {
-            "resource": "dns-record/app-a",
-            "method": "PATCH",
-            "if_match": '"3"',
-            "patch": {"ip": "2"},
-        },
-        {
-            "resource": "dns-record/app-new",
-            "method": "PUT",
-            "if_none_match": "*",
-            "document": {"ip": "9"},
-        },
-        {"resource": POLICY, "method": "PATCH", "if_match": '"41"', "patch": {"x": 1}},
-        {
-            "resource": "dns-record/app-c",
-            "method": "PUT",
-            "if_match": '"5"',
-            "document": {"ip": "c2"},
-        },
+        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
+        _create("dns-record/app-new", {"ip": "9"}),
+        _patch(POLICY, '"41"', {"x": 1}),
+        _put("dns-record/app-c", '"5"', {"ip": "c2"}),
     ]
     response = _propose(api, run, steps)
     assert response.status_code == 202, response.content
@@ -679,18 +592,8 @@ def test_a_kill_switch_pauses_a_step_and_the_release_resumes_the_plan_where_it_s
     actor = Actor.system("test")
     kill_switch_set(scope="dns-record/app-b", engaged=True, reason="incident", actor=actor)
     steps = [
-        {
-            "resource": "dns-record/app-a",
-            "method": "PATCH",
-            "if_match": '"3"',
-            "patch": {"ip": "2"},
-        },
-        {
-            "resource": "dns-record/app-b",
-            "method": "PUT",
-            "if_none_match": "*",
-            "document": {"b": 1},
-        },
+        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
+        _create("dns-record/app-b", {"b": 1}),
     ]
     plan_id = _propose(api, run, steps).json()["id"]
     wait_for(
@@ -720,18 +623,8 @@ def test_a_run_that_ends_cancels_its_waiting_plan_and_compensates_its_running_on
         api,
         run,
         [
-            {
-                "resource": "dns-record/app-c",
-                "method": "PUT",
-                "if_none_match": "*",
-                "document": {"c": 1},
-            },
-            {
-                "resource": "dns-record/app-b",
-                "method": "PUT",
-                "if_none_match": "*",
-                "document": {"b": 1},
-            },
+            _create("dns-record/app-c", {"c": 1}),
+            _create("dns-record/app-b", {"b": 1}),
         ],
     )
     running_id = running.json()["id"]

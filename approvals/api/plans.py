@@ -40,10 +40,10 @@ from console.api_support import (
     TEXT_PATTERN,
     conditional_response,
     json_bytes,
+    propose_for_replay,
     rate_limit_writes,
     read_body,
     replay_response,
-    store_for_replay,
 )
 from console.auth import (
     any_token_or_ended_run,
@@ -53,7 +53,7 @@ from console.auth import (
     run_token,
 )
 from console.core.errors import DomainError, NotFound, ValidationFailed
-from console.problems import errors, problem_from_error
+from console.problems import errors
 from ownership.api.schemas import STRONG_ETAG_PATTERN
 from ownership.models import ConflictOrigin, ResourceKind
 
@@ -335,36 +335,23 @@ def plan_create(request: HttpRequest, run_id: uuid.UUID, payload: PlanCreateIn) 
         return replay_response(begin.replay)
     record_id = begin.record_id
     assert record_id is not None
-    produced: dict[str, HttpResponse] = {}
 
-    def on_recorded(plan: Plan) -> None:
-        response = _plan_response(Plan.objects.select_related("agent").get(pk=plan.pk), status=202)
-        store_for_replay(record_id, response)
-        produced["response"] = response
+    def render(plan: Plan) -> tuple[HttpResponse, Any]:
+        recorded = Plan.objects.select_related("agent").get(pk=plan.pk)
+        return _plan_response(recorded, status=202), None
 
-    def on_refused(error: DomainError) -> None:
-        response = problem_from_error(error)
-        store_for_replay(record_id, response)
-        produced["response"] = response
-
-    try:
-        plan_propose(
+    return propose_for_replay(
+        record_id,
+        lambda on_recorded, on_refused: plan_propose(
             run=run,
             steps=steps,
             reason=payload.reason,
             idempotency_key=key,
             on_recorded=on_recorded,
             on_refused=on_refused,
-        )
-    except DomainError as error:
-        if "response" in produced:  # the refused stale plan, stored for replay
-            return produced["response"]
-        idempotency.idempotency_release(record_id=record_id)
-        raise error from None
-    except BaseException:
-        idempotency.idempotency_release(record_id=record_id)
-        raise
-    return produced["response"]
+        ),
+        render,
+    )
 
 
 # --- Read, with long-poll ------------------------------------------------------------

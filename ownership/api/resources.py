@@ -26,14 +26,14 @@ from console.api_support import (
     json_bytes,
     page_response,
     parse_json_object,
+    propose_for_replay,
     rate_limit_writes,
     read_body,
     replay_response,
-    store_for_replay,
 )
 from console.auth import any_token, principal_of, run_token
-from console.core.errors import DomainError, NotFound
-from console.problems import ApiError, errors, problem_from_error
+from console.core.errors import NotFound
+from console.problems import ApiError, errors
 from ownership.api.schemas import (
     KIND_PATTERN,
     PREFIX_PATTERN,
@@ -292,33 +292,16 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
 
 
 def _propose(run: Any, proposal: action_services.Proposal, record_id: int) -> HttpResponse:
-    produced: dict[str, HttpResponse] = {}
+    def render(action: Action) -> tuple[HttpResponse, Any]:
+        return action_response(action_load(action.pk), status=202), action.pk
 
-    # A response counts as produced only once stored: if storing fails (the key was
-    # taken over), the proposal rolls back and the error is the answer.
-    def on_recorded(action: Action) -> None:
-        response = action_response(action_load(action.pk), status=202)
-        store_for_replay(record_id, response, action_id=action.pk)
-        produced["response"] = response
-
-    def on_refused(error: DomainError) -> None:
-        response = problem_from_error(error)
-        store_for_replay(record_id, response)
-        produced["response"] = response
-
-    try:
-        action_services.action_propose(
+    return propose_for_replay(
+        record_id,
+        lambda on_recorded, on_refused: action_services.action_propose(
             run=run, proposal=proposal, on_recorded=on_recorded, on_refused=on_refused
-        )
-    except DomainError as error:
-        if "response" in produced:  # the refused stale write, stored for replay
-            return produced["response"]
-        idempotency.idempotency_release(record_id=record_id)
-        raise error from None
-    except BaseException:
-        idempotency.idempotency_release(record_id=record_id)
-        raise
-    return produced["response"]
+        ),
+        render,
+    )
 
 
 @router.put(
