@@ -17,7 +17,7 @@ from django.test import RequestFactory
 from django.utils import timezone
 
 from approvals.models import Action, Operation, Run
-from approvals.services import actions
+from approvals.services import actions, preconditions
 from audit.models import AuditEvent
 from audit.services import Actor
 from ownership.models import OwnershipRecord
@@ -555,7 +555,7 @@ def _low_severity_proposal(run: Run, idempotency_key: str) -> Any:
         operation="update",
         payload_format="replace",
         payload={"severity": "low"},
-        if_match=actions.parse_tag_condition('"41"', header="If-Match"),
+        if_match=preconditions.parse_tag_condition('"41"', header="If-Match"),
         create_if_absent=False,
         idempotency_key=idempotency_key,
         reason="",

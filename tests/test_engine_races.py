@@ -155,7 +155,7 @@ def _active_run(world: Any, resource: str) -> Run:
 def test_a_write_proposed_in_the_gap_after_a_revoke_is_never_applied(world: Any, cfg: Any) -> None:
     """The order the race produces (review repro): the API's run check passes, the
     operator's revoke commits, then the action is recorded and executed."""
-    from approvals.services import actions, runs
+    from approvals.services import actions, preconditions, runs
 
     run = _active_run(world, "cfg/a")
     kind = actions.action_check_writable(run=run, kind="cfg", name="a", operation="update")
@@ -166,7 +166,7 @@ def test_a_write_proposed_in_the_gap_after_a_revoke_is_never_applied(world: Any,
         operation="update",
         payload_format="replace",
         payload={"v": 9},
-        if_match=actions.parse_tag_condition('"1"', header="If-Match"),
+        if_match=preconditions.parse_tag_condition('"1"', header="If-Match"),
         create_if_absent=False,
         idempotency_key="gap-1",
         reason="",
