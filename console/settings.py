@@ -109,6 +109,9 @@ INSTALLED_APPS = [
     "audit",
 ]
 
+# Under ASGI (console.asgi) the web process runs console.middleware's subclasses of the
+# Django and django-csp classes named here: the same hooks, without a thread hand-off per
+# hook. The names stay Django's, which its deploy checks look for.
 MIDDLEWARE = [
     "console.middleware.RequestIdMiddleware",
     "django.middleware.security.SecurityMiddleware",
