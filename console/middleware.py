@@ -9,6 +9,7 @@ from django.conf import settings
 from django.contrib.auth import middleware as auth_middleware
 from django.contrib.messages import middleware as messages_middleware
 from django.contrib.sessions import middleware as sessions_middleware
+from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.middleware import clickjacking, common, csrf, security
 from django.utils.deprecation import MiddlewareMixin
@@ -201,3 +202,16 @@ def asgi_middleware(names: list[str]) -> list[str]:
         f"{__name__}.{ASGI_INLINE[name].__name__}" if name in ASGI_INLINE else name
         for name in names
     ]
+
+
+class AirlockASGIHandler(ASGIHandler):
+    """Django's ASGI handler (console.asgi's), loading the ASGI_INLINE subclasses in place
+    of the middlewares settings.MIDDLEWARE names (which keeps Django's names for its checks)."""
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        declared = settings.MIDDLEWARE
+        settings.MIDDLEWARE = asgi_middleware(declared)
+        try:
+            super().load_middleware(is_async)
+        finally:
+            settings.MIDDLEWARE = declared
