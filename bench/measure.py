@@ -271,7 +271,7 @@ def _seed_rows(spec: dict[str, Any]) -> None:
                 "INSERT INTO ownership_resource (kind_id, name, document, version, last_fence, "
                 "deleted, owner_group, created_at, updated_at) "
                 "SELECT %s, 'scale-' || g, '{\"n\": 0}'::jsonb, 1, 0, false, 'platform', now(), "
-                "now() FROM generate_series(%s, %s) g",
+                "now() FROM generate_series(%s::bigint, %s::bigint) g",
                 [kind, have_resources + 1, want_resources],
             )
         have_actions = Action.objects.count()
@@ -283,7 +283,7 @@ def _seed_rows(spec: dict[str, Any]) -> None:
                 "updated_at) "
                 "SELECT gen_random_uuid(), %s, %s, %s, 'scale-' || g, 'update', 'merge_patch', "
                 "'{\"n\": 1}'::jsonb, 1, %s, 'applied', 3, '', '', '', '', 1, now(), now() "
-                "FROM generate_series(%s, %s) g",
+                "FROM generate_series(%s::bigint, %s::bigint) g",
                 [
                     spec["run_id"],
                     spec["agent_id"],

@@ -2,14 +2,18 @@ from __future__ import annotations
 
 import os
 
+import django
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
-from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 # Settings are loaded below, while this module is being imported: that is how they know this
 # is a web process (SERVES_ASGI), whose database connections are pooled by default (each
 # request's sync work runs in a thread of its own; see the Database section of settings).
+django.setup(set_prefix=False)
+
+from console.middleware import AirlockASGIHandler  # noqa: E402  # reason: needs django.setup()
+
 # /static/ is answered by Django's static files handler (found through the finders, no
 # collectstatic step); everything else goes to Django. Behind a reverse proxy that serves
 # /static/ itself, this wrapper is never reached for those paths.
-application = ASGIStaticFilesHandler(get_asgi_application())
+application = ASGIStaticFilesHandler(AirlockASGIHandler())

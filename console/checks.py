@@ -84,7 +84,9 @@ def web_connections_fit_the_database(app_configs: Any, **kwargs: Any) -> list[Ch
 
 
 def _server_max_connections(database: dict[str, Any]) -> int | None:
-    options = {k: v for k, v in database.get("OPTIONS", {}).items() if k != "pool"}
+    # Keys Django's backend consumes itself; the rest are psycopg connection options.
+    django_only = {"pool", "server_side_binding"}
+    options = {k: v for k, v in database.get("OPTIONS", {}).items() if k not in django_only}
     params = {
         "dbname": database.get("NAME") or "postgres",
         "user": database.get("USER") or None,

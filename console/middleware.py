@@ -3,8 +3,16 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from csp import middleware as csp_middleware
+from django.conf import settings
+from django.contrib.auth import middleware as auth_middleware
+from django.contrib.messages import middleware as messages_middleware
+from django.contrib.sessions import middleware as sessions_middleware
+from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.middleware import clickjacking, common, csrf, security
+from django.utils.deprecation import MiddlewareMixin
 
 from console.problems import transient_database_response
 from console.requestctx import clean_request_id, reset_request_id, set_request_id
@@ -65,3 +73,145 @@ class RequestIdMiddleware:
             reset_request_id(token)
         response["X-Request-Id"] = request_id
         return response
+
+
+# --- Django's own middlewares, without a thread hand-off per hook under ASGI ------------
+#
+# Under ASGI, Django's MiddlewareMixin runs each process_request and process_response in a
+# thread (sync_to_async): two hand-offs per middleware, fifteen more for every API call, a
+# poll included. The hooks of the middlewares below only read the request's headers and
+# cookies and set response headers, so they run on the event loop; the cases that do
+# I/O (saving a session or stored messages) still go to a thread, as Django sends them.
+# console.asgi swaps them in for the classes settings.MIDDLEWARE names (ASGI_INLINE);
+# under WSGI nothing changes.
+
+
+class _InlineHooks(MiddlewareMixin):
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self._inline_acall(request)
+        return super().__call__(request)
+
+    def _request_needs_thread(self, request: HttpRequest) -> bool:
+        return False
+
+    def _response_needs_thread(self, request: HttpRequest) -> bool:
+        return False
+
+    async def _inline_acall(self, request: HttpRequest) -> HttpResponseBase:
+        response: HttpResponseBase | None = None
+        process_request: Callable[..., Any] | None = getattr(self, "process_request", None)
+        if process_request is not None:
+            if self._request_needs_thread(request):
+                response = await sync_to_async(process_request, thread_sensitive=True)(request)
+            else:
+                response = process_request(request)
+        if response is None:
+            response = await self.get_response(request)  # type: ignore[misc]
+        assert response is not None
+        process_response: Callable[..., Any] | None = getattr(self, "process_response", None)
+        if process_response is not None:
+            if self._response_needs_thread(request):
+                call = sync_to_async(process_response, thread_sensitive=True)
+                response = await call(request, response)
+            else:
+                response = process_response(request, response)
+        assert response is not None
+        return response
+
+
+class SecurityMiddleware(_InlineHooks, security.SecurityMiddleware):
+    pass
+
+
+class SessionMiddleware(_InlineHooks, sessions_middleware.SessionMiddleware):
+    def _response_needs_thread(self, request: HttpRequest) -> bool:
+        # A session that is saved (and may be loaded first) is database work.
+        session = getattr(request, "session", None)
+        return session is not None and (
+            session.modified or bool(settings.SESSION_SAVE_EVERY_REQUEST)
+        )
+
+
+class CommonMiddleware(_InlineHooks, common.CommonMiddleware):
+    pass
+
+
+class CsrfViewMiddleware(_InlineHooks, csrf.CsrfViewMiddleware):
+    def __init__(self, get_response: Any) -> None:
+        super().__init__(get_response)
+        if self.async_mode:
+            # Django hands a sync process_view to a thread; it reads this attribute after
+            # __init__, so under ASGI it finds a coroutine function instead.
+            self.process_view = self._process_view_async  # type: ignore[method-assign,assignment]
+
+    # With CSRF_USE_SESSIONS the secret lives in the session (database work).
+    def _request_needs_thread(self, request: HttpRequest) -> bool:
+        return bool(settings.CSRF_USE_SESSIONS)
+
+    def _response_needs_thread(self, request: HttpRequest) -> bool:
+        return bool(settings.CSRF_USE_SESSIONS)
+
+    async def _process_view_async(
+        self, request: HttpRequest, callback: Any, args: Any, kwargs: Any
+    ) -> HttpResponseBase | None:
+        check = super().process_view
+        # An exempt view (the API: bearer tokens) or a safe method is decided from the
+        # headers alone; an unsafe one reads the form (request.POST) in a thread.
+        exempt = getattr(callback, "csrf_exempt", False)
+        if exempt or request.method in ("GET", "HEAD", "OPTIONS", "TRACE"):
+            return check(request, callback, args, kwargs)
+        return await sync_to_async(check, thread_sensitive=True)(request, callback, args, kwargs)
+
+
+class AuthenticationMiddleware(_InlineHooks, auth_middleware.AuthenticationMiddleware):
+    pass  # request.user stays lazy: nothing is read until a view asks
+
+
+class MessageMiddleware(_InlineHooks, messages_middleware.MessageMiddleware):
+    def _response_needs_thread(self, request: HttpRequest) -> bool:
+        # Storing messages that were read or added may touch the session.
+        storage = getattr(request, "_messages", None)
+        return storage is not None and bool(storage.used or storage.added_new)
+
+
+class XFrameOptionsMiddleware(_InlineHooks, clickjacking.XFrameOptionsMiddleware):
+    pass
+
+
+class CSPMiddleware(_InlineHooks, csp_middleware.CSPMiddleware):
+    pass
+
+
+# settings.MIDDLEWARE's name -> the subclass the ASGI handler loads instead.
+ASGI_INLINE = {
+    "django.middleware.security.SecurityMiddleware": SecurityMiddleware,
+    "django.contrib.sessions.middleware.SessionMiddleware": SessionMiddleware,
+    "django.middleware.common.CommonMiddleware": CommonMiddleware,
+    "django.middleware.csrf.CsrfViewMiddleware": CsrfViewMiddleware,
+    "django.contrib.auth.middleware.AuthenticationMiddleware": AuthenticationMiddleware,
+    "django.contrib.messages.middleware.MessageMiddleware": MessageMiddleware,
+    "django.middleware.clickjacking.XFrameOptionsMiddleware": XFrameOptionsMiddleware,
+    "csp.middleware.CSPMiddleware": CSPMiddleware,
+}
+
+
+def asgi_middleware(names: list[str]) -> list[str]:
+    """settings.MIDDLEWARE with the ASGI_INLINE classes' dotted paths swapped in."""
+    return [
+        f"{__name__}.{ASGI_INLINE[name].__name__}" if name in ASGI_INLINE else name
+        for name in names
+    ]
+
+
+class AirlockASGIHandler(ASGIHandler):
+    """Django's ASGI handler (console.asgi's), loading the ASGI_INLINE subclasses in place
+    of the middlewares settings.MIDDLEWARE names (which keeps Django's names for its checks)."""
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        declared = settings.MIDDLEWARE
+        settings.MIDDLEWARE = asgi_middleware(declared)
+        try:
+            super().load_middleware(is_async)
+        finally:
+            settings.MIDDLEWARE = declared

@@ -59,3 +59,31 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
     # Correctness is not speed: the hot resource never loses an update, the chain verifies.
     assert figures["hot_resource_lost_updates"]["value"] == 0
     assert figures["audit_appends_per_s_1"]["chain"]["chain_ok"] is True
+
+
+@pytest.mark.slow
+def test_the_in_process_poll_cost_compares_both_asgi_handlers_on_every_poll() -> None:
+    server = urlsplit(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/airlock"))
+    name = f"airlock_bench_c{os.getpid()}"
+    bench_url = urlunsplit(server._replace(path=f"/{name}"))
+    env = {**os.environ, "BENCH_DATABASE_URL": bench_url}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.asgi_cpu", "--rounds", "2", "--polls", "16"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        with psycopg.connect(make_conninfo(bench_url, dbname="postgres"), autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result) == {"console.asgi", "django_asgi"}
+    for figures in result.values():
+        assert figures["statuses"] == {"200": 32}  # every poll answered, nothing else
+        assert figures["cpu_ms_per_poll"] > 0
+        assert figures["polls_per_s"] > 0

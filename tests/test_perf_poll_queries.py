@@ -135,3 +135,18 @@ def test_the_poll_still_refuses_a_bad_token_before_looking_at_its_headers(
     known = api.get(url, token=run.token, headers={"Prefer": "wait=soon"})
     assert known.status_code == 400
     assert known.json()["code"] == "bad_header"
+
+
+def test_the_polls_statements_are_prepared_on_the_connection_after_a_few_polls(
+    api: Any, run: Any, pending_action: Any
+) -> None:
+    """Server-side binding with a prepare threshold (console.settings): PostgreSQL plans
+    the token lookup and the action's read once per connection, not once per poll."""
+    url = f"/api/v1/actions/{pending_action.pk}"
+    for _ in range(8):
+        assert api.get(url, token=run.token).status_code == 200
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements WHERE NOT from_sql")
+        prepared = [row[0] for row in cursor.fetchall()]
+    assert any('FROM "approvals_action"' in sql and "jsonb_build_object" in sql for sql in prepared)
+    assert any('"approvals_run"."token_prefix"' in sql for sql in prepared), prepared

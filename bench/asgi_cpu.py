@@ -1,0 +1,151 @@
+"""The web process's own cost of one agent poll, without HTTP and without wrk: CPU
+milliseconds per 200 poll (every thread of this process; PostgreSQL's work is not in it)
+and polls per second, 8 at a time, through console.asgi's application, interleaved round by
+round with the same application on Django's plain ASGIHandler (whose MiddlewareMixin hands
+every middleware hook to a thread). Less sensitive to a busy machine than the wrk figures.
+
+    python -m bench.asgi_cpu [--rounds 5] [--polls 800]
+
+Database: BENCH_DATABASE_URL (dropped and re-created, as by bench.run); a private Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+from django.core.handlers.asgi import ASGIHandler
+
+from bench.run import DEFAULT_DATABASE, _setup_django
+from bench.stack import Stack, free_port, log
+
+CONCURRENT = 8
+App = Any
+
+
+async def _poll(app: App, path: str, token: str, statuses: dict[int, int]) -> None:
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {token}".encode())],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if requested:  # connected until the answer is sent
+            await asyncio.Event().wait()
+        requested = True
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses[message["status"]] = statuses.get(message["status"], 0) + 1
+
+    await app(scope, receive, send)
+
+
+async def _round(app: App, path: str, token: str, polls: int) -> dict[str, Any]:
+    statuses: dict[int, int] = {}
+
+    async def client(count: int) -> None:
+        for _ in range(count):
+            await _poll(app, path, token, statuses)
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(client(polls // CONCURRENT) for _ in range(CONCURRENT)))
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    done = sum(statuses.values())
+    return {"cpu_ms": cpu / done * 1000, "per_s": done / wall, "statuses": statuses}
+
+
+def _applications() -> dict[str, App]:
+    """console.asgi's application and the same on Django's plain handler."""
+    # reason: both load the middlewares, which need django.setup() (done in main)
+    from console.middleware import AirlockASGIHandler
+
+    return {
+        "console.asgi": ASGIStaticFilesHandler(AirlockASGIHandler()),
+        "django_asgi": ASGIStaticFilesHandler(ASGIHandler()),
+    }
+
+
+async def _measure(path: str, token: str, rounds: int, polls: int) -> dict[str, Any]:
+    apps = _applications()
+    for app in apps.values():  # warm: connections, prepared statements, imports
+        await _round(app, path, token, CONCURRENT * 10)
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in apps}
+    for number in range(rounds):
+        order = list(apps) if number % 2 == 0 else list(reversed(apps))
+        for name in order:
+            results[name].append(await _round(apps[name], path, token, polls))
+            log(f"asgi_cpu round {number} {name}: {results[name][-1]}")
+    return {
+        name: {
+            "cpu_ms_per_poll": round(statistics.median(r["cpu_ms"] for r in runs), 2),
+            "polls_per_s": round(statistics.median(r["per_s"] for r in runs), 1),
+            "statuses": _statuses(runs),
+        }
+        for name, runs in results.items()
+    }
+
+
+def _statuses(runs: list[dict[str, Any]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for run in runs:
+        for status, count in run["statuses"].items():
+            total[str(status)] = total.get(str(status), 0) + count
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--polls", type=int, default=800)
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="airlock-asgi-cpu-"))
+    stack = Stack(
+        database_url=os.environ.get("BENCH_DATABASE_URL", DEFAULT_DATABASE),
+        redis_port=free_port(),
+        workdir=workdir,
+    )
+    try:
+        stack.create_database()
+        stack.start_redis()
+        stack.migrate()
+        # As in a web process: pooled connections (console.settings, SERVES_ASGI).
+        os.environ["AIRLOCK_DB_POOL"] = "true"
+        _setup_django(stack)
+        from bench import fixtures  # here: it imports models (Django set up above)
+
+        world = fixtures.bootstrap()
+        run = fixtures.run_for(world, ["bench-wait/*"], task="bench: asgi cpu")
+        action = fixtures.pending(run, "bench-wait", ["asgi-cpu-1"])[0]
+        path = f"/api/v1/actions/{action.action_id}"
+        result = asyncio.run(_measure(path, run.token, args.rounds, args.polls))
+    finally:
+        stack.stop_all()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
