@@ -8,7 +8,7 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
-from approvals.models import Action, Approval, Operation
+from approvals.models import Action, Approval, Operation, Plan
 from audit.chain import verify_rows
 from audit.models import AuditEvent
 from ownership.models import Conflict, Resource
@@ -60,6 +60,15 @@ def test_the_demo_plays_the_design_collision_through_the_api(demo_redis) -> None
     conflict = Conflict.objects.get(action__name="prod-eu", action__status="conflict")
     assert conflict.status == "open"
     assert conflict.conflict_class_id == "advance_pointer"
+
+    # A change across two resources waits as one plan, for one approval, nothing run yet.
+    plan = Plan.objects.get(status="pending_approval")
+    assert [s.resource_identifier for s in plan.steps.order_by("position")] == [
+        "release-pointer/prod-us",
+        "notification-policy/release-watch",
+    ]
+    assert Approval.objects.filter(plan=plan, status="pending").count() == 1
+    assert "two steps, one approval waiting" in output
 
     # People and agents were made by their services: validated and audited as the demo.
     for event_type in ("person.created", "agent.created"):

@@ -82,6 +82,20 @@ RESOURCES: list[dict[str, Any]] = [
         "document": {"release": "2026.11.2", "notes": "steady"},
         "owner_group": "release-owners",
     },
+    {
+        "kind": "release-pointer",
+        "name": "prod-us",
+        "version": 3,
+        "document": {"release": "2026.11.2", "notes": "steady"},
+        "owner_group": "release-owners",
+    },
+    {
+        "kind": "notification-policy",
+        "name": "release-watch",
+        "version": 5,
+        "document": {"watching": "2026.11.2", "destinations": ["release@example.test"]},
+        "owner_group": "platform",
+    },
 ]
 
 # username, roles, owner groups
@@ -363,8 +377,10 @@ class Command(BaseCommand):
     def story(self, tokens: dict[str, str]) -> None:
         self.collision(tokens)
         self.releases(tokens)
+        self.plan(tokens)
         self.say(
-            "done — the console now shows an approval waiting, an undoable write and a conflict"
+            "done — the console now shows approvals waiting (one of them a two-step plan), "
+            "an undoable write and a conflict"
         )
 
     def collision(self, tokens: dict[str, str]) -> None:
@@ -462,3 +478,57 @@ class Command(BaseCommand):
             f"release 2026.12.0-rc1 met a newer version at execution: conflict "
             f"{detail.get('conflict_id')} for {detail.get('resolver')}"
         )
+
+    def plan(self, tokens: dict[str, str]) -> None:
+        """Step 6: one change across two resources, proposed as a plan: approved as one."""
+        pointer, watch = "release-pointer/prod-us", "notification-policy/release-watch"
+        body = self.expect(
+            self.api.call(
+                "POST",
+                "/api/v1/runs",
+                token=tokens["release-bot"],
+                body={
+                    "task": "Ship 2026.11.3 to prod-us and point its release watch at it",
+                    "write_set": [
+                        {"resource": pointer, "operations": ["update"]},
+                        {"resource": watch, "operations": ["update"]},
+                    ],
+                    "ttl_seconds": 8 * 3600,
+                },
+            ),
+            201,
+            "release-bot starts its plan's run",
+        )
+        run_id, token = body["id"], body["token"]
+        if body["status"] == "pending_approval":
+            self.decide(tokens, subject="run", match=run_id, what="release-bot's plan run")
+        etag_pointer, _ = self.read(token, pointer)
+        etag_watch, _ = self.read(token, watch)
+        plan = self.expect(
+            self.api.call(
+                "POST",
+                f"/api/v1/runs/{run_id}/plans",
+                token=token,
+                body={
+                    "reason": "ship 2026.11.3 to prod-us and watch it",
+                    "steps": [
+                        {
+                            "resource": pointer,
+                            "method": "PATCH",
+                            "if_match": etag_pointer,
+                            "patch": {"release": "2026.11.3"},
+                        },
+                        {
+                            "resource": watch,
+                            "method": "PATCH",
+                            "if_match": etag_watch,
+                            "patch": {"watching": "2026.11.3"},
+                        },
+                    ],
+                },
+                headers={"Idempotency-Key": f"demo-{uuid.uuid4().hex}"},
+            ),
+            202,
+            "release-bot proposes a two-step plan",
+        )
+        self.say(f"release-bot proposed plan {plan['id']}: two steps, one approval waiting")
