@@ -25,7 +25,7 @@ from approvals.models import (
 from approvals.services.runs import run_effective_status
 from console.core.errors import NotFound
 from console.permissions import can_decide_approvals, can_read_everything, user_groups
-from ownership.models import Conflict
+from ownership.models import Conflict, Resource
 
 
 def _as_uuid(value: Any) -> uuid.UUID | None:
@@ -148,7 +148,20 @@ def plans_visible_to(reader: Any) -> QuerySet[Plan]:
         return qs.filter(run=reader)
     if isinstance(reader, Agent):
         return qs.filter(agent=reader)
-    return qs.filter(run__in=run_list_for_actor(reader))
+    if can_read_everything(reader):
+        return qs
+    # A resource's owners see a plan that will write it before any step has run (they
+    # may be asked to resolve its conflicts), as well as the plans of the runs they see.
+    groups = user_groups(reader)
+    touching = PlanStep.objects.filter(plan=OuterRef("pk")).filter(
+        Q(kind__owner_group__in=groups)
+        | Exists(
+            Resource.objects.filter(
+                kind_id=OuterRef("kind_id"), name=OuterRef("name"), owner_group__in=groups
+            )
+        )
+    )
+    return qs.filter(Q(run__in=run_list_for_actor(reader)) | Exists(touching))
 
 
 def plan_detail(plan: Plan) -> dict[str, Any]:

@@ -190,8 +190,8 @@ def test_the_plan_page_is_404_for_someone_who_may_not_read_it(
 ) -> None:
     plan = _propose(api, run, _steps())
     assert client_for(outsider.user).get(f"/plans/{plan.id}/").status_code == 404
-    # A resource owner sees the run only once it touched their resources; nothing ran yet.
-    assert client_for(owner.user).get(f"/plans/{plan.id}/").status_code == 404
+    # The owners of a resource the plan will write see it before any step ran.
+    assert client_for(owner.user).get(f"/plans/{plan.id}/").status_code == 200
     assert client_for(operator.user).get(f"/plans/{uuid.uuid4()}/").status_code == 404
     assert client_for(operator.user).get(f"/plans/{plan.id}/").status_code == 200
     assert Client().get(f"/plans/{plan.id}/").status_code == 302  # sign in first

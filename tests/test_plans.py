@@ -742,3 +742,22 @@ def test_an_overdue_plan_approval_escalates_to_its_steps_escalation_group(
     assert listed() == [plan_id]
     escalated = AuditEvent.objects.get(event_type="approval.escalated")
     assert escalated.details["escalation_group"] == "oncall"
+
+
+def test_who_reads_a_plan(
+    api: Any, run: Any, operator: Any, owner: Any, outsider: Any, world: Any
+) -> None:
+    from tests.fixtures.api import make_active_run, make_agent_with_token
+
+    plan_id = _propose(api, run, _three_steps()).json()["id"]
+    url = f"/api/v1/plans/{plan_id}"
+    assert api.get(url, token=run.token).status_code == 200  # its run
+    assert api.get(url, token=operator.token).status_code == 200  # operators read everything
+    assert api.get(url, token=owner.token).status_code == 200  # owns what step 1 will write
+    assert api.get(url, token=outsider.token).status_code == 404
+    stranger = make_active_run(
+        make_agent_with_token("stranger-bot").agent,
+        [{"resource": "dns-record/elsewhere", "operations": ["update"]}],
+    )
+    assert api.get(url, token=stranger.token).status_code == 404  # another agent's run
+    assert api.get(f"/api/v1/plans/{uuid.uuid4()}", token=run.token).status_code == 404
