@@ -164,6 +164,15 @@ def plans_visible_to(reader: Any) -> QuerySet[Plan]:
     return qs.filter(Q(run__in=run_list_for_actor(reader)) | Exists(touching))
 
 
+def plan_step_resources(steps: list[PlanStep]) -> dict[tuple[str, str], Resource]:
+    """The resources a plan's steps write, as they are now, by (kind, name), in one query
+    (a create's resource is absent until it applied)."""
+    wanted = Q(pk__in=[])
+    for step in steps:
+        wanted |= Q(kind_id=step.kind_id, name=step.name)
+    return {(r.kind_id, r.name): r for r in Resource.objects.filter(wanted)} if steps else {}
+
+
 def plan_detail(plan: Plan) -> dict[str, Any]:
     """What a plan's page and JSON show beside the plan row: its steps (with the
     resource's current version for the diff) and its approval, votes included."""

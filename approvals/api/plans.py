@@ -40,6 +40,7 @@ from console.api_support import (
     TEXT_PATTERN,
     conditional_response,
     json_bytes,
+    json_response,
     propose_for_replay,
     rate_limit_writes,
     read_body,
@@ -219,15 +220,6 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _plan_response(plan: Plan, *, status: int = 200) -> HttpResponse:
-    response = HttpResponse(json_bytes(plan_json(plan)), status=status)
-    response["Content-Type"] = "application/json"
-    response["ETag"] = plan.etag
-    if status == 202:
-        response["Location"] = f"/api/v1/plans/{plan.pk}"
-    return response
-
-
 # --- Propose -------------------------------------------------------------------------
 
 
@@ -235,11 +227,9 @@ def _step_spec(run: Run, position: int, step: PlanStepIn) -> PlanStepSpec:
     """One step as a single write's Proposal, checked in the single write's order
     (run active, kind, write set, If-Match); every refusal names its step."""
     kind, _, name = step.resource.partition("/")
-    operation = {"DELETE": "delete", "PATCH": "update"}.get(step.method, "update")
-    if step.method == "PUT" and step.if_none_match == "*":
-        operation = "create"
-    elif step.if_none_match is not None:
+    if step.if_none_match is not None and step.method != "PUT":
         raise _field_error(position, "if_none_match", "only '*' with PUT (create)")
+    operation = action_services.write_operation(step.method, create=step.if_none_match == "*")
     needs = {"PUT": "document", "PATCH": "patch"}.get(step.method)
     for field in ("document", "patch"):
         given = getattr(step, field) is not None
@@ -315,12 +305,6 @@ def plan_create(request: HttpRequest, run_id: uuid.UUID, payload: PlanCreateIn) 
     if run.pk != run_id:
         raise NotFound(f"Run {run_id} not found.")
     rate_limit_writes(principal)
-    limit = max_plan_steps()
-    if len(payload.steps) > limit:
-        raise ValidationFailed(
-            f"A plan has at most {limit} steps; this one has {len(payload.steps)}.",
-            extra={"errors": [{"field": "steps", "message": f"at most {limit} steps"}]},
-        )
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     steps = [_step_spec(run, n, step) for n, step in enumerate(payload.steps, start=1)]
     body = read_body(request)
@@ -338,7 +322,8 @@ def plan_create(request: HttpRequest, run_id: uuid.UUID, payload: PlanCreateIn) 
 
     def render(plan: Plan) -> tuple[HttpResponse, Any]:
         recorded = Plan.objects.select_related("agent").get(pk=plan.pk)
-        return _plan_response(recorded, status=202), None
+        headers = {"ETag": recorded.etag, "Location": f"/api/v1/plans/{recorded.pk}"}
+        return json_response(plan_json(recorded), status=202, headers=headers), None
 
     return propose_for_replay(
         record_id,

@@ -27,6 +27,7 @@ from approvals.models import (
     PlanStep,
     Run,
 )
+from approvals.selectors import plan_step_resources
 from approvals.services.runs import run_effective_status
 from approvals.services.undo import undo_status
 from console.api_support import iso, json_bytes, json_response
@@ -318,15 +319,17 @@ def approval_json(approval: Approval) -> dict[str, Any]:
         item.update(_approval_call(approval, approval.action))
     item["plan"] = str(approval.plan_id) if approval.plan_id else None
     if approval.plan_id is not None:
-        steps = PlanStep.objects.filter(plan_id=approval.plan_id).order_by("position")
-        item["steps"] = [_approval_plan_step(step) for step in steps]
+        steps = list(PlanStep.objects.filter(plan_id=approval.plan_id).order_by("position"))
+        resources = plan_step_resources(steps)
+        item["steps"] = [
+            _approval_plan_step(step, resources.get((step.kind_id, step.name))) for step in steps
+        ]
     return item
 
 
-def _approval_plan_step(step: PlanStep) -> dict[str, Any]:
+def _approval_plan_step(step: PlanStep, resource: Resource | None) -> dict[str, Any]:
     """What a plan approval shows of one step: the write, its diff against the
     resource now, and its compensation."""
-    resource = Resource.objects.filter(kind_id=step.kind_id, name=step.name).first()
     live = resource is not None and not resource.deleted
     current = resource.document if resource is not None and live else {}
     return {

@@ -469,3 +469,11 @@ PAYLOAD_FORMATS = {
     "PATCH": PayloadFormat.MERGE_PATCH,
     "DELETE": PayloadFormat.DELETE,
 }
+
+
+def write_operation(method: str, *, create: bool) -> str:
+    """The operation an HTTP write names: DELETE deletes, a PUT with If-None-Match: *
+    creates, any other PUT or PATCH updates (single writes and plan steps alike)."""
+    if method == "DELETE":
+        return "delete"
+    return "create" if method == "PUT" and create else "update"

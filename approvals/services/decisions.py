@@ -269,7 +269,7 @@ def _record_partial_vote(approval: Approval, *, now: datetime) -> None:
         )
         notify_action_on_commit(approval.action_id)
     elif approval.plan_id is not None:
-        plan_touch(approval.plan_id)
+        plan_touch(plan_id=approval.plan_id, run_id=approval.run_id)
     else:
         transaction.on_commit(partial(notify_run_changed, approval.run_id))
 
@@ -332,9 +332,7 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
         return
     if approval.subject == ApprovalSubject.PLAN:
         assert approval.plan_id is not None
-        plan_end_unapproved_locked(
-            plan_id=approval.plan_id, status=PlanStatus.REJECTED, error=error
-        )
+        plan_end_unapproved_locked(approval=approval, status=PlanStatus.REJECTED, error=error)
         audit_append(
             event_type="approval.rejected",
             actor=actor,
@@ -380,7 +378,7 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
     elif approval.subject == ApprovalSubject.PLAN:
         assert approval.plan_id is not None
         plan_end_unapproved_locked(
-            plan_id=approval.plan_id,
+            approval=approval,
             status=PlanStatus.EXPIRED,
             error={"code": "approval_expired", "expired_at": now.isoformat()},
         )

@@ -66,28 +66,33 @@ _MOVING = (PlanStatus.EXECUTING, PlanStatus.COMPENSATING, PlanStatus.PARTIALLY_C
 
 def plan_advance(*, plan_id: uuid.UUID | str) -> str:
     """Move the plan as far as its steps allow, in one transaction; a short outcome."""
+    return _advance(plan_id)[0]
+
+
+def _advance(plan_id: uuid.UUID | str) -> tuple[str, bool]:
+    """(outcome, whether the plan changed). Every change is audited (`_audit`), which
+    marks the plan; a changed plan's ETag moves once, at the end."""
     with transaction.atomic():
-        plan = (
-            Plan.objects.select_for_update(of=("self",))
-            .select_related("run")
-            .filter(pk=plan_id)
-            .first()
-        )
+        plan = Plan.objects.select_for_update(of=("self",)).filter(pk=plan_id).first()
         if plan is None:
-            return "missing"
+            return "missing", False
         steps = list(
             PlanStep.objects.filter(plan=plan)
             .select_related("action", "kind", "conflict_class", "applied_operation")
             .order_by("position")
         )
+        seen = plan.revision
         if plan.status == PlanStatus.EXECUTING:
             outcome = _forward(plan, steps)
         elif plan.status in (PlanStatus.COMPENSATING, PlanStatus.PARTIALLY_COMPENSATED):
             outcome = _compensate(plan, steps)
         else:
-            return f"skipped:{plan.status}"
+            return f"skipped:{plan.status}", False
+        moved = plan.revision != seen
+        if moved:
+            plan_touch(plan_id=plan.pk, run_id=plan.run_id)
         crash_point("plan_advance_before_commit")
-        return outcome
+        return outcome, moved
 
 
 def _audit(plan: Plan, event_type: str, step: PlanStep | None, **details: Any) -> None:
@@ -104,6 +109,7 @@ def _audit(plan: Plan, event_type: str, step: PlanStep | None, **details: Any) -
         action_id=action_id,
         details={"plan": str(plan.pk), **details},
     )
+    plan.revision += 1  # marks the plan changed: _advance moves its ETag once, at the end
 
 
 # --- forward -----------------------------------------------------------------
@@ -149,7 +155,6 @@ def _start_step(plan: Plan, step: PlanStep) -> None:
     PlanStep.objects.filter(pk=step.pk).update(status=PlanStepStatus.EXECUTING, action=action)
     step.action, step.status = action, PlanStepStatus.EXECUTING
     _audit(plan, "plan.step_started", step, observed_version=step.observed_version)
-    plan_touch(plan.pk)
     transaction.on_commit(lambda: enqueue_action_execution(action.pk))
 
 
@@ -192,7 +197,6 @@ def _conflict_verdict(
             waiting = {**stale, "routed_to": conflict.resolver_group or conflict.resolver}
             PlanStep.objects.filter(pk=step.pk).update(error=waiting)
             _audit(plan, "plan.step_waiting", step, **waiting)
-            plan_touch(plan.pk)
         return None
     if conflict.resolution_action_id is None:
         return {**stale, "routed_to": "person", "resolution": conflict.resolution}
@@ -217,7 +221,6 @@ def _step_applied(plan: Plan, step: PlanStep, operation: Operation) -> None:
         base_version=operation.base_version,
         result_version=operation.result_version,
     )
-    plan_touch(plan.pk)
 
 
 def _step_refused(plan: Plan, steps: list[PlanStep], step: PlanStep, error: dict[str, Any]) -> None:
@@ -232,7 +235,6 @@ def _step_refused(plan: Plan, steps: list[PlanStep], step: PlanStep, error: dict
     Plan.objects.filter(pk=plan.pk).update(status=PlanStatus.COMPENSATING, error=plan_error)
     plan.status, plan.error = PlanStatus.COMPENSATING, plan_error
     _audit(plan, "plan.step_refused", step, **error)
-    plan_touch(plan.pk)
 
 
 # --- compensation --------------------------------------------------------------
@@ -276,9 +278,8 @@ def _restore_for(step: PlanStep, operation: Operation) -> dict[str, Any] | None:
     if method == "PUT":
         return {"document": compensation.get("document") or {}, "deleted": False}
     produced = ResourceVersion.objects.filter(
-        resource_id=Action.objects.values_list("resource_id", flat=True).get(
-            pk=operation.action_id
-        ),
+        resource__kind_id=step.kind_id,
+        resource__name=step.name,
         version=int(operation.result_version or 0),
     ).first()
     base = produced.document if produced is not None and not produced.deleted else {}
@@ -324,7 +325,6 @@ def _start_compensation(plan: Plan, step: PlanStep) -> None:
         compensation=(step.compensation or {}).get("method", "undo"),
         expected_version=original.result_version,
     )
-    plan_touch(plan.pk)
     undo_id = undo_op.pk
     transaction.on_commit(lambda: enqueue_undo_execution(undo_id))
 
@@ -363,7 +363,6 @@ def _compensation_verdict(plan: Plan, step: PlanStep) -> str | None:
     PlanStep.objects.filter(pk=step.pk).update(compensation_status=status)
     step.compensation_status = status
     _audit(plan, event, step, **details)
-    plan_touch(plan.pk)
     return status
 
 
@@ -412,14 +411,12 @@ def _check_compensation_conflict(plan: Plan, step: PlanStep) -> None:
             str(conflict.resolution_action_id) if conflict.resolution_action_id else None
         ),
     )
-    plan_touch(plan.pk)
 
 
 def _end(plan: Plan, status: str, **details: Any) -> None:
     Plan.objects.filter(pk=plan.pk).update(status=status, ended_at=timezone.now())
     plan.status = status
     _audit(plan, "plan.ended", None, status=status, error=plan.error, **details)
-    plan_touch(plan.pk)
 
 
 # --- who moves a plan ------------------------------------------------------------
@@ -462,12 +459,8 @@ def plans_resume() -> int:
         .values_list("pk", flat=True)[:RESUME_BATCH]
     )
     for plan_id in ids:
-        before = Plan.objects.filter(pk=plan_id).values_list("revision", flat=True).first()
         try:
-            plan_advance(plan_id=plan_id)
+            moved += int(_advance(plan_id)[1])
         except Exception:  # one stuck plan must not stop the others
             log.exception("could not advance plan %s", plan_id)
-            continue
-        after = Plan.objects.filter(pk=plan_id).values_list("revision", flat=True).first()
-        moved += int(before != after)
     return moved

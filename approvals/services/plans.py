@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -363,42 +364,56 @@ def plan_propose(
 # --- The plan's approval, decided by approvals.services.decisions -------------
 
 
-def plan_touch(plan_id: uuid.UUID, **fields: Any) -> None:
-    """Move the plan's ETag (its revision) and wake the run's waiters after commit
-    (a plan's long-poll listens on its run's channel)."""
-    Plan.objects.filter(pk=plan_id).update(
-        revision=F("revision") + 1, updated_at=timezone.now(), **fields
-    )
-    run_id = Plan.objects.filter(pk=plan_id).values_list("run_id", flat=True).first()
-    if run_id is not None:
-        transaction.on_commit(lambda: notify_run_changed(run_id))
+def plan_touch(
+    *,
+    plan_id: uuid.UUID,
+    run_id: uuid.UUID,
+    from_statuses: tuple[str, ...] | None = None,
+    **fields: Any,
+) -> bool:
+    """One UPDATE of the plan (only from `from_statuses` when given): `fields`, and its
+    ETag (revision) moved; the run's waiters are woken after commit (a plan's long-poll
+    listens on its run's channel). False when the plan was not in `from_statuses`."""
+    plans = Plan.objects.filter(pk=plan_id)
+    if from_statuses is not None:
+        plans = plans.filter(status__in=from_statuses)
+    updated = plans.update(revision=F("revision") + 1, updated_at=timezone.now(), **fields)
+    if updated:
+        transaction.on_commit(partial(notify_run_changed, run_id))
+    return bool(updated)
 
 
 def plan_admit_locked(*, plan_id: uuid.UUID, actor: Actor, approval: Approval) -> bool:
     """The plan's approval reached its quorum (caller's transaction, plan row locked):
     it starts executing after commit. False when it was no longer waiting."""
-    moved = Plan.objects.filter(pk=plan_id, status=PlanStatus.PENDING_APPROVAL).update(
-        status=PlanStatus.EXECUTING
+    moved = plan_touch(
+        plan_id=plan_id,
+        run_id=approval.run_id,
+        from_statuses=(PlanStatus.PENDING_APPROVAL,),
+        status=PlanStatus.EXECUTING,
     )
     if moved:
-        plan_touch(plan_id)
         transaction.on_commit(lambda: enqueue_plan_advance(plan_id))
     audit_append(
         event_type="approval.approved",
         actor=actor,
         run_id=approval.run_id,
-        details=approval_details(approval, plan=str(plan_id), queued=bool(moved)),
+        details=approval_details(approval, plan=str(plan_id), queued=moved),
     )
-    return bool(moved)
+    return moved
 
 
-def plan_end_unapproved_locked(*, plan_id: uuid.UUID, status: str, error: dict[str, Any]) -> bool:
+def plan_end_unapproved_locked(*, approval: Approval, status: str, error: dict[str, Any]) -> bool:
     """The plan's approval was rejected or expired: nothing ran, every step skipped."""
-    now = timezone.now()
-    ended = Plan.objects.filter(pk=plan_id, status=PlanStatus.PENDING_APPROVAL).update(
-        status=status, error=error, ended_at=now
+    assert approval.plan_id is not None
+    ended = plan_touch(
+        plan_id=approval.plan_id,
+        run_id=approval.run_id,
+        from_statuses=(PlanStatus.PENDING_APPROVAL,),
+        status=status,
+        error=error,
+        ended_at=timezone.now(),
     )
     if ended:
-        PlanStep.objects.filter(plan_id=plan_id).update(status=PlanStepStatus.SKIPPED)
-        plan_touch(plan_id)
-    return bool(ended)
+        PlanStep.objects.filter(plan_id=approval.plan_id).update(status=PlanStepStatus.SKIPPED)
+    return ended

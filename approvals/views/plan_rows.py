@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from approvals.models import PlanStep, PlanStepStatus
+from approvals.selectors import plan_step_resources
 from ownership.diff import document_diff, proposed_document
 from ownership.models import Conflict, ConflictOrigin, Resource, ResourceVersion
 
@@ -65,9 +66,10 @@ def plan_step_rows(
     """Rows for `steps` (ordered by position); `conflicts` is plan_detail's map keyed
     (action_id, origin), to link a step's refusal and its compensation's conflict."""
     found = conflicts or {}
+    resources = plan_step_resources(steps)
     rows = []
     for step in steps:
-        resource = Resource.objects.filter(kind_id=step.kind_id, name=step.name).first()
+        resource = resources.get((step.kind_id, step.name))
         current_version = resource.version if resource is not None else None
         applied = step.applied_operation
         diff, label = _diff(step, resource)

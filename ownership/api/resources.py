@@ -192,14 +192,6 @@ class _Preconditions:
     reason: str
 
 
-def _operation(method: str, raw_if_none_match: str | None) -> str:
-    if method == "DELETE":
-        return "delete"
-    if method == "PUT" and raw_if_none_match is not None and raw_if_none_match.strip() == "*":
-        return "create"
-    return "update"
-
-
 def _preconditions(request: HttpRequest, method: str) -> _Preconditions:
     """If-Match (one strong tag: `*` -> 428, a list or W/ -> 400 if_match_invalid),
     If-None-Match (only `*` with PUT), Airlock-Reason (at most 500 characters)."""
@@ -260,7 +252,10 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
     run = principal.run
     assert run is not None and principal.agent is not None
     rate_limit_writes(principal)
-    operation = _operation(method, request.headers.get("If-None-Match"))
+    raw_if_none_match = request.headers.get("If-None-Match")
+    operation = action_services.write_operation(
+        method, create=raw_if_none_match is not None and raw_if_none_match.strip() == "*"
+    )
     resource_kind = action_services.action_check_writable(
         run=run, kind=kind, name=name, operation=operation
     )
