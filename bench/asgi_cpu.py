@@ -85,19 +85,19 @@ async def _round(app: App, path: str, token: str, etag: str, polls: int) -> dict
 def _applications() -> dict[str, App]:
     """console.asgi's application (the poll's fast path in front of Django), the Django
     application behind it alone, and the same on Django's plain handler."""
-    # reason: console.asgi loads the middlewares, which need django.setup() (done in main)
-    from console import asgi
+    # reason: they load the middlewares, which need django.setup() (done in main)
+    from approvals.api.fastpoll import PollFront
+    from console.middleware import AirlockASGIHandler
 
+    django = ASGIStaticFilesHandler(AirlockASGIHandler())
     return {
-        "console.asgi": asgi.application,
-        "console.asgi django": asgi.django_application,
+        "console.asgi": PollFront(django),
+        "console.asgi django": django,
         "django_asgi": ASGIStaticFilesHandler(ASGIHandler()),
     }
 
 
-async def _measure(
-    path: str, token: str, etag: str, rounds: int, polls: int
-) -> dict[str, Any]:
+async def _measure(path: str, token: str, etag: str, rounds: int, polls: int) -> dict[str, Any]:
     apps = _applications()
     # Each application's 200 poll, and the 304 (If-None-Match) of the first two.
     runs = {name: (app, "") for name, app in apps.items()}
@@ -153,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         run = fixtures.run_for(world, ["bench-wait/*"], task="bench: asgi cpu")
         action = fixtures.pending(run, "bench-wait", ["asgi-cpu-1"])[0]
         path = f"/api/v1/actions/{action.action_id}"
-        result = asyncio.run(
-            _measure(path, run.token, action.etag, args.rounds, args.polls)
-        )
+        result = asyncio.run(_measure(path, run.token, action.etag, args.rounds, args.polls))
     finally:
         stack.stop_all()
     print(json.dumps(result))

@@ -9,7 +9,7 @@ from typing import Any
 
 from console.asgi import django_application  # isort: skip  # first: it sets Django up
 
-from approvals.api.fastpoll import PollFront, Receive, Scope, Send  # noqa: E402
+from approvals.api.fastpoll import PollFront, Receive, Scope, Send
 
 MARK = (b"x-test-served-by", b"django")
 _REACHED = "x_test_django_reached"

@@ -42,8 +42,10 @@ class Server:
 def _start(app: str) -> Server:
     port = free_port()
     process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "uvicorn"), app, "--port", str(port)]
-        + ["--log-level", "warning", "--no-server-header", "--lifespan", "off"],
+        [
+            *(str(Path(sys.executable).parent / "uvicorn"), app, "--port", str(port)),
+            *("--log-level", "warning", "--no-server-header", "--lifespan", "off"),
+        ],
         # django-csp orders the policy's directives by set iteration: one seed for both
         # servers, so that their headers compare byte for byte.
         env=subprocess_env(LOG_LEVEL="WARNING", PYTHONHASHSEED="0"),

@@ -26,7 +26,7 @@ import hmac
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -48,14 +48,16 @@ from console.requestctx import clean_request_id
 
 logger = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
+Scope = dict[str, Any]
+Message = Mapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # The route of approvals.api.actions.action_get (console/urls_api.py mounts the API at /api/v1).
-_PATH = re.compile(r"/api/v1/actions/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
+_PATH = re.compile(
+    r"/api/v1/actions/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+)
 # The headers Django fills in per answer; every other one is replayed as Django sent it.
 _PER_ANSWER = (b"etag", b"content-length", b"x-request-id")
 # Headers the fast path reads; a request repeating one of them goes to Django.
@@ -161,7 +163,7 @@ class PollFront:
         if self._learned(poll):
             try:
                 answer = await self._answer(poll)
-            except Exception:  # noqa: BLE001  # reason: Django answers any doubt itself
+            except Exception:  # Django answers any doubt itself
                 logger.debug("fast poll handed to Django", exc_info=True)
         if answer is None:
             await self.app(scope, receive, self._learning(poll, send))
@@ -304,12 +306,12 @@ class PollFront:
             at += len(fields)
         if parts[0][0] is None:
             return None  # no such action
-        action = _model(Action, sql.action_fields, parts[0])
+        action: Action = _model(Action, sql.action_fields, parts[0])
         action_run = _model(Run, sql.run_fields, parts[1])
-        Run._meta.get_field("agent").set_cached_value(  # type: ignore[union-attr]
+        Run._meta.get_field("agent").set_cached_value(
             action_run, _model(Agent, sql.agent_fields, parts[2])
         )
-        Action._meta.get_field("run").set_cached_value(action, action_run)  # type: ignore[union-attr]
+        Action._meta.get_field("run").set_cached_value(action, action_run)
         for name, value in zip(sql.fact_names, row[at:], strict=True):
             setattr(action, name, value)
         return action
@@ -343,7 +345,8 @@ class PollFront:
 
 def _visible(action: Action, run: Run) -> bool:
     """actions_visible_to(run)'s rule, checked on the row read."""
-    return all(getattr(action, name) == value for name, value in run_token_action_scope(run).items())
+    scope = run_token_action_scope(run)
+    return all(getattr(action, name) == value for name, value in scope.items())
 
 
 def _proxy_ssl_header() -> bytes | None:
