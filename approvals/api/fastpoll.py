@@ -4,11 +4,12 @@ run token, no `Prefer`, the action visible to the run.
 That poll is most of an agent's traffic, and Django's ASGI path (request object, ninja,
 middlewares, a thread hop, the ORM compiling two querysets) costs several times the read
 itself. `PollFront` wraps the ASGI application: for the happy path it runs ONE prepared
-statement on its own async psycopg pool (the token's run, the action's row and, for a 200,
-everything the body shows) and answers on the event loop — a 304 before any JSON work. Any
-other request, and any doubt about this one (unknown token, invisible or unknown action, a
-body that needs more reads, a database error, a header it does not parse), goes to Django
-unchanged, which then answers exactly as it always did.
+statement on a few async psycopg connections of its own (the token's run, the action's row
+and, for a 200, everything the body shows) and answers on the event loop — a 304 before any
+JSON work. Any other request, and any doubt about this one (unknown token, invisible or
+unknown action, a body that needs more reads, a database error, a header it does not parse),
+goes to Django unchanged, which then answers exactly as it always did. Rate limiting and
+audit stay off this read path, as on Django's.
 
 Nothing here is a second copy of a rule: the token is parsed by `console.auth.bearer_token`
 and checked against the same SHA-256 (`_hash_token`, constant-time compare), who reads what
@@ -22,6 +23,7 @@ answered once, every poll goes to Django.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -35,8 +37,7 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.models import Model
 from django.http.request import split_domain_port, validate_host
-from psycopg import AsyncConnection
-from psycopg_pool import AsyncConnectionPool
+from psycopg import AsyncConnection, AsyncCursor
 
 from approvals.api.serialize import action_body, body_facts
 from approvals.models import Action, Agent, Run
@@ -142,6 +143,55 @@ class _Statements:
         )
 
 
+def _connection_kwargs() -> dict[str, Any]:
+    """psycopg's connection arguments from Django's settings (the same database and
+    credentials), autocommit, timestamps in UTC as Django's connections read them."""
+    params = connections[DEFAULT_DB_ALIAS].get_connection_params()
+    kwargs = {
+        key: value
+        for key, value in params.items()
+        if key not in ("cursor_factory", "context", "prepare_threshold")
+    }
+    kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
+    kwargs["autocommit"] = True
+    return kwargs
+
+
+class _Connections:
+    """At most `size` connections of this process, each with its cursor, handed out with
+    no more than a list pop while one is idle (psycopg_pool's checkout cost as much as the
+    304's own statement). A connection whose statement failed is closed, not reused: after
+    a PostgreSQL restart the polls in flight go to Django, the next ones reconnect."""
+
+    def __init__(self, kwargs: dict[str, Any], size: int) -> None:
+        self.kwargs = kwargs
+        self.idle: list[AsyncCursor[Any]] = []
+        self.free = asyncio.Semaphore(size)
+        self.timeout = float(getattr(settings, "AIRLOCK_DB_POOL_TIMEOUT", 10))
+
+    async def rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        if self.free.locked():
+            await asyncio.wait_for(self.free.acquire(), self.timeout)
+        else:
+            await self.free.acquire()
+        try:
+            cursor = self.idle.pop() if self.idle else await self._connect()
+            try:
+                await cursor.execute(sql, params, prepare=True)
+                rows = await cursor.fetchall()
+            except BaseException:
+                await cursor.connection.close()
+                raise
+            self.idle.append(cursor)
+            return rows
+        finally:
+            self.free.release()
+
+    async def _connect(self) -> AsyncCursor[Any]:
+        connection = await AsyncConnection.connect(**self.kwargs)
+        return connection.cursor()
+
+
 def _model(model: type[Model], fields: list[tuple[str, str]], values: Any) -> Any:
     return model.from_db(DEFAULT_DB_ALIAS, [name for name, _ in fields], list(values))
 
@@ -152,7 +202,7 @@ class PollFront:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.templates: dict[tuple[int, str], list[tuple[bytes, bytes]]] = {}
-        self._pool: AsyncConnectionPool[AsyncConnection[Any]] | None = None
+        self._connections: _Connections | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         poll = self._parse(scope) if scope["type"] == "http" else None
@@ -225,33 +275,10 @@ class PollFront:
     def _sql(self) -> _Statements:
         return _Statements()
 
-    async def _pool_open(self) -> AsyncConnectionPool[AsyncConnection[Any]]:
-        if self._pool is None:
-            params = connections[DEFAULT_DB_ALIAS].get_connection_params()
-            kwargs = {
-                key: value
-                for key, value in params.items()
-                if key not in ("cursor_factory", "context", "prepare_threshold")
-            }
-            # Timestamps in UTC, as Django's connections read them.
-            kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
-            kwargs["autocommit"] = True
-            pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(
-                kwargs=kwargs,
-                min_size=1,
-                max_size=POOL_MAX,
-                timeout=float(getattr(settings, "AIRLOCK_DB_POOL_TIMEOUT", 10)),
-                open=False,
-            )
-            await pool.open()
-            self._pool = pool
-        return self._pool
-
     async def _rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        pool = await self._pool_open()
-        async with pool.connection() as conn:
-            cursor = await conn.execute(sql, params, prepare=True)
-            return await cursor.fetchall()
+        if self._connections is None:
+            self._connections = _Connections(_connection_kwargs(), POOL_MAX)
+        return await self._connections.rows(sql, params)
 
     def _token_run(self, rows: list[tuple[Any, ...]], token: str) -> tuple[Run, int] | None:
         """The run whose stored hash is the token's (every candidate compared, in constant
