@@ -1,10 +1,12 @@
 """The web process's own cost of one agent poll, without HTTP and without wrk: CPU
 milliseconds per 200 poll (every thread of this process; PostgreSQL's work is not in it)
-and polls per second, 8 at a time, through console.asgi's application, interleaved round by
-round with the same application on Django's plain ASGIHandler (whose MiddlewareMixin hands
-every middleware hook to a thread). Less sensitive to a busy machine than the wrk figures.
+and polls per second, 8 at a time, through console.asgi's application (the poll's front over
+Django), interleaved round by round with Django's plain ASGIHandler (whose MiddlewareMixin
+hands every middleware hook to a thread); `--everything` adds console.asgi's Django
+application alone (what the front hands off to) and the 304s of both. Less sensitive to a
+busy machine than the wrk figures.
 
-    python -m bench.asgi_cpu [--rounds 5] [--polls 800]
+    python -m bench.asgi_cpu [--rounds 5] [--polls 800] [--everything]
 
 Database: BENCH_DATABASE_URL (dropped and re-created, as by bench.run); a private Redis.
 """
@@ -97,11 +99,17 @@ def _applications() -> dict[str, App]:
     }
 
 
-async def _measure(path: str, token: str, etag: str, rounds: int, polls: int) -> dict[str, Any]:
+async def _measure(
+    path: str, token: str, etag: str, rounds: int, polls: int, *, everything: bool
+) -> dict[str, Any]:
     apps = _applications()
-    # Each application's 200 poll, and the 304 (If-None-Match) of the first two.
+    if not everything:
+        apps.pop("console.asgi django")
+    # Each application's 200 poll; with everything, also the 304 (If-None-Match) of the
+    # front and of the Django application behind it.
     runs = {name: (app, "") for name, app in apps.items()}
-    runs.update({f"{name} 304": (apps[name], etag) for name in list(apps)[:2]})
+    if everything:
+        runs.update({f"{name} 304": (apps[name], etag) for name in list(apps)[:2]})
     for app, tag in runs.values():  # warm: connections, prepared statements, imports
         await _round(app, path, token, tag, CONCURRENT * 10)
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
@@ -133,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--polls", type=int, default=800)
+    parser.add_argument(
+        "--everything",
+        action="store_true",
+        help="also the Django application behind the poll's front, and the 304s",
+    )
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="airlock-asgi-cpu-"))
     stack = Stack(
@@ -153,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         run = fixtures.run_for(world, ["bench-wait/*"], task="bench: asgi cpu")
         action = fixtures.pending(run, "bench-wait", ["asgi-cpu-1"])[0]
         path = f"/api/v1/actions/{action.action_id}"
-        result = asyncio.run(_measure(path, run.token, action.etag, args.rounds, args.polls))
+        result = asyncio.run(
+            _measure(
+                path, run.token, action.etag, args.rounds, args.polls, everything=args.everything
+            )
+        )
     finally:
         stack.stop_all()
     print(json.dumps(result))
