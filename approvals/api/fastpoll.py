@@ -352,7 +352,8 @@ class PollFront:
             if message["type"] == "http.response.start" and message["status"] in (200, 304):
                 headers = [(bytes(n), bytes(v)) for n, v in message.get("headers", [])]
                 names = {name.lower() for name, _ in headers}
-                if names.issuperset(_PER_ANSWER):
+                # A cookie belongs to one client: an answer that sets one is never replayed.
+                if names.issuperset(_PER_ANSWER) and b"set-cookie" not in names:
                     self.templates[(message["status"], poll.scheme)] = headers
             await send(message)
 
