@@ -221,6 +221,7 @@ def test_the_front_answers_a_poll_exactly_as_django_does(
     _answered_alike(servers, _path(world, action), _token(world, token), headers, by_front, status)
 
 
+@pytest.mark.parametrize("ending", ["revoked", "finished"])
 def test_an_ended_runs_token_reads_its_own_action_in_front_and_no_other(
     servers: dict[str, Server], world: World, ending: str
 ) -> None:
