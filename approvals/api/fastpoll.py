@@ -203,9 +203,11 @@ class PollFront:
         self.app = app
         self.templates: dict[tuple[int, str], list[tuple[bytes, bytes]]] = {}
         self._connections: _Connections | None = None
+        # The embedded default (SQLite) has no async driver here: Django answers every poll.
+        self.enabled = connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        poll = self._parse(scope) if scope["type"] == "http" else None
+        poll = self._parse(scope) if self.enabled and scope["type"] == "http" else None
         if poll is None:
             await self.app(scope, receive, send)
             return
