@@ -154,6 +154,8 @@ def _connection_kwargs() -> dict[str, Any]:
     }
     kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
     kwargs["autocommit"] = True
+    # An unreachable server costs a poll no longer than Django's pool would make it wait.
+    kwargs.setdefault("connect_timeout", int(getattr(settings, "AIRLOCK_DB_POOL_TIMEOUT", 10)))
     return kwargs
 
 
