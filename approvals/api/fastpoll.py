@@ -65,7 +65,7 @@ _PER_ANSWER = (b"etag", b"content-length", b"x-request-id")
 _READ = frozenset({b"host", b"authorization", b"if-none-match", b"x-request-id"})
 # With one of these (or a body) Django may answer differently: it answers.
 _HANDS_OFF = frozenset({b"prefer", b"cookie", b"content-length", b"transfer-encoding"})
-# The pool's size per web process: one statement per poll, two cores; more only queues.
+# Connections per web process: one statement per poll, two cores; more would only queue.
 POOL_MAX = 4
 # The bearer of action_get: the fast path serves only the run tokens it accepts, ended included.
 _BEARER = any_token_or_ended_run_deferred
@@ -82,41 +82,42 @@ class Poll:
     scheme: str  # the learned headers are per scheme (HSTS is sent over HTTPS only)
 
 
-def _fields(model: type[Model], alias: str, exclude: frozenset[str]) -> list[tuple[str, str]]:
-    """(attname, SQL column) of `model`'s concrete fields in their order (Model.from_db's)."""
+def _fields(
+    model: type[Model],
+    alias: str,
+    *,
+    only: frozenset[str] | None = None,
+    exclude: frozenset[str] = frozenset(),
+) -> list[tuple[str, str]]:
+    """(attname, SQL column) of `model`'s concrete fields in their order (Model.from_db's);
+    a field left out is deferred: reading it would be a query, which hands the poll over."""
     return [
         (field.attname, f'{alias}."{field.column}"')
         for field in model._meta.concrete_fields
-        if field.attname not in exclude
+        if (only is None or field.attname in only) and field.attname not in exclude
     ]
 
 
 class _Statements:
     """The two statements of a fast poll, built once from the models' metadata."""
 
-    # The token's run: what the token check and run_token_action_scope read.
-    TOKEN_RUN = frozenset({"id", "agent_id", "token_hash", "status", "expires_at"})
-
     def __init__(self) -> None:
         run_table = Run._meta.db_table
         agent_table = Agent._meta.db_table
         action_table = Action._meta.db_table
-        self.token_fields = [
-            (name, column)
-            for name, column in _fields(Run, "t", frozenset())
-            if name in self.TOKEN_RUN
-        ]
+        # The token's run: what the token check and run_token_action_scope read.
+        self.token_fields = _fields(
+            Run, "t", only=frozenset({"id", "agent_id", "token_hash", "status", "expires_at"})
+        )
         # A run token whose agent is inactive is no credential (principal_for_token).
         token_from = (
             f'FROM "{run_table}" t JOIN "{agent_table}" g ON g.id = t.agent_id AND g.is_active '
         )
         where = "WHERE t.token_prefix = %s"
         # The 304 check: the action's revision and who may read it.
-        self.state_fields = [
-            (name, column)
-            for name, column in _fields(Action, "a", frozenset())
-            if name in {"id", "run_id", "agent_id", "status", "revision"}
-        ]
+        self.state_fields = _fields(
+            Action, "a", only=frozenset({"id", "run_id", "agent_id", "status", "revision"})
+        )
         self.state_sql = (
             f"SELECT {', '.join(c for _, c in self.token_fields + self.state_fields)} "
             f'{token_from}LEFT JOIN "{action_table}" a ON a.id = %s {where}'
@@ -124,8 +125,8 @@ class _Statements:
         # The 200: the row and its run's (for the body) plus the body's facts. The facts'
         # SQL names the action table itself, so the action is not aliased here.
         quoted = f'"{action_table}"'
-        self.action_fields = _fields(Action, quoted, frozenset({"payload"}))
-        self.run_fields = _fields(Run, "ar", frozenset({"write_set", "task", "token_hash"}))
+        self.action_fields = _fields(Action, quoted, exclude=frozenset({"payload"}))
+        self.run_fields = _fields(Run, "ar", exclude=frozenset({"write_set", "task", "token_hash"}))
         self.agent_fields = [("id", "ag.id"), ("name", "ag.name")]
         facts = body_facts("postgresql")
         self.fact_names = [name for name, _, _ in facts]
