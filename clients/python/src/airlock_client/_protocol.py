@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -51,6 +51,8 @@ class Call:
 
 
 Op = Generator[Call, httpx.Response, T]
+#: When a wait may stop early (besides its default).
+Until: TypeAlias = Callable[[T], bool] | None
 
 
 @dataclass(frozen=True)
@@ -261,13 +263,11 @@ def own_run(token: str) -> Op[Run]:
     return Run.from_json(items[0])
 
 
-def wait_for_run(
-    token: str, run_id: str, timeout: float, until: Callable[[Run], bool] | None = None
-) -> Op[Run]:
+def wait_for_run(token: str, run_id: str, timeout: float, until: Until[Run] = None) -> Op[Run]:
     """Long-poll the run until `until(run)` (default: no longer pending approval) or
     `timeout` seconds; answers the last state either way."""
-    wanted = until or (lambda run: not run.pending)
-    return _long_poll(token, f"{API_PREFIX}/runs/{run_id}", _parse_run, wanted, timeout)
+    path, wanted = f"{API_PREFIX}/runs/{run_id}", until or (lambda run: not run.pending)
+    return _long_poll(token, path, _parse_run, wanted, timeout)
 
 
 def heartbeat(token: str, run_id: str) -> Op[Run]:
@@ -365,7 +365,7 @@ def _parse_action(response: httpx.Response) -> Action:
 
 
 def wait_for_action(
-    token: str, action_id: str, timeout: float, until: Callable[[Action], bool] | None = None
+    token: str, action_id: str, timeout: float, until: Until[Action] = None
 ) -> Op[Action]:
     """Long-poll the action until `until(action)` (default: a final state) or `timeout`
     seconds pass; answers the last state either way (check `.final`)."""
@@ -484,13 +484,11 @@ def get_plan(token: str, plan_id: str) -> Op[Plan]:
     return _get(token, f"{API_PREFIX}/plans/{plan_id}", _parse_plan)
 
 
-def wait_for_plan(
-    token: str, plan_id: str, timeout: float, until: Callable[[Plan], bool] | None = None
-) -> Op[Plan]:
+def wait_for_plan(token: str, plan_id: str, timeout: float, until: Until[Plan] = None) -> Op[Plan]:
     """Long-poll the plan until `until(plan)` (default: a final state) or `timeout`
     seconds pass; answers the last state either way (check `.is_final`)."""
-    wanted = until or (lambda plan: plan.is_final)
-    return _long_poll(token, f"{API_PREFIX}/plans/{plan_id}", _parse_plan, wanted, timeout)
+    path, wanted = f"{API_PREFIX}/plans/{plan_id}", until or (lambda plan: plan.is_final)
+    return _long_poll(token, path, _parse_plan, wanted, timeout)
 
 
 #: Every (method, path template) the client sends; the tests check them against the

@@ -10,13 +10,13 @@ only the transport, `close`, and how the background heartbeat waits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import httpx
 
 from airlock_client import _protocol as protocol
-from airlock_client._protocol import Op, RetryPolicy
+from airlock_client._protocol import Op, RetryPolicy, Until
 from airlock_client.errors import RunNotActive, RunNotApproved
 from airlock_client.models import Action, Plan, Resource, Run, WriteSetEntry
 
@@ -28,8 +28,8 @@ WriteSetSpec = Iterable[WriteSetEntry | tuple[str, Sequence[str]] | dict[str, An
 Reason: TypeAlias = str | None
 #: An `Idempotency-Key` of your own; by default one is made per call.
 Key: TypeAlias = str | None
-#: When a wait may stop early (besides its default).
-Until: TypeAlias = Callable[[T], bool] | None
+#: The exception type `__exit__` receives.
+ExcType: TypeAlias = type[BaseException] | None
 
 
 def write_set_json(write_set: WriteSetSpec) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import httpx
 
 from airlock_client._protocol import Exchange, Op
-from airlock_client._surface import AirlockCore, SessionCore, heartbeat_interval
+from airlock_client._surface import AirlockCore, ExcType, SessionCore, heartbeat_interval
 from airlock_client.errors import RunNotActive
 from airlock_client.models import Run
 
@@ -63,10 +63,7 @@ class _AsyncScoped:
         return self
 
     async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        self, exc_type: ExcType, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self._exit()
 
@@ -91,6 +88,11 @@ class AsyncAirlock(AirlockCore["AsyncRunSession", httpx.AsyncClient], _AsyncScop
                 exchange.broken(exc)
         return exchange.result
 
+    async def close(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    # The surface, defined in _surface.
     whoami = awaiting(AirlockCore._whoami)
     start_run = awaiting(AirlockCore._start_run)
     join_run = awaiting(AirlockCore._join_run)
@@ -101,10 +103,6 @@ class AsyncAirlock(AirlockCore["AsyncRunSession", httpx.AsyncClient], _AsyncScop
     list_actions = awaiting(AirlockCore._list_actions)
     get_plan = awaiting(AirlockCore._get_plan)
     wait_for_plan = awaiting(AirlockCore._wait_for_plan)
-
-    async def close(self) -> None:
-        if self._owns_http:
-            await self._http.aclose()
 
     async def _exit(self) -> None:
         await self.close()
@@ -117,21 +115,6 @@ class AsyncRunSession(SessionCore[AsyncAirlock], _AsyncScoped):
 
     async def _run(self, op: Op[T]) -> T:
         return await self.client._run(op)
-
-    refresh = awaiting(SessionCore._refresh)
-    wait_for_approval = awaiting(SessionCore._wait_for_approval)
-    read = awaiting(SessionCore._read)
-    put = awaiting(SessionCore._put)
-    patch = awaiting(SessionCore._patch)
-    delete = awaiting(SessionCore._delete)
-    create = awaiting(SessionCore._create)
-    wait = awaiting(SessionCore._wait_for_action)
-    undo = awaiting(SessionCore._undo)
-    propose_plan = awaiting(SessionCore._propose_plan)
-    wait_for_plan = awaiting(SessionCore._wait_for_plan)
-    actions = awaiting(SessionCore._actions)
-    heartbeat = awaiting(SessionCore._heartbeat)
-    finish = awaiting(SessionCore._finish)
 
     # --- background heartbeat --------------------------------------------------------------
 
@@ -165,3 +148,19 @@ class AsyncRunSession(SessionCore[AsyncAirlock], _AsyncScoped):
         if not self.run.ended:
             with contextlib.suppress(RunNotActive):
                 await self.finish()
+
+    # The surface, defined in _surface.
+    refresh = awaiting(SessionCore._refresh)
+    wait_for_approval = awaiting(SessionCore._wait_for_approval)
+    read = awaiting(SessionCore._read)
+    put = awaiting(SessionCore._put)
+    patch = awaiting(SessionCore._patch)
+    delete = awaiting(SessionCore._delete)
+    create = awaiting(SessionCore._create)
+    wait = awaiting(SessionCore._wait_for_action)
+    undo = awaiting(SessionCore._undo)
+    propose_plan = awaiting(SessionCore._propose_plan)
+    wait_for_plan = awaiting(SessionCore._wait_for_plan)
+    actions = awaiting(SessionCore._actions)
+    heartbeat = awaiting(SessionCore._heartbeat)
+    finish = awaiting(SessionCore._finish)

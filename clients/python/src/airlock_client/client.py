@@ -27,7 +27,7 @@ import httpx
 
 from airlock_client._protocol import USER_AGENT as USER_AGENT
 from airlock_client._protocol import Exchange, Op
-from airlock_client._surface import AirlockCore, SessionCore, heartbeat_interval
+from airlock_client._surface import AirlockCore, ExcType, SessionCore, heartbeat_interval
 from airlock_client._surface import WriteSetSpec as WriteSetSpec
 from airlock_client._surface import write_set_json as write_set_json
 from airlock_client.errors import RunNotActive
@@ -65,10 +65,7 @@ class _Scoped:
         return self
 
     def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        self, exc_type: ExcType, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._exit()
 
@@ -93,6 +90,11 @@ class Airlock(AirlockCore["RunSession", httpx.Client], _Scoped):
                 exchange.broken(exc)
         return exchange.result
 
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+
+    # The surface, defined in _surface.
     whoami = blocking(AirlockCore._whoami)
     start_run = blocking(AirlockCore._start_run)
     join_run = blocking(AirlockCore._join_run)
@@ -103,10 +105,6 @@ class Airlock(AirlockCore["RunSession", httpx.Client], _Scoped):
     list_actions = blocking(AirlockCore._list_actions)
     get_plan = blocking(AirlockCore._get_plan)
     wait_for_plan = blocking(AirlockCore._wait_for_plan)
-
-    def close(self) -> None:
-        if self._owns_http:
-            self._http.close()
 
     def _exit(self) -> None:
         self.close()
@@ -121,6 +119,46 @@ class RunSession(SessionCore[Airlock], _Scoped):
     def _run(self, op: Op[T]) -> T:
         return self.client._run(op)
 
+    # --- background heartbeat --------------------------------------------------------------
+
+    def start_heartbeat(self, interval: float | None = None) -> None:
+        if self._beat_thread is not None:
+            return
+        every = interval or heartbeat_interval(self.run)
+        self._beat_stop = threading.Event()
+        self._beat_thread = threading.Thread(
+            target=self._beat,
+            args=(every, self._beat_stop),
+            name=f"airlock-heartbeat-{self.id}",
+            daemon=True,
+        )
+        self._beat_thread.start()
+
+    def _beat(self, every: float, stop: threading.Event) -> None:
+        while not stop.wait(every):
+            try:
+                self.heartbeat()
+            except Exception as exc:
+                if not self._keeps_beating(exc):
+                    return
+
+    def stop_heartbeat(self) -> None:
+        thread, self._beat_thread = self._beat_thread, None
+        if thread is not None:
+            self._beat_stop.set()
+            thread.join(timeout=5)
+
+    def _enter(self) -> None:
+        if self.run.active:
+            self.start_heartbeat()
+
+    def _exit(self) -> None:
+        self.stop_heartbeat()
+        if not self.run.ended:
+            with contextlib.suppress(RunNotActive):
+                self.finish()
+
+    # The surface, defined in _surface.
     refresh = blocking(SessionCore._refresh)
     wait_for_approval = blocking(SessionCore._wait_for_approval)
     read = blocking(SessionCore._read)
@@ -135,39 +173,3 @@ class RunSession(SessionCore[Airlock], _Scoped):
     actions = blocking(SessionCore._actions)
     heartbeat = blocking(SessionCore._heartbeat)
     finish = blocking(SessionCore._finish)
-
-    # --- background heartbeat --------------------------------------------------------------
-
-    def start_heartbeat(self, interval: float | None = None) -> None:
-        if self._beat_thread is not None:
-            return
-        every = interval or heartbeat_interval(self.run)
-        self._beat_stop = threading.Event()
-        self._beat_thread = threading.Thread(
-            target=self._beat, args=(every,), name=f"airlock-heartbeat-{self.id}", daemon=True
-        )
-        self._beat_thread.start()
-
-    def _beat(self, every: float) -> None:
-        while not self._beat_stop.wait(every):
-            try:
-                self.heartbeat()
-            except Exception as exc:
-                if not self._keeps_beating(exc):
-                    return
-
-    def stop_heartbeat(self) -> None:
-        if self._beat_thread is not None:
-            self._beat_stop.set()
-            self._beat_thread.join(timeout=5)
-            self._beat_thread = None
-
-    def _enter(self) -> None:
-        if self.run.active:
-            self.start_heartbeat()
-
-    def _exit(self) -> None:
-        self.stop_heartbeat()
-        if not self.run.ended:
-            with contextlib.suppress(RunNotActive):
-                self.finish()
