@@ -1,8 +1,9 @@
 """The protocol, without I/O: what to send, how to read the answer, when to retry.
 
 Each API operation is a generator that yields `Call`s and receives the final
-`httpx.Response` of each (after retries); the sync and async clients only drive
-these generators, so both have exactly the same behaviour.
+`httpx.Response` of each; `Exchange` runs one operation with the retry rules, and the
+sync and async clients only send its requests and sleep its delays, so both have
+exactly the same behaviour.
 """
 
 from __future__ import annotations
@@ -222,6 +223,43 @@ def resource_path(resource: str) -> str:
     return f"{API_PREFIX}/resources/{quote(kind, safe='')}/{quote(name, safe='')}"
 
 
+class _Tagged(Protocol):
+    @property
+    def etag(self) -> str | None: ...
+
+
+Tagged = TypeVar("Tagged", bound=_Tagged)
+
+
+def _get(token: str, path: str, parse: Callable[[httpx.Response], T]) -> Op[T]:
+    return parse((yield Call("GET", path, token)))
+
+
+def _long_poll(
+    token: str,
+    path: str,
+    parse: Callable[[httpx.Response], Tagged],
+    wanted: Callable[[Tagged], bool],
+    timeout: float,
+) -> Op[Tagged]:
+    """GET `path`, then long-poll it (Prefer: wait, If-None-Match: its ETag) until
+    `wanted` or `timeout` seconds pass; answers the last state either way."""
+    current = yield from _get(token, path, parse)
+    deadline = time.monotonic() + timeout
+    while not wanted(current):
+        remaining = deadline - time.monotonic()
+        if remaining < 1:
+            break
+        hold = min(MAX_SERVER_WAIT, int(remaining))
+        headers = {"Prefer": f"wait={hold}"}
+        if current.etag:
+            headers["If-None-Match"] = current.etag
+        response = yield Call("GET", path, token, headers, None, hold)
+        if response.status_code == 200:
+            current = parse(response)
+    return current
+
+
 def whoami(token: str) -> Op[dict[str, Any]]:
     response = yield Call("GET", f"{API_PREFIX}/whoami", token)
     return _json(response)
@@ -281,43 +319,6 @@ def finish(token: str, run_id: str) -> Op[Run]:
 def read(token: str, resource: str) -> Op[Resource]:
     response = yield Call("GET", resource_path(resource), token)
     return Resource.from_json(_json(response), response.headers.get("ETag"))
-
-
-class _Tagged(Protocol):
-    @property
-    def etag(self) -> str | None: ...
-
-
-Tagged = TypeVar("Tagged", bound=_Tagged)
-
-
-def _get(token: str, path: str, parse: Callable[[httpx.Response], T]) -> Op[T]:
-    return parse((yield Call("GET", path, token)))
-
-
-def _long_poll(
-    token: str,
-    path: str,
-    parse: Callable[[httpx.Response], Tagged],
-    wanted: Callable[[Tagged], bool],
-    timeout: float,
-) -> Op[Tagged]:
-    """GET `path`, then long-poll it (Prefer: wait, If-None-Match: its ETag) until
-    `wanted` or `timeout` seconds pass; answers the last state either way."""
-    current = yield from _get(token, path, parse)
-    deadline = time.monotonic() + timeout
-    while not wanted(current):
-        remaining = deadline - time.monotonic()
-        if remaining < 1:
-            break
-        hold = min(MAX_SERVER_WAIT, int(remaining))
-        headers = {"Prefer": f"wait={hold}"}
-        if current.etag:
-            headers["If-None-Match"] = current.etag
-        response = yield Call("GET", path, token, headers, None, hold)
-        if response.status_code == 200:
-            current = parse(response)
-    return current
 
 
 def write(
