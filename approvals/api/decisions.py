@@ -20,7 +20,7 @@ from console.api_support import (
     TIME_CURSOR_PATTERN,
     json_response,
     page_response,
-    rate_limit_writes,
+    writing_principal,
 )
 from console.auth import person_token, principal_of
 from console.problems import errors
@@ -70,8 +70,7 @@ def approval_get(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
 def approval_decision(
     request: HttpRequest, approval_id: uuid.UUID, payload: DecisionIn
 ) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     approval = approval_decide(
         approval_id=approval_id,
         actor=principal.actor,

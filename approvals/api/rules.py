@@ -18,9 +18,8 @@ from console.api_support import (
     RoleBearer,
     json_response,
     page_response,
-    rate_limit_writes,
+    writing_principal,
 )
-from console.auth import principal_of
 from console.core.errors import NotFound
 from console.permissions import can_read_everything, is_admin
 from console.problems import errors
@@ -79,8 +78,7 @@ def auto_approve_rule_get(request: HttpRequest, rule_id: int = _RULE_ID) -> Http
     tags=["auto-approve rules"],
 )
 def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     rule = rule_services.auto_approve_rule_create(actor=principal.actor, **payload.model_dump())
     return json_response(
         rule_as_dict(rule_load(rule.pk)),
@@ -99,8 +97,7 @@ def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> 
 def auto_approve_rule_put(
     request: HttpRequest, payload: AutoApproveRuleIn, rule_id: int = _RULE_ID
 ) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     rule_services.auto_approve_rule_update(
         actor=principal.actor, rule_id=rule_id, **payload.model_dump()
     )
@@ -115,8 +112,7 @@ def auto_approve_rule_put(
     tags=["auto-approve rules"],
 )
 def auto_approve_rule_delete(request: HttpRequest, rule_id: int = _RULE_ID) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     if not rule_services.auto_approve_rule_delete(actor=principal.actor, rule_id=rule_id):
         raise NotFound(f"Auto-approve rule {rule_id} not found.")
     return HttpResponse(status=204)

@@ -40,6 +40,7 @@ from console.api_support import (
     json_response,
     page_response,
     rate_limit_writes,
+    writing_principal,
 )
 from console.auth import (
     agent_or_run_token,
@@ -73,8 +74,7 @@ def _run_for(principal: Principal, run_id: uuid.UUID) -> Run:
     tags=["runs"],
 )
 def run_create(request: HttpRequest, payload: RunCreateIn) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     assert principal.agent is not None
     run, token = run_services.run_create(
         agent=principal.agent,
