@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from django import forms
 from django.db import models
@@ -39,6 +39,9 @@ class UndoForm(forms.Form):
 class CatalogRowForm(forms.Form):
     """The form of one catalog row; editing starts from the row's stored values."""
 
+    noun: ClassVar[str]  # in the notice: "<noun> <slug> saved."
+    context_name: ClassVar[str]  # the catalog page's context name for this form
+
     @classmethod
     def initial_from(cls, row: models.Model) -> dict[str, Any]:
         # model_to_dict gives a foreign key's slug, what the choice field submits.
@@ -51,6 +54,9 @@ class CatalogRowForm(forms.Form):
 
 
 class ConflictClassForm(CatalogRowForm):
+    noun = "Conflict class"
+    context_name = "class_form"
+
     slug = forms.SlugField(max_length=64)
     name = forms.CharField(max_length=200)
     description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
@@ -76,6 +82,9 @@ class ConflictClassForm(CatalogRowForm):
 
 
 class ResourceKindForm(CatalogRowForm):
+    noun = "Resource kind"
+    context_name = "kind_form"
+
     slug = forms.SlugField(max_length=64)
     description = forms.CharField(required=False, max_length=1000)
     class_create = forms.ModelChoiceField(

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import messages
+from django.db import models
 from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
@@ -377,57 +378,50 @@ def _catalog_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
 @require_GET
 def catalog(request: HttpRequest) -> HttpResponse:
     context = _catalog_context(request)
-    edit = request.GET.get("edit_class")
-    if edit and context["is_admin"]:
-        row = ConflictClass.objects.filter(slug=edit).first()
+    # ?edit_class=<slug> / ?edit_kind=<slug>: that row's form, filled in, for an admin.
+    editable: tuple[tuple[str, type[CatalogRowForm], type[models.Model]], ...] = (
+        ("edit_class", ConflictClassForm, ConflictClass),
+        ("edit_kind", ResourceKindForm, ResourceKind),
+    )
+    for param, form_class, model in editable:
+        slug = request.GET.get(param)
+        row = (
+            model._default_manager.filter(slug=slug).first()
+            if slug and context["is_admin"]
+            else None
+        )
         if row is not None:
-            context["class_form"] = ConflictClassForm(initial=ConflictClassForm.initial_from(row))
-    edit_kind = request.GET.get("edit_kind")
-    if edit_kind and context["is_admin"]:
-        kind = ResourceKind.objects.filter(slug=edit_kind).first()
-        if kind is not None:
-            context["kind_form"] = ResourceKindForm(initial=ResourceKindForm.initial_from(kind))
+            context[form_class.context_name] = form_class(initial=form_class.initial_from(row))
     return render_fragment_or_page(request, CATALOG.template, context, partial="page")
 
 
-def _catalog_row_save(
-    request: HttpRequest,
-    form: CatalogRowForm,
-    save_row: Callable[..., object],
-    *,
-    noun: str,
-    form_key: str,
-) -> HttpResponse:
-    def save() -> str:
-        slug, data = form.row_data()
-        save_row(slug=slug, data=data, actor=Actor.person(request.user))
-        return f"{noun} {slug} saved."
+def _catalog_row_view(
+    form_class: type[CatalogRowForm], save_row: Callable[..., object]
+) -> Callable[[HttpRequest], HttpResponse]:
+    """The POST of one catalog table's form: its audited save verb, then the page."""
 
-    # The verb's admin check is a 403 page, not a form error.
-    return CATALOG.submit(
-        request, form, save, _catalog_context, denied_as_page=True, **{form_key: form}
-    )
+    @console_page
+    @require_POST
+    def view(request: HttpRequest) -> HttpResponse:
+        form = form_class(request.POST)
 
+        def save() -> str:
+            slug, data = form.row_data()
+            save_row(slug=slug, data=data, actor=Actor.person(request.user))
+            return f"{form_class.noun} {slug} saved."
 
-@console_page
-@require_POST
-def conflict_class_save(request: HttpRequest) -> HttpResponse:
-    return _catalog_row_save(
-        request,
-        ConflictClassForm(request.POST),
-        catalog_services.conflict_class_save,
-        noun="Conflict class",
-        form_key="class_form",
-    )
+        # The verb's admin check is a 403 page, not a form error.
+        return CATALOG.submit(
+            request,
+            form,
+            save,
+            _catalog_context,
+            denied_as_page=True,
+            **{form_class.context_name: form},
+        )
+
+    return view
 
 
-@console_page
-@require_POST
-def resource_kind_save(request: HttpRequest) -> HttpResponse:
-    return _catalog_row_save(
-        request,
-        ResourceKindForm(request.POST),
-        catalog_services.resource_kind_save,
-        noun="Resource kind",
-        form_key="kind_form",
-    )
+conflict_class_save = _catalog_row_view(ConflictClassForm, catalog_services.conflict_class_save)
+resource_kind_save = _catalog_row_view(ResourceKindForm, catalog_services.resource_kind_save)
