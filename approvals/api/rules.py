@@ -24,7 +24,7 @@ from console.core.errors import NotFound
 from console.permissions import can_read_everything, is_admin
 from console.problems import errors
 
-router = Router()
+router = Router(tags=["auto-approve rules"])
 
 _MAX_RULE_ID = 2**63 - 1
 _RULE_ID = Path(..., ge=1, le=_MAX_RULE_ID)
@@ -45,7 +45,6 @@ rules_admin_token = RoleBearer(is_admin, "Only admins edit auto-approve rules.")
     auth=rules_reader_token,
     response={200: AutoApproveRulePage, **errors(400, 401, 403, 422)},
     summary="Auto-approve rules (operators, admins, auditors), by id",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_list(
     request: HttpRequest,
@@ -61,7 +60,6 @@ def auto_approve_rule_list(
     auth=rules_reader_token,
     response={200: AutoApproveRuleOut, **errors(401, 403, 404, 422)},
     summary="One auto-approve rule",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_get(request: HttpRequest, rule_id: int = _RULE_ID) -> HttpResponse:
     return json_response(rule_as_dict(rule_load(rule_id)))
@@ -75,7 +73,6 @@ def auto_approve_rule_get(request: HttpRequest, rule_id: int = _RULE_ID) -> Http
     description="A run whose every write-set entry is covered by an enabled rule (kind, name "
     "prefix, operations, and the agent when set) is activated without a person. Unknown kinds "
     "or agents are 422.",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> HttpResponse:
     principal = writing_principal(request)
@@ -92,7 +89,6 @@ def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> 
     auth=rules_admin_token,
     response={200: AutoApproveRuleOut, **errors(400, 401, 403, 404, 413, 422, 429)},
     summary="Replace an auto-approve rule (admins; audited when something changed)",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_put(
     request: HttpRequest, payload: AutoApproveRuleIn, rule_id: int = _RULE_ID
@@ -109,7 +105,6 @@ def auto_approve_rule_put(
     auth=rules_admin_token,
     response={204: None, **errors(401, 403, 404, 422, 429)},
     summary="Delete an auto-approve rule (admins; audited)",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_delete(request: HttpRequest, rule_id: int = _RULE_ID) -> HttpResponse:
     principal = writing_principal(request)

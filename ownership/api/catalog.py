@@ -31,7 +31,7 @@ from ownership.api.schemas import (
 from ownership.models import ConflictClass, ResourceKind
 from ownership.services import catalog
 
-router = Router()
+router = Router(tags=["catalog"])
 
 # Admin endpoints decide 401/403 before the body is validated (no schema leak).
 class_admin_token = RoleBearer(is_admin, "Only admins edit the conflict-class table.")
@@ -81,7 +81,6 @@ KINDS = _Table(
     auth=any_token,
     response={200: ConflictClassList, **errors(401)},
     summary="The conflict-class table",
-    tags=["catalog"],
 )
 def conflict_class_list(request: HttpRequest) -> HttpResponse:
     return CLASSES.rows()
@@ -92,7 +91,6 @@ def conflict_class_list(request: HttpRequest) -> HttpResponse:
     auth=any_token,
     response={200: ConflictClassOut, **errors(401, 404)},
     summary="One conflict class",
-    tags=["catalog"],
 )
 def conflict_class_get(request: HttpRequest, slug: str = KindPath) -> HttpResponse:
     return CLASSES.row(slug)
@@ -107,7 +105,6 @@ def conflict_class_get(request: HttpRequest, slug: str = KindPath) -> HttpRespon
     "(`slug`, `retryable_by_agent`, `updated_at`) are ignored when they match and a 422 "
     "names them when they contradict. A person who is not an admin gets 403 before the "
     "body is looked at.",
-    tags=["catalog"],
 )
 def conflict_class_put(
     request: HttpRequest, payload: ConflictClassIn, slug: str = KindPath
@@ -120,7 +117,6 @@ def conflict_class_put(
     auth=any_token,
     response={200: ResourceKindList, **errors(401)},
     summary="Resource kinds and the class of each operation",
-    tags=["catalog"],
 )
 def resource_kind_list(request: HttpRequest) -> HttpResponse:
     return KINDS.rows()
@@ -131,7 +127,6 @@ def resource_kind_list(request: HttpRequest) -> HttpResponse:
     auth=any_token,
     response={200: ResourceKindOut, **errors(401, 404)},
     summary="One resource kind",
-    tags=["catalog"],
 )
 def resource_kind_get(request: HttpRequest, kind: str = KindPath) -> HttpResponse:
     return KINDS.row(kind)
@@ -145,7 +140,6 @@ def resource_kind_get(request: HttpRequest, kind: str = KindPath) -> HttpRespons
     description="Takes the representation `GET` returned as it is: the read-only members "
     "(`kind`, `updated_at`) are ignored when they match and a 422 names them when they "
     "contradict. A person who is not an admin gets 403 before the body is looked at.",
-    tags=["catalog"],
 )
 def resource_kind_put(
     request: HttpRequest, payload: ResourceKindIn, kind: str = KindPath
