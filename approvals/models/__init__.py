@@ -8,7 +8,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Exists, OuterRef, Q
 
-from approvals.models.writes import ConditionalWrite, PayloadFormat, Revisioned, WriteOperation
+from approvals.models.choices import PayloadFormat, WriteOperation
+from approvals.models.writes import ConditionalWrite, Revisioned
 
 
 class Agent(models.Model):

@@ -7,18 +7,7 @@ from typing import ClassVar
 
 from django.db import models
 
-
-class WriteOperation(models.TextChoices):
-    CREATE = "create", "create"
-    UPDATE = "update", "update"
-    DELETE = "delete", "delete"
-
-
-class PayloadFormat(models.TextChoices):
-    REPLACE = "replace", "full document (PUT)"
-    MERGE_PATCH = "merge_patch", "JSON merge patch (PATCH)"
-    DELETE = "delete", "delete"
-    RESOLUTION = "resolution", "document chosen by a conflict resolution"
+from approvals.models.choices import PayloadFormat, WriteOperation
 
 
 class ConditionalWrite(models.Model):
