@@ -46,7 +46,7 @@ from ownership.api.schemas import (
 from ownership.api.serialize import resource_json
 from ownership.models import Resource
 
-router = Router()
+router = Router(tags=["resources"])
 
 # By kind, then name; the cursor is the last `kind/name` (RESOURCE_CURSOR_PATTERN).
 _BY_KIND_AND_NAME = Keyset(
@@ -73,7 +73,6 @@ _READ_HEADERS = [
     auth=any_token,
     response={200: ResourceOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read a resource (strong ETag)",
-    tags=["resources"],
     openapi_extra={
         "parameters": _READ_HEADERS,
         "responses": {
@@ -102,7 +101,6 @@ def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePat
     auth=any_token,
     response={200: ResourcePage, **errors(400, 401, 422)},
     summary="List resources by kind and name prefix",
-    tags=["resources"],
 )
 def resource_list(
     request: HttpRequest,
@@ -304,7 +302,6 @@ def _propose(run: Any, proposal: action_services.Proposal, record_id: int) -> Ht
     auth=run_token,
     response={202: ActionOut, **_WRITE_ERRORS},
     summary="Replace a resource's document (If-Match) or create it (If-None-Match: *)",
-    tags=["resources"],
     openapi_extra={
         "parameters": [*_WRITE_HEADERS, _CREATE_HEADER],
         "requestBody": _object_body("application/json"),
@@ -320,7 +317,6 @@ def resource_put(request: HttpRequest, kind: str = KindPath, name: str = NamePat
     auth=run_token,
     response={202: ActionOut, **_WRITE_ERRORS},
     summary="Change a resource with a JSON merge patch (RFC 7396)",
-    tags=["resources"],
     openapi_extra={
         "parameters": _WRITE_HEADERS,
         "requestBody": _object_body("application/merge-patch+json"),
@@ -338,7 +334,6 @@ def resource_patch(
     auth=run_token,
     response={202: ActionOut, **_WRITE_ERRORS},
     summary="Delete a resource (If-Match)",
-    tags=["resources"],
     openapi_extra={"parameters": _WRITE_HEADERS, "responses": _WRITE_RESPONSES},
 )
 def resource_delete(
