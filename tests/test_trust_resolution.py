@@ -139,11 +139,7 @@ def test_the_run_token_cannot_undo_a_resolution(world: Any, api: Any) -> None:
     assert action_execute(action_id=resolution.pk) == "applied"
     with pytest.raises(Forbidden):
         action_undo_request(action_id=resolution.pk, actor=Actor.run(run.run))
-    response = api.post(
-        f"/api/v1/actions/{resolution.pk}/undo",
-        token=run.token,
-        headers={"Idempotency-Key": "undo-resolution-1"},
-    )
+    response = api.undo(resolution.pk, token=run.token, key="undo-resolution-1")
     assert response.status_code == 403, response.content
     # A person may still undo it.
     assert (
