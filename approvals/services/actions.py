@@ -38,12 +38,16 @@ from approvals.services.queued_writes import (
     superseding_write,
     writes_in_flight,
 )
-from approvals.services.runs import RunNotActive, run_effective_status, run_require_own_active
+from approvals.services.runs import (
+    RunNotActive,
+    run_effective_status,
+    run_require_own_active,
+    run_status_for_share,
+)
 from approvals.services.write_sets import lock_kind_for_proposal
 from audit.models import ActorType
 from audit.services import Actor, audit_append
 from console.core.action_audit import audit_action_event
-from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     DomainError,
     Forbidden,
@@ -167,13 +171,7 @@ def _recheck_authority_locked(run: Run, kind: str, name: str, operation: str) ->
     # commit (and then refuses the lease while the action is in flight).
     lock_kind_for_proposal(kind)
     lock_resource_for_proposal(kind, name)  # proposals on one resource serialise
-    state = lock_run_for_share(run.pk)
-    if state is None:
-        raise RunNotActive(f"Run {run.pk} no longer exists.", extra={"run": str(run.pk)})
-    status, expires_at = state
-    if status == RunStatus.ACTIVE and expires_at is not None and expires_at <= timezone.now():
-        status = RunStatus.EXPIRED
-    _check_authority(run, status, kind, name, operation)
+    _check_authority(run, run_status_for_share(run.pk), kind, name, operation)
 
 
 # --- Proposal -------------------------------------------------------------

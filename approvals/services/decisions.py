@@ -35,12 +35,11 @@ from approvals.models import (
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.approval_open import approval_details
+from approvals.services.plan_state import plan_touch, plans_end_unapproved
 from approvals.services.plans import (
     plan_admit_locked,
-    plan_end_unapproved_locked,
     plan_escalation_group,
     plan_forbids_owner_approval,
-    plan_touch,
 )
 from approvals.services.run_policy import classes_for_write_set
 from approvals.services.runs import run_activate, run_reject
@@ -332,7 +331,12 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
         return
     if approval.subject == ApprovalSubject.PLAN:
         assert approval.plan_id is not None
-        plan_end_unapproved_locked(approval=approval, status=PlanStatus.REJECTED, error=error)
+        plans_end_unapproved(
+            run_id=approval.run_id,
+            plan_id=approval.plan_id,
+            status=PlanStatus.REJECTED,
+            error=error,
+        )
         audit_append(
             event_type="approval.rejected",
             actor=actor,
@@ -377,8 +381,9 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
         reopen = expired and approval.action.parent_id is not None
     elif approval.subject == ApprovalSubject.PLAN:
         assert approval.plan_id is not None
-        plan_end_unapproved_locked(
-            approval=approval,
+        plans_end_unapproved(
+            run_id=approval.run_id,
+            plan_id=approval.plan_id,
             status=PlanStatus.EXPIRED,
             error={"code": "approval_expired", "expired_at": now.isoformat()},
         )

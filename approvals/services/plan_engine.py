@@ -47,7 +47,7 @@ from approvals.models import (
 )
 from approvals.outbox import enqueue_action_execution, enqueue_undo_execution
 from approvals.services.attempts import crash_point
-from approvals.services.plans import plan_touch
+from approvals.services.plan_state import plan_touch
 from audit.services import Actor, audit_append
 from console.core.fence import next_fence
 from console.core.operations import open_operation
