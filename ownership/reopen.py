@@ -33,31 +33,32 @@ from ownership.models import Conflict, ConflictStatus
 
 @dataclass(frozen=True)
 class Resolution:
-    """A conflict's settlement as its row and its action's note carry it (UNRESOLVED: none)."""
+    """A conflict's settlement, named as the conflict's columns (UNRESOLVED: none)."""
 
-    choice: str
-    fields: dict[str, str]
-    comment: str
-    person: Any  # the resolver (a User)
-    at: datetime | None
-    action: Action | None  # the write that carries it; None for keep_current
+    resolution: str  # the choice: keep_current, take_proposed or merge
+    resolution_fields: dict[str, str]  # a merge's side per field
+    resolution_comment: str
+    resolved_by: Any  # the resolver (a User)
+    resolved_at: datetime | None
+    resolution_action: Action | None  # the write that carries it; None for keep_current
 
     def note(self, conflict: Conflict) -> dict[str, Any] | None:
         """What the conflicted action's `error.resolution` says (the agent reads it)."""
-        if not self.choice:
+        if not self.resolution:
             return None
-        assert self.at is not None
+        assert self.resolved_at is not None
+        written = self.resolution_action
         return {
             "conflict_id": str(conflict.pk),
-            "choice": self.choice,
-            "by": self.person.get_username(),
-            "comment": self.comment,
-            "at": self.at.isoformat(),
-            "action": str(self.action.pk) if self.action else None,
+            "choice": self.resolution,
+            "by": self.resolved_by.get_username(),
+            "comment": self.resolution_comment,
+            "at": self.resolved_at.isoformat(),
+            "action": str(written.pk) if written else None,
         }
 
 
-UNRESOLVED = Resolution(choice="", fields={}, comment="", person=None, at=None, action=None)
+UNRESOLVED = Resolution("", {}, "", None, None, None)
 
 
 def conflict_resolution_set(conflict: Conflict, resolution: Resolution, **columns: Any) -> None:
@@ -65,16 +66,8 @@ def conflict_resolution_set(conflict: Conflict, resolution: Resolution, **column
     locked): `resolution` settles it, UNRESOLVED opens it again with every resolution
     column cleared; `columns` ride along in the same UPDATE. The conflicted action notes
     it in `error.resolution` (None once reopened): its ETag moves, its waiters wake."""
-    Conflict.objects.filter(pk=conflict.pk).update(
-        status=ConflictStatus.RESOLVED if resolution.choice else ConflictStatus.OPEN,
-        resolution=resolution.choice,
-        resolution_fields=resolution.fields,
-        resolution_comment=resolution.comment,
-        resolved_by=resolution.person,
-        resolved_at=resolution.at,
-        resolution_action=resolution.action,
-        **columns,
-    )
+    settled = ConflictStatus.RESOLVED if resolution.resolution else ConflictStatus.OPEN
+    Conflict.objects.filter(pk=conflict.pk).update(status=settled, **vars(resolution), **columns)
     action = conflict.action
     error = dict(action.error) if isinstance(action.error, dict) else {}
     error["resolution"] = resolution.note(conflict)

@@ -177,6 +177,10 @@ def _recheck_authority_locked(run: Run, kind: str, name: str, operation: str) ->
 # --- Proposal -------------------------------------------------------------
 
 
+# What a write is, in the column names a Proposal, a PlanStep and an Action share.
+WRITE_COLUMNS = ("kind", "name", "operation", "payload_format", "payload")
+
+
 @dataclass(frozen=True)
 class Proposal:
     kind: ResourceKind
@@ -188,6 +192,10 @@ class Proposal:
     create_if_absent: bool  # If-None-Match: *
     idempotency_key: str
     reason: str
+
+    def columns(self) -> dict[str, Any]:
+        """The write as a row stores it (an Action, or a plan's PlanStep)."""
+        return {column: getattr(self, column) for column in WRITE_COLUMNS}
 
 
 def _stale_extra(
@@ -370,14 +378,10 @@ def _record(
     else:
         initial_status = ActionStatus.QUEUED
     action = Action.objects.create(
+        **proposal.columns(),
         run=run,
         agent_id=run.agent_id,
-        kind=proposal.kind,
-        name=proposal.name,
         resource=resource,
-        operation=proposal.operation,
-        payload_format=proposal.payload_format,
-        payload=proposal.payload,
         observed_version=observed_version,
         conflict_class=conflict_class,
         status=initial_status,

@@ -35,7 +35,7 @@ from approvals.models import (
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.approval_open import approval_details
-from approvals.services.plan_state import plan_touch, plans_end_unapproved
+from approvals.services.plan_state import plan_end_unapproved_locked, plan_touch
 from approvals.services.plans import (
     plan_admit_locked,
     plan_escalation_group,
@@ -59,9 +59,9 @@ from console.permissions import can_decide_approvals, person_of
 from ownership.models import OwnershipRecord
 from ownership.reopen import conflict_reopen_for_resolution
 
-log = logging.getLogger("airlock.approvals")
 escalation_log = logging.getLogger("airlock.escalation")
 
+# A person's comment on a decision (an approval's vote, a conflict's resolution).
 MAX_COMMENT_LENGTH = 2000
 
 
@@ -331,12 +331,7 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
         return
     if approval.subject == ApprovalSubject.PLAN:
         assert approval.plan_id is not None
-        plans_end_unapproved(
-            run_id=approval.run_id,
-            plan_id=approval.plan_id,
-            status=PlanStatus.REJECTED,
-            error=error,
-        )
+        plan_end_unapproved_locked(approval=approval, status=PlanStatus.REJECTED, error=error)
         audit_append(
             event_type="approval.rejected",
             actor=actor,
@@ -381,9 +376,8 @@ def _expire_locked(*, approval: Approval, now: datetime) -> None:
         reopen = expired and approval.action.parent_id is not None
     elif approval.subject == ApprovalSubject.PLAN:
         assert approval.plan_id is not None
-        plans_end_unapproved(
-            run_id=approval.run_id,
-            plan_id=approval.plan_id,
+        plan_end_unapproved_locked(
+            approval=approval,
             status=PlanStatus.EXPIRED,
             error={"code": "approval_expired", "expired_at": now.isoformat()},
         )

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
-from approvals.models import Plan, PlanStatus, PlanStep, PlanStepStatus
+from approvals.models import Approval, Plan, PlanStatus, PlanStep, PlanStepStatus
 from approvals.notify import notify_run_changed
 
 
@@ -67,3 +67,13 @@ def plans_end_unapproved(
         )
         PlanStep.objects.filter(plan_id__in=ended).update(status=PlanStepStatus.SKIPPED)
     return ended
+
+
+def plan_end_unapproved_locked(*, approval: Approval, status: str, error: dict[str, Any]) -> bool:
+    """The plan's approval was rejected or expired (caller's transaction, plan row
+    locked): the plan ends as `status`. False when it was no longer waiting."""
+    assert approval.plan_id is not None
+    ended = plans_end_unapproved(
+        run_id=approval.run_id, plan_id=approval.plan_id, status=status, error=error
+    )
+    return bool(ended)

@@ -239,11 +239,7 @@ def _record(
         PlanStep(
             plan=plan,
             position=position,
-            kind=spec.proposal.kind,
-            name=spec.proposal.name,
-            operation=spec.proposal.operation,
-            payload_format=spec.proposal.payload_format,
-            payload=spec.proposal.payload,
+            **spec.proposal.columns(),
             observed_version=observed[position - 1],
             conflict_class=classes[position - 1],
             compensation=copy.deepcopy(spec.compensation),

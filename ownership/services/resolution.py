@@ -34,7 +34,7 @@ from approvals.services.approval_open import (
     approval_open_for_resolution,
     resolution_needs_votes,
 )
-from approvals.services.decisions import answers_for_agent
+from approvals.services.decisions import MAX_COMMENT_LENGTH, answers_for_agent
 from audit.models import ActorType, AuditEvent
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
@@ -55,8 +55,6 @@ from ownership.models import (
 )
 from ownership.reopen import Resolution, conflict_resolution_set
 from ownership.selectors import conflict_may_resolve
-
-MAX_COMMENT_LENGTH = 2000
 
 
 def _validate_choices(conflict: Conflict, fields: dict[str, Any] | None) -> dict[str, str]:
@@ -223,7 +221,7 @@ def _resolution_action_create(conflict: Conflict, document: dict[str, Any] | Non
 
 def _conflict_close(conflict: Conflict, resolution: Resolution, *, actor: Actor) -> None:
     """Mark the conflict resolved, note the resolution on the original action, audit."""
-    action = conflict.action
+    action, new_action = conflict.action, resolution.resolution_action
     conflict_resolution_set(conflict, resolution)
     # A plan waiting on this conflict (a step's, or a compensation's) goes on.
     transaction.on_commit(partial(enqueue_plan_after_action, action.pk))
@@ -233,10 +231,10 @@ def _conflict_close(conflict: Conflict, resolution: Resolution, *, actor: Actor)
         actor=actor,
         details={
             "conflict": str(conflict.pk),
-            "choice": resolution.choice,
-            "fields": resolution.fields,
-            "comment": resolution.comment,
-            "resolution_action": str(resolution.action.pk) if resolution.action else None,
+            "choice": resolution.resolution,
+            "fields": resolution.resolution_fields,
+            "comment": resolution.resolution_comment,
+            "resolution_action": str(new_action.pk) if new_action else None,
         },
     )
 
