@@ -177,8 +177,10 @@ def _recheck_authority_locked(run: Run, kind: str, name: str, operation: str) ->
 # --- Proposal -------------------------------------------------------------
 
 
-# What a write is, in the column names a Proposal, a PlanStep and an Action share.
-WRITE_COLUMNS = ("kind", "name", "operation", "payload_format", "payload")
+# A write as a row records it, in the column names a PlanStep and an Action share: what
+# the agent proposed, the version its precondition matched, and its conflict class.
+PROPOSED_COLUMNS = ("kind", "name", "operation", "payload_format", "payload")
+WRITE_COLUMNS = (*PROPOSED_COLUMNS, "observed_version", "conflict_class")
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,15 @@ class Proposal:
     idempotency_key: str
     reason: str
 
-    def columns(self) -> dict[str, Any]:
-        """The write as a row stores it (an Action, or a plan's PlanStep)."""
-        return {column: getattr(self, column) for column in WRITE_COLUMNS}
+    def columns(
+        self, *, observed_version: int | None, conflict_class: ConflictClass
+    ) -> dict[str, Any]:
+        """The write as a row records it (an Action, or a plan's PlanStep)."""
+        return {
+            **{column: getattr(self, column) for column in PROPOSED_COLUMNS},
+            "observed_version": observed_version,
+            "conflict_class": conflict_class,
+        }
 
 
 def _stale_extra(
@@ -378,12 +386,10 @@ def _record(
     else:
         initial_status = ActionStatus.QUEUED
     action = Action.objects.create(
-        **proposal.columns(),
+        **proposal.columns(observed_version=observed_version, conflict_class=conflict_class),
         run=run,
         agent_id=run.agent_id,
         resource=resource,
-        observed_version=observed_version,
-        conflict_class=conflict_class,
         status=initial_status,
         paused_reason=switch.reason if switch is not None else "",
         reason=proposal.reason,

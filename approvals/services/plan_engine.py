@@ -63,8 +63,6 @@ ENGINE = Actor.system("plan-engine")
 # Plans the reconciler looks at in one pass (oldest change first).
 RESUME_BATCH = 200
 _MOVING = (PlanStatus.EXECUTING, PlanStatus.COMPENSATING, PlanStatus.PARTIALLY_COMPENSATED)
-# A step's write as the plan recorded it; its action copies these columns unchanged.
-_STEP_WRITE = (*WRITE_COLUMNS, "observed_version", "conflict_class")
 
 
 def plan_advance(*, plan_id: uuid.UUID | str) -> str:
@@ -141,7 +139,8 @@ def _start_step(plan: Plan, step: PlanStep) -> None:
     """The step's write, queued now that every step before it applied."""
     resource = Resource.objects.filter(kind_id=step.kind_id, name=step.name).first()
     action = Action.objects.create(
-        **{column: getattr(step, column) for column in _STEP_WRITE},
+        # The step's write exactly as the plan recorded (and checked) it.
+        **{column: getattr(step, column) for column in WRITE_COLUMNS},
         run_id=plan.run_id,
         agent_id=plan.agent_id,
         resource=resource,

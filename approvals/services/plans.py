@@ -239,9 +239,9 @@ def _record(
         PlanStep(
             plan=plan,
             position=position,
-            **spec.proposal.columns(),
-            observed_version=observed[position - 1],
-            conflict_class=classes[position - 1],
+            **spec.proposal.columns(
+                observed_version=observed[position - 1], conflict_class=classes[position - 1]
+            ),
             compensation=copy.deepcopy(spec.compensation),
         )
         for position, spec in enumerate(steps, start=1)
