@@ -4,7 +4,6 @@ ETag and `updated_at` move, so a reader holding the old ETag is not told 304."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
@@ -13,30 +12,14 @@ from approvals.models import Plan, PlanStep
 from approvals.services.runs import run_revoke
 from audit.services import Actor
 from tests.fixtures.core import make_resource
+from tests.test_plans import POLICY, _patch, _propose
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-POLICY = "notification-policy/prod-alerts"
 
 
 def _propose_waiting_plan(api: Any, run: Any) -> str:
     make_resource(POLICY, {"channels": ["email"]}, version=41)
-    response = api.post(
-        f"/api/v1/runs/{run.run.pk}/plans",
-        token=run.token,
-        body={
-            "reason": "page on call",
-            "steps": [
-                {
-                    "resource": POLICY,
-                    "method": "PATCH",
-                    "if_match": '"41"',
-                    "patch": {"channels": ["pager"]},
-                }
-            ],
-        },
-        headers={"Idempotency-Key": f"plan-{uuid.uuid4().hex}"},
-    )
+    response = _propose(api, run, [_patch(POLICY, '"41"', {"channels": ["pager"]})])
     assert response.status_code in (201, 202), response.content
     plan_id = str(response.json()["id"])
     assert Plan.objects.get(pk=plan_id).status == "pending_approval"
