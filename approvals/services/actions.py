@@ -195,6 +195,11 @@ class Proposal:
     idempotency_key: str
     reason: str
 
+    @property
+    def resource_identifier(self) -> str:
+        """kind/name, as an Action's `resource_identifier` and the audit name it."""
+        return f"{self.kind.slug}/{self.name}"
+
     def columns(
         self, *, observed_version: int | None, conflict_class: ConflictClass
     ) -> dict[str, Any]:
@@ -252,7 +257,7 @@ def action_propose(
     refused the same way (412 with `queued_action`; approvals/services/queued_writes.py).
     """
     kind = proposal.kind
-    identifier = f"{kind.slug}/{proposal.name}"
+    identifier = proposal.resource_identifier
     conflict_class = kind.class_for(proposal.operation)
     if proposal.operation == "create":
         if not proposal.create_if_absent:
@@ -305,7 +310,7 @@ def precondition_check(
 ) -> tuple[int | None, DomainError | None]:
     """(observed version, None) when the tag matches, (None, the 412 error) when it
     does not; NotFound when updating or deleting a resource that does not exist."""
-    identifier = f"{proposal.kind.slug}/{proposal.name}"
+    identifier = proposal.resource_identifier
     exists = resource is not None and not resource.deleted
     current_etag = resource.etag if resource is not None and exists else None
     if proposal.operation == "create":
@@ -350,7 +355,7 @@ def superseded_by_queued(
     if queued is None:
         return None
     queued_id = queued.id
-    identifier = f"{proposal.kind.slug}/{proposal.name}"
+    identifier = proposal.resource_identifier
     etag = None if observed is None else f'"{observed}"'
     extra = _stale_extra(
         resource=identifier, expected=etag, current=etag, conflict_class=conflict_class
@@ -374,7 +379,7 @@ def _record(
     """Insert the action (audited): pending approval for a per-call class (its
     approval opened), paused under an engaged kill switch, else queued (enqueued
     after commit)."""
-    identifier = f"{proposal.kind.slug}/{proposal.name}"
+    identifier = proposal.resource_identifier
     per_call = conflict_class.approval_mode == "per_call"
     # Under an engaged kill switch a write that needs no approval is
     # recorded `paused` (resumed in order on release), never refused.
@@ -396,12 +401,10 @@ def _record(
         idempotency_key=proposal.idempotency_key,
         request_id=current_request_id()[:128],
     )
-    audit_append(
+    audit_action_event(
+        action,
         event_type="action.proposed",
         actor=Actor.run(run),
-        resource=identifier,
-        run_id=run.pk,
-        action_id=action.id,
         details={
             "operation": proposal.operation,
             "observed_etag": action.observed_etag,

@@ -110,7 +110,7 @@ def _check_shape(steps: Sequence[PlanStepSpec]) -> None:
     seen: dict[str, int] = {}
     for position, spec in enumerate(steps, start=1):
         proposal = spec.proposal
-        identifier = f"{proposal.kind.slug}/{proposal.name}"
+        identifier = proposal.resource_identifier
         if identifier in seen:
             raise _step_error(
                 position,
@@ -255,7 +255,7 @@ def _record(
             "steps": [
                 {
                     "position": position,
-                    "resource": f"{spec.proposal.kind.slug}/{spec.proposal.name}",
+                    "resource": spec.proposal.resource_identifier,
                     "operation": spec.proposal.operation,
                     "observed_version": observed[position - 1],
                     "conflict_class": classes[position - 1].slug,
