@@ -404,9 +404,7 @@ def write_or_stale(
             "application/merge-patch+json" if method == "PATCH" else "application/json"
         )
         content = json.dumps(document).encode()
-    response = yield Call(
-        method, resource_path(resource), token, headers, content, accept=_STALE
-    )
+    response = yield Call(method, resource_path(resource), token, headers, content, accept=_STALE)
     if response.status_code == 412:
         stale = error_for(response)
         assert isinstance(stale, StaleVersion)
