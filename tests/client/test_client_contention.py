@@ -5,8 +5,9 @@ again, then writes on the new version: nothing lost, nothing applied twice."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -47,18 +48,24 @@ def approved_and_queued(live: Live, run: RunSession, patch: dict[str, Any]) -> A
     return action
 
 
+@contextlib.contextmanager
+def two_clients_of_one_run(live: Live, token: str) -> Iterator[tuple[RunSession, RunSession]]:
+    """A run over the policy (approved by a person) and a second client of it, as the
+    bench's writers are: both read the same versions."""
+    live.approve_next_run_of(token)
+    with (
+        Airlock(live.url, token) as airlock,
+        airlock.start_run("two clients, one policy", POLICY_WRITE_SET) as first,
+        Airlock(live.url, first.token) as second,
+    ):
+        yield first, second.join_run()
+
+
 def test_the_loser_of_a_collision_waits_for_the_winner_then_writes_on_the_new_version(
     live_without_worker: Live, rq_worker: Any, agent_tokens: dict[str, str]
 ) -> None:
     live = live_without_worker
-    token = agent_tokens["alerts-bot-a"]
-    live.approve_next_run_of(token)
-    with (
-        Airlock(live.url, token) as airlock,
-        airlock.start_run("two clients, one policy", POLICY_WRITE_SET) as winner,
-        Airlock(live.url, winner.token) as second,
-    ):
-        loser = second.join_run()  # a second client of the same run, as in the bench
+    with two_clients_of_one_run(live, agent_tokens["alerts-bot-a"]) as (winner, loser):
         seen_by_loser = loser.read(POLICY)
         assert seen_by_loser.etag == '"41"' and seen_by_loser.queued_action is None
         won = approved_and_queued(live, winner, {"channels": ["email", "winner"]})
@@ -96,15 +103,8 @@ def test_update_waits_for_a_write_its_read_names_instead_of_proposing(
     live_without_worker: Live, rq_worker: Any, agent_tokens: dict[str, str]
 ) -> None:
     live = live_without_worker
-    token = agent_tokens["alerts-bot-a"]
-    live.approve_next_run_of(token)
-    with (
-        Airlock(live.url, token) as airlock,
-        airlock.start_run("two clients, one policy", POLICY_WRITE_SET) as winner,
-        Airlock(live.url, winner.token) as second,
-    ):
+    with two_clients_of_one_run(live, agent_tokens["alerts-bot-a"]) as (winner, loser):
         approved_and_queued(live, winner, {"channels": ["email", "winner"]})
-        loser = second.join_run()
         rewrite, rewritten = in_background(
             lambda: loser.update(POLICY, add_channel("loser"), timeout=60, contention=QUICK)
         )
