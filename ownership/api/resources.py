@@ -18,6 +18,7 @@ from approvals.models import Action
 from approvals.services import actions as action_services
 from approvals.services import idempotency, preconditions
 from approvals.services.preconditions import TagCondition
+from approvals.services.queued_writes import queued_write_over
 from audit.services import Actor
 from console.api_support import (
     RESOURCE_CURSOR_PATTERN,
@@ -47,6 +48,9 @@ from ownership.api.serialize import resource_json
 from ownership.models import Resource
 
 router = Router(tags=["resources"])
+
+# On a read: the approved write already queued to replace the version read (its id).
+QUEUED_ACTION_HEADER = "Airlock-Queued-Action"
 
 # By kind, then name; the cursor is the last `kind/name` (RESOURCE_CURSOR_PATTERN).
 _BY_KIND_AND_NAME = Keyset(
@@ -78,9 +82,19 @@ _READ_HEADERS = [
         "responses": {
             "200": {
                 "description": "The resource",
-                "headers": {"ETag": {"schema": {"type": "string"}}},
+                "headers": {
+                    "ETag": {"schema": {"type": "string"}},
+                    QUEUED_ACTION_HEADER: {
+                        "schema": {"type": "string", "format": "uuid"},
+                        "description": "Present when an approved write is already queued "
+                        "to replace this version: a write based on it would be refused "
+                        "(412 with `queued_action`). Wait for that action (GET "
+                        "/api/v1/actions/{id} with `Prefer: wait=N`; readable when it is your "
+                        "agent's own), then re-read.",
+                    },
+                },
             },
-            "304": {"description": "Not modified"},
+            "304": {"description": "Not modified (with the same Airlock-Queued-Action)"},
         },
     },
 )
@@ -88,12 +102,16 @@ def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePat
     resource = Resource.objects.filter(kind_id=kind, name=name, deleted=False).first()
     if resource is None:
         raise NotFound(f"{kind}/{name} does not exist.")
-    return conditional_response(
+    response = conditional_response(
         etag=resource.etag,
         body=json_bytes(resource_json(resource)),
         condition=preconditions.read_condition(request.headers.get("If-None-Match")),
         wait=None,
     )
+    queued = queued_write_over(kind, name, resource.version)
+    if queued is not None:
+        response[QUEUED_ACTION_HEADER] = str(queued)
+    return response
 
 
 @router.get(

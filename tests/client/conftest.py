@@ -106,10 +106,17 @@ class Live:
 
 
 @pytest.fixture
-def live(rq_worker: Any, transactional_db: Any, prod_alerts: Any) -> Iterator[Live]:
-    # rq_worker points settings.REDIS_URL at a private redis-server first, so the web
-    # server, the worker and this process share it.
+def live(live_without_worker: Live, rq_worker: Any) -> Live:
     rq_worker()
+    return live_without_worker
+
+
+@pytest.fixture
+def live_without_worker(rq_worker: Any, transactional_db: Any, prod_alerts: Any) -> Iterator[Live]:
+    """The live server with no RQ worker yet: approved writes stay queued until the
+    test starts one (`rq_worker()`)."""
+    # rq_worker points settings.REDIS_URL at a private redis-server, so the web server,
+    # the worker and this process share it.
     ensure_api_kinds()
     operator = make_person_with_token("ana", "operators")
     server = start_api_server()

@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import httpx
 
-from airlock_client.errors import ProblemError, TransportFailed, problem_error
+from airlock_client.errors import ProblemError, StaleVersion, TransportFailed, problem_error
 from airlock_client.models import Action, Plan, Resource, Run
 
 T = TypeVar("T")
@@ -49,11 +49,33 @@ class Call:
     #: reads, for writes carrying an Idempotency-Key (the server replays the first
     #: answer) and for idempotent verbs (heartbeat, finish).
     replay_safe: bool = True
+    #: Seconds to wait before the first attempt (a back-off the operation chose).
+    delay: float = 0.0
+    #: Error statuses the operation reads itself instead of raising their error.
+    accept: frozenset[int] = frozenset()
 
 
 Op = Generator[Call, httpx.Response, T]
 #: When a wait may stop early (besides its default).
 Until: TypeAlias = Callable[[T], bool] | None
+
+
+@dataclass(frozen=True)
+class Contention:
+    """How an agent that lost the race for a resource paces its next read: a random
+    delay (full jitter) whose bound doubles with each consecutive loss, up to `cap`.
+    Many agents looping on one resource then do not all read and propose again the
+    moment the winner's write lands (only one of them can win the next round, and
+    every refused proposal is a write the server audits)."""
+
+    base: float = 0.5
+    cap: float = 4.0
+
+    def delay(self, losses: int) -> float:
+        """Before the read that follows the `losses`-th loss in a row (0: at once)."""
+        if losses <= 0:
+            return 0.0
+        return random.uniform(0, min(self.cap, self.base * 2 ** (losses - 1)))
 
 
 @dataclass(frozen=True)
@@ -149,8 +171,8 @@ class Exchange(Generic[T]):
             return
         self._call = call
         self._attempt = 0
-        self._deadline = time.monotonic() + self._policy.budget
-        self._send_after(0.0)
+        self._deadline = time.monotonic() + call.delay + self._policy.budget
+        self._send_after(call.delay)
 
     def _send_after(self, delay: float) -> None:
         call = self._call
@@ -181,7 +203,7 @@ class Exchange(Generic[T]):
         return True
 
     def answer(self, response: httpx.Response) -> None:
-        if response.status_code < 400:
+        if response.status_code < 400 or response.status_code in self._call.accept:
             self._proceed(response)
             return
         error = error_for(response)
@@ -241,10 +263,13 @@ def _long_poll(
     parse: Callable[[httpx.Response], Tagged],
     wanted: Callable[[Tagged], bool],
     timeout: float,
+    current: Tagged | None = None,
 ) -> Op[Tagged]:
-    """GET `path`, then long-poll it (Prefer: wait, If-None-Match: its ETag) until
-    `wanted` or `timeout` seconds pass; answers the last state either way."""
-    current = yield from _get(token, path, parse)
+    """GET `path` (unless `current` was just read), then long-poll it (Prefer: wait,
+    If-None-Match: its ETag) until `wanted` or `timeout` seconds pass; answers the
+    last state either way."""
+    if current is None:
+        current = yield from _get(token, path, parse)
     deadline = time.monotonic() + timeout
     while not wanted(current):
         remaining = deadline - time.monotonic()
@@ -316,9 +341,15 @@ def finish(token: str, run_id: str) -> Op[Run]:
     return _parse_run((yield Call("POST", f"{API_PREFIX}/runs/{run_id}/finish", token)))
 
 
-def read(token: str, resource: str) -> Op[Resource]:
-    response = yield Call("GET", resource_path(resource), token)
-    return Resource.from_json(_json(response), response.headers.get("ETag"))
+def read(token: str, resource: str, delay: float = 0.0) -> Op[Resource]:
+    response = yield Call("GET", resource_path(resource), token, delay=delay)
+    return Resource.from_json(
+        _json(response), response.headers.get("ETag"), response.headers.get(QUEUED_ACTION)
+    )
+
+
+#: On a read: the approved write already queued to replace the version read.
+QUEUED_ACTION = "Airlock-Queued-Action"
 
 
 def write(
@@ -335,6 +366,32 @@ def write(
     (`If-None-Match`, `*`) to create. The Idempotency-Key is made once here, so every
     retry of this write (after a broken connection, 429, 503 or 409 in flight) is the
     identical request and the server answers it at most once."""
+    outcome = yield from write_or_stale(
+        token,
+        method,
+        resource,
+        precondition=precondition,
+        document=document,
+        reason=reason,
+        idempotency_key=idempotency_key,
+    )
+    if isinstance(outcome, StaleVersion):
+        raise outcome
+    return outcome
+
+
+def write_or_stale(
+    token: str,
+    method: str,
+    resource: str,
+    *,
+    precondition: tuple[str, str],
+    document: Any = None,
+    reason: str | None = None,
+    idempotency_key: str | None = None,
+) -> Op[Action | StaleVersion]:
+    """`write`, with a 412 answered as its `StaleVersion` instead of raised (a lost
+    race is an outcome the caller handles; every other error is raised)."""
     headers = {
         precondition[0]: precondition[1],
         "Idempotency-Key": idempotency_key or new_idempotency_key(),
@@ -347,10 +404,18 @@ def write(
             "application/merge-patch+json" if method == "PATCH" else "application/json"
         )
         content = json.dumps(document).encode()
-    response = yield Call(method, resource_path(resource), token, headers, content)
+    response = yield Call(method, resource_path(resource), token, headers, content, accept=_STALE)
+    if response.status_code == 412:
+        stale = error_for(response)
+        assert isinstance(stale, StaleVersion)
+        return stale
     return Action.from_json(
         _json(response), replayed=response.headers.get("Idempotent-Replayed") == "true"
     )
+
+
+_STALE = frozenset({412})
+_NOT_VISIBLE = frozenset({404})
 
 
 def get_action(token: str, action_id: str) -> Op[Action]:
@@ -372,6 +437,21 @@ def wait_for_action(
     seconds pass; answers the last state either way (check `.final`)."""
     wanted = until or (lambda action: action.final)
     return _long_poll(token, f"{API_PREFIX}/actions/{action_id}", _parse_action, wanted, timeout)
+
+
+def wait_for_supersede(token: str, action_id: str, timeout: float) -> Op[Action | None]:
+    """Long-poll the approved write that replaces the version you read (a 412's or a
+    read's `queued_action`) until it is final or `timeout` seconds pass. None when this
+    token may not read it (another agent's action): re-read after your back-off."""
+    path = f"{API_PREFIX}/actions/{action_id}"
+    # Without If-None-Match the server holds the first read until the action is final.
+    hold = max(1, min(MAX_SERVER_WAIT, int(timeout)))
+    headers = {"Prefer": f"wait={hold}"}
+    first = yield Call("GET", path, token, headers, None, hold, accept=_NOT_VISIBLE)
+    if first.status_code == 404:
+        return None
+    final: Callable[[Action], bool] = lambda action: action.final  # noqa: E731
+    return (yield from _long_poll(token, path, _parse_action, final, timeout, _parse_action(first)))
 
 
 def list_actions(token: str, run_id: str | None, limit: int = 200) -> Op[list[Action]]:

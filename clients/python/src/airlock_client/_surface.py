@@ -10,14 +10,14 @@ only the transport, `close`, and how the background heartbeat waits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import httpx
 
 from airlock_client import _protocol as protocol
-from airlock_client._protocol import Op, RetryPolicy, Until
-from airlock_client.errors import RunNotActive, RunNotApproved
+from airlock_client._protocol import Contention, Op, RetryPolicy, Until
+from airlock_client.errors import RunNotActive, RunNotApproved, StaleVersion, StillContended
 from airlock_client.models import Action, Plan, Resource, Run, WriteSetEntry
 
 T = TypeVar("T")
@@ -71,6 +71,18 @@ class Reader:
         """Long-poll until the action is final (or `until(action)`), at most `timeout`
         seconds; returns its latest state either way (check `.final`)."""
         return protocol.wait_for_action(self.token, _id_of(action), timeout, until)
+
+    def _wait_for_supersede(
+        self, lost: StaleVersion | Resource | str, *, timeout: float = 60.0
+    ) -> Op[Action | None]:
+        """Wait until the approved write that replaces the version you read is final:
+        the one a 412 (`StaleVersion`) or a read (`Resource.queued_action`) names, or
+        its id. Returns its final state (or latest, after `timeout` seconds); None when
+        nothing is queued or this token may not read it. Re-read after it."""
+        queued = lost if isinstance(lost, str) else lost.queued_action
+        if queued is None:
+            return None
+        return (yield from protocol.wait_for_supersede(self.token, queued, timeout))
 
     def _wait_for_plan(
         self, plan: Plan | str, *, timeout: float = 60.0, until: Until[Plan] = None
@@ -223,6 +235,53 @@ class SessionCore(Reader, Generic[Client]):
             reason=reason,
             idempotency_key=key,
         )
+
+    def _update(
+        self,
+        resource: str,
+        change: Callable[[Resource], dict[str, Any] | None],
+        *,
+        reason: Reason = None,
+        attempts: int = 20,
+        timeout: float = 300.0,
+        contention: Contention | None = None,
+    ) -> Op[Action | None]:
+        """Read `kind/name` → `change(resource)` (a JSON merge patch, or None: nothing
+        to do) → PATCH conditioned on what was read → wait until final (`timeout`).
+
+        A lost race starts again from the read, the way a well-behaved agent on a busy
+        resource does: when the read (`Resource.queued_action`) or the 412 names an
+        approved write already queued over the version read, it waits for that write
+        instead of proposing; after every loss it backs off (`Contention`, full
+        jitter doubling per loss) before reading again. A conflict at execution the
+        agent may retry counts as a loss too. Returns the final action (or its latest
+        state after `timeout`), None when `change` returned None; raises
+        StillContended after `attempts` losses in a row."""
+        pace = contention or Contention()
+        for losses in range(attempts):
+            current = yield from protocol.read(self.token, resource, pace.delay(losses))
+            queued = current.queued_action
+            if queued is None:
+                patch = change(current)
+                if patch is None:
+                    return None
+                outcome = yield from protocol.write_or_stale(
+                    self.token,
+                    "PATCH",
+                    current.identifier,
+                    precondition=("If-Match", current.etag),
+                    document=patch,
+                    reason=reason,
+                )
+                if isinstance(outcome, StaleVersion):
+                    queued = outcome.queued_action
+                else:
+                    action = yield from protocol.wait_for_action(self.token, outcome.id, timeout)
+                    if not (action.status == "conflict" and action.retryable_by_agent):
+                        return action
+            if queued is not None:
+                yield from protocol.wait_for_supersede(self.token, queued, timeout)
+        raise StillContended(resource, attempts)
 
     def _undo(
         self, action: Action | str, *, idempotency_key: Key = None, wait: float = 0.0

@@ -31,6 +31,16 @@ class RunNotApproved(AirlockError):
         self.run = run
 
 
+class StillContended(AirlockError):
+    """`update` lost the race for `resource` `losses` times in a row (other agents'
+    writes kept replacing the version it read) and gave up."""
+
+    def __init__(self, resource: str, losses: int) -> None:
+        super().__init__(f"{resource}: lost to other writers {losses} times in a row")
+        self.resource = resource
+        self.losses = losses
+
+
 #: How a problem field is read into the attribute of the same name, by the attribute's
 #: annotation on the class (a field the body lacks reads as the empty value).
 _READ_AS: dict[str, Callable[[Any], object]] = {

@@ -58,13 +58,18 @@ class Resource:
     document: Any
     owner_group: str
     raw: dict[str, Any] = field(repr=False)
+    #: The approved write already queued to replace this version (`Airlock-Queued-Action`):
+    #: a write based on it would be refused; wait for that one (`wait_for_supersede`).
+    queued_action: str | None = None
 
     @property
     def identifier(self) -> str:
         return f"{self.kind}/{self.name}"
 
     @classmethod
-    def from_json(cls, body: dict[str, Any], etag: str | None) -> Resource:
+    def from_json(
+        cls, body: dict[str, Any], etag: str | None, queued_action: str | None = None
+    ) -> Resource:
         return cls(
             kind=str(body["kind"]),
             name=str(body["name"]),
@@ -73,6 +78,7 @@ class Resource:
             document=body.get("document"),
             owner_group=str(body.get("owner_group") or ""),
             raw=body,
+            queued_action=queued_action or None,
         )
 
 
