@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Generic, Protocol, TypeAlias, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeAlias, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -26,6 +26,7 @@ from airlock_client.errors import ProblemError, StaleVersion, TransportFailed, p
 from airlock_client.models import Action, Plan, Resource, Run
 
 T = TypeVar("T")
+P = ParamSpec("P")
 logger = logging.getLogger("airlock_client")
 
 USER_AGENT = "airlock-client/0.1 (python)"
@@ -352,34 +353,6 @@ def read(token: str, resource: str, delay: float = 0.0) -> Op[Resource]:
 QUEUED_ACTION = "Airlock-Queued-Action"
 
 
-def write(
-    token: str,
-    method: str,
-    resource: str,
-    *,
-    precondition: tuple[str, str],
-    document: Any = None,
-    reason: str | None = None,
-    idempotency_key: str | None = None,
-) -> Op[Action]:
-    """PUT/PATCH/DELETE one resource. `precondition` is (`If-Match`, the ETag read) or
-    (`If-None-Match`, `*`) to create. The Idempotency-Key is made once here, so every
-    retry of this write (after a broken connection, 429, 503 or 409 in flight) is the
-    identical request and the server answers it at most once."""
-    outcome = yield from write_or_stale(
-        token,
-        method,
-        resource,
-        precondition=precondition,
-        document=document,
-        reason=reason,
-        idempotency_key=idempotency_key,
-    )
-    if isinstance(outcome, StaleVersion):
-        raise outcome
-    return outcome
-
-
 def write_or_stale(
     token: str,
     method: str,
@@ -390,8 +363,12 @@ def write_or_stale(
     reason: str | None = None,
     idempotency_key: str | None = None,
 ) -> Op[Action | StaleVersion]:
-    """`write`, with a 412 answered as its `StaleVersion` instead of raised (a lost
-    race is an outcome the caller handles; every other error is raised)."""
+    """PUT/PATCH/DELETE one resource. `precondition` is (`If-Match`, the ETag read) or
+    (`If-None-Match`, `*`) to create. The Idempotency-Key is made once here, so every
+    retry of this write (after a broken connection, 429, 503 or 409 in flight) is the
+    identical request and the server answers it at most once. A 412 is answered as its
+    `StaleVersion` (a lost race is an outcome the caller handles; `write` raises it);
+    every other error is raised."""
     headers = {
         precondition[0]: precondition[1],
         "Idempotency-Key": idempotency_key or new_idempotency_key(),
@@ -415,6 +392,22 @@ def write_or_stale(
 
 
 _STALE = frozenset({412})
+
+
+def _raising_stale(op: Callable[P, Op[Action | StaleVersion]]) -> Callable[P, Op[Action]]:
+    """The same operation, with a lost race (412) raised as its `StaleVersion`."""
+
+    def raising(*args: P.args, **kwargs: P.kwargs) -> Op[Action]:
+        outcome = yield from op(*args, **kwargs)
+        if isinstance(outcome, StaleVersion):
+            raise outcome
+        return outcome
+
+    return raising
+
+
+#: `write_or_stale`, raising a 412 as `StaleVersion`.
+write = _raising_stale(write_or_stale)
 _NOT_VISIBLE = frozenset({404})
 
 
