@@ -55,20 +55,17 @@ class RunAdmin(ReadOnlyAdmin):
 class ActionAdmin(ReadOnlyAdmin):
     list_display = ("id", "run", "kind", "name", "operation", "status", "created_at")
     list_filter = ("status", "operation")
-    raw_id_fields = ("run", "agent", "resource", "parent")
 
 
 @admin.register(Approval)
 class ApprovalAdmin(ReadOnlyAdmin):
     list_display = ("id", "subject", "status", "quorum", "expires_at")
     list_filter = ("status", "subject")
-    raw_id_fields = ("run", "action", "plan", "from_conflict")
 
 
 @admin.register(ApprovalDecision)
 class ApprovalDecisionAdmin(ReadOnlyAdmin):
     list_display = ("approval", "person", "decision", "created_at")
-    raw_id_fields = ("approval", "person")
 
 
 @admin.register(AutoApproveRule)
@@ -80,14 +77,12 @@ class AutoApproveRuleAdmin(ReadOnlyAdmin):
 class OperationAdmin(ReadOnlyAdmin):
     list_display = ("id", "action", "fence", "status", "result_version", "undo_deadline")
     list_filter = ("status",)
-    raw_id_fields = ("action", "undo_of")
 
 
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(ReadOnlyAdmin):
     list_display = ("agent", "person", "key", "status", "response_status", "expires_at")
     exclude = ("response_body",)
-    raw_id_fields = ("action",)
 
 
 # Plans move only through their services (proposal, approval, the engine): looked at here.
@@ -95,11 +90,9 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
 class PlanAdmin(ReadOnlyAdmin):
     list_display = ("id", "run", "agent", "status", "created_at", "ended_at")
     list_filter = ("status",)
-    raw_id_fields = ("run", "agent")
 
 
 @admin.register(PlanStep)
 class PlanStepAdmin(ReadOnlyAdmin):
     list_display = ("plan", "position", "kind", "name", "operation", "status")
     list_filter = ("status", "compensation_status")
-    raw_id_fields = ("plan", "action", "applied_operation", "compensation_operation")

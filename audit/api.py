@@ -21,7 +21,7 @@ from console.core.errors import Forbidden
 from console.permissions import can_read_everything
 from console.problems import errors
 
-router = Router()
+router = Router(auth=person_token, tags=["audit"])
 
 
 class AuditEventOut(Schema):
@@ -69,10 +69,8 @@ def _require_reader(request: HttpRequest) -> None:
 
 @router.get(
     "/audit",
-    auth=person_token,
     response={200: AuditPageOut, **errors(400, 401, 403, 422)},
     summary="Audit events, newest first",
-    tags=["audit"],
 )
 def audit_events(
     request: HttpRequest,
@@ -94,7 +92,6 @@ def audit_events(
 
 @router.get(
     "/audit/verify",
-    auth=person_token,
     response={200: VerifyOut, **errors(401, 403)},
     summary="Verify the hash chain: {ok, events, first_bad_seq}",
     description="Checked from a checkpoint every process shares (the last verified seq and "
@@ -102,7 +99,6 @@ def audit_events(
     "it moved only the new events are walked, linked from the checkpoint. The whole chain is "
     "walked by `manage.py audit_verify` and by a periodic job (`full_walk_at`); a break they "
     "find is returned here until a whole walk finds the chain whole again.",
-    tags=["audit"],
 )
 def audit_verify(request: HttpRequest) -> HttpResponse:
     _require_reader(request)

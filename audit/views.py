@@ -14,8 +14,12 @@ from audit import selectors
 from audit.forms import AuditFilterForm
 from audit.serialize import event_json
 from audit.services import audit_chain_status
-from console import permissions
-from console.pages import console_page, forbid_unless, query_without, render_fragment_or_page
+from console.pages import (
+    console_page,
+    forbid_unless_reader,
+    query_without,
+    render_fragment_or_page,
+)
 
 PAGE = 50
 
@@ -29,17 +33,13 @@ def _filters(form: AuditFilterForm) -> dict[str, Any]:
     return {"event_type": data.get("type"), **{name: data.get(name) for name in names}}
 
 
-def _require_reader(request: HttpRequest) -> None:
-    forbid_unless(
-        permissions.can_read_everything(request.user),
-        "The audit trail is for operators, admins and auditors.",
-    )
+_READERS_ONLY = "The audit trail is for operators, admins and auditors."
 
 
 @console_page
 @require_GET
 def audit_list(request: HttpRequest) -> HttpResponse:
-    _require_reader(request)
+    forbid_unless_reader(request, _READERS_ONLY)
     form = AuditFilterForm(request.GET or None)
     before = request.GET.get("before", "")
     page = selectors.audit_list(
@@ -62,7 +62,7 @@ def audit_list(request: HttpRequest) -> HttpResponse:
 @require_GET
 def audit_verify_badge(request: HttpRequest) -> HttpResponse:
     """The chain-verification badge: head hash and count, or the first bad seq."""
-    _require_reader(request)
+    forbid_unless_reader(request, _READERS_ONLY)
     verify = audit_chain_status(fresh=request.GET.get("fresh") == "1")
     return render(request, "audit/partials/_verify.html", {"verify": verify})
 
@@ -72,7 +72,7 @@ def audit_verify_badge(request: HttpRequest) -> HttpResponse:
 def audit_export(request: HttpRequest) -> StreamingHttpResponse:
     """The filtered events as JSON Lines (the API's representation), oldest first,
     streamed (no full load in memory)."""
-    _require_reader(request)
+    forbid_unless_reader(request, _READERS_ONLY)
     filters = _filters(AuditFilterForm(request.GET or None))
     events = selectors.audit_queryset(filters).order_by("seq")
 

@@ -27,47 +27,20 @@ from typing import Any
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.handlers.asgi import ASGIHandler
 
+from bench.asgi_get import App, asgi_get
 from bench.run import DEFAULT_DATABASE, _setup_django
 from bench.stack import Stack, free_port, log
 
 CONCURRENT = 8
-App = Any
 
 
 async def _poll(app: App, path: str, token: str, etag: str, statuses: dict[int, int]) -> None:
-    conditional = [(b"if-none-match", etag.encode())] if etag else []
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"127.0.0.1"),
-            (b"authorization", f"Bearer {token}".encode()),
-            *conditional,
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
-    requested = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if requested:  # connected until the answer is sent
-            await asyncio.Event().wait()
-        requested = True
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            statuses[message["status"]] = statuses.get(message["status"], 0) + 1
-
-    await app(scope, receive, send)
+    headers = {"Authorization": f"Bearer {token}"}
+    if etag:
+        headers["If-None-Match"] = etag
+    messages = await asgi_get(app, path, host="127.0.0.1", headers=headers)
+    status = next(m["status"] for m in messages if m["type"] == "http.response.start")
+    statuses[status] = statuses.get(status, 0) + 1
 
 
 async def _round(app: App, path: str, token: str, etag: str, polls: int) -> dict[str, Any]:

@@ -11,7 +11,8 @@ Modes:
 - `roundtrip`: hold `waiting` polls, then decide `samples` of them one at a time; each sample
   runs from the moment the decision request is sent to the moment the agent's poll answers
   with the new status.
-- `hot`: K writers on one resource (GET → PATCH with If-Match → long-poll the action).
+- `hot`: K writers on one resource (GET → PATCH with If-Match → long-poll the action),
+  each the well-behaved agent of airlock-client's `RunSession.update` (see the section).
 - `approve`: decide a list of approvals with C concurrent clients (the drain's set-up).
 
 A minimal HTTP/1.1 client of its own (no httpx) so the waiters cost little CPU.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import resource
 import sys
 import time
@@ -328,46 +330,77 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- hot resource ------------------------------------------------------------------
+#
+# The writers model a well-behaved agent, the way airlock-client's `RunSession.update`
+# behaves: a read that names a write already queued over its version
+# (`Airlock-Queued-Action`), or a 412 that does (`queued_action`), is not answered with a
+# proposal but by waiting for that write to be final; before reading again the writer
+# backs off with full jitter that grows with its consecutive losses, so the losers of
+# one round do not all propose at the moment the winner's write lands.
+
+FINAL = {"applied", "conflict", "failed", "rejected", "cancelled", "expired"}
+# The client's defaults (airlock_client._protocol.Contention).
+BACKOFF_BASE = 0.5
+BACKOFF_CAP = 4.0
 
 
 @dataclass
 class Tally:
     applied: int = 0
     refused_412: int = 0
+    waited_on_read: int = 0
     conflicts: int = 0
     rate_limited: int = 0
     other: int = 0
+    losses: int = 0  # consecutive, reset by an accepted write
 
 
 async def _await_final(
-    conn: Connection, auth: dict[str, str], action: dict[str, Any], etag: str, until: float
+    conn: Connection, auth: dict[str, str], action_id: str, etag: str, until: float
 ) -> str:
     """Long-poll the action until it is final (or the writer's time is up)."""
-    status = str(action.get("status"))
-    while status not in {"applied", "conflict", "failed", "rejected", "cancelled", "expired"}:
-        if time.perf_counter() > until:
-            break
+    status = ""
+    while status not in FINAL and time.perf_counter() < until:
         polled = await conn.request(
             "GET",
-            f"/api/v1/actions/{action['id']}",
+            f"/api/v1/actions/{action_id}",
             {**auth, "Prefer": "wait=5", **({"If-None-Match": etag} if etag else {})},
         )
         if polled.status == 200:
             status = str(polled.json().get("status"))
             etag = polled.headers.get("etag", "")
+        elif polled.status != 304:
+            break  # not readable by this token: the back-off alone paces the next read
     return status
+
+
+async def _lose(
+    conn: Connection, auth: dict[str, str], tally: Tally, queued: str | None, until: float
+) -> None:
+    """After a lost race: wait for the write that won it, then back off."""
+    if queued:
+        await _await_final(conn, auth, queued, "", until)
+    cap = min(BACKOFF_CAP, BACKOFF_BASE * 2**tally.losses)
+    tally.losses += 1
+    await asyncio.sleep(max(0.0, min(random.uniform(0, cap), until - time.perf_counter())))
 
 
 async def _hot_writer(spec: dict[str, Any], deadline: float, tally: Tally) -> None:
     conn = Connection(spec["host"], spec["port"])
     auth = {"Authorization": f"Bearer {spec['token']}"}
     path = f"/api/v1/resources/{spec['resource']}"
+    until = deadline + 10
     try:
         while time.perf_counter() < deadline:
             got = await conn.request("GET", path, auth)
             if got.status != 200:
                 tally.other += 1
                 await asyncio.sleep(0.05)
+                continue
+            queued = got.headers.get("airlock-queued-action")
+            if queued:
+                tally.waited_on_read += 1
+                await _lose(conn, auth, tally, queued, deadline)
                 continue
             counter = int(got.json()["document"].get("counter", 0))
             headers = {
@@ -379,6 +412,8 @@ async def _hot_writer(spec: dict[str, Any], deadline: float, tally: Tally) -> No
             sent = await conn.request("PATCH", path, headers, body={"counter": counter + 1})
             if sent.status == 412:
                 tally.refused_412 += 1
+                queued_action = (sent.json() or {}).get("queued_action") or {}
+                await _lose(conn, auth, tally, queued_action.get("id"), deadline)
             elif sent.status == 429:
                 tally.rate_limited += 1
                 await asyncio.sleep(0.5)
@@ -386,8 +421,9 @@ async def _hot_writer(spec: dict[str, Any], deadline: float, tally: Tally) -> No
                 tally.other += 1
                 await asyncio.sleep(0.05)
             else:
-                until = deadline + 10
-                status = await _await_final(conn, auth, sent.json(), sent.headers["etag"], until)
+                tally.losses = 0
+                action = sent.json()
+                status = await _await_final(conn, auth, action["id"], sent.headers["etag"], until)
                 if status == "applied":
                     tally.applied += 1
                 elif status == "conflict":
@@ -410,6 +446,7 @@ async def run_hot(spec: dict[str, Any]) -> dict[str, Any]:
         "accepted": sum(t.applied for t in tallies),
         "accepted_by_writer": [t.applied for t in tallies],
         "refused_412": sum(t.refused_412 for t in tallies),
+        "waited_on_read": sum(t.waited_on_read for t in tallies),
         "conflicts": sum(t.conflicts for t in tallies),
         "rate_limited_429": sum(t.rate_limited for t in tallies),
         "other": sum(t.other for t in tallies),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -27,66 +28,33 @@ class Size:
     scale_note: str = ""
 
 
-SIZES = {
-    "tiny": Size(
-        name="tiny",
-        clients=(8,),
-        poll_rounds=1,
-        poll_seconds=1,
-        longpoll=20,
-        longpoll_wakes=10,
-        roundtrip_waiting=10,
-        roundtrip_samples=5,
-        noop_jobs=50,
-        approved=10,
-        core_n=10,
-        audit_writers=(1, 2),
-        audit_seconds=0.5,
-        hot_writers=4,
-        hot_seconds=1.0,
-        scale_small=(200, 200),
-        scale_big=(400, 400),
-        scale_note="tiny: 4·10² vs 2·10², a smoke test only",
-    ),
-    "small": Size(
-        name="small",
-        clients=(8, 32, 128),
-        poll_rounds=3,
-        poll_seconds=1,
-        longpoll=500,
-        longpoll_wakes=100,
-        roundtrip_waiting=200,
-        roundtrip_samples=30,
-        noop_jobs=300,
-        approved=100,
-        core_n=50,
-        audit_writers=(1, 8),
-        audit_seconds=1.0,
-        hot_writers=32,
-        hot_seconds=3.0,
-        scale_small=(1_000, 1_000),
-        scale_big=(20_000, 10_000),
-        scale_note="small: 2·10⁴ audit events / 10⁴ actions vs 10³ (goal asks 10⁷ / 10⁶)",
-    ),
-    "default": Size(
-        name="default",
-        clients=(8, 32, 128),
-        poll_rounds=5,
-        poll_seconds=3,
-        longpoll=2000,
-        longpoll_wakes=300,
-        roundtrip_waiting=200,
-        roundtrip_samples=200,
-        noop_jobs=1000,
-        approved=1000,
-        core_n=300,
-        audit_writers=(1, 8),
-        audit_seconds=3.0,
-        hot_writers=32,
-        hot_seconds=5.0,
-        scale_small=(1_000, 1_000),
-        scale_big=(1_000_000, 100_000),
-        scale_note="default: 10⁶ audit events / 10⁵ actions vs 10³ (goal asks 10⁷ / 10⁶; "
+# One row a field, one column a size, so that the sizes read side by side.
+_NAMES = ("tiny", "small", "default")
+_TABLE: dict[str, tuple[Any, Any, Any]] = {
+    "clients": ((8,), (8, 32, 128), (8, 32, 128)),
+    "poll_rounds": (1, 3, 5),
+    "poll_seconds": (1, 1, 3),
+    "longpoll": (20, 500, 2000),
+    "longpoll_wakes": (10, 100, 300),
+    "roundtrip_waiting": (10, 200, 200),
+    "roundtrip_samples": (5, 30, 200),
+    "noop_jobs": (50, 300, 1000),
+    "approved": (10, 100, 1000),
+    "core_n": (10, 50, 300),
+    "audit_writers": ((1, 2), (1, 8), (1, 8)),
+    "audit_seconds": (0.5, 1.0, 3.0),
+    "hot_writers": (4, 32, 32),
+    "hot_seconds": (1.0, 3.0, 5.0),
+    "scale_small": ((200, 200), (1_000, 1_000), (1_000, 1_000)),
+    "scale_big": ((400, 400), (20_000, 10_000), (1_000_000, 100_000)),
+    "scale_note": (
+        "tiny: 4·10² vs 2·10², a smoke test only",
+        "small: 2·10⁴ audit events / 10⁴ actions vs 10³ (goal asks 10⁷ / 10⁶)",
+        "default: 10⁶ audit events / 10⁵ actions vs 10³ (goal asks 10⁷ / 10⁶; "
         "seeding 10⁷ chained events alone takes longer than the 15-minute budget)",
     ),
+}
+SIZES = {
+    name: Size(name=name, **{field: row[column] for field, row in _TABLE.items()})
+    for column, name in enumerate(_NAMES)
 }

@@ -11,7 +11,11 @@ from console.models import FenceCounter, KillSwitch
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """History is append-only: visible in the admin, never editable there."""
+    """History is append-only: visible in the admin, never editable there.
+
+    Without the change permission Django builds the change form with no fields (every
+    one is shown read-only), so foreign keys never render as selects and need no
+    raw_id_fields."""
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

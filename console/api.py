@@ -30,7 +30,7 @@ from console.api_support import (
     iso,
     json_bool,
     json_response,
-    rate_limit_writes,
+    writing_principal,
 )
 from console.auth import any_token, principal_of
 from console.core import jsonsafe
@@ -375,8 +375,7 @@ def kill_switch_get(request: HttpRequest) -> HttpResponse:
 def kill_switch_post(
     request: HttpRequest, payload: KillSwitchEngageIn | KillSwitchReleaseIn
 ) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     kill_switch_set(
         scope=payload.scope,
         engaged=payload.engaged,

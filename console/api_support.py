@@ -25,7 +25,7 @@ from approvals.services import idempotency
 from approvals.services.idempotency import StoredResponse
 from approvals.services.preconditions import TagCondition
 from approvals.services.tokens import Principal
-from console.auth import PERSON, Bearer
+from console.auth import PERSON, Bearer, principal_of
 from console.core import jsonsafe
 from console.core.errors import DomainError, Forbidden
 from console.problems import ApiError, problem_from_error
@@ -397,3 +397,10 @@ def rate_limit_writes(principal: Principal) -> None:
             extra={"retry_after": retry_after, "limit_per_minute": limit},
             headers={"Retry-After": str(retry_after)},
         )
+
+
+def writing_principal(request: HttpRequest) -> Principal:
+    """The caller of a write endpoint, once its token is within the write rate."""
+    principal = principal_of(request)
+    rate_limit_writes(principal)
+    return principal

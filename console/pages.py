@@ -24,6 +24,7 @@ from django.shortcuts import render
 from django.urls import reverse
 from django.utils.cache import patch_vary_headers
 
+from console import permissions
 from console.api_support import keyset_paginate, opaque_keyset
 from console.core.errors import DomainError
 from console.problems import status_for_code
@@ -59,6 +60,11 @@ def signed_in(request: HttpRequest) -> User:
 def forbid_unless(allowed: bool, why: str) -> None:
     if not allowed:
         raise PermissionDenied(why)
+
+
+def forbid_unless_reader(request: HttpRequest, why: str) -> None:
+    """A page for those who read everything (operators, admins, auditors)."""
+    forbid_unless(permissions.can_read_everything(request.user), why)
 
 
 def is_htmx(request: HttpRequest) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from django.db import OperationalError
 from django.http import HttpRequest, HttpResponse
@@ -74,6 +74,16 @@ def status_for_code(code: str) -> int:
     return entry[0] if entry else 400
 
 
+class ProblemOptions(TypedDict, total=False):
+    """What a problem may say beyond its code and detail (ApiError, problem_response):
+    a status other than the code's, its own retryable, extra members, headers."""
+
+    status: int | None
+    retryable: bool | None
+    extra: dict[str, Any] | None
+    headers: dict[str, str] | None
+
+
 class ApiError(DomainError):
     """An error that only exists at the HTTP edge (headers, body syntax).
 
@@ -81,19 +91,12 @@ class ApiError(DomainError):
     (validation_error is 400 for malformed JSON, 422 otherwise).
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        code: str,
-        status: int | None = None,
-        retryable: bool | None = None,
-        extra: dict[str, Any] | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message, code=code, retryable=retryable, extra=extra)
-        self.status = status
-        self.headers = headers or {}
+    def __init__(self, message: str, *, code: str, **options: Unpack[ProblemOptions]) -> None:
+        super().__init__(
+            message, code=code, retryable=options.get("retryable"), extra=options.get("extra")
+        )
+        self.status = options.get("status")
+        self.headers = options.get("headers") or {}
 
 
 class ProblemFieldError(Schema):
@@ -131,19 +134,14 @@ def errors(*statuses: int) -> dict[int, type[Problem]]:
     return dict.fromkeys(statuses, Problem)
 
 
-def problem_body(
-    *,
-    code: str,
-    detail: str,
-    status: int | None = None,
-    retryable: bool | None = None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def problem_body(*, code: str, detail: str, **options: Unpack[ProblemOptions]) -> dict[str, Any]:
+    """The problem+json body (headers, if given, are the response's business)."""
     default_status, title, default_retryable = PROBLEMS.get(code, (400, "Error", False))
+    retryable = options.get("retryable")
     body: dict[str, Any] = {
         "type": f"{PROBLEM_BASE}{code}",
         "title": title,
-        "status": status or default_status,
+        "status": options.get("status") or default_status,
         "detail": detail,
         "code": code,
         "retryable": default_retryable if retryable is None else retryable,
@@ -151,28 +149,20 @@ def problem_body(
     request_id = current_request_id()
     if request_id:
         body["request_id"] = request_id
-    for key, value in (extra or {}).items():
+    for key, value in (options.get("extra") or {}).items():
         if key not in body:
             body[key] = value
     return body
 
 
-def problem_response(
-    *,
-    code: str,
-    detail: str,
-    status: int | None = None,
-    retryable: bool | None = None,
-    extra: dict[str, Any] | None = None,
-    headers: dict[str, str] | None = None,
-) -> HttpResponse:
-    body = problem_body(code=code, detail=detail, status=status, retryable=retryable, extra=extra)
+def problem_response(*, code: str, detail: str, **options: Unpack[ProblemOptions]) -> HttpResponse:
+    body = problem_body(code=code, detail=detail, **options)
     response = HttpResponse(
         json.dumps(body, default=str).encode(),
         status=body["status"],
         content_type=PROBLEM_CONTENT_TYPE,
     )
-    for name, value in (headers or {}).items():
+    for name, value in (options.get("headers") or {}).items():
         response[name] = value
     return response
 

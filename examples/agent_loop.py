@@ -59,8 +59,10 @@ def main() -> int:
                 try:
                     action = run.patch(current, patch, reason=f"page {BACKUP} too")
                 except StaleVersion as stale:
-                    # Someone changed it since we read it: re-read and re-plan, never resend.
+                    # Someone changed it since we read it (or an approved write queued over
+                    # it will): wait for that write if named, then re-read and re-plan.
                     print(f"Stale: we read {stale.expected_etag}, it is now {stale.current_etag}")
+                    run.wait_for_supersede(stale, timeout=120)
                     continue
                 print(f"Proposed {action.id} ({action.status}): approve it at {url}/approvals")
                 action = run.wait(action, timeout=600)

@@ -44,18 +44,15 @@ class ResourceAdmin(ReadOnlyAdmin):
 class ResourceVersionAdmin(ReadOnlyAdmin):
     list_display = ("resource", "version", "operation", "fence", "run", "created_at")
     list_select_related = ("resource", "run")
-    raw_id_fields = ("resource", "run", "action", "person")
 
 
 @admin.register(OwnershipRecord)
 class OwnershipRecordAdmin(ReadOnlyAdmin):
     list_display = ("pattern", "run", "exclusive", "fence", "active", "expires_at")
     list_filter = ("active", "exclusive")
-    raw_id_fields = ("run",)
 
 
 @admin.register(Conflict)
 class ConflictAdmin(ReadOnlyAdmin):
     list_display = ("id", "resource", "conflict_class", "resolver", "status", "created_at")
     list_filter = ("status", "conflict_class")
-    raw_id_fields = ("action", "resource", "resolution_action", "resolved_by")

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from django import forms
+from django.db import models
+from django.forms.models import model_to_dict
 
 from ownership.models import (
     ApprovalMode,
     ConflictClass,
     OnConflict,
     ResolutionChoice,
-    ResourceKind,
     TargetType,
 )
 
+_OPERATIONS = ("create", "update", "delete")
 _RESOLVER = re.compile(r"^(agent|owner|group:[A-Za-z0-9_.@+-]+)$")
 
 
@@ -34,7 +36,27 @@ class UndoForm(forms.Form):
     confirm = forms.BooleanField(required=True)
 
 
-class ConflictClassForm(forms.Form):
+class CatalogRowForm(forms.Form):
+    """The form of one catalog row; editing starts from the row's stored values."""
+
+    noun: ClassVar[str]  # in the notice: "<noun> <slug> saved."
+    context_name: ClassVar[str]  # the catalog page's context name for this form
+
+    @classmethod
+    def initial_from(cls, row: models.Model) -> dict[str, Any]:
+        # model_to_dict gives a foreign key's slug, what the choice field submits.
+        return model_to_dict(row, fields=list(cls.base_fields))
+
+    def row_data(self) -> tuple[str, dict[str, Any]]:
+        """The valid form as its save verb takes it: the slug and the rest."""
+        data = dict(self.cleaned_data)
+        return data.pop("slug"), data
+
+
+class ConflictClassForm(CatalogRowForm):
+    noun = "Conflict class"
+    context_name = "class_form"
+
     slug = forms.SlugField(max_length=64)
     name = forms.CharField(max_length=200)
     description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
@@ -58,12 +80,11 @@ class ConflictClassForm(forms.Form):
             raise forms.ValidationError("Resolver must be agent, owner or group:<name>.")
         return resolver
 
-    @staticmethod
-    def initial_from(row: ConflictClass) -> dict[str, Any]:
-        return {name: getattr(row, name) for name in ConflictClassForm.base_fields}
 
+class ResourceKindForm(CatalogRowForm):
+    noun = "Resource kind"
+    context_name = "kind_form"
 
-class ResourceKindForm(forms.Form):
     slug = forms.SlugField(max_length=64)
     description = forms.CharField(required=False, max_length=1000)
     class_create = forms.ModelChoiceField(
@@ -86,16 +107,9 @@ class ResourceKindForm(forms.Form):
             self.add_error("target_url", "An HTTP target needs its URL.")
         return data
 
-    @staticmethod
-    def initial_from(kind: ResourceKind) -> dict[str, Any]:
-        return {
-            "slug": kind.slug,
-            "description": kind.description,
-            "class_create": kind.class_create_id,
-            "class_update": kind.class_update_id,
-            "class_delete": kind.class_delete_id,
-            "owner_group": kind.owner_group,
-            "undo_window_seconds": kind.undo_window_seconds,
-            "target": kind.target,
-            "target_url": kind.target_url,
+    def row_data(self) -> tuple[str, dict[str, Any]]:
+        slug, data = super().row_data()
+        data["classes"] = {
+            op: data.pop(f"class_{op}").slug for op in ("create", "update", "delete")
         }
+        return slug, data

@@ -6,27 +6,75 @@ voter said no) or expires before it executes, nothing was written: the conflict
 goes back to `open` for its resolver group, with the current document read
 again, and the trail says why (`conflict.reopened`).
 
-A leaf: it imports models, the diff and the audit only, so the approval, cancel
-and expiry services can call it without an import cycle (ownership.services.conflicts
-and .resolution import approvals.services.decisions).
+A leaf: it imports models, the diff, the audit and the outbox's wake-up only, so the
+approval, cancel and expiry services can call it without an import cycle
+(ownership.services.conflicts and .resolution import approvals.services.decisions);
+the resolution service writes a settlement through the same `conflict_resolution_set`.
 """
 
 from __future__ import annotations
 
 import copy
 import uuid
-from functools import partial
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from django.db import transaction
 from django.db.models import F
+from django.utils import timezone
 
 from approvals.models import Action
-from approvals.notify import notify_action_changed
+from approvals.outbox import notify_action_on_commit
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from ownership.diff import three_way_diff
 from ownership.models import Conflict, ConflictStatus
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A conflict's settlement, named as the conflict's columns (UNRESOLVED: none)."""
+
+    resolution: str  # the choice: keep_current, take_proposed or merge
+    resolution_fields: dict[str, str]  # a merge's side per field
+    resolution_comment: str
+    resolved_by: Any  # the resolver (a User)
+    resolved_at: datetime | None
+    resolution_action: Action | None  # the write that carries it; None for keep_current
+
+    def note(self, conflict: Conflict) -> dict[str, Any] | None:
+        """What the conflicted action's `error.resolution` says (the agent reads it)."""
+        if not self.resolution:
+            return None
+        assert self.resolved_at is not None
+        written = self.resolution_action
+        return {
+            "conflict_id": str(conflict.pk),
+            "choice": self.resolution,
+            "by": self.resolved_by.get_username(),
+            "comment": self.resolution_comment,
+            "at": self.resolved_at.isoformat(),
+            "action": str(written.pk) if written else None,
+        }
+
+
+UNRESOLVED = Resolution("", {}, "", None, None, None)
+
+
+def conflict_resolution_set(conflict: Conflict, resolution: Resolution, **columns: Any) -> None:
+    """The one write of a conflict's resolution (caller's transaction, conflict row
+    locked): `resolution` settles it, UNRESOLVED opens it again with every resolution
+    column cleared; `columns` ride along in the same UPDATE. The conflicted action notes
+    it in `error.resolution` (None once reopened): its ETag moves, its waiters wake."""
+    settled = ConflictStatus.RESOLVED if resolution.resolution else ConflictStatus.OPEN
+    Conflict.objects.filter(pk=conflict.pk).update(status=settled, **vars(resolution), **columns)
+    action = conflict.action
+    error = dict(action.error) if isinstance(action.error, dict) else {}
+    error["resolution"] = resolution.note(conflict)
+    Action.objects.filter(pk=action.pk).update(
+        error=error, revision=F("revision") + 1, updated_at=timezone.now()
+    )
+    notify_action_on_commit(action.pk)
 
 
 def conflict_reopen_for_resolution(
@@ -53,25 +101,15 @@ def conflict_reopen_for_resolution(
         "at": conflict.resolved_at.isoformat() if conflict.resolved_at else None,
         "comment": conflict.resolution_comment,
     }
-    Conflict.objects.filter(pk=conflict.pk).update(
-        status=ConflictStatus.OPEN,
-        resolution="",
-        resolution_fields={},
-        resolution_comment="",
-        resolved_by=None,
-        resolved_at=None,
-        resolution_action=None,
+    conflict_resolution_set(
+        conflict,
+        UNRESOLVED,
         current_version=current_version,
         current_document=current,
         fields=three_way_diff(conflict.base_document, current, conflict.proposed_document),
     )
-    original = conflict.action
-    error = dict(original.error) if isinstance(original.error, dict) else {}
-    error["resolution"] = None
-    Action.objects.filter(pk=original.pk).update(error=error, revision=F("revision") + 1)
-    transaction.on_commit(partial(notify_action_changed, original.pk))
     audit_action_event(
-        original,
+        conflict.action,
         event_type="conflict.reopened",
         actor=actor,
         details={

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from django.contrib import messages
+from django.db import models
 from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
@@ -35,6 +37,7 @@ from console.pages import (
 )
 from ownership.diff import default_choice, document_diff, three_way_diff
 from ownership.forms import (
+    CatalogRowForm,
     ConflictClassForm,
     ResolutionForm,
     ResourceFilterForm,
@@ -109,7 +112,7 @@ def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) ->
         .filter(resource=conflict.resource, version=conflict.current_version)
         .first()
     )
-    context = {
+    return {
         "nav": "conflicts",
         "conflict": conflict,
         "rows": rows,
@@ -118,9 +121,8 @@ def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) ->
         "current_writer": current_writer,
         "preview": _preview(conflict, None),
         "form": ResolutionForm(),
+        **extra,
     }
-    context.update(extra)
-    return context
 
 
 @console_page
@@ -264,11 +266,7 @@ def _resource_for(user: Any, identifier: str) -> Resource:
     kind, sep, name = identifier.partition("/")
     if not sep or not name:
         raise Http404("No such resource")
-    resource = resource_list().select_related("kind").filter(kind_id=kind, name=name).first()
-    if resource is None:
-        raise Http404("No such resource")
-    found: Resource = resource
-    return found
+    return get_object_or_404(resource_list().select_related("kind"), kind_id=kind, name=name)
 
 
 def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) -> dict[str, Any]:
@@ -306,7 +304,7 @@ def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) ->
         .order_by("-result_version")[:20]
     )
     may_undo = permissions.can_undo_as_person(request.user, owner_group=resource.owner_group)
-    context = {
+    return {
         "nav": "resources",
         "resource": resource,
         "document": pretty(resource.document),
@@ -315,9 +313,8 @@ def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) ->
         "undoable": undoable,
         "may_undo": may_undo,
         "now": now,
+        **extra,
     }
-    context.update(extra)
-    return context
 
 
 @console_page
@@ -366,66 +363,65 @@ def _catalog_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
     kinds = list(
         ResourceKind.objects.select_related("class_create", "class_update", "class_delete")
     )
-    context = {
+    return {
         "nav": "catalog",
         "classes": classes,
         "kinds": kinds,
         "is_admin": permissions.is_admin(request.user),
         "class_form": ConflictClassForm(),
         "kind_form": ResourceKindForm(),
+        **extra,
     }
-    context.update(extra)
-    return context
 
 
 @console_page
 @require_GET
 def catalog(request: HttpRequest) -> HttpResponse:
     context = _catalog_context(request)
-    edit = request.GET.get("edit_class")
-    if edit and context["is_admin"]:
-        row = ConflictClass.objects.filter(slug=edit).first()
+    # ?edit_class=<slug> / ?edit_kind=<slug>: that row's form, filled in, for an admin.
+    editable: tuple[tuple[str, type[CatalogRowForm], type[models.Model]], ...] = (
+        ("edit_class", ConflictClassForm, ConflictClass),
+        ("edit_kind", ResourceKindForm, ResourceKind),
+    )
+    for param, form_class, model in editable:
+        slug = request.GET.get(param)
+        row = (
+            model._default_manager.filter(slug=slug).first()
+            if slug and context["is_admin"]
+            else None
+        )
         if row is not None:
-            context["class_form"] = ConflictClassForm(initial=ConflictClassForm.initial_from(row))
-    edit_kind = request.GET.get("edit_kind")
-    if edit_kind and context["is_admin"]:
-        kind = ResourceKind.objects.filter(slug=edit_kind).first()
-        if kind is not None:
-            context["kind_form"] = ResourceKindForm(initial=ResourceKindForm.initial_from(kind))
+            context[form_class.context_name] = form_class(initial=form_class.initial_from(row))
     return render_fragment_or_page(request, CATALOG.template, context, partial="page")
 
 
-@console_page
-@require_POST
-def conflict_class_save(request: HttpRequest) -> HttpResponse:
-    form = ConflictClassForm(request.POST)
+def _catalog_row_view(
+    form_class: type[CatalogRowForm], save_row: Callable[..., object]
+) -> Callable[[HttpRequest], HttpResponse]:
+    """The POST of one catalog table's form: its audited save verb, then the page."""
 
-    def save() -> str:
-        data = dict(form.cleaned_data)
-        slug = data.pop("slug")
-        catalog_services.conflict_class_save(slug=slug, data=data, actor=Actor.person(request.user))
-        return f"Conflict class {slug} saved."
+    @console_page
+    @require_POST
+    def view(request: HttpRequest) -> HttpResponse:
+        form = form_class(request.POST)
 
-    # The verb's admin check is a 403 page, not a form error.
-    return CATALOG.submit(
-        request, form, save, _catalog_context, denied_as_page=True, class_form=form
-    )
+        def save() -> str:
+            slug, data = form.row_data()
+            save_row(slug=slug, data=data, actor=Actor.person(request.user))
+            return f"{form_class.noun} {slug} saved."
+
+        # The verb's admin check is a 403 page, not a form error.
+        return CATALOG.submit(
+            request,
+            form,
+            save,
+            _catalog_context,
+            denied_as_page=True,
+            **{form_class.context_name: form},
+        )
+
+    return view
 
 
-@console_page
-@require_POST
-def resource_kind_save(request: HttpRequest) -> HttpResponse:
-    form = ResourceKindForm(request.POST)
-
-    def save() -> str:
-        data = dict(form.cleaned_data)
-        slug = data.pop("slug")
-        data["classes"] = {
-            op: data.pop(f"class_{op}").slug for op in ("create", "update", "delete")
-        }
-        catalog_services.resource_kind_save(slug=slug, data=data, actor=Actor.person(request.user))
-        return f"Resource kind {slug} saved."
-
-    return CATALOG.submit(
-        request, form, save, _catalog_context, denied_as_page=True, kind_form=form
-    )
+conflict_class_save = _catalog_row_view(ConflictClassForm, catalog_services.conflict_class_save)
+resource_kind_save = _catalog_row_view(ResourceKindForm, catalog_services.resource_kind_save)

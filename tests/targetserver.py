@@ -19,17 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
-
-def _merge_patch(target: Any, patch: Any) -> Any:
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = _merge_patch(result.get(key), value)
-    return result
+# RFC 7396, as the product applies it (its own tests check it against the RFC's examples).
+from ownership.diff import apply_merge_patch
 
 
 class TargetServer:
@@ -123,7 +114,7 @@ class TargetServer:
                         document, deleted = {}, True
                     elif self.command == "PATCH":
                         document, deleted = (
-                            _merge_patch(entry["document"] if entry else {}, body),
+                            apply_merge_patch(entry["document"] if entry else {}, body),
                             False,
                         )
                     else:

@@ -92,11 +92,7 @@ def test_a_person_without_the_role_cannot_decide_403(
     approval_id = json.loads(response.content)["approval"]["approval_id"]
     before = Snapshot.take()
     problem(
-        api.post(
-            f"/api/v1/approvals/{approval_id}/decision",
-            token=outsider.token,
-            body={"decision": "approve"},
-        ),
+        api.decide(approval_id, "approve", token=outsider.token),
         403,
         "forbidden",
         False,
@@ -366,11 +362,7 @@ def test_undo_after_the_deadline_is_409_undo_window_expired(
         undo_deadline=timezone.now() - timedelta(seconds=1)
     )
     before = Snapshot.take()
-    response = api.post(
-        f"/api/v1/actions/{action.pk}/undo",
-        token=run.token,
-        headers={"Idempotency-Key": "key-undo-late-1"},
-    )
+    response = api.undo(action.pk, token=run.token, key="key-undo-late-1")
     problem(response, 409, "undo_window_expired", False)
     assert Snapshot.take() == before
 

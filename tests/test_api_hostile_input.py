@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import string
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,15 +19,9 @@ from hypothesis import strategies as st
 from approvals.models import (
     Action,
     Approval,
-    ApprovalDecision,
-    IdempotencyRecord,
-    Operation,
-    Run,
 )
 from approvals.services.idempotency import KEY_PATTERN
-from audit.models import AuditEvent
-from ownership.models import OwnershipRecord, Resource, ResourceVersion
-from tests.fixtures.api import ApiClient
+from tests.fixtures.api import ApiClient, RowCounts
 from tests.fixtures.core import applied_prod_alerts_action
 
 pytestmark = pytest.mark.django_db
@@ -41,35 +34,6 @@ PROPERTY = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
-
-
-@dataclass(frozen=True)
-class Counts:
-    actions: int
-    versions: int
-    resources: int
-    audit: int
-    idempotency: int
-    runs: int
-    ownership: int
-    operations: int
-    decisions: int
-    approvals_open: int
-
-    @classmethod
-    def take(cls) -> Counts:
-        return cls(
-            actions=Action.objects.count(),
-            versions=ResourceVersion.objects.count(),
-            resources=Resource.objects.count(),
-            audit=AuditEvent.objects.count(),
-            idempotency=IdempotencyRecord.objects.count(),
-            runs=Run.objects.count(),
-            ownership=OwnershipRecord.objects.count(),
-            operations=Operation.objects.count(),
-            decisions=ApprovalDecision.objects.count(),
-            approvals_open=Approval.objects.filter(status="pending").count(),
-        )
 
 
 # -- strategies ----------------------------------------------------------------------
@@ -135,7 +99,7 @@ def _headers(draw_if_match: str | None, key: str | None, reason: str | None) -> 
     return headers
 
 
-def check(response: Any, before: Counts, *, recorded_refusals: tuple[int, ...] = ()) -> None:
+def check(response: Any, before: RowCounts, *, recorded_refusals: tuple[int, ...] = ()) -> None:
     """No 5xx; every 4xx is problem+json; a refusal changed nothing.
 
     `recorded_refusals`: statuses the contract records on purpose (a stale write's
@@ -147,7 +111,7 @@ def check(response: Any, before: Counts, *, recorded_refusals: tuple[int, ...] =
     assert response["Content-Type"].startswith("application/problem+json")
     body = json.loads(response.content)
     assert body["status"] == response.status_code and body["code"]
-    after = Counts.take()
+    after = RowCounts.take()
     if response.status_code in recorded_refusals:
         assert (after.actions, after.versions, after.runs) == (
             before.actions,
@@ -217,7 +181,7 @@ def test_no_generated_resource_write_is_a_5xx_and_a_refusal_changes_nothing(
     headers = _headers(tag, key, reason)
     if none_match is not None:
         headers["If-None-Match"] = none_match
-    before = Counts.take()
+    before = RowCounts.take()
     response = ApiClient().call(
         method,
         f"/api/v1/resources/notification-policy/{name}",
@@ -240,7 +204,7 @@ def post_generated(
 ) -> None:
     """POST a generated body: no 5xx, and a refusal changes nothing (see check)."""
     settings.AIRLOCK_WRITE_RATE_PER_MINUTE = 1_000_000  # hypothesis sends hundreds
-    before = Counts.take()
+    before = RowCounts.take()
     response = ApiClient().post(
         path, token=token, raw=body, headers=headers, content_type=content_type
     )

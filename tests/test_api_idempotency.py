@@ -19,6 +19,8 @@ from ownership.models import Resource
 from tests.fixtures.api import ApiClient, make_active_run, make_agent_with_token
 from tests.fixtures.core import make_resource
 
+pytestmark = pytest.mark.django_db
+
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
 BODY = {"channels": ["email", "pager"]}
 
@@ -29,7 +31,6 @@ def patch(api: Any, token: str, *, body: Any = BODY, path: str = PROD, **headers
     return api.patch(path, token=token, body=body, headers=all_headers)
 
 
-@pytest.mark.django_db
 def test_a_replay_answers_the_stored_response_byte_for_byte(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
@@ -46,7 +47,6 @@ def test_a_replay_answers_the_stored_response_byte_for_byte(
     assert (Action.objects.count(), AuditEvent.objects.count()) == (actions, audit)
 
 
-@pytest.mark.django_db
 def test_key_order_and_spacing_do_not_change_the_fingerprint(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
@@ -67,7 +67,6 @@ def test_key_order_and_spacing_do_not_change_the_fingerprint(
     assert again.content == first.content
 
 
-@pytest.mark.django_db
 def test_the_same_key_with_a_different_body_path_or_method_is_422(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
@@ -96,7 +95,6 @@ def test_the_same_key_with_a_different_body_path_or_method_is_422(
     assert Action.objects.count() == actions
 
 
-@pytest.mark.django_db
 def test_a_retry_whose_if_match_is_now_stale_gets_the_original_202(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
@@ -111,7 +109,6 @@ def test_a_retry_whose_if_match_is_now_stale_gets_the_original_202(
     assert retry["Idempotent-Replayed"] == "true"
 
 
-@pytest.mark.django_db
 def test_keys_are_scoped_to_the_agent(api: Any, run: Any, prod_alerts: Any) -> None:
     assert patch(api, run.token).status_code == 202
     other = make_active_run(
@@ -128,7 +125,6 @@ def test_keys_are_scoped_to_the_agent(api: Any, run: Any, prod_alerts: Any) -> N
     assert not response.has_header("Idempotent-Replayed")
 
 
-@pytest.mark.django_db
 def test_answers_before_the_layer_are_not_stored(api: Any, run: Any, prod_alerts: Any) -> None:
     # 401: no token, nothing stored
     assert patch(api, "rt_bogus-token-00000000000").status_code == 401
@@ -150,7 +146,6 @@ def test_answers_before_the_layer_are_not_stored(api: Any, run: Any, prod_alerts
     assert not good.has_header("Idempotent-Replayed")
 
 
-@pytest.mark.django_db
 def test_a_refused_stale_write_is_replayed_and_audited_once(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
@@ -164,7 +159,6 @@ def test_a_refused_stale_write_is_replayed_and_audited_once(
     assert AuditEvent.objects.filter(event_type="action.refused_stale").count() == refusals == 1
 
 
-@pytest.mark.django_db
 def test_records_are_kept_at_least_24_hours_then_pruned(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:

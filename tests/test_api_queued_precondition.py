@@ -181,3 +181,18 @@ def test_two_proposals_on_one_version_racing_record_exactly_one(run: Any) -> Non
     assert refused.value.code == "stale_version"
     assert refused.value.extra["queued_action"]["id"] == str(winner.pk)
     assert list(Action.objects.filter(name="app-race").values_list("pk", flat=True)) == [winner.pk]
+
+
+@pytest.mark.django_db
+def test_a_read_names_the_write_queued_over_its_version_until_it_is_final(
+    api: Any, run: Any
+) -> None:
+    make_resource("dns-record/app-hot", {"counter": 0}, version=3)
+    assert "Airlock-Queued-Action" not in api.get(DNS, token=run.token)
+    first = body(patch(api, run, DNS, '"3"', "key-read-first", 1))
+    read = api.get(DNS, token=run.token)
+    assert read.status_code == 200 and read["Airlock-Queued-Action"] == first["id"]
+    unchanged = api.get(DNS, token=run.token, headers={"If-None-Match": '"3"'})
+    assert unchanged.status_code == 304 and unchanged["Airlock-Queued-Action"] == first["id"]
+    Action.objects.filter(pk=first["id"]).update(status="applied")
+    assert "Airlock-Queued-Action" not in api.get(DNS, token=run.token)

@@ -21,19 +21,16 @@ from approvals.services import actions, preconditions
 from audit.models import AuditEvent
 from audit.services import Actor
 from ownership.models import OwnershipRecord
-from tests.fixtures.api import make_active_run, make_agent_with_token, make_person_with_token
+from tests.fixtures.api import (
+    make_active_run,
+    make_agent_with_token,
+    make_person_with_token,
+    problem,
+)
 from tests.fixtures.core import applied_prod_alerts_action, make_action
 from tests.races import WAIT, Holder, Worker, wait_until_blocked_or_finished
 
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
-
-
-def problem(response: Any, status: int, code: str) -> dict[str, Any]:
-    assert response.status_code == status, response.content
-    assert response["Content-Type"].startswith("application/problem+json")
-    body: dict[str, Any] = json.loads(response.content)
-    assert body["code"] == code
-    return body
 
 
 def patch_prod(api: Any, token: str, key: str = "key-review-0001", etag: str = '"41"') -> Any:
@@ -114,15 +111,10 @@ def test_an_ended_runs_token_reads_only_its_run_and_its_actions(
 
 @pytest.mark.django_db
 def test_a_pending_runs_token_still_reads(api: Any, agent: Any, prod_alerts: Any) -> None:
-    created = api.post(
-        "/api/v1/runs",
-        token=agent.token,
-        body={
-            "task": "wait for approval",
-            "write_set": [
-                {"resource": "notification-policy/prod-alerts", "operations": ["update"]}
-            ],
-        },
+    created = api.create_run(
+        agent.token,
+        [{"resource": "notification-policy/prod-alerts", "operations": ["update"]}],
+        task="wait for approval",
     )
     assert created.status_code == 201
     pending = json.loads(created.content)
@@ -142,11 +134,7 @@ def test_a_revoked_runs_token_cannot_undo(
     action = applied_prod_alerts_action(run.run)
     run_revoke(run=run.run, actor=Actor.person(operator.user), reason="token leaked")
     body = problem(
-        api.post(
-            f"/api/v1/actions/{action.pk}/undo",
-            token=run.token,
-            headers={"Idempotency-Key": "undo-revoked-1"},
-        ),
+        api.undo(action.pk, token=run.token, key="undo-revoked-1"),
         409,
         "run_not_active",
     )
@@ -161,11 +149,7 @@ def test_a_revoked_runs_token_cannot_undo(
     assert not Operation.objects.filter(action=action, undo_of__isnull=False).exists()
     assert not AuditEvent.objects.filter(event_type="undo.requested").exists()
     # An operator may still undo it.
-    accepted = api.post(
-        f"/api/v1/actions/{action.pk}/undo",
-        token=operator.token,
-        headers={"Idempotency-Key": "undo-operator-1"},
-    )
+    accepted = api.undo(action.pk, token=operator.token, key="undo-operator-1")
     assert accepted.status_code == 202, accepted.content
 
 
@@ -320,19 +304,16 @@ def test_a_lease_in_the_write_set_blocks_other_runs_writes_with_423_until_it_end
     lease (no shared operation, so no write_set_conflict): from its activation on,
     `run`'s PATCH is 423 leased; once the leaseholder finishes, it is accepted."""
     holder_agent = make_agent_with_token("lease-bot")
-    created = api.post(
-        "/api/v1/runs",
-        token=holder_agent.token,
-        body={
-            "task": "hold prod alerts",
-            "write_set": [
-                {
-                    "resource": "notification-policy/prod-alerts",
-                    "operations": ["create"],
-                    "lease": True,
-                }
-            ],
-        },
+    created = api.create_run(
+        holder_agent.token,
+        [
+            {
+                "resource": "notification-policy/prod-alerts",
+                "operations": ["create"],
+                "lease": True,
+            }
+        ],
+        task="hold prod alerts",
     )
     assert created.status_code == 201, created.content
     holder_body = json.loads(created.content)
@@ -389,15 +370,10 @@ def test_two_runs_never_hold_overlapping_leases(api: Any, agent: Any) -> None:
         [{"resource": "dns-record/app-*", "operations": ["create"], "lease": True}],
     )
     body = problem(
-        api.post(
-            "/api/v1/runs",
-            token=agent.token,
-            body={
-                "task": "second lease",
-                "write_set": [
-                    {"resource": "dns-record/app-web", "operations": ["delete"], "lease": True}
-                ],
-            },
+        api.create_run(
+            agent.token,
+            [{"resource": "dns-record/app-web", "operations": ["delete"], "lease": True}],
+            task="second lease",
         ),
         409,
         "write_set_conflict",
@@ -405,26 +381,18 @@ def test_two_runs_never_hold_overlapping_leases(api: Any, agent: Any) -> None:
     assert body["overlaps"][0]["lease"] is True
     # Without a lease, disjoint operations on the same names are fine (and get 423 on write).
     assert (
-        api.post(
-            "/api/v1/runs",
-            token=agent.token,
-            body={
-                "task": "no lease",
-                "write_set": [{"resource": "dns-record/app-web", "operations": ["delete"]}],
-            },
+        api.create_run(
+            agent.token,
+            [{"resource": "dns-record/app-web", "operations": ["delete"]}],
+            task="no lease",
         ).status_code
         == 201
     )
     problem(
-        api.post(
-            "/api/v1/runs",
-            token=agent.token,
-            body={
-                "task": "bad lease flag",
-                "write_set": [
-                    {"resource": "dns-record/app-web", "operations": ["delete"], "lease": "yes"}
-                ],
-            },
+        api.create_run(
+            agent.token,
+            [{"resource": "dns-record/app-web", "operations": ["delete"], "lease": "yes"}],
+            task="bad lease flag",
         ),
         422,
         "validation_error",

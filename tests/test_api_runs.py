@@ -20,16 +20,9 @@ from ownership.models import OwnershipRecord
 from tests.fixtures.api import ApiClient, ensure_api_kinds, make_active_run, make_agent_with_token
 
 
-def create_run(api: Any, token: str, write_set: list[dict[str, Any]], **extra: Any) -> Any:
-    return api.post(
-        "/api/v1/runs", token=token, body={"task": "test", "write_set": write_set, **extra}
-    )
-
-
 @pytest.mark.django_db
 def test_a_run_is_created_pending_with_a_token_and_a_run_approval(api: Any, agent: Any) -> None:
-    response = create_run(
-        api,
+    response = api.create_run(
         agent.token,
         [{"resource": "notification-policy/prod-alerts", "operations": ["update"]}],
         ttl_seconds=600,
@@ -55,16 +48,15 @@ def test_a_run_covered_by_auto_approve_rules_is_active_at_once(api: Any, agent: 
     AutoApproveRule.objects.create(
         kind_id="dns-record", name_prefix="sandbox-", operations=["create", "update"]
     )
-    response = create_run(
-        api, agent.token, [{"resource": "dns-record/sandbox-*", "operations": ["create"]}]
+    response = api.create_run(
+        agent.token, [{"resource": "dns-record/sandbox-*", "operations": ["create"]}]
     )
     body = json.loads(response.content)
     assert body["status"] == "active"
     assert OwnershipRecord.objects.filter(run_id=body["id"], active=True).count() == 1
     assert AuditEvent.objects.filter(event_type="run.auto_approved", run_id=body["id"]).exists()
     # not every entry covered -> pending
-    response = create_run(
-        api,
+    response = api.create_run(
         agent.token,
         [
             {"resource": "dns-record/sandbox-b", "operations": ["delete"]},
@@ -157,9 +149,7 @@ def test_write_set_overlap_matrix(
     conflict: bool,
 ) -> None:
     make_active_run(agent.agent, [{"resource": held[0], "operations": held[1]}])
-    response = create_run(
-        api, agent.token, [{"resource": requested[0], "operations": requested[1]}]
-    )
+    response = api.create_run(agent.token, [{"resource": requested[0], "operations": requested[1]}])
     if conflict:
         assert response.status_code == 409, response.content
         assert json.loads(response.content)["overlaps"][0]["resource"] == held[0]
@@ -173,14 +163,14 @@ def test_expired_and_finished_runs_hold_no_authority(api: Any, agent: Any) -> No
     expired = make_active_run(agent.agent, write_set)
     Run.objects.filter(pk=expired.run.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
     # Not yet marked by housekeeping, already powerless.
-    assert create_run(api, agent.token, write_set).status_code == 201
+    assert api.create_run(agent.token, write_set).status_code == 201
     finished_agent = make_agent_with_token("finisher")
     other_set = [{"resource": "notification-policy/other", "operations": ["update"]}]
     finished = make_active_run(finished_agent.agent, other_set)
     assert (
         api.post(f"/api/v1/runs/{finished.run.pk}/finish", token=finished.token).status_code == 200
     )
-    assert create_run(api, agent.token, other_set).status_code == 201
+    assert api.create_run(agent.token, other_set).status_code == 201
 
 
 @pytest.mark.django_db
@@ -219,8 +209,8 @@ def test_concurrent_overlapping_creations_never_both_become_active() -> None:
     def create(token: str) -> None:
         try:
             barrier.wait(timeout=10)
-            response = create_run(
-                ApiClient(), token, [{"resource": "dns-record/app-*", "operations": ["update"]}]
+            response = ApiClient().create_run(
+                token, [{"resource": "dns-record/app-*", "operations": ["update"]}]
             )
             with lock:
                 statuses.append(response.status_code)

@@ -176,21 +176,13 @@ def test_a_per_call_write_waits_for_an_operator_and_is_queued_on_approval(
         {"path": "/channels", "current": ["email"], "proposed": ["email", "pager"]}
     ]
     assert call["observed_etag"] == call["current_etag"] == '"41"'
-    decided = api.post(
-        f"/api/v1/approvals/{call['id']}/decision",
-        token=operator.token,
-        body={"decision": "approve", "comment": "ok"},
-    )
+    decided = api.decide(call["id"], "approve", token=operator.token, comment="ok")
     assert decided.status_code == 200, decided.content
     assert body(decided)["status"] == "approved"
     after = body(api.get(f"/api/v1/actions/{action['id']}", token=run.token))
     assert after["status"] in ("queued", "executing", "applied")
     assert after["approval"]["decision"] == "approved" and after["approval"]["by"] == "ana"
-    again = api.post(
-        f"/api/v1/approvals/{call['id']}/decision",
-        token=operator.token,
-        body={"decision": "approve"},
-    )
+    again = api.decide(call["id"], "approve", token=operator.token)
     assert again.status_code == 409
 
 
@@ -201,11 +193,7 @@ def test_the_agents_owner_may_not_approve_its_call(
     agent.agent.save()
     action = body(propose(api, run))
     approval_id = action["approval"]["approval_id"]
-    response = api.post(
-        f"/api/v1/approvals/{approval_id}/decision",
-        token=operator.token,
-        body={"decision": "approve"},
-    )
+    response = api.decide(approval_id, "approve", token=operator.token)
     assert response.status_code == 403
     assert body(response)["code"] in ("self_approval", "forbidden")
 
@@ -255,17 +243,9 @@ def test_undo_of_an_applied_action_is_accepted_once(api: Any, run: Any, prod_ale
     assert shown["status"] == "applied"
     assert shown["execution"]["result_etag"] == '"42"'
     assert shown["execution"]["undo_deadline"]
-    first = api.post(
-        f"/api/v1/actions/{action.pk}/undo",
-        token=run.token,
-        headers={"Idempotency-Key": "undo-0001"},
-    )
+    first = api.undo(action.pk, token=run.token, key="undo-0001")
     assert first.status_code == 202, first.content
-    second = api.post(
-        f"/api/v1/actions/{action.pk}/undo",
-        token=run.token,
-        headers={"Idempotency-Key": "undo-0002"},
-    )
+    second = api.undo(action.pk, token=run.token, key="undo-0002")
     assert second.status_code == 202
     assert Operation.objects.filter(action=action, undo_of__isnull=False).count() == 1
 

@@ -21,19 +21,16 @@ from tests.conftest import ROOT
 NOT_IN_TINY = {"poll_vs_bare_32", "poll_vs_bare_128"}
 
 
-@pytest.mark.slow
-def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
-    tmp_path: Path,
-) -> None:
+def run_bench_module(args: list[str], *, database: str, extra_env: dict[str, str]) -> str:
+    """`python -m <args>` against a bench database of its own (dropped afterwards); its stdout.
+    The bench re-creates BENCH_DATABASE_URL, so it must never be the tests' database."""
     server = urlsplit(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/airlock"))
-    name = f"airlock_bench_t{os.getpid()}"
-    bench_url = urlunsplit(server._replace(path=f"/{name}"))
-    out = tmp_path / "latest.json"
-    env = {**os.environ, "BENCH_DATABASE_URL": bench_url, "BENCH_WORKDIR": str(tmp_path)}
+    bench_url = urlunsplit(server._replace(path=f"/{database}"))
+    env = {**os.environ, **extra_env, "BENCH_DATABASE_URL": bench_url}
     env.pop("DJANGO_SETTINGS_MODULE", None)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "bench.run", "--size", "tiny", "--out", str(out)],
+            [sys.executable, "-m", *args],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -42,11 +39,24 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
         )
     finally:
         with psycopg.connect(make_conninfo(bench_url, dbname="postgres"), autocommit=True) as c:
-            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            c.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "latest.json"
+    stdout = run_bench_module(
+        ["bench.run", "--size", "tiny", "--out", str(out)],
+        database=f"airlock_bench_t{os.getpid()}",
+        extra_env={"BENCH_WORKDIR": str(tmp_path)},
+    )
     doc = json.loads(out.read_text())
     assert "stack_error" not in doc
-    assert "| figure | value | goal |" in done.stdout  # the one renderer's table
+    assert "| figure | value | goal |" in stdout  # the one renderer's table
     figures = doc["figures"]
     assert set(figures) == set(GOALS)
     for key, fig in figures.items():
@@ -63,25 +73,12 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
 
 @pytest.mark.slow
 def test_the_in_process_poll_cost_compares_both_asgi_handlers_on_every_poll() -> None:
-    server = urlsplit(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/airlock"))
-    name = f"airlock_bench_c{os.getpid()}"
-    bench_url = urlunsplit(server._replace(path=f"/{name}"))
-    env = {**os.environ, "BENCH_DATABASE_URL": bench_url}
-    env.pop("DJANGO_SETTINGS_MODULE", None)
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.asgi_cpu", "--rounds", "2", "--polls", "16"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        with psycopg.connect(make_conninfo(bench_url, dbname="postgres"), autocommit=True) as c:
-            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = run_bench_module(
+        ["bench.asgi_cpu", "--rounds", "2", "--polls", "16"],
+        database=f"airlock_bench_c{os.getpid()}",
+        extra_env={},
+    )
+    result = json.loads(stdout.strip().splitlines()[-1])
     assert set(result) == {"console.asgi", "django_asgi"}
     for figures in result.values():
         assert figures["statuses"] == {"200": 32}  # every poll answered, nothing else

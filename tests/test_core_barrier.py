@@ -19,7 +19,7 @@ from console.core.operations import open_operation
 from console.models import KillSwitch
 from ownership.diff import apply_merge_patch, proposed_document
 from ownership.models import Resource, ResourceVersion
-from tests.fixtures.core import execute, make_action, make_resource, make_run
+from tests.fixtures.core import execute, make_action, make_resource, make_run, prod_alerts_action
 
 PROD_ALERTS = "notification-policy/prod-alerts"
 # The barrier is SQL: all but the merge-patch table test reach the database.
@@ -33,21 +33,15 @@ def test_the_design_collision_refuses_the_stale_full_document_write(prod_alerts:
     assert seen_by_a.version == 41
 
     # B patches severity -> critical, observed 41 -> 42.
-    action_b = make_action(
-        run=run_b,
-        identifier=PROD_ALERTS,
-        payload={"severity": "critical"},
-        payload_format="merge_patch",
-        observed_version=41,
+    action_b = prod_alerts_action(
+        run_b, payload={"severity": "critical"}, payload_format="merge_patch"
     )
     outcome_b = execute(action_b)
     assert outcome_b.applied and outcome_b.result_version == 42
 
     # A sends the full document it read at 41, plus its own change.
     document_a = {**seen_by_a.document, "channels": ["email", "backup-pager"]}
-    action_a = make_action(
-        run=run_a, identifier=PROD_ALERTS, payload=document_a, observed_version=41
-    )
+    action_a = prod_alerts_action(run_a, payload=document_a)
     outcome_a = execute(action_a)
 
     assert not outcome_a.applied
@@ -88,13 +82,7 @@ def test_the_design_collision_refuses_the_stale_full_document_write(prod_alerts:
 
 def test_an_accepted_write_records_version_operation_and_deadline(prod_alerts: Any) -> None:
     run = make_run()
-    action = make_action(
-        run=run,
-        identifier=PROD_ALERTS,
-        payload={"severity": "info"},
-        payload_format="merge_patch",
-        observed_version=41,
-    )
+    action = prod_alerts_action(run, payload={"severity": "info"}, payload_format="merge_patch")
     outcome = execute(action)
     version = ResourceVersion.objects.get(resource=prod_alerts, version=42)
     assert version.document["severity"] == "info"
@@ -145,12 +133,10 @@ def test_merge_patch_follows_rfc_7396() -> None:
 
 
 def test_a_merge_patch_is_applied_to_the_current_document(prod_alerts: Any) -> None:
-    action = make_action(
-        run=make_run(),
-        identifier=PROD_ALERTS,
+    action = prod_alerts_action(
+        make_run(),
         payload={"escalation": {"after_minutes": None, "to": "oncall"}, "channels": None},
         payload_format="merge_patch",
-        observed_version=41,
     )
     assert execute(action).applied
     assert Resource.objects.get(pk=prod_alerts.pk).document == {
@@ -227,9 +213,7 @@ def test_update_of_a_missing_resource_is_refused() -> None:
 
 def test_the_kill_switch_is_checked_inside_the_barrier(prod_alerts: Any) -> None:
     run = make_run()
-    action = make_action(
-        run=run, identifier=PROD_ALERTS, payload={"severity": "x"}, observed_version=41
-    )
+    action = prod_alerts_action(run, payload={"severity": "x"})
     fence = next_fence()
     operation = open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=60)
     # Engaged after the job started (after open_operation): the barrier still refuses.
@@ -264,9 +248,7 @@ def test_the_kill_switch_is_checked_inside_the_barrier(prod_alerts: Any) -> None
 
 def test_a_redelivered_operation_writes_nothing_twice(prod_alerts: Any) -> None:
     run = make_run()
-    action = make_action(
-        run=run, identifier=PROD_ALERTS, payload={"severity": "x"}, observed_version=41
-    )
+    action = prod_alerts_action(run, payload={"severity": "x"})
     first = execute(action)
     operation_id = first.operation_id
     again = apply_action(
@@ -406,20 +388,12 @@ def test_open_operation_claims_only_executable_actions(prod_alerts: Any) -> None
     from console.core.errors import NotFound
 
     run = make_run()
-    waiting = make_action(
-        run=run,
-        identifier=PROD_ALERTS,
-        payload={},
-        observed_version=41,
-        status="pending_approval",
-    )
+    waiting = prod_alerts_action(run, payload={}, status="pending_approval")
     with pytest.raises(InvalidTransition):
         open_operation(action_id=waiting.pk, fence=next_fence(), worker="w", lease_seconds=60)
     with pytest.raises(NotFound):
         open_operation(action_id=uuid.uuid4(), fence=next_fence(), worker="w", lease_seconds=60)
-    paused = make_action(
-        run=run, identifier=PROD_ALERTS, payload={}, observed_version=41, status="paused"
-    )
+    paused = prod_alerts_action(run, payload={}, status="paused")
     operation = open_operation(
         action_id=paused.pk, fence=next_fence(), worker="w", lease_seconds=60
     )
@@ -430,7 +404,7 @@ def test_open_operation_claims_only_executable_actions(prod_alerts: Any) -> None
 
 def test_a_write_executed_by_a_worker_is_attributed_to_its_run(prod_alerts: Any) -> None:
     run = make_run("deploy-bot")
-    action = make_action(run=run, identifier=PROD_ALERTS, payload={}, observed_version=41)
+    action = prod_alerts_action(run, payload={})
     fence = next_fence()
     operation = open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=60)
     apply_action(
@@ -447,9 +421,7 @@ def test_a_write_executed_by_a_worker_is_attributed_to_its_run(prod_alerts: Any)
 
 def test_an_operation_closed_by_the_reconciler_never_writes(prod_alerts: Any) -> None:
     run = make_run()
-    action = make_action(
-        run=run, identifier=PROD_ALERTS, payload={"severity": "x"}, observed_version=41
-    )
+    action = prod_alerts_action(run, payload={"severity": "x"})
     fence = next_fence()
     operation = open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=60)
     # A reconciler gave up on the (apparently dead) worker and closed the operation.

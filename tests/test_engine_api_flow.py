@@ -149,11 +149,7 @@ def test_a_collision_is_resolved_by_merge_and_a_later_undo_becomes_a_conflict(
 
     # Undo of the first applied write now finds a later version: a conflict for a person.
     winner = next(i for i, s in statuses.items() if s == "applied")
-    undo = api.post(
-        f"/api/v1/actions/{winner}/undo",
-        token=run.token,
-        headers={"Idempotency-Key": "key-undo-000001"},
-    )
+    undo = api.undo(winner, token=run.token, key="key-undo-000001")
     assert undo.status_code == 202, undo.content
     wait_for(
         lambda: (_action(api, run.token, winner).get("undo") or {}).get("conflict_id") is not None,

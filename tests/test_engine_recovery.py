@@ -32,11 +32,7 @@ def _status(action: Action) -> str:
 def test_every_job_delivered_three_times_to_two_workers_applies_once(
     engine_world: Any, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    actions = []
-    for i in range(8):
-        engine_world.resource(kind, f"r{i}", {"n": 0})
-        actions.append(engine_world.propose(kind, f"r{i}", payload={"n": i}, observed_version=1))
+    actions = [engine_world.proposed_update(f"r{i}", {"n": 0}, {"n": i}) for i in range(8)]
     for _ in range(2):
         for action in actions:
             enqueue_action_execution(action.pk)
@@ -44,7 +40,7 @@ def test_every_job_delivered_three_times_to_two_workers_applies_once(
     wait_for(lambda: all(_status(a) == "applied" for a in actions), timeout=40)
     wait_for(lambda: engine_redis().llen("rq:queue:default") == 0, timeout=20)
     assert (
-        ResourceVersion.objects.filter(resource__kind=kind).count() == 16
+        ResourceVersion.objects.filter(resource__kind_id="cfg").count() == 16
     )  # seed + one write each
     assert AuditEvent.objects.filter(event_type="write.applied").count() == 8
     assert AuditEvent.objects.filter(event_type="conflict.opened").count() == 0, workers[0].output()
@@ -56,11 +52,9 @@ def test_every_job_delivered_three_times_to_two_workers_applies_once(
 def test_a_busy_lock_keeps_the_action_queued_and_a_scheduled_retry_applies_it(
     engine_world: Any, rq_worker: Any
 ) -> None:
-    kind = engine_world.kind("cfg", update="recompute_field")
-    engine_world.resource(kind, "busy", {"n": 0})
+    action = engine_world.proposed_update("busy", {"n": 0}, {"n": 1})
     holder = FencedLock(engine_redis(), key="cfg/busy", ttl_ms=10_000)
     holder.acquire()
-    action = engine_world.propose(kind, "busy", payload={"n": 1}, observed_version=1)
     # no worker yet: run the delivery here, against the held lock
     assert action_execute(action_id=action.pk) == "lock_busy"
     action.refresh_from_db()
@@ -73,8 +67,7 @@ def test_a_busy_lock_keeps_the_action_queued_and_a_scheduled_retry_applies_it(
 
 @pytest.mark.django_db(transaction=True)
 def test_the_reconcile_command_resends_a_lost_job(engine_world: Any, engine_redis: Any) -> None:
-    kind = engine_world.kind("dns-record", create="add_unique")
-    action = engine_world.propose(kind, "lost", operation="create", payload={"ip": "10.9.9.9"})
+    action = engine_world.proposed_create("lost", {"ip": "10.9.9.9"})
     engine_redis.client().flushall()
     Action.objects.filter(pk=action.pk).update(updated_at=timezone.now() - timedelta(seconds=10))
     out = io.StringIO()
@@ -152,8 +145,7 @@ def test_the_cron_process_reconciles_on_its_own_after_a_flushall(
 
     from tests.conftest import ROOT, subprocess_env
 
-    kind = engine_world.kind("dns-record", create="add_unique")
-    action = engine_world.propose(kind, "orphan", operation="create", payload={"ip": "10.7.7.7"})
+    action = engine_world.proposed_create("orphan", {"ip": "10.7.7.7"})
     engine_redis.client().flushall()
     worker = rq_worker()
     log = (tmp_path / "cron.log").open("wb")

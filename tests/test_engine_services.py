@@ -27,52 +27,37 @@ from ownership.selectors import conflict_get_for_person
 pytestmark = pytest.mark.django_db
 
 
+def _switch(world: Any, scope: str, *, engaged: bool, reason: str) -> Any:
+    """The kill switch on `scope`, set by the world's operator."""
+    return kill_switch_set(
+        scope=scope, engaged=engaged, reason=reason, actor=Actor.person(world.operator)
+    )
+
+
 def test_only_operators_use_the_kill_switch_and_bad_scopes_are_refused(engine_world: Any) -> None:
     with pytest.raises(Forbidden):
         kill_switch_set(
             scope="*", engaged=True, reason="x", actor=Actor.person(engine_world.outsider)
         )
     with pytest.raises(ValidationFailed):
-        kill_switch_set(
-            scope="no spaces allowed",
-            engaged=True,
-            reason="x",
-            actor=Actor.person(engine_world.operator),
-        )
+        _switch(engine_world, "no spaces allowed", engaged=True, reason="x")
     with pytest.raises(ValidationFailed):
-        kill_switch_set(
-            scope="*", engaged=True, reason="", actor=Actor.person(engine_world.operator)
-        )
+        _switch(engine_world, "*", engaged=True, reason="")
     assert not KillSwitch.objects.exists()
 
 
 def test_engaging_twice_is_a_no_op_and_release_resumes_only_uncovered_work(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    kind = engine_world.kind("dns-record", create="add_unique")
-    action = engine_world.propose(kind, "app-1", operation="create", payload={"ip": "1"})
-    kill_switch_set(
-        scope="*", engaged=True, reason="freeze", actor=Actor.person(engine_world.operator)
-    )
-    kill_switch_set(
-        scope="*", engaged=True, reason="freeze", actor=Actor.person(engine_world.operator)
-    )
+    action = engine_world.proposed_create("app-1", {"ip": "1"})
+    _switch(engine_world, "*", engaged=True, reason="freeze")
+    _switch(engine_world, "*", engaged=True, reason="freeze")
     assert AuditEvent.objects.filter(event_type="kill_switch.engaged").count() == 1
-    kill_switch_set(
-        scope="dns-record/app-*",
-        engaged=True,
-        reason="dns",
-        actor=Actor.person(engine_world.operator),
-    )
-    kill_switch_set(scope="*", engaged=False, reason="", actor=Actor.person(engine_world.operator))
+    _switch(engine_world, "dns-record/app-*", engaged=True, reason="dns")
+    _switch(engine_world, "*", engaged=False, reason="")
     action.refresh_from_db()
     assert action.status == "paused"  # still covered by dns-record/app-*
-    kill_switch_set(
-        scope="dns-record/app-*",
-        engaged=False,
-        reason="",
-        actor=Actor.person(engine_world.operator),
-    )
+    _switch(engine_world, "dns-record/app-*", engaged=False, reason="")
     action.refresh_from_db()
     assert action.status == "queued" and action.paused_reason == ""
     assert action_execute(action_id=action.pk) == "applied"
@@ -148,14 +133,8 @@ def test_paused_work_whose_switch_disappeared_is_resumed_by_the_reconciler(
 ) -> None:
     from approvals.services.reconcile import reconcile
 
-    kind = engine_world.kind("dns-record", create="add_unique")
-    action = engine_world.propose(kind, "app-2", operation="create", payload={"ip": "2"})
-    kill_switch_set(
-        scope="dns-record/*",
-        engaged=True,
-        reason="freeze",
-        actor=Actor.person(engine_world.operator),
-    )
+    action = engine_world.proposed_create("app-2", {"ip": "2"})
+    _switch(engine_world, "dns-record/*", engaged=True, reason="freeze")
     assert reconcile()["resumed"] == 0
     KillSwitch.objects.all().delete()  # e.g. an admin removed the row
     assert reconcile()["resumed"] == 1

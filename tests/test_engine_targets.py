@@ -27,6 +27,24 @@ def http_kind(engine_world: Any, engine_redis: Any, target: TargetServer, settin
     )
 
 
+def _queued_write(
+    engine_world: Any,
+    http_kind: Any,
+    target: TargetServer,
+    name: str,
+    *,
+    fail: tuple[int, ...] = (),
+    hang: float = 0.0,
+) -> Any:
+    """`name` at {"n": 1} on the target and a queued write of {"n": 2} read at version 1;
+    the target first answers `fail` (statuses), and answers the first write it applies
+    only `hang` seconds later."""
+    target.seed(name, {"n": 1})
+    target.fail_next(*fail)
+    target.hang_after_apply(hang)
+    return engine_world.propose(http_kind, name, payload={"n": 2}, observed_version=1)
+
+
 def _wait_until_due(action: Action) -> None:
     action.refresh_from_db()
     if action.not_before:
@@ -84,9 +102,7 @@ def test_a_412_from_the_target_becomes_a_conflict(
 def test_429_then_success_applies_once_with_the_same_key(
     engine_world: Any, http_kind: Any, target: TargetServer
 ) -> None:
-    target.seed("prod", {"n": 1})
-    target.fail_next(429, 503)
-    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
+    action = _queued_write(engine_world, http_kind, target, "prod", fail=(429, 503))
     assert action_execute(action_id=action.pk) == "retry"
     action.refresh_from_db()
     assert action.status == "queued" and action.attempts == 1 and action.not_before is not None
@@ -105,9 +121,7 @@ def test_429_then_success_applies_once_with_the_same_key(
 def test_a_timeout_after_sending_leaves_the_operation_unknown_until_a_replay_settles_it(
     engine_world: Any, http_kind: Any, target: TargetServer
 ) -> None:
-    target.seed("prod", {"n": 1})
-    target.hang_after_apply(1.5)
-    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
+    action = _queued_write(engine_world, http_kind, target, "prod", hang=1.5)
     assert action_execute(action_id=action.pk) == "unknown"
     assert target.effects == 1
     first = Operation.objects.get(action=action)
@@ -130,9 +144,7 @@ def test_a_failing_target_fails_the_action_after_bounded_attempts(
 ) -> None:
     settings.AIRLOCK_MAX_ATTEMPTS = 2
     settings.AIRLOCK_BACKOFF_BASE_SECONDS = 0.05
-    target.seed("prod", {"n": 1})
-    target.fail_next(502, 502, 502)
-    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
+    action = _queued_write(engine_world, http_kind, target, "prod", fail=(502, 502, 502))
     assert action_execute(action_id=action.pk) == "retry"
     _wait_until_due(action)
     action_execute(action_id=action.pk)
@@ -152,8 +164,7 @@ def test_undo_is_refused_for_an_http_target(
     from approvals.services.undo import action_undo_request
     from console.core.errors import UndoRefused
 
-    target.seed("prod", {"n": 1})
-    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version=1)
+    action = _queued_write(engine_world, http_kind, target, "prod")
     assert action_execute(action_id=action.pk) == "applied"
     with pytest.raises(UndoRefused):
         action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
@@ -162,11 +173,9 @@ def test_undo_is_refused_for_an_http_target(
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_worker_replays_a_timed_out_http_write_with_the_same_key_exactly_once(
-    engine_world: Any, engine_redis: Any, target: TargetServer, rq_worker: Any
+    target: TargetServer, hanging_write: Any
 ) -> None:
-    kind = engine_world.hanging_http_kind(target, 2.0)
-    worker = rq_worker(AIRLOCK_TARGET_TIMEOUT_SECONDS="0.5")
-    action = engine_world.propose(kind, "prod", payload={"n": 2}, observed_version=1)
+    action, worker = hanging_write(2.0, AIRLOCK_TARGET_TIMEOUT_SECONDS="0.5")
 
     def applied() -> bool:
         return Action.objects.values_list("status", flat=True).get(pk=action.pk) == "applied"
@@ -183,16 +192,12 @@ def test_a_worker_replays_a_timed_out_http_write_with_the_same_key_exactly_once(
 def test_423_is_retried_and_409_becomes_a_conflict_routed_by_class(
     engine_world: Any, http_kind: Any, target: TargetServer
 ) -> None:
-    target.seed("locked", {"n": 1})
-    target.fail_next(423)
-    action = engine_world.propose(http_kind, "locked", payload={"n": 2}, observed_version=1)
+    action = _queued_write(engine_world, http_kind, target, "locked", fail=(423,))
     assert action_execute(action_id=action.pk) == "retry"
     _wait_until_due(action)
     assert action_execute(action_id=action.pk) == "applied"
 
-    target.seed("busy", {"n": 1})
-    target.fail_next(409)
-    other = engine_world.propose(http_kind, "busy", payload={"n": 2}, observed_version=1)
+    other = _queued_write(engine_world, http_kind, target, "busy", fail=(409,))
     assert action_execute(action_id=other.pk) == "conflict"
     other.refresh_from_db()
     assert other.error["retryable_by_agent"] is True  # recompute_field: back to the agent

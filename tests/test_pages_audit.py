@@ -20,14 +20,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def events(people: People, world: World) -> list[AuditEvent]:
     made = [
-        audit_append(
-            event_type="write.applied",
-            actor=Actor.run(world.run),
-            resource=world.resource.identifier,
-            run_id=world.run.id,
-            action_id=world.action.id,
-            details={"version": 2},
-        ),
+        world.audit("write.applied", details={"version": 2}),
         audit_append(
             event_type="approval.approved", actor=Actor.person(people.operator), details={}
         ),

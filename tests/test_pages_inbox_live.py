@@ -25,6 +25,12 @@ def _poll_url(html: str) -> str:
     return unescape(match.group(1))
 
 
+def _open_inbox(person: Any) -> tuple[Any, str]:
+    """`person`'s approvals inbox, opened: their client and the URL its poller calls."""
+    client = client_for(person)
+    return client, _poll_url(client.get("/approvals/").content.decode())
+
+
 def _new_run_approval(world: World, task: str) -> Approval:
     run = make_run(world.agent, status="pending_approval", task=task)
     return Approval.objects.create(
@@ -33,8 +39,7 @@ def _new_run_approval(world: World, task: str) -> Approval:
 
 
 def test_a_poll_without_news_is_a_204_and_swaps_nothing(people: People, world: World) -> None:
-    client = client_for(people.operator)
-    url = _poll_url(client.get("/approvals/").content.decode())
+    client, url = _open_inbox(people.operator)
     response = client.get(url, **HX)
     assert response.status_code == 204 and response.content == b""
 
@@ -42,8 +47,7 @@ def test_a_poll_without_news_is_a_204_and_swaps_nothing(people: People, world: W
 def test_a_new_approval_comes_back_once_as_an_out_of_band_card(
     people: People, world: World
 ) -> None:
-    client = client_for(people.operator)
-    url = _poll_url(client.get("/approvals/").content.decode())
+    client, url = _open_inbox(people.operator)
     new = _new_run_approval(world, "rotate the pager key")
     response = client.get(url, **HX)
     assert response.status_code == 200 and "counts-changed" in response["HX-Trigger"]
@@ -62,8 +66,7 @@ def test_a_new_approval_comes_back_once_as_an_out_of_band_card(
 def test_an_approval_that_commits_late_with_an_older_timestamp_is_not_missed(
     people: People, world: World
 ) -> None:
-    client = client_for(people.operator)
-    url = _poll_url(client.get("/approvals/").content.decode())
+    client, url = _open_inbox(people.operator)
     late = _new_run_approval(world, "late committer")
     # Inserted before the page was rendered, committed after: created_at is older.
     Approval.objects.filter(pk=late.pk).update(created_at=timezone.now() - timedelta(seconds=30))
@@ -72,8 +75,7 @@ def test_an_approval_that_commits_late_with_an_older_timestamp_is_not_missed(
 
 
 def test_the_poll_shows_only_what_the_person_may_decide(people: People, world: World) -> None:
-    client = client_for(people.outsider)
-    url = _poll_url(client.get("/approvals/").content.decode())
+    client, url = _open_inbox(people.outsider)
     _new_run_approval(world, "not for outsiders")
     assert client.get(url, **HX).status_code == 204
 
@@ -93,8 +95,7 @@ def test_the_poll_needs_a_session(world: World) -> None:
 def test_a_poll_is_a_bounded_number_of_queries(
     people: People, world: World, django_assert_max_num_queries: Any
 ) -> None:
-    client = client_for(people.operator)
-    url = _poll_url(client.get("/approvals/").content.decode())
+    client, url = _open_inbox(people.operator)
     for n in range(10):
         _new_run_approval(world, f"burst {n}")
     with django_assert_max_num_queries(8):

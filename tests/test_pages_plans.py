@@ -62,6 +62,12 @@ def _propose(api: Any, run: Any, steps: list[dict[str, Any]]) -> Plan:
     return Plan.objects.get(pk=response.json()["id"])
 
 
+@pytest.fixture
+def plan(api: Any, run: Any, documents: Any) -> Plan:
+    """`run`'s plan of the three _steps, waiting for its approval."""
+    return _propose(api, run, _steps())
+
+
 def _card(html: str, approval: Approval) -> str:
     start = html.index(f'id="approval-{approval.id}"')
     return html[start : html.index("</article>", start)]
@@ -72,9 +78,8 @@ def _plan_approval(plan: Plan) -> Approval:
 
 
 def test_the_inbox_shows_a_plan_as_one_card_with_every_step_its_diff_and_compensation(
-    api: Any, run: Any, operator: Any, documents: Any
+    plan: Plan, operator: Any
 ) -> None:
-    plan = _propose(api, run, _steps())
     approval = _plan_approval(plan)
     html = client_for(operator.user).get("/approvals/").content.decode()
     card = _card(html, approval)
@@ -102,9 +107,8 @@ def test_the_inbox_shows_a_plan_as_one_card_with_every_step_its_diff_and_compens
 
 
 def test_a_step_whose_resource_moved_is_flagged_on_the_card(
-    api: Any, run: Any, operator: Any, documents: Any
+    plan: Plan, operator: Any, documents: Any
 ) -> None:
-    plan = _propose(api, run, _steps())
     Resource.objects.filter(pk=documents["app_a"].pk).update(version=4)
     card = _card(
         client_for(operator.user).get("/approvals/").content.decode(), _plan_approval(plan)
@@ -126,9 +130,8 @@ def _csrf_token(html: str, approval: Approval) -> str:
 
 
 def test_an_operator_approves_a_plan_with_the_card_form_and_gets_the_card_back(
-    api: Any, run: Any, operator: Any, documents: Any
+    plan: Plan, operator: Any
 ) -> None:
-    plan = _propose(api, run, _steps())
     approval = _plan_approval(plan)
     client = _csrf_client(operator.user)
     url = f"/approvals/{approval.id}/decision/"
@@ -167,10 +170,7 @@ def test_an_operator_approves_a_plan_with_the_card_form_and_gets_the_card_back(
     assert approved.count() == 1
 
 
-def test_a_rejection_through_the_plain_form_ends_the_plan(
-    api: Any, run: Any, operator: Any, documents: Any
-) -> None:
-    plan = _propose(api, run, _steps())
+def test_a_rejection_through_the_plain_form_ends_the_plan(plan: Plan, operator: Any) -> None:
     approval = _plan_approval(plan)
     client = _csrf_client(operator.user)
     token = _csrf_token(client.get("/approvals/").content.decode(), approval)
@@ -186,9 +186,8 @@ def test_a_rejection_through_the_plain_form_ends_the_plan(
 
 
 def test_the_plan_page_is_404_for_someone_who_may_not_read_it(
-    api: Any, run: Any, operator: Any, outsider: Any, owner: Any, documents: Any
+    plan: Plan, operator: Any, outsider: Any, owner: Any
 ) -> None:
-    plan = _propose(api, run, _steps())
     assert client_for(outsider.user).get(f"/plans/{plan.id}/").status_code == 404
     # The owners of a resource the plan will write see it before any step ran.
     assert client_for(owner.user).get(f"/plans/{plan.id}/").status_code == 200
@@ -198,9 +197,8 @@ def test_the_plan_page_is_404_for_someone_who_may_not_read_it(
 
 
 def test_a_pending_plan_page_shows_its_approval_and_polls_its_live_part(
-    api: Any, run: Any, operator: Any, documents: Any
+    plan: Plan, run: Any, operator: Any
 ) -> None:
-    plan = _propose(api, run, _steps())
     approval = _plan_approval(plan)
     client = client_for(operator.user)
     html = client.get(f"/plans/{plan.id}/").content.decode()

@@ -5,7 +5,6 @@ thread hand-offs, not twenty; answers and their headers are unchanged, and what 
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +13,7 @@ import httpx
 import pytest
 from asgiref.sync import SyncToAsync, async_to_sync
 
+from bench.asgi_get import asgi_get
 from tests.fixtures.console import PASSWORD, make_person
 from tests.fixtures.core import make_action
 
@@ -47,40 +47,11 @@ def counted_hops() -> Iterator[list[Any]]:
         SyncToAsync.__call__ = original  # type: ignore[method-assign]
 
 
-def asgi_get(path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+def console_get(path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
     """One GET through the web process's application (console.asgi), in this process."""
     from console.asgi import application  # reason: builds the ASGI handler; only here
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"testserver")]
-        + [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "client": ("127.0.0.1", 50000),
-        "server": ("testserver", 80),
-    }
-    messages: list[dict[str, Any]] = []
-
-    requested = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if requested:  # the client stays connected until the answer is sent
-            await asyncio.Event().wait()
-        requested = True
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        messages.append(message)
-
-    async_to_sync(application)(scope, receive, send)
+    messages = async_to_sync(asgi_get)(application, path, host="testserver", headers=headers)
     start = next(m for m in messages if m["type"] == "http.response.start")
     answer_headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
     body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
@@ -98,7 +69,7 @@ def test_an_api_poll_under_asgi_hands_few_hooks_to_threads(
     sync_answer = api.get(url, token=run.token)
     assert sync_answer.status_code == 200
     counted_hops.clear()
-    status, headers, body = asgi_get(url, {"Authorization": f"Bearer {run.token}"})
+    status, headers, body = console_get(url, {"Authorization": f"Bearer {run.token}"})
     assert status == 200
     assert body == sync_answer.content
     for header in HEADERS_KEPT:

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from approvals.models import Action, Plan, PlanStep
+from approvals.services.runs import run_revoke
 from audit.models import AuditEvent
+from audit.services import Actor
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.core import make_resource
 from tests.fixtures.engine import wait_for
@@ -39,6 +41,13 @@ def _propose(api: Any, run: Any, steps: list[dict[str, Any]], **extra: Any) -> A
     )
 
 
+def _proposed(api: Any, run: Any, steps: list[dict[str, Any]]) -> str:
+    """The id of the plan `run` proposed (accepted, 202)."""
+    response = _propose(api, run, steps)
+    assert response.status_code == 202, response.content
+    return str(response.json()["id"])
+
+
 def _plan(api: Any, token: str, plan_id: str) -> dict[str, Any]:
     response = api.get(f"/api/v1/plans/{plan_id}", token=token)
     assert response.status_code == 200, response.content
@@ -54,10 +63,8 @@ def _approve(api: Any, person: Any, plan_id: str) -> None:
     assert listing.status_code == 200, listing.content
     [item] = [i for i in listing.json()["items"] if i.get("plan") == plan_id]
     assert item["subject"] == "plan"
-    decided = api.post(
-        f"/api/v1/approvals/{item['id']}/decision",
-        token=person.token,
-        body={"decision": "approve", "comment": "one change, three writes"},
+    decided = api.decide(
+        item["id"], "approve", token=person.token, comment="one change, three writes"
     )
     assert decided.status_code == 200, decided.content
 
@@ -77,6 +84,13 @@ def _put(resource: str, etag: str, document: dict[str, Any]) -> dict[str, Any]:
 
 def _create(resource: str, document: dict[str, Any]) -> dict[str, Any]:
     return {"resource": resource, "method": "PUT", "if_none_match": "*", "document": document}
+
+
+def _policy_then_app_a() -> list[dict[str, Any]]:
+    return [
+        _patch(POLICY, '"41"', {"channels": ["pager"]}),
+        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
+    ]
 
 
 def _three_steps() -> list[dict[str, Any]]:
@@ -154,9 +168,7 @@ def test_step_three_refused_as_stale_compensates_steps_two_and_one_in_reverse(
     # step makes the plan wait for a person).
     steps.append(_patch(POLICY, '"41"', {"x": 1}))
     steps[2], steps[3] = steps[3], steps[2]  # policy is step 3, app-c step 4
-    response = _propose(api, run, steps)
-    assert response.status_code == 202, response.content
-    plan_id = response.json()["id"]
+    plan_id = _proposed(api, run, steps)
     Resource.objects.filter(kind_id="dns-record", name="app-c").update(
         document={"ip": "someone"}, version=6
     )
@@ -315,13 +327,7 @@ def test_a_compensation_over_a_later_write_becomes_a_conflict_and_resolving_it_f
     kill_switch_set(
         scope="dns-record/app-a", engaged=True, reason="hold step 2", actor=Actor.system("t")
     )
-    steps = [
-        _patch(POLICY, '"41"', {"channels": ["pager"]}),
-        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
-    ]
-    response = _propose(api, run, steps)
-    assert response.status_code == 202, response.content
-    plan_id = response.json()["id"]
+    plan_id = _proposed(api, run, _policy_then_app_a())
     _approve(api, operator, plan_id)
     wait_for(
         lambda: (a := _step_action(plan_id, 2)) is not None and a.status == "paused", timeout=30
@@ -358,13 +364,7 @@ def test_a_stale_step_routed_to_a_person_waits_and_their_resolution_resumes_the_
     api: Any, run: Any, operator: Any, world: Any, rq_worker: Any
 ) -> None:
     worker = rq_worker()
-    steps = [
-        _patch(POLICY, '"41"', {"channels": ["pager"]}),
-        _patch("dns-record/app-a", '"3"', {"ip": "2"}),
-    ]
-    response = _propose(api, run, steps)
-    assert response.status_code == 202, response.content
-    plan_id = response.json()["id"]
+    plan_id = _proposed(api, run, _policy_then_app_a())
     _bump(POLICY, {"channels": ["email", "sms"]})  # moved on while the plan waited
     _approve(api, operator, plan_id)
 
@@ -444,9 +444,7 @@ def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_tw
         _patch(POLICY, '"41"', {"x": 1}),
         _put("dns-record/app-c", '"5"', {"ip": "c2"}),
     ]
-    response = _propose(api, run, steps)
-    assert response.status_code == 202, response.content
-    plan_id = response.json()["id"]
+    plan_id = _proposed(api, run, steps)
     _bump("dns-record/app-c", {"ip": "someone"})
     _approve(api, operator, plan_id)
 
@@ -536,10 +534,8 @@ def test_a_rejected_plan_runs_nothing_and_the_agent_reads_why(
         for i in api.get("/api/v1/approvals?status=pending", token=operator.token).json()["items"]
         if i.get("plan") == plan_id
     ]
-    rejected = api.post(
-        f"/api/v1/approvals/{item['id']}/decision",
-        token=operator.token,
-        body={"decision": "reject", "comment": "not during the freeze"},
+    rejected = api.decide(
+        item["id"], "reject", token=operator.token, comment="not during the freeze"
     )
     assert rejected.status_code == 200, rejected.content
     body = _plan(api, run.token, plan_id)
@@ -665,11 +661,10 @@ def test_a_long_poll_on_a_plan_is_answered_when_its_approval_is_decided(
 ) -> None:
     """On a real uvicorn server: the agent holds `GET /plans/{id}` (If-None-Match,
     Prefer: wait) and is answered with `executing` once the operator approves."""
-    import threading
-
     import httpx
 
-    from tests.test_api_longpoll import wait_until_held
+    # reason: a module of slow tests; only this test needs its long-poll helper
+    from tests.test_api_longpoll import HeldPoll
 
     base = api_server.url
     agent_headers = {"Authorization": f"Bearer {run.token}"}
@@ -680,18 +675,9 @@ def test_a_long_poll_on_a_plan_is_answered_when_its_approval_is_decided(
         timeout=10,
     )
     assert proposed.status_code == 202, proposed.text
-    url = f"{base}{proposed.headers['Location']}"
-    etag = proposed.headers["ETag"]
-    result: dict[str, Any] = {}
-
-    def wait() -> None:
-        result["response"] = httpx.get(
-            url, headers={**agent_headers, "Prefer": "wait=30", "If-None-Match": etag}, timeout=40
-        )
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    wait_until_held(base, 1, thread)
+    poll = HeldPoll(
+        base, f"{base}{proposed.headers['Location']}", agent_headers, proposed.headers["ETag"]
+    )
     person = {"Authorization": f"Bearer {operator.token}"}
     items = httpx.get(f"{base}/api/v1/approvals?status=pending", headers=person, timeout=10)
     [item] = [i for i in items.json()["items"] if i["plan"] == proposed.json()["id"]]
@@ -702,12 +688,7 @@ def test_a_long_poll_on_a_plan_is_answered_when_its_approval_is_decided(
         timeout=10,
     )
     assert decided.status_code == 200, decided.text
-    thread.join(timeout=40)
-    response = result["response"]
-    assert response.status_code == 200
-    assert response.json()["status"] == "executing"
-    assert response.headers["ETag"] != etag
-    assert response.headers["Preference-Applied"] == "wait=30"
+    poll.woken("executing")
 
 
 def test_an_overdue_plan_approval_escalates_to_its_steps_escalation_group(
@@ -761,3 +742,46 @@ def test_who_reads_a_plan(
     )
     assert api.get(url, token=stranger.token).status_code == 404  # another agent's run
     assert api.get(f"/api/v1/plans/{uuid.uuid4()}", token=run.token).status_code == 404
+
+
+# A run's end and a plan approval's decision end a waiting plan by one rule
+# (approvals/services/plan_state.py): nothing ran, every step skipped, and the plan's ETag
+# and updated_at move, so a reader holding the old ETag is not told 304.
+def _propose_waiting_plan(api: Any, run: Any) -> str:
+    make_resource(POLICY, {"channels": ["email"]}, version=41)
+    response = _propose(api, run, [_patch(POLICY, '"41"', {"channels": ["pager"]})])
+    assert response.status_code in (201, 202), response.content
+    plan_id = str(response.json()["id"])
+    assert Plan.objects.get(pk=plan_id).status == "pending_approval"
+    return plan_id
+
+
+def test_a_revoked_run_cancels_its_waiting_plan_and_moves_its_etag(api: Any, run: Any) -> None:
+    plan_id = _propose_waiting_plan(api, run)
+    before = Plan.objects.get(pk=plan_id)
+    etag = api.get(f"/api/v1/plans/{plan_id}", token=run.token)["ETag"]
+
+    run_revoke(run=run.run, actor=Actor.system("test"), reason="stop")
+
+    after = Plan.objects.get(pk=plan_id)
+    assert after.status == "cancelled"
+    assert after.error == {"code": "run_not_active", "detail": "the run was revoked"}
+    assert after.revision == before.revision + 1
+    assert after.updated_at > before.updated_at
+    assert after.ended_at is not None
+    assert set(PlanStep.objects.filter(plan_id=plan_id).values_list("status", flat=True)) == {
+        "skipped"
+    }
+    again = api.get(f"/api/v1/plans/{plan_id}", token=run.token, headers={"If-None-Match": etag})
+    assert again.status_code == 200
+
+
+def test_an_ended_run_leaves_a_plan_that_already_ended_alone(api: Any, run: Any) -> None:
+    plan_id = _propose_waiting_plan(api, run)
+    Plan.objects.filter(pk=plan_id).update(status="rejected")
+    revision = Plan.objects.get(pk=plan_id).revision
+
+    run_revoke(run=run.run, actor=Actor.system("test"), reason="stop")
+
+    after = Plan.objects.get(pk=plan_id)
+    assert after.status == "rejected" and after.revision == revision

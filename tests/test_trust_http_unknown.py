@@ -84,16 +84,15 @@ def test_an_http_write_abandoned_in_flight_survives_the_run_end(
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_worker_settles_a_timed_out_http_write_after_the_run_finished(
-    engine_world: Any, engine_redis: Any, target: TargetServer, rq_worker: Any
+    engine_world: Any, target: TargetServer, hanging_write: Any
 ) -> None:
-    kind = engine_world.hanging_http_kind(target, 2.0)
     # A long first backoff: the run finishes while the write waits for its replay.
-    worker = rq_worker(
+    action, worker = hanging_write(
+        2.0,
         AIRLOCK_TARGET_TIMEOUT_SECONDS="0.5",
         AIRLOCK_BACKOFF_BASE_SECONDS="3",
         AIRLOCK_BACKOFF_CAP_SECONDS="3",
     )
-    action = engine_world.propose(kind, "prod", payload={"n": 2}, observed_version=1)
     wait_for(lambda: Operation.objects.filter(action=action, status="unknown").exists())
     run_finish(run=engine_world.run, actor=Actor.run(engine_world.run))
     wait_for(lambda: _status(action) in ("applied", "conflict", "cancelled"), timeout=30)
@@ -105,12 +104,12 @@ def test_a_worker_settles_a_timed_out_http_write_after_the_run_finished(
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_the_operation_lease_is_renewed_while_the_target_call_runs(
-    engine_world: Any, engine_redis: Any, target: TargetServer, rq_worker: Any
+    target: TargetServer, hanging_write: Any
 ) -> None:
     # The target answers inside the 1.4 s timeout, after a few heartbeats.
-    kind = engine_world.hanging_http_kind(target, 1.3)
-    worker = rq_worker(AIRLOCK_LOCK_TTL_MS="1500", AIRLOCK_TARGET_TIMEOUT_SECONDS="1.4")
-    action = engine_world.propose(kind, "prod", payload={"n": 2}, observed_version=1)
+    action, worker = hanging_write(
+        1.3, AIRLOCK_LOCK_TTL_MS="1500", AIRLOCK_TARGET_TIMEOUT_SECONDS="1.4"
+    )
     wait_for(lambda: Operation.objects.filter(action=action).exists())
     first_lease = Operation.objects.get(action=action).lease_expires_at
     wait_for(lambda: _status(action) == "applied", timeout=30)

@@ -24,6 +24,8 @@ from tests.fixtures.api import ApiClient, ensure_api_kinds, make_active_run, mak
 from tests.fixtures.core import execute, make_action
 from tests.races import WAIT, Holder, Worker, wait_for_lock_waiters
 
+pytestmark = pytest.mark.django_db
+
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
 KEY = "key-stalled-0001"
 
@@ -78,7 +80,6 @@ def test_a_retry_that_takes_over_a_stalled_key_and_the_original_record_one_actio
     assert again.content == winner.content
 
 
-@pytest.mark.django_db
 def test_completing_a_record_that_was_taken_over_raises_and_rolls_the_request_back(
     run: Any, prod_alerts: Any
 ) -> None:
@@ -118,12 +119,6 @@ def _applied_action(run: Any, observed_version: int) -> Action:
     return action
 
 
-def undo(api: Any, action: Action, token: str, key: str) -> Any:
-    return api.post(
-        f"/api/v1/actions/{action.pk}/undo", token=token, headers={"Idempotency-Key": key}
-    )
-
-
 def undo_requests() -> int:
     return AuditEvent.objects.filter(event_type="undo.requested").count()
 
@@ -134,17 +129,16 @@ def undo_token(request: pytest.FixtureRequest, run: Any, operator: Any) -> str:
     return str(run.token if request.param == "run" else operator.token)
 
 
-@pytest.mark.django_db
 def test_an_undo_retried_with_its_key_replays_the_first_answer(
     api: Any, run: Any, prod_alerts: Any, undo_token: str
 ) -> None:
     action = _applied_action(run, 41)
-    first = undo(api, action, undo_token, "undo-key-0001")
+    first = api.undo(action.pk, token=undo_token, key="undo-key-0001")
     assert first.status_code == 202, first.content
     assert "Idempotent-Replayed" not in first
     # The action moves on, so a fresh answer would differ from the stored one.
     Action.objects.filter(pk=action.pk).update(reason="changed since")
-    again = undo(api, action, undo_token, "undo-key-0001")
+    again = api.undo(action.pk, token=undo_token, key="undo-key-0001")
     assert again.status_code == 202
     assert again["Idempotent-Replayed"] == "true"
     assert again.content == first.content
@@ -153,37 +147,34 @@ def test_an_undo_retried_with_its_key_replays_the_first_answer(
     assert undo_requests() == 1
 
 
-@pytest.mark.django_db
 def test_an_undo_replay_is_answered_even_after_the_window_closed(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
     action = _applied_action(run, 41)
-    first = undo(api, action, run.token, "undo-key-late1")
+    first = api.undo(action.pk, token=run.token, key="undo-key-late1")
     assert first.status_code == 202
     Operation.objects.filter(action=action, undo_of__isnull=True).update(
         undo_deadline=timezone.now() - timedelta(seconds=1)
     )
-    again = undo(api, action, run.token, "undo-key-late1")
+    again = api.undo(action.pk, token=run.token, key="undo-key-late1")
     assert (again.status_code, again["Idempotent-Replayed"]) == (202, "true")
     assert again.content == first.content
 
 
-@pytest.mark.django_db
 def test_an_undo_key_reused_for_another_action_is_422_and_changes_nothing(
     api: Any, run: Any, prod_alerts: Any, undo_token: str
 ) -> None:
     first_action = _applied_action(run, 41)
     second_action = _applied_action(run, 42)
-    assert undo(api, first_action, undo_token, "undo-key-reuse").status_code == 202
+    assert api.undo(first_action.pk, token=undo_token, key="undo-key-reuse").status_code == 202
     records, audit = IdempotencyRecord.objects.count(), AuditEvent.objects.count()
-    response = undo(api, second_action, undo_token, "undo-key-reuse")
+    response = api.undo(second_action.pk, token=undo_token, key="undo-key-reuse")
     assert response.status_code == 422, response.content
     assert json.loads(response.content)["code"] == "idempotency_key_reused"
     assert not Operation.objects.filter(action=second_action, undo_of__isnull=False).exists()
     assert (IdempotencyRecord.objects.count(), AuditEvent.objects.count()) == (records, audit)
 
 
-@pytest.mark.django_db
 def test_a_write_key_reused_for_an_undo_is_422(api: Any, run: Any, prod_alerts: Any) -> None:
     action = _applied_action(run, 41)
     write = api.patch(
@@ -193,19 +184,18 @@ def test_a_write_key_reused_for_an_undo_is_422(api: Any, run: Any, prod_alerts: 
         headers={"If-Match": '"42"', "Idempotency-Key": "shared-key-0001"},
     )
     assert write.status_code == 202, write.content
-    response = undo(api, action, run.token, "shared-key-0001")
+    response = api.undo(action.pk, token=run.token, key="shared-key-0001")
     assert response.status_code == 422
     assert json.loads(response.content)["code"] == "idempotency_key_reused"
 
 
-@pytest.mark.django_db
 def test_undo_keys_are_scoped_to_the_agent_or_the_person(
     api: Any, run: Any, operator: Any, prod_alerts: Any
 ) -> None:
     first_action = _applied_action(run, 41)
     second_action = _applied_action(run, 42)
-    assert undo(api, first_action, operator.token, "same-key-00001").status_code == 202
-    response = undo(api, second_action, run.token, "same-key-00001")
+    assert api.undo(first_action.pk, token=operator.token, key="same-key-00001").status_code == 202
+    response = api.undo(second_action.pk, token=run.token, key="same-key-00001")
     assert response.status_code == 202, response.content
     assert "Idempotent-Replayed" not in response
     assert undo_requests() == 2
@@ -216,13 +206,12 @@ def test_undo_keys_are_scoped_to_the_agent_or_the_person(
     assert scopes == [(False, True), (True, False)]
 
 
-@pytest.mark.django_db
 def test_a_refused_undo_releases_its_key(api: Any, run: Any, prod_alerts: Any) -> None:
     action = _applied_action(run, 41)
     Operation.objects.filter(action=action, undo_of__isnull=True).update(
         undo_deadline=timezone.now() - timedelta(seconds=1)
     )
-    response = undo(api, action, run.token, "undo-key-expired")
+    response = api.undo(action.pk, token=run.token, key="undo-key-expired")
     assert response.status_code == 409
     assert json.loads(response.content)["code"] == "undo_window_expired"
     assert not IdempotencyRecord.objects.filter(key="undo-key-expired").exists()

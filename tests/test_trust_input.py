@@ -9,51 +9,20 @@ import base64
 import json
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
-from approvals.models import Action, Approval, IdempotencyRecord, Run
-from audit.models import AuditEvent
 from console.core import jsonsafe
 from console.core.targets import HttpTarget
-from ownership.models import ConflictClass, Resource, ResourceVersion
+from ownership.models import ConflictClass, Resource
+from tests.fixtures.api import RowCounts, problem
 
 pytestmark = pytest.mark.django_db
 
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
 DEEP = b"[" * 100_000 + b"]" * 100_000
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    actions: int
-    versions: int
-    audit: int
-    idempotency: int
-    runs: int
-    approvals: int
-
-    @classmethod
-    def take(cls) -> Snapshot:
-        return cls(
-            actions=Action.objects.count(),
-            versions=ResourceVersion.objects.count(),
-            audit=AuditEvent.objects.count(),
-            idempotency=IdempotencyRecord.objects.count(),
-            runs=Run.objects.count(),
-            approvals=Approval.objects.count(),
-        )
-
-
-def problem(response: Any, status: int, code: str) -> dict[str, Any]:
-    assert response.status_code == status, response.content
-    assert response["Content-Type"].startswith("application/problem+json")
-    body: dict[str, Any] = json.loads(response.content)
-    assert body["code"] == code, body
-    return body
 
 
 def write(api: Any, method: str, token: str, if_match: str, key: str) -> Any:
@@ -75,12 +44,12 @@ def write(api: Any, method: str, token: str, if_match: str, key: str) -> Any:
 def test_it_refuses_if_match_star_on_a_write_with_428_and_records_nothing(
     api: Any, run: Any, prod_alerts: Any, method: str
 ) -> None:
-    before = Snapshot.take()
+    before = RowCounts.take()
     body = problem(
         write(api, method, run.token, "*", "key-star-0001"), 428, "precondition_required"
     )
     assert "ETag you read" in body["detail"]
-    assert Snapshot.take() == before
+    assert RowCounts.take() == before
     # The key was not consumed: the same key with the tag read is a fresh write.
     assert write(api, method, run.token, '"41"', "key-star-0001").status_code == 202
 
@@ -92,12 +61,12 @@ def test_it_refuses_if_match_star_on_a_write_with_428_and_records_nothing(
 def test_it_refuses_a_list_or_a_weak_if_match_with_400_and_records_nothing(
     api: Any, run: Any, prod_alerts: Any, method: str, if_match: str
 ) -> None:
-    before = Snapshot.take()
+    before = RowCounts.take()
     body = problem(
         write(api, method, run.token, if_match, "key-list-0001"), 400, "if_match_invalid"
     )
     assert body["header"] == "If-Match" and body["retryable"] is False
-    assert Snapshot.take() == before
+    assert RowCounts.take() == before
 
 
 def test_a_single_strong_tag_is_still_accepted_and_observed(
@@ -151,7 +120,7 @@ def test_a_hostile_write_body_is_a_4xx_problem_and_changes_nothing(
 ) -> None:
     settings.AIRLOCK_MAX_BODY_BYTES = 1024 * 1024
     raw, status = HOSTILE_BODIES[name]
-    before = Snapshot.take()
+    before = RowCounts.take()
     response = api.call(
         method,
         PROD,
@@ -163,7 +132,7 @@ def test_a_hostile_write_body_is_a_4xx_problem_and_changes_nothing(
     body = problem(response, status, "validation_error")
     if status == 422:
         assert body["errors"] and body["errors"][0]["field"] in ("document", "patch")
-    assert Snapshot.take() == before
+    assert RowCounts.take() == before
     assert Resource.objects.get(pk=prod_alerts.pk).version == 41
 
 
@@ -180,11 +149,11 @@ def test_a_hostile_write_body_is_a_4xx_problem_and_changes_nothing(
 def test_a_hostile_body_on_a_schema_typed_endpoint_is_a_4xx_problem(
     api: Any, agent: Any, raw: bytes
 ) -> None:
-    before = Snapshot.take()
+    before = RowCounts.take()
     response = api.post("/api/v1/runs", token=agent.token, raw=raw)
     assert response.status_code in (400, 422), response.content
     assert problem(response, response.status_code, "validation_error")
-    assert Snapshot.take() == before
+    assert RowCounts.take() == before
 
 
 def test_a_deep_body_on_a_decision_is_a_422_not_a_500(api: Any, operator: Any) -> None:
@@ -306,11 +275,11 @@ def test_a_person_without_the_role_gets_403_before_the_body_is_validated(
     api: Any, operator: Any, outsider: Any, method: str, path: str, who: str
 ) -> None:
     person = {"operator": operator, "outsider": outsider}[who]
-    before = Snapshot.take()
+    before = RowCounts.take()
     problem(api.call(method, path, token=person.token, body=NOT_A_SCHEMA), 403, "forbidden")
     problem(api.call(method, path, token=person.token, raw=b"{not json"), 403, "forbidden")
     problem(api.call(method, path, body=NOT_A_SCHEMA), 401, "unauthenticated")
-    assert Snapshot.take() == before
+    assert RowCounts.take() == before
 
 
 def test_an_admin_still_gets_the_422_with_the_schema_details(api: Any, admin: Any) -> None:
@@ -349,10 +318,10 @@ def test_a_conflict_class_put_names_a_contradicting_derived_member(api: Any, adm
     document = json.loads(api.get(path, token=admin.token).content)
     assert document["retryable_by_agent"] is False
     document["retryable_by_agent"] = True
-    before = Snapshot.take()
+    before = RowCounts.take()
     body = problem(api.put(path, token=admin.token, body=document), 422, "validation_error")
     assert [e["field"] for e in body["errors"]] == ["retryable_by_agent"]
-    assert Snapshot.take() == before
+    assert RowCounts.take() == before
     # Changing the resolver to the agent makes it true: then it matches.
     document["resolver"] = "agent"
     assert api.put(path, token=admin.token, body=document).status_code == 200

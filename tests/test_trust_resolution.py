@@ -139,11 +139,7 @@ def test_the_run_token_cannot_undo_a_resolution(world: Any, api: Any) -> None:
     assert action_execute(action_id=resolution.pk) == "applied"
     with pytest.raises(Forbidden):
         action_undo_request(action_id=resolution.pk, actor=Actor.run(run.run))
-    response = api.post(
-        f"/api/v1/actions/{resolution.pk}/undo",
-        token=run.token,
-        headers={"Idempotency-Key": "undo-resolution-1"},
-    )
+    response = api.undo(resolution.pk, token=run.token, key="undo-resolution-1")
     assert response.status_code == 403, response.content
     # A person may still undo it.
     assert (
@@ -185,3 +181,28 @@ def test_a_person_cancelling_a_resolution_reopens_the_conflict(world: Any) -> No
     resolution.refresh_from_db()
     assert resolution.status == "cancelled"
     _reopened(conflict, "resolution cancelled")
+
+
+# A settlement and its reopening are one write (ownership/reopen.py conflict_resolution_set):
+# the conflicted action's note, ETag and updated_at move the same way either way.
+def test_resolving_and_reopening_each_move_the_conflicted_actions_etag_and_time(
+    world: Any,
+) -> None:
+    conflict = _conflict(world, quorum=1)
+    before = Action.objects.get(pk=conflict.action_id)
+
+    resolution = _resolve(world, conflict)
+    resolved = Action.objects.get(pk=conflict.action_id)
+    assert resolved.error["resolution"]["choice"] == "take_proposed"
+    assert resolved.error["resolution"]["action"] == str(resolution.pk)
+    assert resolved.revision == before.revision + 1
+    assert resolved.updated_at > before.updated_at
+
+    action_cancel(action=resolution, actor=Actor.person(world.operator))
+    reopened = Action.objects.get(pk=conflict.action_id)
+    assert reopened.error["resolution"] is None
+    assert reopened.revision == resolved.revision + 1
+    assert reopened.updated_at > resolved.updated_at
+    conflict.refresh_from_db()
+    assert conflict.status == "open" and conflict.resolved_by_id is None
+    assert conflict.resolution_fields == {} and conflict.resolution_comment == ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,60 +33,66 @@ from tests.test_settings_deploy import PRODUCTION, check_deploy
 # -- (a) the fence floor ---------------------------------------------------------------
 
 
-def _restore_an_older_sequence(world: Any) -> tuple[Any, int]:
-    """What a restore does: rows carry fences the (older) sequence has not reached.
-    Returns the kind of the restored resource (cfg/restored at version 1) and the
-    fence its row carries."""
-    kind = world.kind("cfg", update="recompute_field")
-    resource = world.resource(kind, "restored", {"v": 1})
+@dataclass
+class RestoredSequence:
+    """What a restore leaves: cfg/restored (version 1) carries a fence, `floor`, that the
+    (older) fence sequence has not reached."""
+
+    world: Any
+    kind: Any
+    floor: int
+
+    def write(self) -> Action:
+        """The next write of cfg/restored, queued."""
+        action: Action = self.world.propose(
+            self.kind, "restored", payload={"v": 2}, observed_version=1
+        )
+        return action
+
+
+@pytest.fixture
+def restored(engine_world: Any) -> RestoredSequence:
+    kind = engine_world.kind("cfg", update="recompute_field")
+    resource = engine_world.resource(kind, "restored", {"v": 1})
     floor = current_fence() + 10_000
     Resource.objects.filter(pk=resource.pk).update(last_fence=floor)
     with connection.cursor() as cursor:
         cursor.execute("SELECT setval(%s, 1, true)", [FENCE_SEQUENCE])
     assert current_fence() < floor
-    return kind, floor
-
-
-def _write(world: Any, kind: Any) -> Action:
-    action: Action = world.propose(kind, "restored", payload={"v": 2}, observed_version=1)
-    return action
+    return RestoredSequence(engine_world, kind, floor)
 
 
 @pytest.mark.django_db
 def test_the_first_fence_of_a_process_lifts_a_sequence_restored_behind_the_rows(
-    engine_world: Any, engine_redis: Any
+    restored: RestoredSequence, engine_redis: Any
 ) -> None:
-    kind, floor = _restore_an_older_sequence(engine_world)
     forget_fence_floor_check()  # what a freshly started web or worker process has
 
-    assert action_execute(action_id=_write(engine_world, kind).pk) == "applied"
+    assert action_execute(action_id=restored.write().pk) == "applied"
 
-    resource = Resource.objects.get(kind=kind, name="restored")
-    assert resource.version == 2 and resource.last_fence > floor
+    resource = Resource.objects.get(kind=restored.kind, name="restored")
+    assert resource.version == 2 and resource.last_fence > restored.floor
 
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_worker_started_on_a_restored_database_applies_the_next_write(
-    engine_world: Any, rq_worker: Any
+    restored: RestoredSequence, rq_worker: Any
 ) -> None:
-    kind, floor = _restore_an_older_sequence(engine_world)
     worker = rq_worker()
 
-    action = _write(engine_world, kind)
+    action = restored.write()
     wait_for(lambda: Action.objects.get(pk=action.pk).status in ("applied", "failed"))
 
     assert Action.objects.get(pk=action.pk).status == "applied", worker.output()
-    assert Resource.objects.get(kind=kind, name="restored").last_fence > floor
+    assert Resource.objects.get(kind=restored.kind, name="restored").last_fence > restored.floor
 
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_migrate_lifts_a_sequence_restored_behind_the_rows(
-    engine_world: Any, engine_redis: Any
+    restored: RestoredSequence, engine_redis: Any
 ) -> None:
-    kind, floor = _restore_an_older_sequence(engine_world)
-
     migrate = subprocess.run(
         [sys.executable, "manage.py", "migrate", "--noinput"],
         cwd=ROOT,
@@ -96,8 +103,8 @@ def test_migrate_lifts_a_sequence_restored_behind_the_rows(
     )
 
     assert migrate.returncode == 0, migrate.stdout + migrate.stderr
-    assert current_fence() >= floor
-    assert action_execute(action_id=_write(engine_world, kind).pk) == "applied"
+    assert current_fence() >= restored.floor
+    assert action_execute(action_id=restored.write().pk) == "applied"
 
 
 # -- (b) /metrics -----------------------------------------------------------------------

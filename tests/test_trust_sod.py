@@ -62,11 +62,7 @@ def _pending_run(agent: Any, name: str = "app-web") -> Run:
 
 
 def _decide(api: Any, person: Person, approval: Approval) -> Any:
-    return api.post(
-        f"/api/v1/approvals/{approval.pk}/decision",
-        token=person.token,
-        body={"decision": "approve"},
-    )
+    return api.decide(approval.pk, "approve", token=person.token)
 
 
 def _problem_code(response: Any) -> str:

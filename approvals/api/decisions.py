@@ -20,20 +20,18 @@ from console.api_support import (
     TIME_CURSOR_PATTERN,
     json_response,
     page_response,
-    rate_limit_writes,
+    writing_principal,
 )
 from console.auth import person_token, principal_of
 from console.problems import errors
 
-router = Router()
+router = Router(auth=person_token, tags=["approvals"])
 
 
 @router.get(
     "/approvals",
-    auth=person_token,
     response={200: ApprovalPage, **errors(400, 401, 403, 422)},
     summary="Run and call approvals the caller may decide, oldest first",
-    tags=["approvals"],
 )
 def approval_list(
     request: HttpRequest,
@@ -50,10 +48,8 @@ def approval_list(
 
 @router.get(
     "/approvals/{approval_id}",
-    auth=person_token,
     response={200: ApprovalItem, **errors(401, 403, 404, 422)},
     summary="Read one approval",
-    tags=["approvals"],
 )
 def approval_get(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
     approval = approval_get_for_person(principal_of(request).user, approval_id)
@@ -62,16 +58,13 @@ def approval_get(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
 
 @router.post(
     "/approvals/{approval_id}/decision",
-    auth=person_token,
     response={200: ApprovalItem, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
     summary="Approve or reject (409 if already decided or expired)",
-    tags=["approvals"],
 )
 def approval_decision(
     request: HttpRequest, approval_id: uuid.UUID, payload: DecisionIn
 ) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     approval = approval_decide(
         approval_id=approval_id,
         actor=principal.actor,

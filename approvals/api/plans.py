@@ -58,7 +58,7 @@ from console.problems import errors
 from ownership.api.schemas import STRONG_ETAG_PATTERN
 from ownership.models import ConflictOrigin, ResourceKind
 
-router = Router()
+router = Router(tags=["plans"])
 
 STEP_RESOURCE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254}$"
 
@@ -284,7 +284,6 @@ def _field_error(position: int, field: str, message: str) -> ValidationFailed:
     "stale tag (412, naming the `step`) record nothing. Needs an Idempotency-Key. The plan "
     "runs at once when every step's class is per-run; one per-call step makes the whole "
     "plan wait for one approval with the strictest class's quorum. Poll `GET /plans/{id}`.",
-    tags=["plans"],
     openapi_extra={
         "parameters": [
             {
@@ -387,7 +386,6 @@ def _plan_state(
     description="The plan with every step's state, its approval and compensations. Held "
     "with `Prefer: wait=N` while the ETag still matches If-None-Match, or (without it) "
     "while the plan has not ended (`applied`, `compensated`, `rejected`, `expired`, `cancelled`).",
-    tags=["plans"],
     openapi_extra={
         "parameters": [prefer_doc("plan", "(see If-None-Match)"), if_none_match_doc("plan")],
         "responses": longpoll_responses("plan"),

@@ -18,14 +18,13 @@ from console.api_support import (
     RoleBearer,
     json_response,
     page_response,
-    rate_limit_writes,
+    writing_principal,
 )
-from console.auth import principal_of
 from console.core.errors import NotFound
 from console.permissions import can_read_everything, is_admin
 from console.problems import errors
 
-router = Router()
+router = Router(tags=["auto-approve rules"])
 
 _MAX_RULE_ID = 2**63 - 1
 _RULE_ID = Path(..., ge=1, le=_MAX_RULE_ID)
@@ -46,7 +45,6 @@ rules_admin_token = RoleBearer(is_admin, "Only admins edit auto-approve rules.")
     auth=rules_reader_token,
     response={200: AutoApproveRulePage, **errors(400, 401, 403, 422)},
     summary="Auto-approve rules (operators, admins, auditors), by id",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_list(
     request: HttpRequest,
@@ -62,7 +60,6 @@ def auto_approve_rule_list(
     auth=rules_reader_token,
     response={200: AutoApproveRuleOut, **errors(401, 403, 404, 422)},
     summary="One auto-approve rule",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_get(request: HttpRequest, rule_id: int = _RULE_ID) -> HttpResponse:
     return json_response(rule_as_dict(rule_load(rule_id)))
@@ -76,11 +73,9 @@ def auto_approve_rule_get(request: HttpRequest, rule_id: int = _RULE_ID) -> Http
     description="A run whose every write-set entry is covered by an enabled rule (kind, name "
     "prefix, operations, and the agent when set) is activated without a person. Unknown kinds "
     "or agents are 422.",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     rule = rule_services.auto_approve_rule_create(actor=principal.actor, **payload.model_dump())
     return json_response(
         rule_as_dict(rule_load(rule.pk)),
@@ -94,13 +89,11 @@ def auto_approve_rule_post(request: HttpRequest, payload: AutoApproveRuleIn) -> 
     auth=rules_admin_token,
     response={200: AutoApproveRuleOut, **errors(400, 401, 403, 404, 413, 422, 429)},
     summary="Replace an auto-approve rule (admins; audited when something changed)",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_put(
     request: HttpRequest, payload: AutoApproveRuleIn, rule_id: int = _RULE_ID
 ) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     rule_services.auto_approve_rule_update(
         actor=principal.actor, rule_id=rule_id, **payload.model_dump()
     )
@@ -112,11 +105,9 @@ def auto_approve_rule_put(
     auth=rules_admin_token,
     response={204: None, **errors(401, 403, 404, 422, 429)},
     summary="Delete an auto-approve rule (admins; audited)",
-    tags=["auto-approve rules"],
 )
 def auto_approve_rule_delete(request: HttpRequest, rule_id: int = _RULE_ID) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     if not rule_services.auto_approve_rule_delete(actor=principal.actor, rule_id=rule_id):
         raise NotFound(f"Auto-approve rule {rule_id} not found.")
     return HttpResponse(status=204)

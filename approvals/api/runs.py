@@ -40,6 +40,7 @@ from console.api_support import (
     json_response,
     page_response,
     rate_limit_writes,
+    writing_principal,
 )
 from console.auth import (
     agent_or_run_token,
@@ -52,7 +53,7 @@ from console.core.errors import NotFound
 from console.permissions import can_decide_approvals
 from console.problems import errors
 
-router = Router()
+router = Router(tags=["runs"])
 
 RunStatusName = Literal["pending_approval", "active", "rejected", "finished", "expired", "revoked"]
 
@@ -70,11 +71,9 @@ def _run_for(principal: Principal, run_id: uuid.UUID) -> Run:
     auth=agent_token,
     response={201: RunCreatedOut, **errors(400, 401, 403, 409, 413, 422, 429)},
     summary="Create a run with a declared write set",
-    tags=["runs"],
 )
 def run_create(request: HttpRequest, payload: RunCreateIn) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
+    principal = writing_principal(request)
     assert principal.agent is not None
     run, token = run_services.run_create(
         agent=principal.agent,
@@ -92,7 +91,6 @@ def run_create(request: HttpRequest, payload: RunCreateIn) -> HttpResponse:
     auth=any_token_or_ended_run,
     response={200: RunPage, **errors(400, 401, 422)},
     summary="List runs visible to the caller",
-    tags=["runs"],
 )
 def run_list(
     request: HttpRequest,
@@ -153,7 +151,6 @@ _RUN_HOLDS = (
     description="A run token reads its own run, also after the run ended (`status` and "
     "`status_reason` say why). The `ETag` changes with the run's status; an agent waits for "
     "its run's approval with `Prefer: wait=N` and `If-None-Match`, as for actions.",
-    tags=["runs"],
     openapi_extra={
         "parameters": [prefer_doc("run", _RUN_HOLDS), if_none_match_doc("run")],
         "responses": longpoll_responses("run"),
@@ -183,7 +180,6 @@ async def run_get(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     auth=agent_or_run_token,
     response={200: RunOut, **errors(401, 403, 404, 409, 422, 429)},
     summary="Extend the run's expiry (never past its approved maximum)",
-    tags=["runs"],
 )
 def run_heartbeat(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     return _change_own_run(request, run_id, run_services.run_heartbeat)
@@ -194,7 +190,6 @@ def run_heartbeat(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     auth=agent_or_run_token,
     response={200: RunOut, **errors(401, 403, 404, 409, 422, 429)},
     summary="End the run and free its ownership records",
-    tags=["runs"],
 )
 def run_finish(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     return _change_own_run(request, run_id, run_services.run_finish)
@@ -216,7 +211,6 @@ def _change_own_run(
     auth=RoleBearer(can_decide_approvals, "Revoking a run needs the operator role."),
     response={200: RunOut, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
     summary="Revoke a run (operators): ownership freed, unexecuted actions cancelled",
-    tags=["runs"],
 )
 def run_revoke(request: HttpRequest, run_id: uuid.UUID, payload: RevokeIn) -> HttpResponse:
     principal = principal_of(request)

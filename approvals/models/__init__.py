@@ -9,6 +9,7 @@ from django.db import models
 from django.db.models import Exists, OuterRef, Q
 
 from approvals.models.choices import PayloadFormat, WriteOperation
+from approvals.models.writes import ConditionalWrite, Revisioned
 
 
 class Agent(models.Model):
@@ -158,14 +159,15 @@ FINAL_ACTION_STATUSES = frozenset(
 )
 
 
-class Action(models.Model):
+class Action(ConditionalWrite, Revisioned):
     """One proposed write by a run."""
+
+    ETAG_PREFIX = "a"
+    FINAL_STATUSES = FINAL_ACTION_STATUSES
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="actions")
     agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="actions")
-    kind = models.ForeignKey("ownership.ResourceKind", on_delete=models.PROTECT, related_name="+")
-    name = models.CharField(max_length=255)
     # Set once the resource row exists (creates get it at execution).
     resource = models.ForeignKey(
         "ownership.Resource",
@@ -174,19 +176,9 @@ class Action(models.Model):
         on_delete=models.PROTECT,
         related_name="actions",
     )
-    operation = models.CharField(max_length=16, choices=WriteOperation.choices)
-    payload_format = models.CharField(max_length=16, choices=PayloadFormat.choices)
-    payload = models.JSONField(null=True, blank=True)
-    # The version the agent observed (If-Match); null for a create (If-None-Match: *).
-    observed_version = models.PositiveBigIntegerField(null=True, blank=True)
-    conflict_class = models.ForeignKey(
-        "ownership.ConflictClass", on_delete=models.PROTECT, related_name="+"
-    )
     status = models.CharField(
         max_length=20, choices=ActionStatus.choices, default=ActionStatus.QUEUED
     )
-    # Bumped on every transition; the action's ETag is derived from it.
-    revision = models.PositiveIntegerField(default=1)
     reason = models.CharField(max_length=500, blank=True)  # Airlock-Reason
     idempotency_key = models.CharField(max_length=255, blank=True)
     request_id = models.CharField(max_length=128, blank=True)
@@ -219,20 +211,8 @@ class Action(models.Model):
         return f"action {self.id}"
 
     @property
-    def resource_identifier(self) -> str:
-        return f"{self.kind_id}/{self.name}"
-
-    @property
-    def etag(self) -> str:
-        return f'"a{self.revision}"'
-
-    @property
     def observed_etag(self) -> str | None:
         return None if self.observed_version is None else f'"{self.observed_version}"'
-
-    @property
-    def is_final(self) -> bool:
-        return self.status in FINAL_ACTION_STATUSES
 
 
 class ApprovalSubject(models.TextChoices):

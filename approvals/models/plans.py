@@ -7,7 +7,7 @@ import uuid
 
 from django.db import models
 
-from approvals.models.choices import PayloadFormat, WriteOperation
+from approvals.models.writes import ConditionalWrite, Revisioned
 
 
 class PlanStatus(models.TextChoices):
@@ -34,16 +34,18 @@ FINAL_PLAN_STATUSES = frozenset(
 )
 
 
-class Plan(models.Model):
+class Plan(Revisioned):
     """Several conditional writes of one run, approved as one, applied in order and
     compensated in reverse when a later step fails for good (approvals/services/plans.py).
     Its steps' states are the outbox: the reconciler resumes a plan from them."""
+
+    ETAG_PREFIX = "p"
+    FINAL_STATUSES = FINAL_PLAN_STATUSES
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     run = models.ForeignKey("approvals.Run", on_delete=models.PROTECT, related_name="plans")
     agent = models.ForeignKey("approvals.Agent", on_delete=models.PROTECT, related_name="plans")
     status = models.CharField(max_length=24, choices=PlanStatus.choices)
-    revision = models.PositiveIntegerField(default=1)  # the plan's ETag
     reason = models.CharField(max_length=500, blank=True)
     idempotency_key = models.CharField(max_length=255, blank=True)
     # Why the plan stopped going forward: {"step", "code", "message"}.
@@ -58,14 +60,6 @@ class Plan(models.Model):
 
     def __str__(self) -> str:
         return f"plan {self.id}"
-
-    @property
-    def etag(self) -> str:
-        return f'"p{self.revision}"'
-
-    @property
-    def is_final(self) -> bool:
-        return self.status in FINAL_PLAN_STATUSES
 
 
 class PlanStepStatus(models.TextChoices):
@@ -85,21 +79,12 @@ class CompensationStatus(models.TextChoices):
     FAILED = "failed", "could not be compensated"
 
 
-class PlanStep(models.Model):
+class PlanStep(ConditionalWrite):
     """One conditional write of a plan, recorded whole before anything executes; its
     action is created when its turn comes (so nothing runs it out of order)."""
 
     plan = models.ForeignKey(Plan, on_delete=models.PROTECT, related_name="steps")
     position = models.PositiveSmallIntegerField()  # 1-based order of execution
-    kind = models.ForeignKey("ownership.ResourceKind", on_delete=models.PROTECT, related_name="+")
-    name = models.CharField(max_length=255)
-    operation = models.CharField(max_length=16, choices=WriteOperation.choices)
-    payload_format = models.CharField(max_length=16, choices=PayloadFormat.choices)
-    payload = models.JSONField(null=True, blank=True)
-    observed_version = models.PositiveBigIntegerField(null=True, blank=True)
-    conflict_class = models.ForeignKey(
-        "ownership.ConflictClass", on_delete=models.PROTECT, related_name="+"
-    )
     # Null: undo the step; else the agent's conditional write {"method", "document"|"patch"}.
     compensation = models.JSONField(null=True, blank=True)
     status = models.CharField(
@@ -134,7 +119,3 @@ class PlanStep(models.Model):
 
     def __str__(self) -> str:
         return f"step {self.position} of plan {self.plan_id}"
-
-    @property
-    def resource_identifier(self) -> str:
-        return f"{self.kind_id}/{self.name}"

@@ -38,12 +38,16 @@ from approvals.services.queued_writes import (
     superseding_write,
     writes_in_flight,
 )
-from approvals.services.runs import RunNotActive, run_effective_status, run_require_own_active
+from approvals.services.runs import (
+    RunNotActive,
+    run_effective_status,
+    run_require_own_active,
+    run_status_for_share,
+)
 from approvals.services.write_sets import lock_kind_for_proposal
 from audit.models import ActorType
 from audit.services import Actor, audit_append
 from console.core.action_audit import audit_action_event
-from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     DomainError,
     Forbidden,
@@ -167,16 +171,16 @@ def _recheck_authority_locked(run: Run, kind: str, name: str, operation: str) ->
     # commit (and then refuses the lease while the action is in flight).
     lock_kind_for_proposal(kind)
     lock_resource_for_proposal(kind, name)  # proposals on one resource serialise
-    state = lock_run_for_share(run.pk)
-    if state is None:
-        raise RunNotActive(f"Run {run.pk} no longer exists.", extra={"run": str(run.pk)})
-    status, expires_at = state
-    if status == RunStatus.ACTIVE and expires_at is not None and expires_at <= timezone.now():
-        status = RunStatus.EXPIRED
-    _check_authority(run, status, kind, name, operation)
+    _check_authority(run, run_status_for_share(run.pk), kind, name, operation)
 
 
 # --- Proposal -------------------------------------------------------------
+
+
+# A write as a row records it, in the column names a PlanStep and an Action share: what
+# the agent proposed, the version its precondition matched, and its conflict class.
+PROPOSED_COLUMNS = ("kind", "name", "operation", "payload_format", "payload")
+WRITE_COLUMNS = (*PROPOSED_COLUMNS, "observed_version", "conflict_class")
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,21 @@ class Proposal:
     create_if_absent: bool  # If-None-Match: *
     idempotency_key: str
     reason: str
+
+    @property
+    def resource_identifier(self) -> str:
+        """kind/name, as an Action's `resource_identifier` and the audit name it."""
+        return f"{self.kind.slug}/{self.name}"
+
+    def columns(
+        self, *, observed_version: int | None, conflict_class: ConflictClass
+    ) -> dict[str, Any]:
+        """The write as a row records it (an Action, or a plan's PlanStep)."""
+        return {
+            **{column: getattr(self, column) for column in PROPOSED_COLUMNS},
+            "observed_version": observed_version,
+            "conflict_class": conflict_class,
+        }
 
 
 def _stale_extra(
@@ -238,7 +257,7 @@ def action_propose(
     refused the same way (412 with `queued_action`; approvals/services/queued_writes.py).
     """
     kind = proposal.kind
-    identifier = f"{kind.slug}/{proposal.name}"
+    identifier = proposal.resource_identifier
     conflict_class = kind.class_for(proposal.operation)
     if proposal.operation == "create":
         if not proposal.create_if_absent:
@@ -291,7 +310,7 @@ def precondition_check(
 ) -> tuple[int | None, DomainError | None]:
     """(observed version, None) when the tag matches, (None, the 412 error) when it
     does not; NotFound when updating or deleting a resource that does not exist."""
-    identifier = f"{proposal.kind.slug}/{proposal.name}"
+    identifier = proposal.resource_identifier
     exists = resource is not None and not resource.deleted
     current_etag = resource.etag if resource is not None and exists else None
     if proposal.operation == "create":
@@ -336,7 +355,7 @@ def superseded_by_queued(
     if queued is None:
         return None
     queued_id = queued.id
-    identifier = f"{proposal.kind.slug}/{proposal.name}"
+    identifier = proposal.resource_identifier
     etag = None if observed is None else f'"{observed}"'
     extra = _stale_extra(
         resource=identifier, expected=etag, current=etag, conflict_class=conflict_class
@@ -360,7 +379,7 @@ def _record(
     """Insert the action (audited): pending approval for a per-call class (its
     approval opened), paused under an engaged kill switch, else queued (enqueued
     after commit)."""
-    identifier = f"{proposal.kind.slug}/{proposal.name}"
+    identifier = proposal.resource_identifier
     per_call = conflict_class.approval_mode == "per_call"
     # Under an engaged kill switch a write that needs no approval is
     # recorded `paused` (resumed in order on release), never refused.
@@ -372,28 +391,20 @@ def _record(
     else:
         initial_status = ActionStatus.QUEUED
     action = Action.objects.create(
+        **proposal.columns(observed_version=observed_version, conflict_class=conflict_class),
         run=run,
         agent_id=run.agent_id,
-        kind=proposal.kind,
-        name=proposal.name,
         resource=resource,
-        operation=proposal.operation,
-        payload_format=proposal.payload_format,
-        payload=proposal.payload,
-        observed_version=observed_version,
-        conflict_class=conflict_class,
         status=initial_status,
         paused_reason=switch.reason if switch is not None else "",
         reason=proposal.reason,
         idempotency_key=proposal.idempotency_key,
         request_id=current_request_id()[:128],
     )
-    audit_append(
+    audit_action_event(
+        action,
         event_type="action.proposed",
         actor=Actor.run(run),
-        resource=identifier,
-        run_id=run.pk,
-        action_id=action.id,
         details={
             "operation": proposal.operation,
             "observed_etag": action.observed_etag,

@@ -35,12 +35,11 @@ from approvals.models import (
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.approval_open import approval_details
+from approvals.services.plan_state import plan_end_unapproved_locked, plan_touch
 from approvals.services.plans import (
     plan_admit_locked,
-    plan_end_unapproved_locked,
     plan_escalation_group,
     plan_forbids_owner_approval,
-    plan_touch,
 )
 from approvals.services.run_policy import classes_for_write_set
 from approvals.services.runs import run_activate, run_reject
@@ -60,9 +59,9 @@ from console.permissions import can_decide_approvals, person_of
 from ownership.models import OwnershipRecord
 from ownership.reopen import conflict_reopen_for_resolution
 
-log = logging.getLogger("airlock.approvals")
 escalation_log = logging.getLogger("airlock.escalation")
 
+# A person's comment on a decision (an approval's vote, a conflict's resolution).
 MAX_COMMENT_LENGTH = 2000
 
 

@@ -46,11 +46,12 @@ from approvals.models import (
     PlanStepStatus,
 )
 from approvals.outbox import enqueue_action_execution, enqueue_undo_execution
+from approvals.services.actions import WRITE_COLUMNS
 from approvals.services.attempts import crash_point
-from approvals.services.plans import plan_touch
+from approvals.services.plan_state import plan_touch
 from audit.services import Actor, audit_append
 from console.core.fence import next_fence
-from console.core.operations import open_operation
+from console.core.operations import applied_operation, open_operation
 from console.core.undo import ALREADY_UNDONE, RESOURCE_MOVED
 from ownership.diff import apply_merge_patch
 from ownership.models import Conflict, ConflictOrigin, ConflictStatus, Resource, ResourceVersion
@@ -138,16 +139,11 @@ def _start_step(plan: Plan, step: PlanStep) -> None:
     """The step's write, queued now that every step before it applied."""
     resource = Resource.objects.filter(kind_id=step.kind_id, name=step.name).first()
     action = Action.objects.create(
+        # The step's write exactly as the plan recorded (and checked) it.
+        **{column: getattr(step, column) for column in WRITE_COLUMNS},
         run_id=plan.run_id,
         agent_id=plan.agent_id,
-        kind_id=step.kind_id,
-        name=step.name,
         resource=resource,
-        operation=step.operation,
-        payload_format=step.payload_format,
-        payload=step.payload,
-        observed_version=step.observed_version,
-        conflict_class_id=step.conflict_class_id,
         status=ActionStatus.QUEUED,
         reason=f"plan {plan.pk} step {step.position}: {plan.reason}"[:500],
         request_id=f"plan-{plan.pk}"[:128],
@@ -158,22 +154,13 @@ def _start_step(plan: Plan, step: PlanStep) -> None:
     transaction.on_commit(lambda: enqueue_action_execution(action.pk))
 
 
-def _applied_operation(action: Action) -> Operation | None:
-    return (
-        Operation.objects.filter(action=action, undo_of__isnull=True)
-        .filter(status__in=(OperationStatus.DONE, OperationStatus.UNDONE))
-        .order_by("-started_at")
-        .first()
-    )
-
-
 def _step_verdict(plan: Plan, step: PlanStep) -> Operation | dict[str, Any] | None:
     """The operation that applied the step, the error that refused it for good, or
     None while it is still on its way (queued, paused, or a conflict a person decides)."""
     action = step.action
     assert action is not None
     if action.status == ActionStatus.APPLIED:
-        return _applied_operation(action)
+        return applied_operation(action.pk)
     if action.status == ActionStatus.CONFLICT:
         return _conflict_verdict(plan, step, action)
     if action.status == ActionStatus.UNDONE:
@@ -202,7 +189,7 @@ def _conflict_verdict(
         return {**stale, "routed_to": "person", "resolution": conflict.resolution}
     resolution = Action.objects.get(pk=conflict.resolution_action_id)
     if resolution.status == ActionStatus.APPLIED:
-        return _applied_operation(resolution)
+        return applied_operation(resolution.pk)
     return None  # on its way; a rejected one reopens the conflict
 
 

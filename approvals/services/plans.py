@@ -20,12 +20,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import (
@@ -34,11 +32,8 @@ from approvals.models import (
     Plan,
     PlanStatus,
     PlanStep,
-    PlanStepStatus,
     Run,
-    RunStatus,
 )
-from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_plan_advance
 from approvals.services.actions import (
     Proposal,
@@ -47,12 +42,12 @@ from approvals.services.actions import (
     superseded_by_queued,
 )
 from approvals.services.approval_open import approval_details
+from approvals.services.plan_state import plan_touch
 from approvals.services.preconditions import PreconditionRequired
 from approvals.services.queued_writes import lock_resource_for_proposal, writes_in_flight
-from approvals.services.runs import RunNotActive
+from approvals.services.runs import run_status_for_share
 from approvals.services.write_sets import lock_kinds
 from audit.services import Actor, audit_append
-from console.core.barrier import lock_run_for_share
 from console.core.errors import DomainError, ValidationFailed
 from ownership.models import ApprovalMode, ConflictClass, Resource, TargetType
 
@@ -115,7 +110,7 @@ def _check_shape(steps: Sequence[PlanStepSpec]) -> None:
     seen: dict[str, int] = {}
     for position, spec in enumerate(steps, start=1):
         proposal = spec.proposal
-        identifier = f"{proposal.kind.slug}/{proposal.name}"
+        identifier = proposal.resource_identifier
         if identifier in seen:
             raise _step_error(
                 position,
@@ -152,12 +147,7 @@ def _lock_and_check_authority(run: Run, steps: Sequence[PlanStepSpec]) -> None:
     lock_kinds({p.kind.slug for p in proposals}, shared=True)
     for kind, name in sorted({(p.kind.slug, p.name) for p in proposals}):
         lock_resource_for_proposal(kind, name)
-    state = lock_run_for_share(run.pk)
-    if state is None:
-        raise RunNotActive(f"Run {run.pk} no longer exists.", extra={"run": str(run.pk)})
-    status, expires_at = state
-    if status == RunStatus.ACTIVE and expires_at is not None and expires_at <= timezone.now():
-        status = RunStatus.EXPIRED
+    status = run_status_for_share(run.pk)
     for position, proposal in enumerate(proposals, start=1):
         try:
             authority_check_locked(
@@ -249,13 +239,9 @@ def _record(
         PlanStep(
             plan=plan,
             position=position,
-            kind=spec.proposal.kind,
-            name=spec.proposal.name,
-            operation=spec.proposal.operation,
-            payload_format=spec.proposal.payload_format,
-            payload=spec.proposal.payload,
-            observed_version=observed[position - 1],
-            conflict_class=classes[position - 1],
+            **spec.proposal.columns(
+                observed_version=observed[position - 1], conflict_class=classes[position - 1]
+            ),
             compensation=copy.deepcopy(spec.compensation),
         )
         for position, spec in enumerate(steps, start=1)
@@ -269,7 +255,7 @@ def _record(
             "steps": [
                 {
                     "position": position,
-                    "resource": f"{spec.proposal.kind.slug}/{spec.proposal.name}",
+                    "resource": spec.proposal.resource_identifier,
                     "operation": spec.proposal.operation,
                     "observed_version": observed[position - 1],
                     "conflict_class": classes[position - 1].slug,
@@ -364,25 +350,6 @@ def plan_propose(
 # --- The plan's approval, decided by approvals.services.decisions -------------
 
 
-def plan_touch(
-    *,
-    plan_id: uuid.UUID,
-    run_id: uuid.UUID,
-    from_statuses: tuple[str, ...] | None = None,
-    **fields: Any,
-) -> bool:
-    """One UPDATE of the plan (only from `from_statuses` when given): `fields`, and its
-    ETag (revision) moved; the run's waiters are woken after commit (a plan's long-poll
-    listens on its run's channel). False when the plan was not in `from_statuses`."""
-    plans = Plan.objects.filter(pk=plan_id)
-    if from_statuses is not None:
-        plans = plans.filter(status__in=from_statuses)
-    updated = plans.update(revision=F("revision") + 1, updated_at=timezone.now(), **fields)
-    if updated:
-        transaction.on_commit(partial(notify_run_changed, run_id))
-    return bool(updated)
-
-
 def plan_admit_locked(*, plan_id: uuid.UUID, actor: Actor, approval: Approval) -> bool:
     """The plan's approval reached its quorum (caller's transaction, plan row locked):
     it starts executing after commit. False when it was no longer waiting."""
@@ -401,19 +368,3 @@ def plan_admit_locked(*, plan_id: uuid.UUID, actor: Actor, approval: Approval) -
         details=approval_details(approval, plan=str(plan_id), queued=moved),
     )
     return moved
-
-
-def plan_end_unapproved_locked(*, approval: Approval, status: str, error: dict[str, Any]) -> bool:
-    """The plan's approval was rejected or expired: nothing ran, every step skipped."""
-    assert approval.plan_id is not None
-    ended = plan_touch(
-        plan_id=approval.plan_id,
-        run_id=approval.run_id,
-        from_statuses=(PlanStatus.PENDING_APPROVAL,),
-        status=status,
-        error=error,
-        ended_at=timezone.now(),
-    )
-    if ended:
-        PlanStep.objects.filter(plan_id=approval.plan_id).update(status=PlanStepStatus.SKIPPED)
-    return ended

@@ -68,3 +68,12 @@ def superseding_write(
         ):
             return write
     return None
+
+
+def queued_write_over(kind: str, name: str, version: int) -> uuid.UUID | None:
+    """The approved write already queued to replace `version` of kind/name, if any:
+    a reader told so waits for it instead of proposing a write it would lose."""
+    queued = superseding_write(
+        writes_in_flight(kind, name), creating=False, observed_version=version
+    )
+    return None if queued is None else queued.id

@@ -10,7 +10,7 @@ The console page calls these functions; an API can call the same ones.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 from django.db import transaction
 
@@ -34,17 +34,24 @@ def rule_as_dict(rule: AutoApproveRule) -> dict[str, Any]:
     }
 
 
-def _clean(
-    actor: Actor,
-    kind: str,
-    name_prefix: str,
-    operations: list[str],
-    agent: str | None,
-    description: str,
-) -> dict[str, Any]:
+class RuleFields(TypedDict, total=False):
+    """A rule's editable fields, as create and update take them (keyword arguments)."""
+
+    kind: Required[str]
+    operations: Required[list[str]]
+    name_prefix: str  # "" covers every name of the kind
+    agent: str | None  # None covers every agent
+    description: str
+    enabled: bool  # True unless given
+
+
+def _clean(actor: Actor, fields: RuleFields) -> dict[str, Any]:
     """Who may edit rules (admins: Forbidden otherwise), then every field at once:
     ValidationFailed lists each bad one."""
     require_person(actor, is_admin, "Only admins edit auto-approve rules.")
+    kind, operations = fields["kind"], fields["operations"]
+    name_prefix, agent = fields.get("name_prefix", ""), fields.get("agent")
+    description = fields.get("description", "")
     errors: list[dict[str, str]] = []
     kind_row = ResourceKind.objects.filter(slug=kind).first() if isinstance(kind, str) else None
     if kind_row is None:
@@ -75,23 +82,15 @@ def _clean(
         "operations": [op for op in OPERATIONS if op in operations],
         "agent": agent_row,
         "description": description.strip(),
+        "enabled": bool(fields.get("enabled", True)),
     }
 
 
-def auto_approve_rule_create(
-    *,
-    actor: Actor,
-    kind: str,
-    operations: list[str],
-    name_prefix: str = "",
-    agent: str | None = None,
-    description: str = "",
-    enabled: bool = True,
-) -> AutoApproveRule:
+def auto_approve_rule_create(*, actor: Actor, **fields: Unpack[RuleFields]) -> AutoApproveRule:
     """Create a rule (admins only). Raises Forbidden, ValidationFailed."""
-    values = _clean(actor, kind, name_prefix, operations, agent, description)
+    values = _clean(actor, fields)
     with transaction.atomic():
-        rule = AutoApproveRule.objects.create(**values, enabled=enabled)
+        rule = AutoApproveRule.objects.create(**values)
         audit_append(
             event_type="auto_approve_rule.created",
             actor=actor,
@@ -101,15 +100,7 @@ def auto_approve_rule_create(
 
 
 def auto_approve_rule_update(
-    *,
-    actor: Actor,
-    rule_id: int,
-    kind: str,
-    operations: list[str],
-    name_prefix: str = "",
-    agent: str | None = None,
-    description: str = "",
-    enabled: bool = True,
+    *, actor: Actor, rule_id: int, **fields: Unpack[RuleFields]
 ) -> tuple[AutoApproveRule, bool]:
     """Replace a rule's fields (admins only); disabling is `enabled=False`.
 
@@ -117,8 +108,7 @@ def auto_approve_rule_update(
     (rule, changed): an edit that changes nothing writes no audit row.
     Raises Forbidden, NotFound, ValidationFailed.
     """
-    values = _clean(actor, kind, name_prefix, operations, agent, description)
-    values["enabled"] = bool(enabled)
+    values = _clean(actor, fields)
     with transaction.atomic():
         rule = AutoApproveRule.objects.select_for_update().filter(pk=rule_id).first()
         if rule is None:

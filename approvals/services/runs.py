@@ -23,8 +23,6 @@ from approvals.models import (
     ApprovalStatus,
     Plan,
     PlanStatus,
-    PlanStep,
-    PlanStepStatus,
     Run,
     RunStatus,
     run_end_exempt,
@@ -32,6 +30,7 @@ from approvals.models import (
 from approvals.notify import notify_action_changed, notify_run_changed
 from approvals.outbox import enqueue_plan_advance
 from approvals.services.approval_open import approval_open_for_run
+from approvals.services.plan_state import plans_end_unapproved
 from approvals.services.tokens import RUN_PREFIX, token_generate
 from approvals.services.write_sets import (
     OPEN_ACTION_STATUSES,
@@ -45,6 +44,7 @@ from approvals.services.write_sets import (
 )
 from audit.models import ActorType
 from audit.services import Actor, audit_append
+from console.core.barrier import lock_run_for_share
 from console.core.errors import DomainError, InvalidTransition, NotFound, ValidationFailed
 from console.permissions import can_decide_approvals, require_person
 from ownership.models import OwnershipRecord
@@ -181,14 +181,31 @@ def run_heartbeat(*, run: Run, actor: Actor) -> Run:
     return run
 
 
-def _effective_status(run: Run, now: datetime) -> str:
-    if run.status == RunStatus.ACTIVE and run.expires_at <= now:
+def _effective(status: str, expires_at: datetime | None, now: datetime) -> str:
+    """An active run past `expires_at` is expired, before the sweep says so."""
+    if status == RunStatus.ACTIVE and expires_at is not None and expires_at <= now:
         return RunStatus.EXPIRED
-    return str(run.status)
+    return status
+
+
+def _effective_status(run: Run, now: datetime) -> str:
+    return _effective(str(run.status), run.expires_at, now)
 
 
 def run_effective_status(run: Run) -> str:
     return _effective_status(run, timezone.now())
+
+
+def run_status_for_share(run_id: Any) -> str:
+    """The run row FOR SHARE (caller's transaction, after the per-kind and per-resource
+    locks of the one lock order) and its effective status: a revoke, finish or expiry
+    either committed before (seen here) or waits for the caller to commit.
+    Raises RunNotActive when the run no longer exists."""
+    state = lock_run_for_share(run_id)
+    if state is None:
+        raise RunNotActive(f"Run {run_id} no longer exists.", extra={"run": str(run_id)})
+    status, expires_at = state
+    return _effective(status, expires_at, timezone.now())
 
 
 def run_require_own_active(*, actor: Actor, run_id: Any) -> None:
@@ -231,7 +248,7 @@ def _end(
         return False
     transaction.on_commit(partial(notify_run_changed, run_id))
     OwnershipRecord.objects.filter(run_id=run_id, active=True).update(active=False, released_at=now)
-    ended_plans = _end_plans(run_id, status=status, now=now)
+    ended_plans = _end_plans(run_id, status=status)
     # The project's lock order: run -> plans -> actions -> approvals -> audit head last
     # (approval_decide and action_cancel take the action before its approval).
     # A person's conflict resolution, and an external write that may already have
@@ -266,30 +283,21 @@ def _end(
     return True
 
 
-def _end_plans(run_id: Any, *, status: str, now: datetime) -> list[str]:
+def _end_plans(run_id: Any, *, status: str) -> list[str]:
     """A run's end: a plan still waiting for its approval is cancelled (nothing ran, its
     approval is cancelled with the others); a plan on its way compensates — its
     current step's write is closed with the run's other open actions — so it is moved
     now rather than at the reconciler's next pass. Returns the cancelled plans."""
-    waiting = [
-        str(plan_id)
-        for plan_id in Plan.objects.filter(
-            run_id=run_id, status=PlanStatus.PENDING_APPROVAL
-        ).values_list("pk", flat=True)
-    ]
-    if waiting:
-        Plan.objects.filter(pk__in=waiting).update(
-            status=PlanStatus.CANCELLED,
-            error={"code": "run_not_active", "detail": f"the run was {status}"},
-            ended_at=now,
-            revision=F("revision") + 1,
-        )
-        PlanStep.objects.filter(plan_id__in=waiting).update(status=PlanStepStatus.SKIPPED)
+    cancelled = plans_end_unapproved(
+        run_id=run_id,
+        status=PlanStatus.CANCELLED,
+        error={"code": "run_not_active", "detail": f"the run was {status}"},
+    )
     for plan_id in Plan.objects.filter(run_id=run_id, status=PlanStatus.EXECUTING).values_list(
         "pk", flat=True
     ):
         transaction.on_commit(partial(enqueue_plan_advance, plan_id))
-    return waiting
+    return [str(plan_id) for plan_id in cancelled]
 
 
 def run_finish(*, run: Run, actor: Actor) -> Run:

@@ -39,11 +39,10 @@ from approvals.services.attempts import (
     operation_lease_seconds,
     worker_name,
 )
-from approvals.services.runs import RunNotActive, run_require_own_active
+from approvals.services.runs import RunNotActive, run_require_own_active, run_status_for_share
 from audit.models import ActorType
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
-from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     Forbidden,
     InvalidTransition,
@@ -56,7 +55,7 @@ from console.core.errors import (
 from console.core.fence import next_fence
 from console.core.killswitch import engaged_switch_for, hold_switches_shared
 from console.core.lock import FencedLock
-from console.core.operations import open_operation
+from console.core.operations import applied_operation, open_operation
 from console.core.undo import RESOURCE_MOVED, STALE_FENCE, UndoOutcome, apply_undo
 from console.permissions import can_undo_as_person, require_person
 from ownership.models import Resource, TargetType
@@ -106,12 +105,7 @@ def _require_active_run(run_id: uuid.UUID) -> None:
     """A run token undoes only while its run is active (a revoked run's token is no
     credential for production changes). FOR SHARE on the run: a revoke committing
     first is seen, one arriving later waits for us."""
-    run_state = lock_run_for_share(run_id)
-    if (
-        run_state is None
-        or run_state[0] != RunStatus.ACTIVE
-        or (run_state[1] is not None and run_state[1] <= timezone.now())
-    ):
+    if run_status_for_share(run_id) != RunStatus.ACTIVE:
         raise RunNotActive(
             f"Run {run_id} is not active; only an active run's token may undo.",
             extra={"run": str(run_id)},
@@ -184,11 +178,7 @@ def action_undo_request(
 
 def _applied_operation(action: Action) -> Operation:
     """The applied write an undo restores; InvalidTransition when there is none."""
-    original = (
-        Operation.objects.filter(action=action, undo_of__isnull=True, status__in=("done", "undone"))
-        .order_by("-started_at")
-        .first()
-    )
+    original = applied_operation(action.pk)
     if original is None:
         raise InvalidTransition(
             f"The action is {action.status}; there is no applied write to undo.",

@@ -4,23 +4,15 @@ live while it runs."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404
 from django.views.decorators.http import require_GET
 
-from approvals.models import Decision, Plan
+from approvals.models import Decision
 from approvals.selectors import plan_detail, plans_visible_to
 from approvals.views.plan_rows import plan_step_rows
 from console.pages import console_page, is_htmx, pretty, render_fragment_or_page
-
-
-def _plan_for(user: Any, plan_id: uuid.UUID) -> Plan:
-    plan = plans_visible_to(user).filter(pk=plan_id).first()
-    if plan is None:
-        raise Http404("No such plan")
-    found: Plan = plan
-    return found
 
 
 @console_page
@@ -28,7 +20,7 @@ def _plan_for(user: Any, plan_id: uuid.UUID) -> Plan:
 def plan_page(request: HttpRequest, plan_id: uuid.UUID) -> HttpResponse:
     """The whole page, or (htmx) its live part, which polls itself and is answered
     with 286 once the plan is final so the poll stops."""
-    plan = _plan_for(request.user, plan_id)
+    plan = get_object_or_404(plans_visible_to(request.user), pk=plan_id)
     detail = plan_detail(plan)
     approval = detail["approval"]
     decisions = list(approval.decisions.all()) if approval is not None else []

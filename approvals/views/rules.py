@@ -19,6 +19,7 @@ from console.pages import (
     console_page,
     error_status,
     forbid_unless,
+    forbid_unless_reader,
     render_fragment_or_page,
 )
 
@@ -62,17 +63,13 @@ def _rule_values(form: AutoApproveRuleForm) -> dict[str, Any]:
     }
 
 
-def _rules_visible(request: HttpRequest) -> None:
-    forbid_unless(
-        permissions.can_read_everything(request.user),
-        "Auto-approve rules are shown to operators, admins and auditors.",
-    )
+_READERS_ONLY = "Auto-approve rules are shown to operators, admins and auditors."
 
 
 @console_page
 @require_GET
 def rules_page(request: HttpRequest) -> HttpResponse:
-    _rules_visible(request)
+    forbid_unless_reader(request, _READERS_ONLY)
     form = None
     editing = None
     edit = request.GET.get("edit", "")
@@ -85,7 +82,7 @@ def rules_page(request: HttpRequest) -> HttpResponse:
 
 
 def _rule_save(request: HttpRequest, rule_id: int | None) -> HttpResponse:
-    _rules_visible(request)
+    forbid_unless_reader(request, _READERS_ONLY)
     forbid_unless(permissions.is_admin(request.user), "Only admins edit auto-approve rules.")
     editing = None
     if rule_id is not None:
@@ -122,7 +119,7 @@ def rule_update_view(request: HttpRequest, rule_id: int) -> HttpResponse:
 @require_POST
 def rule_enable_view(request: HttpRequest, rule_id: int) -> HttpResponse:
     """Disable or re-enable a rule, keeping its other fields (the form is a single button)."""
-    _rules_visible(request)
+    forbid_unless_reader(request, _READERS_ONLY)
     forbid_unless(permissions.is_admin(request.user), "Only admins edit auto-approve rules.")
     rule = get_object_or_404(AutoApproveRule.objects.select_related("agent"), pk=rule_id)
     enabled = request.POST.get("enabled")
@@ -149,7 +146,7 @@ def rule_enable_view(request: HttpRequest, rule_id: int) -> HttpResponse:
 @console_page
 @require_POST
 def rule_delete_view(request: HttpRequest, rule_id: int) -> HttpResponse:
-    _rules_visible(request)
+    forbid_unless_reader(request, _READERS_ONLY)
     forbid_unless(permissions.is_admin(request.user), "Only admins edit auto-approve rules.")
     deleted = rule_services.auto_approve_rule_delete(
         actor=Actor.person(request.user), rule_id=rule_id

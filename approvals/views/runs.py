@@ -8,8 +8,8 @@ from typing import Any
 
 from django.contrib import messages
 from django.db.models import Exists, OuterRef, Prefetch
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
-from django.shortcuts import render
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
@@ -38,16 +38,8 @@ from ownership.models import OwnershipRecord
 
 
 def _action_for(user: Any, action_id: uuid.UUID) -> Action:
-    action = (
-        actions_visible_to(user)
-        .select_related("run", "agent", "resource", "conflict_class")
-        .filter(pk=action_id)
-        .first()
-    )
-    if action is None:
-        raise Http404("No such action")
-    found: Action = action
-    return found
+    related = ("run", "agent", "resource", "conflict_class")
+    return get_object_or_404(actions_visible_to(user).select_related(*related), pk=action_id)
 
 
 @console_page
@@ -118,11 +110,7 @@ def runs_list(request: HttpRequest) -> HttpResponse:
 
 
 def _run_for(user: Any, run_id: uuid.UUID) -> Run:
-    run = run_list_for_actor(user).select_related("agent").filter(pk=run_id).first()
-    if run is None:
-        raise Http404("No such run")
-    found: Run = run
-    return found
+    return get_object_or_404(run_list_for_actor(user).select_related("agent"), pk=run_id)
 
 
 def _run_context(request: HttpRequest, run: Run) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from console.pages import (
 def _tokens_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
     user = request.user
     admin = permissions.is_admin(user)
-    context: dict[str, Any] = {
+    return {
         "nav": "tokens",
         "personal_tokens": list(
             PersonalToken.objects.filter(user=signed_in(request)).order_by("-created_at")[:100]
@@ -55,9 +55,8 @@ def _tokens_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
         "agent_form": AgentCreateForm(),
         "agent_token_form": AgentTokenCreateForm(),
         "now": timezone.now(),
+        **extra,
     }
-    context.update(extra)
-    return context
 
 
 EVENT_TOKENS = "tokens-changed"

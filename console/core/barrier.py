@@ -567,16 +567,19 @@ def _executor(actor: Actor, action: Action) -> dict[str, Any]:
 
 def _finished_outcome(action: Action, operation: Operation) -> WriteOutcome:
     """The recorded outcome of an operation that already finished (no new writes)."""
+    which: dict[str, Any] = {
+        "action_id": action.pk,
+        "operation_id": operation.pk,
+        "fence": operation.fence,
+        "resource_id": action.resource_id,
+    }
     if operation.status == OperationStatus.DONE or operation.status == OperationStatus.UNDONE:
         return WriteOutcome(
             applied=True,
-            action_id=action.pk,
-            operation_id=operation.pk,
-            fence=operation.fence,
-            resource_id=action.resource_id,
             base_version=operation.base_version,
             result_version=operation.result_version,
             undo_deadline=operation.undo_deadline,
+            **which,
         )
     recorded = operation.outcome or {}
     known = {f for f in Refusal.__dataclass_fields__ if f in recorded}
@@ -585,11 +588,4 @@ def _finished_outcome(action: Action, operation: Operation) -> WriteOutcome:
         if {"reason", "message"} <= known
         else Refusal(OPERATION_NOT_PENDING, f"the operation is {operation.status}")
     )
-    return WriteOutcome(
-        applied=False,
-        action_id=action.pk,
-        operation_id=operation.pk,
-        fence=operation.fence,
-        resource_id=action.resource_id,
-        refusal=refusal,
-    )
+    return WriteOutcome(applied=False, refusal=refusal, **which)

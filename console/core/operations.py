@@ -20,6 +20,17 @@ from console.core.errors import InvalidTransition, NotFound
 EXECUTABLE_STATUSES = (ActionStatus.QUEUED, ActionStatus.PAUSED, ActionStatus.EXECUTING)
 
 
+def applied_operation(action_id: uuid.UUID | str) -> Operation | None:
+    """The action's latest write that applied (done, or undone since): what an undo
+    restores and what a plan's step produced; None when it never wrote."""
+    return (
+        Operation.objects.filter(action_id=action_id, undo_of__isnull=True)
+        .filter(status__in=(OperationStatus.DONE, OperationStatus.UNDONE))
+        .order_by("-started_at")
+        .first()
+    )
+
+
 def open_operation(
     *,
     action_id: uuid.UUID | str,

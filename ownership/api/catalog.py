@@ -5,12 +5,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from django.db import models
 from django.http import HttpRequest, HttpResponse
-from ninja import Router
+from ninja import Router, Schema
 
 from audit.services import Actor
-from console.api_support import RoleBearer, json_response, rate_limit_writes
-from console.auth import any_token, principal_of
+from console.api_support import RoleBearer, json_response, writing_principal
+from console.auth import any_token
 from console.core.errors import NotFound
 from console.permissions import is_admin
 from console.problems import errors
@@ -26,11 +31,49 @@ from ownership.api.schemas import (
 from ownership.models import ConflictClass, ResourceKind
 from ownership.services import catalog
 
-router = Router()
+router = Router(tags=["catalog"])
 
 # Admin endpoints decide 401/403 before the body is validated (no schema leak).
 class_admin_token = RoleBearer(is_admin, "Only admins edit the conflict-class table.")
 kind_admin_token = RoleBearer(is_admin, "Only admins edit resource kinds.")
+
+Row = TypeVar("Row", bound=models.Model)
+
+
+@dataclass(frozen=True)
+class _Table(Generic[Row]):
+    """One catalog table as the API serves it: every row, one row by slug, and a
+    create-or-replace by an admin through the table's audited save verb."""
+
+    model: type[Row]
+    noun: str
+    as_dict: Callable[[Row], dict[str, Any]]
+    save: Callable[..., tuple[Row, bool]]
+
+    def rows(self) -> HttpResponse:
+        items = [self.as_dict(row) for row in self.model._default_manager.order_by("slug")]
+        return json_response({"items": items})
+
+    def row(self, slug: str) -> HttpResponse:
+        found = self.model._default_manager.filter(slug=slug).first()
+        if found is None:
+            raise NotFound(f"{self.noun} {slug!r} not found.")
+        return json_response(self.as_dict(found))
+
+    def put(self, request: HttpRequest, payload: Schema, slug: str) -> HttpResponse:
+        principal = writing_principal(request)
+        saved, created = self.save(
+            slug=slug, data=payload.model_dump(), actor=Actor.person(principal.user)
+        )
+        return json_response(self.as_dict(saved), status=201 if created else 200)
+
+
+CLASSES = _Table(
+    ConflictClass, "Conflict class", catalog.conflict_class_as_dict, catalog.conflict_class_save
+)
+KINDS = _Table(
+    ResourceKind, "Resource kind", catalog.resource_kind_as_dict, catalog.resource_kind_save
+)
 
 
 @router.get(
@@ -38,11 +81,9 @@ kind_admin_token = RoleBearer(is_admin, "Only admins edit resource kinds.")
     auth=any_token,
     response={200: ConflictClassList, **errors(401)},
     summary="The conflict-class table",
-    tags=["catalog"],
 )
 def conflict_class_list(request: HttpRequest) -> HttpResponse:
-    items = [catalog.conflict_class_as_dict(c) for c in ConflictClass.objects.order_by("slug")]
-    return json_response({"items": items})
+    return CLASSES.rows()
 
 
 @router.get(
@@ -50,13 +91,9 @@ def conflict_class_list(request: HttpRequest) -> HttpResponse:
     auth=any_token,
     response={200: ConflictClassOut, **errors(401, 404)},
     summary="One conflict class",
-    tags=["catalog"],
 )
 def conflict_class_get(request: HttpRequest, slug: str = KindPath) -> HttpResponse:
-    klass = ConflictClass.objects.filter(slug=slug).first()
-    if klass is None:
-        raise NotFound(f"Conflict class {slug!r} not found.")
-    return json_response(catalog.conflict_class_as_dict(klass))
+    return CLASSES.row(slug)
 
 
 @router.put(
@@ -68,17 +105,11 @@ def conflict_class_get(request: HttpRequest, slug: str = KindPath) -> HttpRespon
     "(`slug`, `retryable_by_agent`, `updated_at`) are ignored when they match and a 422 "
     "names them when they contradict. A person who is not an admin gets 403 before the "
     "body is looked at.",
-    tags=["catalog"],
 )
 def conflict_class_put(
     request: HttpRequest, payload: ConflictClassIn, slug: str = KindPath
 ) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
-    klass, created = catalog.conflict_class_save(
-        slug=slug, data=payload.model_dump(), actor=Actor.person(principal.user)
-    )
-    return json_response(catalog.conflict_class_as_dict(klass), status=201 if created else 200)
+    return CLASSES.put(request, payload, slug)
 
 
 @router.get(
@@ -86,11 +117,9 @@ def conflict_class_put(
     auth=any_token,
     response={200: ResourceKindList, **errors(401)},
     summary="Resource kinds and the class of each operation",
-    tags=["catalog"],
 )
 def resource_kind_list(request: HttpRequest) -> HttpResponse:
-    items = [catalog.resource_kind_as_dict(k) for k in ResourceKind.objects.order_by("slug")]
-    return json_response({"items": items})
+    return KINDS.rows()
 
 
 @router.get(
@@ -98,13 +127,9 @@ def resource_kind_list(request: HttpRequest) -> HttpResponse:
     auth=any_token,
     response={200: ResourceKindOut, **errors(401, 404)},
     summary="One resource kind",
-    tags=["catalog"],
 )
 def resource_kind_get(request: HttpRequest, kind: str = KindPath) -> HttpResponse:
-    found = ResourceKind.objects.filter(slug=kind).first()
-    if found is None:
-        raise NotFound(f"Resource kind {kind!r} not found.")
-    return json_response(catalog.resource_kind_as_dict(found))
+    return KINDS.row(kind)
 
 
 @router.put(
@@ -115,14 +140,8 @@ def resource_kind_get(request: HttpRequest, kind: str = KindPath) -> HttpRespons
     description="Takes the representation `GET` returned as it is: the read-only members "
     "(`kind`, `updated_at`) are ignored when they match and a 422 names them when they "
     "contradict. A person who is not an admin gets 403 before the body is looked at.",
-    tags=["catalog"],
 )
 def resource_kind_put(
     request: HttpRequest, payload: ResourceKindIn, kind: str = KindPath
 ) -> HttpResponse:
-    principal = principal_of(request)
-    rate_limit_writes(principal)
-    found, created = catalog.resource_kind_save(
-        slug=kind, data=payload.model_dump(), actor=Actor.person(principal.user)
-    )
-    return json_response(catalog.resource_kind_as_dict(found), status=201 if created else 200)
+    return KINDS.put(request, payload, kind)

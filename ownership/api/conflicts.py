@@ -26,15 +26,13 @@ from ownership.api.serialize import conflict_json
 from ownership.selectors import conflict_get_for_person, conflict_list_for_person
 from ownership.services.resolution import conflict_resolve
 
-router = Router()
+router = Router(auth=person_token, tags=["conflicts"])
 
 
 @router.get(
     "/conflicts",
-    auth=person_token,
     response={200: ConflictPage, **errors(400, 401, 403, 422)},
     summary="Conflicts visible to the caller (mine=true: those the caller may resolve)",
-    tags=["conflicts"],
 )
 def conflict_list(
     request: HttpRequest,
@@ -51,10 +49,8 @@ def conflict_list(
 
 @router.get(
     "/conflicts/{conflict_id}",
-    auth=person_token,
     response={200: ConflictOut, **errors(401, 403, 404, 422)},
     summary="A conflict with its three documents and field-level diff",
-    tags=["conflicts"],
 )
 def conflict_get(request: HttpRequest, conflict_id: uuid.UUID) -> HttpResponse:
     conflict = conflict_get_for_person(principal_of(request).user, conflict_id)
@@ -63,10 +59,8 @@ def conflict_get(request: HttpRequest, conflict_id: uuid.UUID) -> HttpResponse:
 
 @router.post(
     "/conflicts/{conflict_id}/resolution",
-    auth=person_token,
     response={200: ConflictOut, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
     summary="Resolve a conflict (resolver group only)",
-    tags=["conflicts"],
 )
 def conflict_resolution(
     request: HttpRequest, conflict_id: uuid.UUID, payload: ResolutionIn

@@ -18,6 +18,7 @@ from approvals.models import Action
 from approvals.services import actions as action_services
 from approvals.services import idempotency, preconditions
 from approvals.services.preconditions import TagCondition
+from approvals.services.queued_writes import queued_write_over
 from audit.services import Actor
 from console.api_support import (
     RESOURCE_CURSOR_PATTERN,
@@ -46,7 +47,10 @@ from ownership.api.schemas import (
 from ownership.api.serialize import resource_json
 from ownership.models import Resource
 
-router = Router()
+router = Router(tags=["resources"])
+
+# On a read: the approved write already queued to replace the version read (its id).
+QUEUED_ACTION_HEADER = "Airlock-Queued-Action"
 
 # By kind, then name; the cursor is the last `kind/name` (RESOURCE_CURSOR_PATTERN).
 _BY_KIND_AND_NAME = Keyset(
@@ -73,15 +77,24 @@ _READ_HEADERS = [
     auth=any_token,
     response={200: ResourceOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read a resource (strong ETag)",
-    tags=["resources"],
     openapi_extra={
         "parameters": _READ_HEADERS,
         "responses": {
             "200": {
                 "description": "The resource",
-                "headers": {"ETag": {"schema": {"type": "string"}}},
+                "headers": {
+                    "ETag": {"schema": {"type": "string"}},
+                    QUEUED_ACTION_HEADER: {
+                        "schema": {"type": "string", "format": "uuid"},
+                        "description": "Present when an approved write is already queued "
+                        "to replace this version: a write based on it would be refused "
+                        "(412 with `queued_action`). Wait for that action (GET "
+                        "/api/v1/actions/{id} with `Prefer: wait=N`; readable when it is your "
+                        "agent's own), then re-read.",
+                    },
+                },
             },
-            "304": {"description": "Not modified"},
+            "304": {"description": "Not modified (with the same Airlock-Queued-Action)"},
         },
     },
 )
@@ -89,12 +102,16 @@ def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePat
     resource = Resource.objects.filter(kind_id=kind, name=name, deleted=False).first()
     if resource is None:
         raise NotFound(f"{kind}/{name} does not exist.")
-    return conditional_response(
+    response = conditional_response(
         etag=resource.etag,
         body=json_bytes(resource_json(resource)),
         condition=preconditions.read_condition(request.headers.get("If-None-Match")),
         wait=None,
     )
+    queued = queued_write_over(kind, name, resource.version)
+    if queued is not None:
+        response[QUEUED_ACTION_HEADER] = str(queued)
+    return response
 
 
 @router.get(
@@ -102,7 +119,6 @@ def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePat
     auth=any_token,
     response={200: ResourcePage, **errors(400, 401, 422)},
     summary="List resources by kind and name prefix",
-    tags=["resources"],
 )
 def resource_list(
     request: HttpRequest,
@@ -304,7 +320,6 @@ def _propose(run: Any, proposal: action_services.Proposal, record_id: int) -> Ht
     auth=run_token,
     response={202: ActionOut, **_WRITE_ERRORS},
     summary="Replace a resource's document (If-Match) or create it (If-None-Match: *)",
-    tags=["resources"],
     openapi_extra={
         "parameters": [*_WRITE_HEADERS, _CREATE_HEADER],
         "requestBody": _object_body("application/json"),
@@ -320,7 +335,6 @@ def resource_put(request: HttpRequest, kind: str = KindPath, name: str = NamePat
     auth=run_token,
     response={202: ActionOut, **_WRITE_ERRORS},
     summary="Change a resource with a JSON merge patch (RFC 7396)",
-    tags=["resources"],
     openapi_extra={
         "parameters": _WRITE_HEADERS,
         "requestBody": _object_body("application/merge-patch+json"),
@@ -338,7 +352,6 @@ def resource_patch(
     auth=run_token,
     response={202: ActionOut, **_WRITE_ERRORS},
     summary="Delete a resource (If-Match)",
-    tags=["resources"],
     openapi_extra={"parameters": _WRITE_HEADERS, "responses": _WRITE_RESPONSES},
 )
 def resource_delete(

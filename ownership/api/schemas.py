@@ -83,20 +83,25 @@ ReadOnlyTimestamp = Annotated[str, BeforeValidator(_timestamp)]
 _READ_ONLY = "Read-only, accepted so that GET -> edit -> PUT works: "
 
 
-class ConflictClassIn(Schema):
+class _CatalogRowIn(Schema):
+    """A catalog row as PUT takes it: strict, and the server's stamp accepted back."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    updated_at: ReadOnlyTimestamp | None = Field(
+        None,
+        description=_READ_ONLY + "stamped by the server; any date-time is ignored.",
+        json_schema_extra={"format": "date-time"},
+    )
+
+
+class ConflictClassIn(_CatalogRowIn):
     slug: str | None = Field(
         None, pattern=KIND_PATTERN, description=_READ_ONLY + "must equal the path's slug."
     )
     retryable_by_agent: bool | None = Field(
         None,
         description=_READ_ONLY + "derived (`resolver` is `agent`); 422 when it contradicts.",
-    )
-    updated_at: ReadOnlyTimestamp | None = Field(
-        None,
-        description=_READ_ONLY + "stamped by the server; any date-time is ignored.",
-        json_schema_extra={"format": "date-time"},
     )
 
     name: str = Field(..., min_length=1, max_length=200, pattern=TEXT_PATTERN)
@@ -122,16 +127,9 @@ class KindClasses(Schema):
     delete: str = Field(..., pattern=KIND_PATTERN)
 
 
-class ResourceKindIn(Schema):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ResourceKindIn(_CatalogRowIn):
     kind: str | None = Field(
         None, pattern=KIND_PATTERN, description=_READ_ONLY + "must equal the path's kind."
-    )
-    updated_at: ReadOnlyTimestamp | None = Field(
-        None,
-        description=_READ_ONLY + "stamped by the server; any date-time is ignored.",
-        json_schema_extra={"format": "date-time"},
     )
 
     classes: KindClasses

@@ -69,18 +69,8 @@ def _read_only_contradictions(
 def conflict_class_as_dict(klass: ConflictClass) -> dict[str, Any]:
     return {
         "slug": klass.slug,
-        "name": klass.name,
-        "description": klass.description,
-        "approval_mode": klass.approval_mode,
-        "on_conflict": klass.on_conflict,
-        "resolver": klass.resolver,
+        **{name: getattr(klass, name) for name in CLASS_FIELDS},
         "retryable_by_agent": klass.retryable_by_agent,
-        "quorum": klass.quorum,
-        "undo_window_seconds": klass.undo_window_seconds,
-        "approval_ttl_seconds": klass.approval_ttl_seconds,
-        "escalation_seconds": klass.escalation_seconds,
-        "escalation_group": klass.escalation_group,
-        "forbid_agent_owner_approval": klass.forbid_agent_owner_approval,
         "updated_at": klass.updated_at.isoformat(),
     }
 

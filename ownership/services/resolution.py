@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import uuid
-from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -30,13 +29,12 @@ from approvals.models import (
 from approvals.outbox import (
     enqueue_action_execution,
     enqueue_plan_after_action,
-    notify_action_on_commit,
 )
 from approvals.services.approval_open import (
     approval_open_for_resolution,
     resolution_needs_votes,
 )
-from approvals.services.decisions import answers_for_agent
+from approvals.services.decisions import MAX_COMMENT_LENGTH, answers_for_agent
 from audit.models import ActorType, AuditEvent
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
@@ -55,9 +53,8 @@ from ownership.models import (
     ConflictStatus,
     ResolutionChoice,
 )
+from ownership.reopen import Resolution, conflict_resolution_set
 from ownership.selectors import conflict_may_resolve
-
-MAX_COMMENT_LENGTH = 2000
 
 
 def _validate_choices(conflict: Conflict, fields: dict[str, Any] | None) -> dict[str, str]:
@@ -222,41 +219,10 @@ def _resolution_action_create(conflict: Conflict, document: dict[str, Any] | Non
     )
 
 
-def _conflict_close(
-    conflict: Conflict,
-    *,
-    choice: str,
-    choices: dict[str, str],
-    comment: str,
-    person: Any,
-    actor: Actor,
-    new_action: Action | None,
-    now: datetime,
-) -> None:
+def _conflict_close(conflict: Conflict, resolution: Resolution, *, actor: Actor) -> None:
     """Mark the conflict resolved, note the resolution on the original action, audit."""
-    action = conflict.action
-    Conflict.objects.filter(pk=conflict.pk).update(
-        status=ConflictStatus.RESOLVED,
-        resolution=choice,
-        resolution_fields=choices,
-        resolution_comment=comment,
-        resolved_by=person,
-        resolved_at=now,
-        resolution_action=new_action,
-    )
-    error = dict(action.error) if isinstance(action.error, dict) else {}
-    error["resolution"] = {
-        "conflict_id": str(conflict.pk),
-        "choice": choice,
-        "by": person.get_username(),
-        "comment": comment,
-        "at": now.isoformat(),
-        "action": str(new_action.pk) if new_action else None,
-    }
-    Action.objects.filter(pk=action.pk).update(
-        error=error, revision=action.revision + 1, updated_at=now
-    )
-    notify_action_on_commit(action.pk)
+    action, new_action = conflict.action, resolution.resolution_action
+    conflict_resolution_set(conflict, resolution)
     # A plan waiting on this conflict (a step's, or a compensation's) goes on.
     transaction.on_commit(partial(enqueue_plan_after_action, action.pk))
     audit_action_event(
@@ -265,9 +231,9 @@ def _conflict_close(
         actor=actor,
         details={
             "conflict": str(conflict.pk),
-            "choice": choice,
-            "fields": choices,
-            "comment": comment,
+            "choice": resolution.resolution,
+            "fields": resolution.resolution_fields,
+            "comment": resolution.resolution_comment,
             "resolution_action": str(new_action.pk) if new_action else None,
         },
     )
@@ -320,21 +286,12 @@ def conflict_resolve(
     with transaction.atomic():
         conflict, person = _lock_for_resolver(conflict_id, actor)
         choices = _validate_choices(conflict, fields) if choice == ResolutionChoice.MERGE else {}
-        now = timezone.now()
         new_action = None
         if choice != ResolutionChoice.KEEP_CURRENT:
             document = _resolution_document(conflict, choice, choices)
             new_action = _resolution_action_create(conflict, document)
-        _conflict_close(
-            conflict,
-            choice=choice,
-            choices=choices,
-            comment=comment,
-            person=person,
-            actor=actor,
-            new_action=new_action,
-            now=now,
-        )
+        resolution = Resolution(choice, choices, comment, person, timezone.now(), new_action)
+        _conflict_close(conflict, resolution, actor=actor)
         if new_action is not None:
             _resolution_action_submit(
                 conflict,

@@ -14,7 +14,7 @@ from django.contrib.auth.models import Group
 from playwright.sync_api import expect
 
 from approvals.models import Action
-from audit.services import Actor, audit_append
+from audit.services import Actor
 from ownership.models import Conflict, Resource
 from tests.browser.conftest import WatchedPages, check_accessibility, screenshot, sign_in
 from tests.fixtures.console import PASSWORD, People, World
@@ -128,21 +128,8 @@ def test_every_main_page_reads_well_and_has_no_serious_accessibility_violation(
 ) -> None:
     for name in ("release-owners", "platform", "operators"):
         people.admin.groups.add(Group.objects.get_or_create(name=name)[0])
-    audit_append(
-        event_type="action.proposed",
-        actor=Actor.run(world.run),
-        resource=world.resource.identifier,
-        run_id=world.run.id,
-        action_id=world.action.id,
-        details={"operation": "update"},
-    )
-    audit_append(
-        event_type="conflict.opened",
-        actor=Actor.system(),
-        resource=world.resource.identifier,
-        run_id=world.run.id,
-        action_id=world.conflict_action.id,
-    )
+    world.audit("action.proposed", details={"operation": "update"})
+    world.audit("conflict.opened", actor=Actor.system(), action=world.conflict_action)
     page = pages.new()
     page.goto("/login/")
     problems = check_accessibility(page, "login")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,37 +35,6 @@ class Live:
     url: str
     operator_token: str
 
-    def pending_approval(
-        self,
-        *,
-        run: str | None = None,
-        action: str | None = None,
-        plan: str | None = None,
-        agent: str | None = None,
-        timeout: float = 30,
-    ) -> str:
-        """The id of the pending approval of a run, an action, a plan or (`agent`) an
-        action of that agent, once it exists."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            page = httpx.get(
-                f"{self.url}/api/v1/approvals?status=pending&limit=200",
-                headers={"Authorization": f"Bearer {self.operator_token}"},
-                timeout=10,
-            ).json()
-            for item in page["items"]:
-                if (
-                    (run and item["subject"] == "run" and item["run"] == run)
-                    or (action and item.get("action") == action)
-                    or (plan and item.get("plan") == plan)
-                    or (agent and item["subject"] == "action" and item["agent"] == agent)
-                ):
-                    return str(item["id"])
-            time.sleep(0.05)
-        raise AssertionError(
-            f"no pending approval for run={run} action={action} plan={plan} agent={agent}"
-        )
-
     def decide(
         self,
         *,
@@ -77,9 +46,19 @@ class Live:
         comment: str = "",
         timeout: float = 30,
     ) -> None:
-        approval = self.pending_approval(
-            run=run, action=action, plan=plan, agent=agent, timeout=timeout
-        )
+        """Decide the pending approval of a run, an action, a plan or (`agent`) an action
+        of that agent, once it exists."""
+
+        def wanted(item: dict[str, Any]) -> bool:
+            return bool(
+                (run and item["subject"] == "run" and item["run"] == run)
+                or (action and item.get("action") == action)
+                or (plan and item.get("plan") == plan)
+                or (agent and item["subject"] == "action" and item["agent"] == agent)
+            )
+
+        what = f"run={run} action={action} plan={plan} agent={agent}"
+        approval = self._pending_approval(wanted, what, timeout)
         response = httpx.post(
             f"{self.url}/api/v1/approvals/{approval}/decision",
             headers={"Authorization": f"Bearer {self.operator_token}"},
@@ -87,6 +66,22 @@ class Live:
             timeout=10,
         )
         assert response.status_code == 200, response.text
+
+    def _pending_approval(
+        self, wanted: Callable[[dict[str, Any]], bool], what: str, timeout: float
+    ) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            page = httpx.get(
+                f"{self.url}/api/v1/approvals?status=pending&limit=200",
+                headers={"Authorization": f"Bearer {self.operator_token}"},
+                timeout=10,
+            ).json()
+            for item in page["items"]:
+                if wanted(item):
+                    return str(item["id"])
+            time.sleep(0.05)
+        raise AssertionError(f"no pending approval for {what}")
 
     def approve_next_run_of(self, agent_token: str) -> threading.Thread:
         """In the background: approve the agent's next pending run (the client's
@@ -111,10 +106,17 @@ class Live:
 
 
 @pytest.fixture
-def live(rq_worker: Any, transactional_db: Any, prod_alerts: Any) -> Iterator[Live]:
-    # rq_worker points settings.REDIS_URL at a private redis-server first, so the web
-    # server, the worker and this process share it.
+def live(live_without_worker: Live, rq_worker: Any) -> Live:
     rq_worker()
+    return live_without_worker
+
+
+@pytest.fixture
+def live_without_worker(rq_worker: Any, transactional_db: Any, prod_alerts: Any) -> Iterator[Live]:
+    """The live server with no RQ worker yet: approved writes stay queued until the
+    test starts one (`rq_worker()`)."""
+    # rq_worker points settings.REDIS_URL at a private redis-server, so the web server,
+    # the worker and this process share it.
     ensure_api_kinds()
     operator = make_person_with_token("ana", "operators")
     server = start_api_server()

@@ -5,6 +5,8 @@ rules, on a scripted transport: what is retried, with which key, for how long.""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +16,8 @@ import pytest
 from airlock_client import (
     ERRORS_BY_CODE,
     Airlock,
+    AsyncAirlock,
+    AsyncRunSession,
     ProblemError,
     RateLimited,
     StaleVersion,
@@ -177,16 +181,24 @@ def test_every_problem_code_of_the_document_and_of_api_md_has_a_typed_exception(
 # --- Retries, on a scripted transport --------------------------------------------------
 
 
-def scripted(
+def script(
     answers: list[Callable[[httpx.Request], httpx.Response]],
-) -> tuple[Airlock, list[httpx.Request]]:
+) -> tuple[httpx.MockTransport, list[httpx.Request]]:
+    """A transport answering the n-th request with the n-th answer (then the last)."""
     seen: list[httpx.Request] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
         return answers[min(len(seen), len(answers)) - 1](request)
 
-    http = httpx.Client(transport=httpx.MockTransport(handler))
+    return httpx.MockTransport(handler), seen
+
+
+def scripted(
+    answers: list[Callable[[httpx.Request], httpx.Response]],
+) -> tuple[Airlock, list[httpx.Request]]:
+    transport, seen = script(answers)
+    http = httpx.Client(transport=transport)
     return Airlock("http://airlock.test", "rt_x", http=http, retry_budget=10), seen
 
 
@@ -359,3 +371,39 @@ def test_a_refused_plan_names_its_step_from_the_problem_or_its_field_errors() ->
         422, {"code": "validation_error", "errors": [{"field": "steps", "message": "at most"}]}
     )
     assert whole.step is None
+
+
+# --- The async client: the same surface, the same retries --------------------------------
+
+
+def test_the_async_client_has_every_method_of_the_sync_one_with_the_same_parameters() -> None:
+    for sync_class, async_class in ((Airlock, AsyncAirlock), (RunSession, AsyncRunSession)):
+        public = {name for name in dir(sync_class) if not name.startswith("_")}
+        assert public == {name for name in dir(async_class) if not name.startswith("_")}
+        for name in public - {"id", "start_heartbeat"}:
+            blocking, awaiting = getattr(sync_class, name), getattr(async_class, name)
+            assert inspect.iscoroutinefunction(awaiting), f"{async_class.__name__}.{name}"
+            parameters = inspect.signature(blocking).parameters
+            assert parameters == inspect.signature(awaiting).parameters, name
+
+
+def test_the_async_client_resends_a_rate_limited_write_with_the_same_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr("airlock_client.aclient.asyncio.sleep", sleep)
+    transport, seen = script([problem(429, "rate_limited", True, retry_after=2), dropped, accepted])
+
+    async def patch() -> Any:
+        async with AsyncAirlock(
+            "http://airlock.test", "rt_x", http=httpx.AsyncClient(transport=transport)
+        ) as airlock:
+            return await AsyncRunSession(airlock, Run.from_json(RUN), "rt_x").patch(BASE, {"a": 1})
+
+    assert asyncio.run(patch()).id == ACTION_ID
+    assert len(seen) == 3 and len({r.headers["Idempotency-Key"] for r in seen}) == 1
+    assert len(slept) == 2 and 2.0 <= slept[0] <= 3.0

@@ -5,15 +5,19 @@ first response was lost, undo, and the async client's surface."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
+import airlock_client
 import pytest
 from airlock_client import (
     Airlock,
     AsyncAirlock,
     OutsideWriteSet,
     RunNotApproved,
+    RunSession,
     StaleVersion,
 )
 
@@ -72,19 +76,28 @@ def test_the_design_collision_refuses_the_stale_agent_who_re_reads_re_plans_and_
     agent_a.close()
 
 
-def _alerts_bot_a(live: Live, agent_tokens: dict[str, str]) -> Airlock:
-    """alerts-bot-a's client; a person approves the next run it starts."""
+@contextlib.contextmanager
+def alerts_bot_a_run(live: Live, agent_tokens: dict[str, str], task: str) -> Iterator[RunSession]:
+    """A run of alerts-bot-a over the policy, approved by a person; finished and the
+    client closed on exit."""
     live.approve_next_run_of(agent_tokens["alerts-bot-a"])
-    return Airlock(live.url, agent_tokens["alerts-bot-a"])
+    with (
+        Airlock(live.url, agent_tokens["alerts-bot-a"]) as airlock,
+        airlock.start_run(task, POLICY_WRITE_SET) as run,
+    ):
+        yield run
+
+
+def patch_policy(run: RunSession, patch: dict[str, Any], reason: str) -> airlock_client.Action:
+    """A merge patch of the policy as read now."""
+    return run.patch(run.read(POLICY), patch, reason=reason)
 
 
 def test_a_per_call_approval_is_waited_for_by_long_poll_and_applied(
     live: Live, agent_tokens: dict[str, str]
 ) -> None:
-    airlock = _alerts_bot_a(live, agent_tokens)
-    with airlock.start_run("tune escalation", POLICY_WRITE_SET) as run:
-        policy = run.read(POLICY)
-        action = run.patch(policy, {"escalation": {"after_minutes": 5}}, reason="faster pages")
+    with alerts_bot_a_run(live, agent_tokens, "tune escalation") as run:
+        action = patch_policy(run, {"escalation": {"after_minutes": 5}}, "faster pages")
         assert action.status == "pending_approval"
         # Short wait: still pending, answered with its state (not an error).
         still = run.wait(action, timeout=1.5)
@@ -99,22 +112,18 @@ def test_a_per_call_approval_is_waited_for_by_long_poll_and_applied(
         waiter.join(timeout=60)
     assert result["action"].status == "applied"
     assert result["action"].approval["by"] == "ana"
-    airlock.close()
 
 
 def test_a_rejection_is_read_back_with_its_comment(
     live: Live, agent_tokens: dict[str, str]
 ) -> None:
-    airlock = _alerts_bot_a(live, agent_tokens)
-    with airlock.start_run("silence prod alerts", POLICY_WRITE_SET) as run:
-        policy = run.read(POLICY)
-        action = run.patch(policy, {"channels": []}, reason="too noisy")
+    with alerts_bot_a_run(live, agent_tokens, "silence prod alerts") as run:
+        action = patch_policy(run, {"channels": []}, "too noisy")
         live.decide(action=action.id, decision="reject", comment="never silence prod")
         rejected = run.wait(action, timeout=30)
     assert rejected.status == "rejected"
     assert rejected.rejection_comment == "never silence prod"
     assert ResourceRow.objects.get(name="prod-alerts").version == 41
-    airlock.close()
 
 
 def test_a_rejected_run_raises_run_not_approved_with_the_reason(
@@ -155,8 +164,7 @@ def test_a_write_retried_after_its_response_was_lost_creates_one_action(
 
 
 def test_undo_restores_the_previous_document(live: Live, agent_tokens: dict[str, str]) -> None:
-    airlock = _alerts_bot_a(live, agent_tokens)
-    with airlock.start_run("tune escalation", POLICY_WRITE_SET) as run:
+    with alerts_bot_a_run(live, agent_tokens, "tune escalation") as run:
         before = run.read(POLICY)
         action = run.patch(before, {"escalation": {"after_minutes": 1}}, reason="undo me")
         live.decide(action=action.id)
@@ -166,7 +174,6 @@ def test_undo_restores_the_previous_document(live: Live, agent_tokens: dict[str,
         after = run.read(POLICY)
     assert after.document == before.document
     assert after.version == 43  # the undo is a new version with the old document
-    airlock.close()
 
 
 def test_a_write_outside_the_write_set_raises_outside_write_set(

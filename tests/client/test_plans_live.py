@@ -9,7 +9,9 @@ it waits for one approval) and dns-record/app-* (per-run classes: no approval)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,17 +36,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 WRITE_SET = [(POLICY, ["update"]), ("dns-record/app-*", ["create", "update"])]
 
 
-def start(live: Live, airlock: Airlock, token: str, task: str) -> RunSession:
+@contextlib.contextmanager
+def started(live: Live, token: str, task: str) -> Iterator[tuple[Airlock, RunSession]]:
+    """The agent's client and a run over WRITE_SET that a person approved; the run
+    finished and the client closed on exit."""
     live.approve_next_run_of(token)
-    return airlock.start_run(task, WRITE_SET)
+    with Airlock(live.url, token) as airlock, airlock.start_run(task, WRITE_SET) as run:
+        yield airlock, run
 
 
 def test_a_two_step_plan_is_approved_once_waited_for_and_applied_in_order(
     live: Live, agent_tokens: dict[str, str]
 ) -> None:
     token = agent_tokens["alerts-bot-a"]
-    airlock = Airlock(live.url, token)
-    with start(live, airlock, token, "point alerts at the new app") as run:
+    with started(live, token, "point alerts at the new app") as (airlock, run):
         policy = run.read(POLICY)
         steps = [
             plan_step("dns-record/app-new", "PUT", document={"ip": "10.0.0.9"}, create=True),
@@ -77,22 +82,18 @@ def test_a_two_step_plan_is_approved_once_waited_for_and_applied_in_order(
     assert ResourceRow.objects.get(name="app-new").document == {"ip": "10.0.0.9"}
     row = ResourceRow.objects.get(name="prod-alerts")
     assert row.version == 42 and row.document["channels"] == ["pager"]
-    airlock.close()
 
 
 def test_a_proposal_sent_again_with_its_key_is_answered_from_the_first(
     live: Live, agent_tokens: dict[str, str]
 ) -> None:
-    token = agent_tokens["dns-bot"]
-    airlock = Airlock(live.url, token)
-    with start(live, airlock, token, "add app records") as run:
+    with started(live, agent_tokens["dns-bot"], "add app records") as (_, run):
         steps = [plan_step("dns-record/app-1", "PUT", document={"ip": "1"}, create=True)]
         first = run.propose_plan(steps, reason="r", idempotency_key="plan-once")
         again = run.propose_plan(steps, reason="r", idempotency_key="plan-once")
         assert (again.id, again.replayed, first.replayed) == (first.id, True, False)
         assert run.wait_for_plan(first, timeout=60).applied
     assert PlanRow.objects.filter(run_id=run.id).count() == 1
-    airlock.close()
 
 
 def test_a_step_found_stale_at_execution_compensates_the_steps_before_it(
@@ -101,9 +102,7 @@ def test_a_step_found_stale_at_execution_compensates_the_steps_before_it(
     """dns-record updates are the agent's to retry: a stale step 3 ends the plan
     `compensated`, steps 2 and 1 restored, and the plan names the failed step."""
     make_resource("dns-record/app-c", {"ip": "c"}, version=5)
-    token = agent_tokens["alerts-bot-a"]
-    airlock = Airlock(live.url, token)
-    with start(live, airlock, token, "three writes") as run:
+    with started(live, agent_tokens["alerts-bot-a"], "three writes") as (_, run):
         policy, app_c = run.read(POLICY), run.read("dns-record/app-c")
         plan = run.propose_plan(
             [
@@ -131,15 +130,12 @@ def test_a_step_found_stale_at_execution_compensates_the_steps_before_it(
     assert ResourceRow.objects.get(name="app-b").deleted
     assert ResourceRow.objects.get(name="prod-alerts").version == 43  # moved forward
     assert ResourceRow.objects.get(name="app-c").document == {"ip": "someone"}
-    airlock.close()
 
 
 def test_a_bad_plan_raises_the_problem_naming_its_step_and_records_nothing(
     live: Live, agent_tokens: dict[str, str]
 ) -> None:
-    token = agent_tokens["alerts-bot-a"]
-    airlock = Airlock(live.url, token)
-    with start(live, airlock, token, "bad plans") as run:
+    with started(live, agent_tokens["alerts-bot-a"], "bad plans") as (_, run):
         policy = run.read(POLICY)
         create = plan_step("dns-record/app-1", "PUT", document={"ip": "1"}, create=True)
         with pytest.raises(StaleVersion) as stale:
@@ -156,7 +152,6 @@ def test_a_bad_plan_raises_the_problem_naming_its_step_and_records_nothing(
         assert duplicate.value.problem_code == "validation_error"
     assert PlanRow.objects.count() == 0
     assert ResourceRow.objects.get(name="prod-alerts").version == 41
-    airlock.close()
 
 
 def test_the_async_client_proposes_and_waits_for_a_plan(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -36,6 +37,25 @@ def pending_run() -> tuple[Any, str]:
     return run, token
 
 
+def held_get(base_url: str, url: str, headers: dict[str, str]) -> Callable[[], httpx.Response]:
+    """GET `url` in a background thread, back once the server holds it (a long-poll);
+    the function returned joins the thread and answers its response."""
+    result: dict[str, httpx.Response] = {}
+
+    def get() -> None:
+        result["response"] = httpx.get(url, headers=headers, timeout=40)
+
+    thread = threading.Thread(target=get)
+    thread.start()
+    wait_until_held(base_url, 1, thread)
+
+    def response() -> httpx.Response:
+        thread.join(timeout=40)
+        return result["response"]
+
+    return response
+
+
 def test_it_holds_a_pending_run_until_its_approval_commits(api_server: Any) -> None:
     run, token = pending_run()
     ana = make_person_with_token("ana", "operators")
@@ -49,25 +69,15 @@ def test_it_holds_a_pending_run_until_its_approval_commits(api_server: Any) -> N
     again = httpx.get(url, headers={**headers, "If-None-Match": etag}, timeout=5)
     assert again.status_code == 304 and again.headers["ETag"] == etag
 
-    result: dict[str, Any] = {}
-
-    def wait() -> None:
-        result["response"] = httpx.get(
-            url, headers={**headers, "Prefer": "wait=30", "If-None-Match": etag}, timeout=40
-        )
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    wait_until_held(api_server.url, 1, thread)
+    waited = held_get(api_server.url, url, {**headers, "Prefer": "wait=30", "If-None-Match": etag})
     approval = Approval.objects.get(run=run, subject="run")
     decided_at = time.monotonic()
     approval_decide(
         approval_id=approval.pk, actor=Actor.person(ana.user), decision="approve", comment="ok"
     )
-    thread.join(timeout=40)
+    response = waited()
     # Woken by the publish, not by the waiter's 15 s safety re-read.
     assert time.monotonic() - decided_at < SAFETY_RECHECK_SECONDS / 2
-    response = result["response"]
     assert response.status_code == 200
     assert response.json()["status"] == "active"
     assert response.headers["ETag"] != etag
@@ -81,14 +91,7 @@ def test_it_answers_a_rejected_run_with_its_reason_without_if_none_match(
     ana = make_person_with_token("ana", "operators")
     url = f"{api_server.url}/api/v1/runs/{run.pk}"
     headers = {"Authorization": f"Bearer {token}"}
-    result: dict[str, Any] = {}
-
-    def wait() -> None:
-        result["response"] = httpx.get(url, headers={**headers, "Prefer": "wait=30"}, timeout=40)
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    wait_until_held(api_server.url, 1, thread)
+    waited = held_get(api_server.url, url, {**headers, "Prefer": "wait=30"})
     approval = Approval.objects.get(run=run, subject="run")
     approval_decide(
         approval_id=approval.pk,
@@ -96,8 +99,7 @@ def test_it_answers_a_rejected_run_with_its_reason_without_if_none_match(
         decision="reject",
         comment="not during the freeze",
     )
-    thread.join(timeout=40)
-    body = result["response"].json()
+    body = waited().json()
     assert body["status"] == "rejected"
     assert body["status_reason"] == "not during the freeze"
 

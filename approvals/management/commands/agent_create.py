@@ -6,45 +6,42 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from approvals.models import Agent
 from approvals.services.tokens import agent_create, agent_token_create
 from audit.services import Actor
 from console.core.errors import ValidationFailed
+from console.management import PrincipalCommand
 
 
-class Command(BaseCommand):
+class Command(PrincipalCommand):
     help = "Register an agent and print a new agent token (last line)."
+    principal = "agent"
+    token = "token"
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="the agent's name, a slug such as deploy-bot")
         parser.add_argument("--owner", default="", help="username of the person accountable")
         parser.add_argument("--description", default="")
-        parser.add_argument(
-            "--new-token",
-            action="store_true",
-            help="if the agent exists, issue another token instead of failing",
-        )
+        super().add_arguments(parser)
 
-    def handle(self, *args: Any, **options: Any) -> None:
+    def existing(self, options: dict[str, Any]) -> tuple[str, Any]:
         name = options["name"]
-        actor = Actor.system("manage.py agent_create")
-        existing = Agent.objects.filter(name=name).first()
-        if existing is not None and options["new_token"]:
-            _, secret = agent_token_create(agent=existing, actor=actor, label="cli")
-            self.stdout.write(f"New token for agent {name}:")
-            self.stdout.write(secret)
-            return
+        return name, Agent.objects.filter(name=name).first()
+
+    def another_token(self, existing: Any, actor: Actor) -> str:
+        return agent_token_create(agent=existing, actor=actor, label="cli")[1]
+
+    def create(self, options: dict[str, Any], actor: Actor, *, exists: bool) -> tuple[str, str]:
         try:
             agent, secret = agent_create(
-                name=name,
+                name=options["name"],
                 actor=actor,
                 owner=options["owner"],
                 description=options["description"],
             )
         except ValidationFailed as exc:
-            hint = " (pass --new-token for another token)" if existing is not None else ""
+            hint = " (pass --new-token for another token)" if exists else ""
             raise CommandError(f"{exc.message}{hint}") from exc
-        self.stdout.write(f"Agent {agent.name} created ({agent.pk}). Its token:")
-        self.stdout.write(secret)
+        return f"Agent {agent.name} created ({agent.pk}). Its token:", secret

@@ -311,23 +311,29 @@ class Command(BaseCommand):
     def write(
         self,
         run_token: str,
-        method: str,
         resource: str,
         etag: str,
-        body: Any,
         *,
+        patch: Any = None,
+        document: Any = None,
         reason: str,
         expect: int = 202,
     ) -> Reply:
+        """A conditional write: a merge `patch` (PATCH) or a whole `document` (PUT)."""
+        method = "PUT" if patch is None else "PATCH"
         headers = {
             "If-Match": etag,
             "Idempotency-Key": f"demo-{uuid.uuid4().hex}",
             "Airlock-Reason": reason,
         }
-        if method == "PATCH":
+        if patch is not None:
             headers["Content-Type"] = "application/merge-patch+json"
         reply = self.api.call(
-            method, f"/api/v1/resources/{resource}", token=run_token, body=body, headers=headers
+            method,
+            f"/api/v1/resources/{resource}",
+            token=run_token,
+            body=document if patch is None else patch,
+            headers=headers,
         )
         self.expect(reply, expect, f"{method} {resource} If-Match {etag}")
         return reply
@@ -398,10 +404,9 @@ class Command(BaseCommand):
         )
         reply = self.write(
             token_b,
-            "PATCH",
             policy,
             etag_b,
-            {"severity": "critical"},
+            patch={"severity": "critical"},
             reason="INC-4711: pages must wake someone",
         )
         action_b = reply.body["id"]
@@ -421,13 +426,7 @@ class Command(BaseCommand):
         full = {**doc_a["document"]}
         full["destinations"] = [*full["destinations"], "backup@example.test"]
         refused = self.write(
-            token_a,
-            "PUT",
-            policy,
-            etag_a,
-            full,
-            reason="add backup destination",
-            expect=412,
+            token_a, policy, etag_a, document=full, reason="add backup destination", expect=412
         )
         self.say(
             f"A's full replace based on {refused.body.get('expected_etag')} refused: "
@@ -438,10 +437,9 @@ class Command(BaseCommand):
         etag_a2, doc_a2 = self.read(token_a, policy)
         waiting = self.write(
             token_a,
-            "PATCH",
             policy,
             etag_a2,
-            {"destinations": [*doc_a2["document"]["destinations"], "backup@example.test"]},
+            patch={"destinations": [*doc_a2["document"]["destinations"], "backup@example.test"]},
             reason="add backup destination (re-planned on the current version)",
         )
         self.say(f"A re-planned on {etag_a2}: action {waiting.body['id']} waits for an operator")
@@ -453,22 +451,17 @@ class Command(BaseCommand):
             tokens, "release-bot", pointer, "Advance prod-eu after green builds"
         )
         etag_r, _ = self.read(token_r, pointer)
-        first = self.write(
-            token_r,
-            "PATCH",
-            pointer,
-            etag_r,
-            {"release": "2026.11.3"},
-            reason="build 2026.11.3 green",
-        ).body["id"]
-        second = self.write(
-            token_r,
-            "PATCH",
-            pointer,
-            etag_r,
-            {"release": "2026.12.0-rc1"},
-            reason="build 2026.12.0-rc1 green",
-        ).body["id"]
+        # Both candidates are based on the same version: the second meets the first.
+        first, second = (
+            self.write(
+                token_r,
+                pointer,
+                etag_r,
+                patch={"release": release},
+                reason=f"build {release} green",
+            ).body["id"]
+            for release in ("2026.11.3", "2026.12.0-rc1")
+        )
         self.decide(tokens, subject="action", match=first, what="release 2026.11.3")
         self.wait_status(token_r, first, {"applied"}, "release 2026.11.3")
         self.decide(tokens, subject="action", match=second, what="release 2026.12.0-rc1")

@@ -8,18 +8,21 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import transaction
 
 from approvals.services.tokens import personal_token_create
 from audit.services import Actor
 from console.core.errors import DomainError
+from console.management import PrincipalCommand
 from console.people import person_create
 from console.permissions import ROLES
 
 
-class Command(BaseCommand):
+class Command(PrincipalCommand):
     help = "Create a person with roles (and owner groups) and print a personal token (last line)."
+    principal = "person"
+    token = "personal token"
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("username")
@@ -31,21 +34,17 @@ class Command(BaseCommand):
         )
         parser.add_argument("--password", help="console sign-in password (none: API only)")
         parser.add_argument("--email", default="")
-        parser.add_argument(
-            "--new-token",
-            action="store_true",
-            help="if the person exists, issue another personal token instead of failing",
-        )
+        super().add_arguments(parser)
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        actor = Actor.system("manage.py person_create")
+    def existing(self, options: dict[str, Any]) -> tuple[str, Any]:
         username = options["username"].strip()
-        existing = get_user_model().objects.filter(username=username).first()
-        if existing is not None and options["new_token"]:
-            _, secret = personal_token_create(user=existing, actor=actor, label="cli")
-            self.stdout.write(f"New personal token for {username}:")
-            self.stdout.write(secret)
-            return
+        return username, get_user_model().objects.filter(username=username).first()
+
+    def another_token(self, existing: Any, actor: Actor) -> str:
+        return personal_token_create(user=existing, actor=actor, label="cli")[1]
+
+    def create(self, options: dict[str, Any], actor: Actor, *, exists: bool) -> tuple[str, str]:
+        username = options["username"].strip()
         try:
             # One transaction: a person is never left without the token printed for them.
             with transaction.atomic():
@@ -61,5 +60,4 @@ class Command(BaseCommand):
         except DomainError as exc:
             raise CommandError(exc.message) from exc
         roles = ", ".join(sorted(options["role"]))
-        self.stdout.write(f"Person {username} created ({roles}). Token:")
-        self.stdout.write(secret)
+        return f"Person {username} created ({roles}). Token:", secret

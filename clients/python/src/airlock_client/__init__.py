@@ -6,7 +6,7 @@ problems retried with backoff within a budget, bounded long-polls, undo, plans
 Every API problem code is a typed error.
 """
 
-from airlock_client._protocol import plan_step
+from airlock_client._protocol import Contention, plan_step
 from airlock_client.aclient import AsyncAirlock, AsyncRunSession
 from airlock_client.client import Airlock, RunSession
 from airlock_client.errors import (
@@ -45,6 +45,7 @@ from airlock_client.errors import (
     SelfApproval,
     StaleFence,
     StaleVersion,
+    StillContended,
     TransientConflict,
     TransportFailed,
     Unauthenticated,
@@ -71,6 +72,7 @@ __all__ = [
     "BadHeader",
     "BadRequest",
     "Conflict",
+    "Contention",
     "Forbidden",
     "IdempotencyKeyInFlight",
     "IdempotencyKeyInvalid",
@@ -103,6 +105,7 @@ __all__ = [
     "SelfApproval",
     "StaleFence",
     "StaleVersion",
+    "StillContended",
     "TransientConflict",
     "TransportFailed",
     "Unauthenticated",

@@ -1,30 +1,35 @@
 """The protocol, without I/O: what to send, how to read the answer, when to retry.
 
 Each API operation is a generator that yields `Call`s and receives the final
-`httpx.Response` of each (after retries); the sync and async clients only drive
-these generators, so both have exactly the same behaviour.
+`httpx.Response` of each; `Exchange` runs one operation with the retry rules, and the
+sync and async clients only send its requests and sleep its delays, so both have
+exactly the same behaviour.
 """
 
 from __future__ import annotations
 
 import email.utils
 import json
+import logging
 import random
 import time
 import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeAlias, TypeVar
 from urllib.parse import quote
 
 import httpx
 
-from airlock_client.errors import ProblemError, TransportFailed, problem_error
+from airlock_client.errors import ProblemError, StaleVersion, TransportFailed, problem_error
 from airlock_client.models import Action, Plan, Resource, Run
 
 T = TypeVar("T")
+P = ParamSpec("P")
+logger = logging.getLogger("airlock_client")
 
+USER_AGENT = "airlock-client/0.1 (python)"
 API_PREFIX = "/api/v1"
 #: The server holds a long-poll at most this long (Prefer: wait=N, N ≤ 60).
 MAX_SERVER_WAIT = 60
@@ -45,9 +50,33 @@ class Call:
     #: reads, for writes carrying an Idempotency-Key (the server replays the first
     #: answer) and for idempotent verbs (heartbeat, finish).
     replay_safe: bool = True
+    #: Seconds to wait before the first attempt (a back-off the operation chose).
+    delay: float = 0.0
+    #: Error statuses the operation reads itself instead of raising their error.
+    accept: frozenset[int] = frozenset()
 
 
 Op = Generator[Call, httpx.Response, T]
+#: When a wait may stop early (besides its default).
+Until: TypeAlias = Callable[[T], bool] | None
+
+
+@dataclass(frozen=True)
+class Contention:
+    """How an agent that lost the race for a resource paces its next read: a random
+    delay (full jitter) whose bound doubles with each consecutive loss, up to `cap`.
+    Many agents looping on one resource then do not all read and propose again the
+    moment the winner's write lands (only one of them can win the next round, and
+    every refused proposal is a write the server audits)."""
+
+    base: float = 0.5
+    cap: float = 4.0
+
+    def delay(self, losses: int) -> float:
+        """Before the read that follows the `losses`-th loss in a row (0: at once)."""
+        if losses <= 0:
+            return 0.0
+        return random.uniform(0, min(self.cap, self.base * 2 ** (losses - 1)))
 
 
 @dataclass(frozen=True)
@@ -99,68 +128,105 @@ def error_for(response: httpx.Response) -> ProblemError:
     )
 
 
-class Attempts:
-    """The retry bookkeeping of one logical request (shared by both drivers)."""
+@dataclass(frozen=True)
+class Request:
+    """One HTTP request for a driver to send, after sleeping `delay` seconds."""
 
-    def __init__(self, call: Call, policy: RetryPolicy) -> None:
-        self.call = call
-        self.policy = policy
-        self.attempt = 0
-        self.deadline = time.monotonic() + policy.budget
+    delay: float
+    method: str
+    url: str
+    headers: dict[str, str]
+    content: bytes | None
+    timeout: httpx.Timeout
 
-    def _fits(self, delay: float) -> bool:
-        return time.monotonic() + delay <= self.deadline
+    def build(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
+        return http.build_request(
+            self.method, self.url, headers=self.headers, content=self.content, timeout=self.timeout
+        )
 
-    def after_response(self, response: httpx.Response) -> float | None:
-        """None: this response is the answer. A float: sleep that long, then resend.
-        Raises the typed error when the answer is a problem not worth retrying."""
-        if response.status_code < 400:
-            return None
+
+class Exchange(Generic[T]):
+    """One operation's exchange with the server, without I/O (both drivers run it):
+    the driver sends `request` (after its delay) and hands back the response (`answer`)
+    or the broken connection (`broken`) until `request` is None; `result` is then the
+    operation's answer. Each `Call` is resent, identical, while `RetryPolicy` allows;
+    otherwise the typed error is raised."""
+
+    def __init__(
+        self, op: Op[T], base_url: str, policy: RetryPolicy, timeout: httpx.Timeout
+    ) -> None:
+        self._op = op
+        self._base_url = base_url
+        self._policy = policy
+        self._timeout = timeout
+        self.request: Request | None = None
+        self._proceed(None)
+
+    def _proceed(self, response: httpx.Response | None) -> None:
+        """Hand the operation the answer to its call; its next call, or its result."""
+        try:
+            call = next(self._op) if response is None else self._op.send(response)
+        except StopIteration as stop:
+            self.request = None
+            self.result: T = stop.value
+            return
+        self._call = call
+        self._attempt = 0
+        self._deadline = time.monotonic() + call.delay + self._policy.budget
+        self._send_after(call.delay)
+
+    def _send_after(self, delay: float) -> None:
+        call = self._call
+        headers = {
+            "Authorization": f"Bearer {call.token}",
+            "Accept": "application/json",
+            "User-Agent": USER_AGENT,
+            **call.headers,
+        }
+        timeout = self._timeout
+        if call.hold_seconds is not None:  # a long-poll: read for its hold plus a margin
+            timeout = httpx.Timeout(
+                connect=timeout.connect,
+                read=call.hold_seconds + 15.0,
+                write=timeout.write,
+                pool=timeout.pool,
+            )
+        url = self._base_url + call.path
+        self.request = Request(delay, call.method, url, headers, call.content, timeout)
+
+    def _retry(self, delay: float, why: object) -> bool:
+        """Resend after `delay` if that still starts within the budget."""
+        if time.monotonic() + delay > self._deadline:
+            return False
+        logger.info("retrying %s %s in %.2fs: %s", self._call.method, self._call.path, delay, why)
+        self._attempt += 1
+        self._send_after(delay)
+        return True
+
+    def answer(self, response: httpx.Response) -> None:
+        if response.status_code < 400 or response.status_code in self._call.accept:
+            self._proceed(response)
+            return
         error = error_for(response)
         retryable = error.retryable or (
-            self.call.replay_safe
+            self._call.replay_safe
             and response.status_code in _GATEWAY_STATUSES
             and not error.problem_code
         )
-        if not retryable:
+        delay = self._policy.delay(self._attempt, error.retry_after)
+        if not (retryable and self._retry(delay, response.status_code)):
             raise error
-        delay = self.policy.delay(self.attempt, error.retry_after)
-        if not self._fits(delay):
-            raise error
-        self.attempt += 1
-        return delay
 
-    def after_transport_error(self, exc: httpx.TransportError) -> float:
+    def broken(self, exc: httpx.TransportError) -> None:
         """A broken connection: resend only a replay-safe request (same headers, so
         the same Idempotency-Key); otherwise nobody knows whether it happened."""
-        detail = f"{self.call.method} {self.call.path}: {type(exc).__name__}: {exc}"
-        if not self.call.replay_safe:
+        detail = f"{self._call.method} {self._call.path}: {type(exc).__name__}: {exc}"
+        if not self._call.replay_safe:
             raise TransportFailed(
                 f"{detail} (not retried: the request may or may not have taken effect)"
             ) from exc
-        delay = self.policy.delay(self.attempt, None)
-        if not self._fits(delay):
+        if not self._retry(self._policy.delay(self._attempt, None), exc):
             raise TransportFailed(f"{detail} (retry budget spent)") from exc
-        self.attempt += 1
-        return delay
-
-    def timeout(self, default: httpx.Timeout) -> httpx.Timeout:
-        if self.call.hold_seconds is None:
-            return default
-        return httpx.Timeout(
-            connect=default.connect,
-            read=self.call.hold_seconds + 15.0,
-            write=default.write,
-            pool=default.pool,
-        )
-
-    def headers(self, user_agent: str) -> dict[str, str]:
-        return {
-            "Authorization": f"Bearer {self.call.token}",
-            "Accept": "application/json",
-            "User-Agent": user_agent,
-            **self.call.headers,
-        }
 
 
 # --- Operations ---------------------------------------------------------------------
@@ -178,6 +244,46 @@ def resource_path(resource: str) -> str:
     if not sep or not kind or not name:
         raise ValueError(f"resource must be 'kind/name', got {resource!r}")
     return f"{API_PREFIX}/resources/{quote(kind, safe='')}/{quote(name, safe='')}"
+
+
+class _Tagged(Protocol):
+    @property
+    def etag(self) -> str | None: ...
+
+
+Tagged = TypeVar("Tagged", bound=_Tagged)
+
+
+def _get(token: str, path: str, parse: Callable[[httpx.Response], T]) -> Op[T]:
+    return parse((yield Call("GET", path, token)))
+
+
+def _long_poll(
+    token: str,
+    path: str,
+    parse: Callable[[httpx.Response], Tagged],
+    wanted: Callable[[Tagged], bool],
+    timeout: float,
+    current: Tagged | None = None,
+) -> Op[Tagged]:
+    """GET `path` (unless `current` was just read), then long-poll it (Prefer: wait,
+    If-None-Match: its ETag) until `wanted` or `timeout` seconds pass; answers the
+    last state either way."""
+    if current is None:
+        current = yield from _get(token, path, parse)
+    deadline = time.monotonic() + timeout
+    while not wanted(current):
+        remaining = deadline - time.monotonic()
+        if remaining < 1:
+            break
+        hold = min(MAX_SERVER_WAIT, int(remaining))
+        headers = {"Prefer": f"wait={hold}"}
+        if current.etag:
+            headers["If-None-Match"] = current.etag
+        response = yield Call("GET", path, token, headers, None, hold)
+        if response.status_code == 200:
+            current = parse(response)
+    return current
 
 
 def whoami(token: str) -> Op[dict[str, Any]]:
@@ -201,12 +307,15 @@ def create_run(
         json.dumps(body).encode(),
         replay_safe=False,
     )
+    return _parse_run(response)
+
+
+def _parse_run(response: httpx.Response) -> Run:
     return Run.from_json(_json(response), response.headers.get("ETag"))
 
 
 def get_run(token: str, run_id: str) -> Op[Run]:
-    response = yield Call("GET", f"{API_PREFIX}/runs/{run_id}", token)
-    return Run.from_json(_json(response), response.headers.get("ETag"))
+    return _get(token, f"{API_PREFIX}/runs/{run_id}", _parse_run)
 
 
 def own_run(token: str) -> Op[Run]:
@@ -218,44 +327,33 @@ def own_run(token: str) -> Op[Run]:
     return Run.from_json(items[0])
 
 
-def wait_for_run(
-    token: str, run_id: str, timeout: float, until: Callable[[Run], bool] | None = None
-) -> Op[Run]:
+def wait_for_run(token: str, run_id: str, timeout: float, until: Until[Run] = None) -> Op[Run]:
     """Long-poll the run until `until(run)` (default: no longer pending approval) or
     `timeout` seconds; answers the last state either way."""
-    wanted = until or (lambda run: not run.pending)
-    run = yield from get_run(token, run_id)
-    deadline = time.monotonic() + timeout
-    while not wanted(run):
-        remaining = deadline - time.monotonic()
-        if remaining < 1:
-            break
-        hold = min(MAX_SERVER_WAIT, int(remaining))
-        headers = {"Prefer": f"wait={hold}"}
-        if run.etag:
-            headers["If-None-Match"] = run.etag
-        response = yield Call("GET", f"{API_PREFIX}/runs/{run_id}", token, headers, None, hold)
-        if response.status_code == 200:
-            run = Run.from_json(_json(response), response.headers.get("ETag"))
-    return run
+    path, wanted = f"{API_PREFIX}/runs/{run_id}", until or (lambda run: not run.pending)
+    return _long_poll(token, path, _parse_run, wanted, timeout)
 
 
 def heartbeat(token: str, run_id: str) -> Op[Run]:
-    response = yield Call("POST", f"{API_PREFIX}/runs/{run_id}/heartbeat", token)
-    return Run.from_json(_json(response), response.headers.get("ETag"))
+    return _parse_run((yield Call("POST", f"{API_PREFIX}/runs/{run_id}/heartbeat", token)))
 
 
 def finish(token: str, run_id: str) -> Op[Run]:
-    response = yield Call("POST", f"{API_PREFIX}/runs/{run_id}/finish", token)
-    return Run.from_json(_json(response), response.headers.get("ETag"))
+    return _parse_run((yield Call("POST", f"{API_PREFIX}/runs/{run_id}/finish", token)))
 
 
-def read(token: str, resource: str) -> Op[Resource]:
-    response = yield Call("GET", resource_path(resource), token)
-    return Resource.from_json(_json(response), response.headers.get("ETag"))
+def read(token: str, resource: str, delay: float = 0.0) -> Op[Resource]:
+    response = yield Call("GET", resource_path(resource), token, delay=delay)
+    return Resource.from_json(
+        _json(response), response.headers.get("ETag"), response.headers.get(QUEUED_ACTION)
+    )
 
 
-def write(
+#: On a read: the approved write already queued to replace the version read.
+QUEUED_ACTION = "Airlock-Queued-Action"
+
+
+def write_or_stale(
     token: str,
     method: str,
     resource: str,
@@ -264,11 +362,13 @@ def write(
     document: Any = None,
     reason: str | None = None,
     idempotency_key: str | None = None,
-) -> Op[Action]:
+) -> Op[Action | StaleVersion]:
     """PUT/PATCH/DELETE one resource. `precondition` is (`If-Match`, the ETag read) or
     (`If-None-Match`, `*`) to create. The Idempotency-Key is made once here, so every
     retry of this write (after a broken connection, 429, 503 or 409 in flight) is the
-    identical request and the server answers it at most once."""
+    identical request and the server answers it at most once. A 412 is answered as its
+    `StaleVersion` (a lost race is an outcome the caller handles; `write` raises it);
+    every other error is raised."""
     headers = {
         precondition[0]: precondition[1],
         "Idempotency-Key": idempotency_key or new_idempotency_key(),
@@ -281,18 +381,41 @@ def write(
             "application/merge-patch+json" if method == "PATCH" else "application/json"
         )
         content = json.dumps(document).encode()
-    response = yield Call(method, resource_path(resource), token, headers, content)
+    response = yield Call(method, resource_path(resource), token, headers, content, accept=_STALE)
+    if response.status_code == 412:
+        stale = error_for(response)
+        assert isinstance(stale, StaleVersion)
+        return stale
     return Action.from_json(
         _json(response), replayed=response.headers.get("Idempotent-Replayed") == "true"
     )
 
 
+_STALE = frozenset({412})
+
+
+def _raising_stale(op: Callable[P, Op[Action | StaleVersion]]) -> Callable[P, Op[Action]]:
+    """The same operation, with a lost race (412) raised as its `StaleVersion`."""
+
+    def raising(*args: P.args, **kwargs: P.kwargs) -> Op[Action]:
+        outcome = yield from op(*args, **kwargs)
+        if isinstance(outcome, StaleVersion):
+            raise outcome
+        return outcome
+
+    return raising
+
+
+#: `write_or_stale`, raising a 412 as `StaleVersion`.
+write = _raising_stale(write_or_stale)
+_NOT_VISIBLE = frozenset({404})
+
+
 def get_action(token: str, action_id: str) -> Op[Action]:
-    response = yield Call("GET", f"{API_PREFIX}/actions/{action_id}", token)
-    return _action(response)
+    return _get(token, f"{API_PREFIX}/actions/{action_id}", _parse_action)
 
 
-def _action(response: httpx.Response) -> Action:
+def _parse_action(response: httpx.Response) -> Action:
     action = Action.from_json(_json(response))
     etag = response.headers.get("ETag")
     if etag and etag != action.etag:
@@ -301,25 +424,27 @@ def _action(response: httpx.Response) -> Action:
 
 
 def wait_for_action(
-    token: str, action_id: str, timeout: float, until: Callable[[Action], bool] | None = None
+    token: str, action_id: str, timeout: float, until: Until[Action] = None
 ) -> Op[Action]:
     """Long-poll the action until `until(action)` (default: a final state) or `timeout`
     seconds pass; answers the last state either way (check `.final`)."""
     wanted = until or (lambda action: action.final)
-    action = yield from get_action(token, action_id)
-    deadline = time.monotonic() + timeout
-    while not wanted(action):
-        remaining = deadline - time.monotonic()
-        if remaining < 1:
-            break
-        hold = min(MAX_SERVER_WAIT, int(remaining))
-        headers = {"Prefer": f"wait={hold}", "If-None-Match": action.etag}
-        response = yield Call(
-            "GET", f"{API_PREFIX}/actions/{action_id}", token, headers, None, hold
-        )
-        if response.status_code == 200:
-            action = _action(response)
-    return action
+    return _long_poll(token, f"{API_PREFIX}/actions/{action_id}", _parse_action, wanted, timeout)
+
+
+def wait_for_supersede(token: str, action_id: str, timeout: float) -> Op[Action | None]:
+    """Long-poll the approved write that replaces the version you read (a 412's or a
+    read's `queued_action`) until it is final or `timeout` seconds pass. None when this
+    token may not read it (another agent's action): re-read after your back-off."""
+    path = f"{API_PREFIX}/actions/{action_id}"
+    # Without If-None-Match the server holds the first read until the action is final.
+    hold = max(1, min(MAX_SERVER_WAIT, int(timeout)))
+    headers = {"Prefer": f"wait={hold}"}
+    first = yield Call("GET", path, token, headers, None, hold, accept=_NOT_VISIBLE)
+    if first.status_code == 404:
+        return None
+    final: Callable[[Action], bool] = lambda action: action.final  # noqa: E731
+    return (yield from _long_poll(token, path, _parse_action, final, timeout, _parse_action(first)))
 
 
 def list_actions(token: str, run_id: str | None, limit: int = 200) -> Op[list[Action]]:
@@ -340,7 +465,7 @@ def list_actions(token: str, run_id: str | None, limit: int = 200) -> Op[list[Ac
 def undo(token: str, action_id: str, idempotency_key: str | None = None) -> Op[Action]:
     headers = {"Idempotency-Key": idempotency_key or new_idempotency_key()}
     response = yield Call("POST", f"{API_PREFIX}/actions/{action_id}/undo", token, headers)
-    return _action(response)
+    return _parse_action(response)
 
 
 def undo_settled(action: Action) -> bool:
@@ -425,31 +550,19 @@ def propose_plan(
     )
 
 
-def get_plan(token: str, plan_id: str) -> Op[Plan]:
-    response = yield Call("GET", f"{API_PREFIX}/plans/{plan_id}", token)
+def _parse_plan(response: httpx.Response) -> Plan:
     return Plan.from_json(_json(response), response.headers.get("ETag"))
 
 
-def wait_for_plan(
-    token: str, plan_id: str, timeout: float, until: Callable[[Plan], bool] | None = None
-) -> Op[Plan]:
+def get_plan(token: str, plan_id: str) -> Op[Plan]:
+    return _get(token, f"{API_PREFIX}/plans/{plan_id}", _parse_plan)
+
+
+def wait_for_plan(token: str, plan_id: str, timeout: float, until: Until[Plan] = None) -> Op[Plan]:
     """Long-poll the plan until `until(plan)` (default: a final state) or `timeout`
     seconds pass; answers the last state either way (check `.is_final`)."""
-    wanted = until or (lambda plan: plan.is_final)
-    plan = yield from get_plan(token, plan_id)
-    deadline = time.monotonic() + timeout
-    while not wanted(plan):
-        remaining = deadline - time.monotonic()
-        if remaining < 1:
-            break
-        hold = min(MAX_SERVER_WAIT, int(remaining))
-        headers = {"Prefer": f"wait={hold}"}
-        if plan.etag:
-            headers["If-None-Match"] = plan.etag
-        response = yield Call("GET", f"{API_PREFIX}/plans/{plan_id}", token, headers, None, hold)
-        if response.status_code == 200:
-            plan = Plan.from_json(_json(response), response.headers.get("ETag"))
-    return plan
+    path, wanted = f"{API_PREFIX}/plans/{plan_id}", until or (lambda plan: plan.is_final)
+    return _long_poll(token, path, _parse_plan, wanted, timeout)
 
 
 #: Every (method, path template) the client sends; the tests check them against the

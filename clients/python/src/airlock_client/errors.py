@@ -7,7 +7,9 @@ the problem's fields as attributes (and the whole body as `problem`).
 
 from __future__ import annotations
 
+import inspect
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 
@@ -29,10 +31,37 @@ class RunNotApproved(AirlockError):
         self.run = run
 
 
+class StillContended(AirlockError):
+    """`update` lost the race for `resource` `losses` times in a row (other agents'
+    writes kept replacing the version it read) and gave up."""
+
+    def __init__(self, resource: str, losses: int) -> None:
+        super().__init__(f"{resource}: lost to other writers {losses} times in a row")
+        self.resource = resource
+        self.losses = losses
+
+
+#: How a problem field is read into the attribute of the same name, by the attribute's
+#: annotation on the class (a field the body lacks reads as the empty value).
+_READ_AS: dict[str, Callable[[Any], object]] = {
+    "str": lambda value: str(value or ""),
+    "str | None": lambda value: None if value is None else str(value),
+    "list[dict[str, Any]]": lambda value: list(value or []),
+    "dict[str, Any]": lambda value: dict(value) if isinstance(value, dict) else {},
+}
+
+
 class ProblemError(AirlockError):
-    """An `application/problem+json` answer. Subclasses are chosen by `code`."""
+    """An `application/problem+json` answer. Subclasses are chosen by `code`; the
+    problem fields a subclass annotates become its attributes."""
 
     code: ClassVar[str] = ""
+    _fields: ClassVar[dict[str, Callable[[Any], object]]] = {}
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        own = inspect.get_annotations(cls)
+        cls._fields = {**cls._fields, **{name: _READ_AS[kind] for name, kind in own.items()}}
 
     def __init__(
         self,
@@ -50,6 +79,8 @@ class ProblemError(AirlockError):
         self.retryable = bool(problem.get("retryable", False))
         self.retry_after = retry_after
         self.request_id = request_id or problem.get("request_id")
+        for name, read in self._fields.items():
+            setattr(self, name, read(problem.get(name)))
         super().__init__(f"{status} {self.problem_code}: {self.detail or self.title}")
 
     @property
@@ -82,16 +113,17 @@ class BadHeader(BadRequest):
 
 
 class ValidationError(ProblemError):
-    """400 / 422: `errors` is a list of {field, message}."""
+    """400 / 422: the request's shape or a value is wrong; `errors` is a list of
+    {field, message} (for a plan, `step` is the first step a field names)."""
 
     code = "validation_error"
-
-    @property
-    def errors(self) -> list[dict[str, Any]]:
-        return list(self.problem.get("errors") or [])
+    errors: list[dict[str, Any]]
 
 
 class IdempotencyKeyMissing(ProblemError):
+    """400: a write without an Idempotency-Key. This client sends one with every write
+    (and reuses it on retries), so this means a request built by hand."""
+
     code = "idempotency_key_missing"
 
 
@@ -128,14 +160,8 @@ class OutsideWriteSet(Forbidden):
     `operation`. Start a run whose write set names it."""
 
     code = "not_in_write_set"
-
-    @property
-    def resource(self) -> str:
-        return str(self.problem.get("resource") or "")
-
-    @property
-    def operation(self) -> str:
-        return str(self.problem.get("operation") or "")
+    resource: str
+    operation: str
 
 
 class NotFound(ProblemError):
@@ -160,24 +186,16 @@ class RunNotActive(Conflict):
     """409: the run is pending approval, rejected, finished, expired or revoked."""
 
     code = "run_not_active"
-
-    @property
-    def run(self) -> str:
-        return str(self.problem.get("run") or "")
-
-    @property
-    def run_status(self) -> str:
-        return str(self.problem.get("run_status") or "")
+    run: str
+    run_status: str
 
 
 class WriteSetConflict(Conflict):
-    """409: another active run holds overlapping write authority (`overlaps`)."""
+    """409: another active run holds overlapping write authority: `overlaps` lists
+    where. Narrow the write set, or wait until that run has finished."""
 
     code = "write_set_conflict"
-
-    @property
-    def overlaps(self) -> list[dict[str, Any]]:
-        return list(self.problem.get("overlaps") or [])
+    overlaps: list[dict[str, Any]]
 
 
 class InvalidTransition(Conflict):
@@ -221,28 +239,11 @@ class StaleVersion(ProblemError):
     current document, and propose again (never resend the same write)."""
 
     code = "stale_version"
-
-    @property
-    def resource(self) -> str:
-        return str(self.problem.get("resource") or "")
-
-    @property
-    def expected_etag(self) -> str | None:
-        value = self.problem.get("expected_etag")
-        return None if value is None else str(value)
-
-    @property
-    def current_etag(self) -> str | None:
-        value = self.problem.get("current_etag")
-        return None if value is None else str(value)
-
-    @property
-    def conflict_class(self) -> str:
-        return str(self.problem.get("conflict_class") or "")
-
-    @property
-    def resolver(self) -> str:
-        return str(self.problem.get("resolver") or "")
+    resource: str
+    expected_etag: str | None
+    current_etag: str | None
+    conflict_class: str
+    resolver: str
 
     @property
     def queued_action(self) -> str | None:
@@ -264,11 +265,7 @@ class Leased(ProblemError):
     """423: another run holds an exclusive lease: `lease` = {run, expires_at}."""
 
     code = "leased"
-
-    @property
-    def lease(self) -> dict[str, Any]:
-        value = self.problem.get("lease")
-        return dict(value) if isinstance(value, dict) else {}
+    lease: dict[str, Any]
 
 
 class PreconditionRequired(ProblemError):

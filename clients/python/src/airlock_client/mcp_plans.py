@@ -9,7 +9,7 @@ from typing import Any
 from mcp.server.mcpserver.exceptions import ToolError
 
 from airlock_client._protocol import plan_step
-from airlock_client.models import Plan, PlanStep
+from airlock_client.models import Action, Plan, PlanStep
 
 _METHOD_OF = {"replace": "PUT", "merge_patch": "PATCH", "delete": "DELETE", "create": "PUT"}
 
@@ -74,15 +74,14 @@ def _compensation_json(position: int, given: Any) -> dict[str, Any] | None:
     return body
 
 
+def write_fields(write: Action | PlanStep) -> dict[str, Any]:
+    """What an action and a plan step both tell the model: the write, where it stands."""
+    fields = {"resource": write.resource, "operation": write.operation, "status": write.status}
+    return {**fields, "based_on": write.observed_etag, "conflict_class": write.conflict_class}
+
+
 def _plan_step_view(step: PlanStep) -> dict[str, Any]:
-    view: dict[str, Any] = {
-        "step": step.position,
-        "resource": step.resource,
-        "operation": step.operation,
-        "status": step.status,
-        "based_on": step.observed_etag,
-        "conflict_class": step.conflict_class,
-    }
+    view: dict[str, Any] = {"step": step.position, **write_fields(step)}
     if step.action_id:
         view["action"] = step.action_id
     if step.result_etag:

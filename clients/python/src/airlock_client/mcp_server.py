@@ -19,7 +19,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Literal
+from collections.abc import Awaitable
+from typing import Any, Literal, TypeVar
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
@@ -39,8 +40,10 @@ from airlock_client.errors import (
     StaleVersion,
     WriteSetConflict,
 )
-from airlock_client.mcp_plans import plan_steps_json, plan_view
+from airlock_client.mcp_plans import plan_steps_json, plan_view, write_fields
 from airlock_client.models import Action, Resource, Run
+
+T = TypeVar("T")
 
 #: MCP clients cap a tool call's duration (often at 120 s): never wait longer per call.
 MAX_TOOL_WAIT_SECONDS = 110
@@ -92,22 +95,28 @@ class AirlockTools:
             )
         return self.session
 
-    def ensure_heartbeat(self, session: AsyncRunSession) -> None:
+    async def run_answer(
+        self, session: AsyncRunSession, waiting: Awaitable[object]
+    ) -> dict[str, Any]:
+        """The run after `waiting` (for a person's decision): not approved (yet) is an
+        answer, not an error. An active run heartbeats from then on."""
+        try:
+            await waiting
+        except RunNotApproved:
+            pass
+        except AirlockError as exc:
+            raise tool_error(exc) from exc
         if session.run.active:
             session.start_heartbeat()
+        return run_view(session.run)
 
 
 # --- What the model reads ------------------------------------------------------------------
 
 
 def run_view(run: Run) -> dict[str, Any]:
-    view: dict[str, Any] = {
-        "run": run.id,
-        "status": run.status,
-        "task": run.task,
-        "write_set": run.write_set,
-        "expires_at": run.expires_at,
-    }
+    view: dict[str, Any] = {"run": run.id, "status": run.status, "task": run.task}
+    view.update(write_set=run.write_set, expires_at=run.expires_at)
     if run.status_reason:
         view["status_reason"] = run.status_reason
     view["next"] = {
@@ -123,13 +132,8 @@ def run_view(run: Run) -> dict[str, Any]:
 
 
 def resource_view(resource: Resource) -> dict[str, Any]:
-    return {
-        "resource": resource.identifier,
-        "version": resource.version,
-        "etag": resource.etag,
-        "document": resource.document,
-        "owner_group": resource.owner_group,
-    }
+    view = {"resource": resource.identifier, "version": resource.version, "etag": resource.etag}
+    return {**view, "document": resource.document, "owner_group": resource.owner_group}
 
 
 def _waiting_for(action: Action) -> str:
@@ -147,14 +151,7 @@ def _waiting_for(action: Action) -> str:
 
 
 def action_view(action: Action) -> dict[str, Any]:
-    view: dict[str, Any] = {
-        "action": action.id,
-        "resource": action.resource,
-        "operation": action.operation,
-        "status": action.status,
-        "based_on": action.observed_etag,
-        "conflict_class": action.conflict_class,
-    }
+    view: dict[str, Any] = {"action": action.id, **write_fields(action)}
     execution = action.execution or {}
     if action.replayed:
         view["replayed"] = True
@@ -254,6 +251,14 @@ def _clamp(seconds: float) -> float:
     return max(0.0, min(float(seconds), MAX_TOOL_WAIT_SECONDS))
 
 
+async def _asked(call: Awaitable[T], *, resource: str = "", operation: str = "") -> T:
+    """The answer to a call of Airlock; a refusal becomes a tool error saying what next."""
+    try:
+        return await call
+    except AirlockError as exc:
+        raise tool_error(exc, resource=resource, operation=operation) from exc
+
+
 # --- The server -----------------------------------------------------------------------------
 
 
@@ -281,16 +286,9 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
                 f"Run {tools.session.id} is still open ({tools.session.run.status}); call "
                 "finish_run before starting another."
             )
-        try:
-            session = await tools.client.start_run(task, write_set, approval_timeout=0)
-            tools.session = session
-            await session.wait_for_approval(_clamp(wait_seconds))
-        except RunNotApproved:
-            pass
-        except AirlockError as exc:
-            raise tool_error(exc) from exc
-        tools.ensure_heartbeat(session)
-        return run_view(session.run)
+        session = await _asked(tools.client.start_run(task, write_set, approval_timeout=0))
+        tools.session = session
+        return await tools.run_answer(session, session.wait_for_approval(_clamp(wait_seconds)))
 
     @server.tool(
         description="Show the current run: its status, task and write set (what it may "
@@ -299,16 +297,13 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
     )
     async def show_run(wait_seconds: int = 0) -> dict[str, Any]:
         session = await tools.current_run()
-        try:
+
+        async def refreshed() -> None:
             await session.refresh()
             if session.run.pending and wait_seconds > 0:
                 await session.wait_for_approval(_clamp(wait_seconds))
-        except RunNotApproved:
-            pass
-        except AirlockError as exc:
-            raise tool_error(exc) from exc
-        tools.ensure_heartbeat(session)
-        return run_view(session.run)
+
+        return await tools.run_answer(session, refreshed())
 
     @server.tool(
         description="Read a resource 'kind/name': its JSON document, version and ETag. "
@@ -359,19 +354,18 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
         kind, _, name = resource.partition("/")
         base = Resource(kind, name, 0, etag or "", None, "", {})
         why = reason or None
+        if operation == "create":
+            proposal = session.create(resource, document, reason=why)
+        elif operation == "replace":
+            proposal = session.put(base, document, reason=why)
+        elif operation == "merge_patch":
+            proposal = session.patch(base, document, reason=why)
+        else:
+            proposal = session.delete(base, reason=why)
         try:
-            if operation == "create":
-                action = await session.create(resource, document, reason=why)
-            elif operation == "replace":
-                action = await session.put(base, document, reason=why)
-            elif operation == "merge_patch":
-                action = await session.patch(base, document, reason=why)
-            else:
-                action = await session.delete(base, reason=why)
-        except AirlockError as exc:
-            raise tool_error(
-                exc, resource=resource, operation=_WRITE_SET_OPERATION[operation]
-            ) from exc
+            action = await _asked(
+                proposal, resource=resource, operation=_WRITE_SET_OPERATION[operation]
+            )
         except ValueError as exc:
             raise ToolError(str(exc)) from exc
         return action_view(action)
@@ -385,11 +379,7 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
     )
     async def wait_for_action(action_id: str, wait_seconds: int = 100) -> dict[str, Any]:
         session = await tools.current_run()
-        try:
-            action = await session.wait(action_id, timeout=_clamp(wait_seconds))
-        except AirlockError as exc:
-            raise tool_error(exc) from exc
-        return action_view(action)
+        return action_view(await _asked(session.wait(action_id, timeout=_clamp(wait_seconds))))
 
     @server.tool(
         description="Undo an applied action inside its undo window: the previous document "
@@ -398,11 +388,7 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
     )
     async def undo_action(action_id: str, wait_seconds: int = 60) -> dict[str, Any]:
         session = await tools.current_run()
-        try:
-            action = await session.undo(action_id, wait=_clamp(wait_seconds))
-        except AirlockError as exc:
-            raise tool_error(exc) from exc
-        return action_view(action)
+        return action_view(await _asked(session.undo(action_id, wait=_clamp(wait_seconds))))
 
     @server.tool(
         description="Propose one change across several resources of your run's write set as "
@@ -436,19 +422,12 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
     )
     async def wait_for_plan(plan_id: str, wait_seconds: int = 100) -> dict[str, Any]:
         session = await tools.current_run()
-        try:
-            plan = await session.wait_for_plan(plan_id, timeout=_clamp(wait_seconds))
-        except AirlockError as exc:
-            raise tool_error(exc) from exc
-        return plan_view(plan)
+        return plan_view(await _asked(session.wait_for_plan(plan_id, timeout=_clamp(wait_seconds))))
 
     @server.tool(description="List the current run's actions (newest first) with their status.")
     async def list_actions() -> dict[str, Any]:
         session = await tools.current_run()
-        try:
-            actions = await session.actions()
-        except AirlockError as exc:
-            raise tool_error(exc) from exc
+        actions = await _asked(session.actions())
         return {"run": session.id, "actions": [action_view(a) for a in actions]}
 
     @server.tool(
@@ -458,11 +437,7 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
     async def finish_run() -> dict[str, Any]:
         session = await tools.current_run()
         await session.stop_heartbeat()
-        try:
-            await session.finish()
-        except AirlockError as exc:
-            raise tool_error(exc) from exc
-        return run_view(session.run)
+        return run_view(await _asked(session.finish()))
 
     @server.resource(
         "airlock://resources/{kind}/{name}",

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, overload
 
 FINAL_ACTION_STATUSES = frozenset(
     {"applied", "conflict", "rejected", "failed", "expired", "cancelled", "undone"}
 )
 ENDED_RUN_STATUSES = frozenset({"rejected", "finished", "expired", "revoked"})
+
+
+class _HasStatus(Protocol):
+    @property
+    def status(self) -> str: ...
+
+
+class _StatusIn:
+    """A read-only flag of a record: its `status` is one of these."""
+
+    def __init__(self, *statuses: str) -> None:
+        self._statuses = frozenset(statuses)
+
+    @overload
+    def __get__(self, record: None, owner: type) -> _StatusIn: ...
+
+    @overload
+    def __get__(self, record: _HasStatus, owner: type) -> bool: ...
+
+    def __get__(self, record: _HasStatus | None, owner: type) -> _StatusIn | bool:
+        return self if record is None else record.status in self._statuses
 
 
 @dataclass(frozen=True)
@@ -37,13 +58,18 @@ class Resource:
     document: Any
     owner_group: str
     raw: dict[str, Any] = field(repr=False)
+    #: The approved write already queued to replace this version (`Airlock-Queued-Action`):
+    #: a write based on it would be refused; wait for that one (`wait_for_supersede`).
+    queued_action: str | None = None
 
     @property
     def identifier(self) -> str:
         return f"{self.kind}/{self.name}"
 
     @classmethod
-    def from_json(cls, body: dict[str, Any], etag: str | None) -> Resource:
+    def from_json(
+        cls, body: dict[str, Any], etag: str | None, queued_action: str | None = None
+    ) -> Resource:
         return cls(
             kind=str(body["kind"]),
             name=str(body["name"]),
@@ -52,6 +78,7 @@ class Resource:
             document=body.get("document"),
             owner_group=str(body.get("owner_group") or ""),
             raw=body,
+            queued_action=queued_action or None,
         )
 
 
@@ -69,17 +96,9 @@ class Run:
     #: The run token: only in the answer to the request that created the run.
     token: str | None = field(default=None, repr=False)
 
-    @property
-    def active(self) -> bool:
-        return self.status == "active"
-
-    @property
-    def pending(self) -> bool:
-        return self.status == "pending_approval"
-
-    @property
-    def ended(self) -> bool:
-        return self.status in ENDED_RUN_STATUSES
+    active = _StatusIn("active")
+    pending = _StatusIn("pending_approval")
+    ended = _StatusIn(*ENDED_RUN_STATUSES)
 
     @classmethod
     def from_json(cls, body: dict[str, Any], etag: str | None = None) -> Run:
@@ -118,9 +137,7 @@ class Action:
     #: True when the server answered a retried write from its idempotency record.
     replayed: bool = False
 
-    @property
-    def final(self) -> bool:
-        return self.status in FINAL_ACTION_STATUSES
+    final = _StatusIn(*FINAL_ACTION_STATUSES)
 
     @property
     def result_etag(self) -> str | None:
@@ -230,28 +247,14 @@ class Plan:
     #: True when the server answered a retried proposal from its idempotency record.
     replayed: bool = False
 
-    @property
-    def is_final(self) -> bool:
-        return self.status in FINAL_PLAN_STATUSES
-
-    @property
-    def pending(self) -> bool:
-        return self.status == "pending_approval"
-
-    @property
-    def applied(self) -> bool:
-        """Every step applied."""
-        return self.status == "applied"
-
-    @property
-    def compensated(self) -> bool:
-        """A step failed for good and every applied step before it was compensated."""
-        return self.status == "compensated"
-
-    @property
-    def partially_compensated(self) -> bool:
-        """Some compensations became conflicts that a person decides (`conflicts`)."""
-        return self.status == "partially_compensated"
+    is_final = _StatusIn(*FINAL_PLAN_STATUSES)
+    pending = _StatusIn("pending_approval")
+    #: Every step applied.
+    applied = _StatusIn("applied")
+    #: A step failed for good and every applied step before it was compensated.
+    compensated = _StatusIn("compensated")
+    #: Some compensations became conflicts that a person decides (`conflicts`).
+    partially_compensated = _StatusIn("partially_compensated")
 
     @property
     def failed_step(self) -> PlanStep | None:

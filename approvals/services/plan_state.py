@@ -1,0 +1,79 @@
+"""A plan row's moves: the one UPDATE of a plan, and the end of plans that never ran.
+
+Below both `approvals.services.plans` and `approvals.services.runs` (plans imports runs),
+so a run's end and a plan approval's rejection or expiry end a waiting plan by the same
+rule, and the engine and the decisions move a plan's ETag the same way.
+"""
+
+from __future__ import annotations
+
+import uuid
+from functools import partial
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F, QuerySet
+from django.utils import timezone
+
+from approvals.models import Approval, Plan, PlanStatus, PlanStep, PlanStepStatus
+from approvals.notify import notify_run_changed
+
+
+def _touch(plans: QuerySet[Plan], *, run_id: Any, **fields: Any) -> int:
+    """UPDATE `plans` with `fields` and move each one's ETag (revision); the run's
+    waiters are woken after commit (a plan's long-poll listens on its run's channel)."""
+    updated = plans.update(revision=F("revision") + 1, updated_at=timezone.now(), **fields)
+    if updated:
+        transaction.on_commit(partial(notify_run_changed, run_id))
+    return updated
+
+
+def plan_touch(
+    *,
+    plan_id: uuid.UUID,
+    run_id: uuid.UUID,
+    from_statuses: tuple[str, ...] | None = None,
+    **fields: Any,
+) -> bool:
+    """One UPDATE of the plan (only from `from_statuses` when given): `fields`, and its
+    ETag moved. False when the plan was not in `from_statuses`."""
+    plans = Plan.objects.filter(pk=plan_id)
+    if from_statuses is not None:
+        plans = plans.filter(status__in=from_statuses)
+    return bool(_touch(plans, run_id=run_id, **fields))
+
+
+def plans_end_unapproved(
+    *, run_id: Any, status: str, error: dict[str, Any], plan_id: uuid.UUID | None = None
+) -> list[uuid.UUID]:
+    """The run's plans still waiting for their approval (only `plan_id`, when given) end
+    as `status` with `error`: nothing ran, so every step is skipped. Returns the plans
+    it ended (none when they were no longer waiting).
+
+    Caller's transaction, after the run row (the project's lock order: run, then plan);
+    locks the waiting plan rows so an admission that commits first is seen, not undone.
+    """
+    waiting = Plan.objects.filter(run_id=run_id, status=PlanStatus.PENDING_APPROVAL)
+    if plan_id is not None:
+        waiting = waiting.filter(pk=plan_id)
+    ended = list(waiting.select_for_update().values_list("pk", flat=True))
+    if ended:
+        _touch(
+            Plan.objects.filter(pk__in=ended),
+            run_id=run_id,
+            status=status,
+            error=error,
+            ended_at=timezone.now(),
+        )
+        PlanStep.objects.filter(plan_id__in=ended).update(status=PlanStepStatus.SKIPPED)
+    return ended
+
+
+def plan_end_unapproved_locked(*, approval: Approval, status: str, error: dict[str, Any]) -> bool:
+    """The plan's approval was rejected or expired (caller's transaction, plan row
+    locked): the plan ends as `status`. False when it was no longer waiting."""
+    assert approval.plan_id is not None
+    ended = plans_end_unapproved(
+        run_id=approval.run_id, plan_id=approval.plan_id, status=status, error=error
+    )
+    return bool(ended)
