@@ -1,10 +1,12 @@
 """The web process's own cost of one agent poll, without HTTP and without wrk: CPU
 milliseconds per 200 poll (every thread of this process; PostgreSQL's work is not in it)
-and polls per second, 8 at a time, through console.asgi's application, interleaved round by
-round with the same application on Django's plain ASGIHandler (whose MiddlewareMixin hands
-every middleware hook to a thread). Less sensitive to a busy machine than the wrk figures.
+and polls per second, 8 at a time, through console.asgi's application (the poll's front over
+Django), interleaved round by round with Django's plain ASGIHandler (whose MiddlewareMixin
+hands every middleware hook to a thread); `--everything` adds console.asgi's Django
+application alone (what the front hands off to) and the 304s of both. Less sensitive to a
+busy machine than the wrk figures.
 
-    python -m bench.asgi_cpu [--rounds 5] [--polls 800]
+    python -m bench.asgi_cpu [--rounds 5] [--polls 800] [--everything]
 
 Database: BENCH_DATABASE_URL (dropped and re-created, as by bench.run); a private Redis.
 """
@@ -32,20 +34,21 @@ from bench.stack import Stack, free_port, log
 CONCURRENT = 8
 
 
-async def _poll(app: App, path: str, token: str, statuses: dict[int, int]) -> None:
-    messages = await asgi_get(
-        app, path, host="127.0.0.1", headers={"Authorization": f"Bearer {token}"}
-    )
+async def _poll(app: App, path: str, token: str, etag: str, statuses: dict[int, int]) -> None:
+    headers = {"Authorization": f"Bearer {token}"}
+    if etag:
+        headers["If-None-Match"] = etag
+    messages = await asgi_get(app, path, host="127.0.0.1", headers=headers)
     status = next(m["status"] for m in messages if m["type"] == "http.response.start")
     statuses[status] = statuses.get(status, 0) + 1
 
 
-async def _round(app: App, path: str, token: str, polls: int) -> dict[str, Any]:
+async def _round(app: App, path: str, token: str, etag: str, polls: int) -> dict[str, Any]:
     statuses: dict[int, int] = {}
 
     async def client(count: int) -> None:
         for _ in range(count):
-            await _poll(app, path, token, statuses)
+            await _poll(app, path, token, etag, statuses)
 
     cpu, wall = time.process_time(), time.perf_counter()
     await asyncio.gather(*(client(polls // CONCURRENT) for _ in range(CONCURRENT)))
@@ -55,25 +58,39 @@ async def _round(app: App, path: str, token: str, polls: int) -> dict[str, Any]:
 
 
 def _applications() -> dict[str, App]:
-    """console.asgi's application and the same on Django's plain handler."""
-    # reason: both load the middlewares, which need django.setup() (done in main)
+    """console.asgi's application (the poll's fast path in front of Django), the Django
+    application behind it alone, and the same on Django's plain handler."""
+    # reason: they load the middlewares, which need django.setup() (done in main)
+    from approvals.api.fastpoll import PollFront
     from console.middleware import AirlockASGIHandler
 
+    django = ASGIStaticFilesHandler(AirlockASGIHandler())
     return {
-        "console.asgi": ASGIStaticFilesHandler(AirlockASGIHandler()),
+        "console.asgi": PollFront(django),
+        "console.asgi django": django,
         "django_asgi": ASGIStaticFilesHandler(ASGIHandler()),
     }
 
 
-async def _measure(path: str, token: str, rounds: int, polls: int) -> dict[str, Any]:
+async def _measure(
+    path: str, token: str, etag: str, rounds: int, polls: int, *, everything: bool
+) -> dict[str, Any]:
     apps = _applications()
-    for app in apps.values():  # warm: connections, prepared statements, imports
-        await _round(app, path, token, CONCURRENT * 10)
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in apps}
+    if not everything:
+        apps.pop("console.asgi django")
+    # Each application's 200 poll; with everything, also the 304 (If-None-Match) of the
+    # front and of the Django application behind it.
+    runs = {name: (app, "") for name, app in apps.items()}
+    if everything:
+        runs.update({f"{name} 304": (apps[name], etag) for name in list(apps)[:2]})
+    for app, tag in runs.values():  # warm: connections, prepared statements, imports
+        await _round(app, path, token, tag, CONCURRENT * 10)
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     for number in range(rounds):
-        order = list(apps) if number % 2 == 0 else list(reversed(apps))
+        order = list(runs) if number % 2 == 0 else list(reversed(runs))
         for name in order:
-            results[name].append(await _round(apps[name], path, token, polls))
+            app, tag = runs[name]
+            results[name].append(await _round(app, path, token, tag, polls))
             log(f"asgi_cpu round {number} {name}: {results[name][-1]}")
     return {
         name: {
@@ -97,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--polls", type=int, default=800)
+    parser.add_argument(
+        "--everything",
+        action="store_true",
+        help="also the Django application behind the poll's front, and the 304s",
+    )
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="airlock-asgi-cpu-"))
     stack = Stack(
@@ -117,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         run = fixtures.run_for(world, ["bench-wait/*"], task="bench: asgi cpu")
         action = fixtures.pending(run, "bench-wait", ["asgi-cpu-1"])[0]
         path = f"/api/v1/actions/{action.action_id}"
-        result = asyncio.run(_measure(path, run.token, args.rounds, args.polls))
+        result = asyncio.run(
+            _measure(
+                path, run.token, action.etag, args.rounds, args.polls, everything=args.everything
+            )
+        )
     finally:
         stack.stop_all()
     print(json.dumps(result))

@@ -59,14 +59,12 @@ class Bearer(HttpBearer):
         self.is_async = deferred
 
     def __call__(self, request: HttpRequest) -> Any:
-        # Parse strictly: exactly "Bearer <token>", anything else is simply unauthenticated.
-        value = request.headers.get("Authorization", "")
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = bearer_token(request.headers.get("Authorization", ""))
+        if token is None:
             return None
         if self.is_async:
-            return _deferred(DeferredToken(self, token.strip()))
-        return self.authenticate(request, token.strip())
+            return _deferred(DeferredToken(self, token))
+        return self.authenticate(request, token)
 
     def authenticate(self, request: HttpRequest, token: str) -> Principal | None:
         principal = principal_for_token(token)
@@ -79,6 +77,15 @@ class Bearer(HttpBearer):
             raise Forbidden(f"This operation needs {wanted}.")
         request.principal = principal  # type: ignore[attr-defined]
         return principal
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an Authorization header, parsed strictly: exactly "Bearer <token>";
+    anything else is simply unauthenticated (None). approvals.api.fastpoll parses with it too."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
 
 
 @dataclass(frozen=True)

@@ -120,20 +120,29 @@ def _facts_sql(vendor: str) -> dict[str, str]:
     return {name: sql.format(**names) for name, sql in _FACTS_SQL.items()}
 
 
+def body_facts(vendor: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(attribute, SQL, parameters) of each fact an action's JSON shows beyond its row:
+    what with_body_facts annotates, and what the poll's fast path selects beside the row
+    (approvals/api/fastpoll.py)."""
+    sql = _facts_sql(vendor)
+    return [(name, sql[name], _FACTS_PARAMS.get(name, ())) for name in _FACTS_SQL]
+
+
 def with_body_facts(actions: QuerySet[Action]) -> QuerySet[Action]:
     """`actions` with everything an action's JSON shows, in ONE statement: the run and
     its agent joined, and the write conflict, the latest approval (the action's own, and
     the run's), the latest execution and whether an undo was ever requested as
     correlated subqueries. The poll's 200 costs this one read (plus the token's)."""
-    sql = _facts_sql(connection.vendor)
     facts: dict[str, Any] = {
         # Constant SQL (table names from the models' metadata); values go as parameters.
-        name: RawSQL(sql[name], _FACTS_PARAMS.get(name, ()), output_field=JSONField())  # noqa: S611
-        for name in _FACTS_SQL
-        if name != "_undo_requested"
+        name: RawSQL(  # noqa: S611
+            sql,
+            params,
+            output_field=BooleanField() if name == "_undo_requested" else JSONField(),
+        )
+        for name, sql, params in body_facts(connection.vendor)
     }
-    undo = RawSQL(sql["_undo_requested"], (), output_field=BooleanField())  # noqa: S611
-    return actions.select_related("run__agent").annotate(**facts, _undo_requested=undo)
+    return actions.select_related("run__agent").annotate(**facts)
 
 
 def action_load(action_id: Any) -> Action:

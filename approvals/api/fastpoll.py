@@ -1,0 +1,390 @@
+"""The agent's short poll, answered in front of Django: `GET /api/v1/actions/{id}` with a
+run token, no `Prefer`, the action visible to the run.
+
+That poll is most of an agent's traffic, and Django's ASGI path (request object, ninja,
+middlewares, a thread hop, the ORM compiling two querysets) costs several times the read
+itself. `PollFront` wraps the ASGI application: for the happy path it runs ONE prepared
+statement on a few async psycopg connections of its own (the token's run, the action's row
+and, for a 200, everything the body shows) and answers on the event loop — a 304 before any
+JSON work. Any other request, and any doubt about this one (unknown token, invisible or
+unknown action, a body that needs more reads, a database error, a header it does not parse),
+goes to Django unchanged, which then answers exactly as it always did. Rate limiting and
+audit stay off this read path, as on Django's.
+
+Nothing here is a second copy of a rule: the token is parsed by `console.auth.bearer_token`
+and checked against the same SHA-256 (`_hash_token`, constant-time compare), who reads what
+is `run_token_action_scope` (the rule `actions_visible_to` filters with), the ETag is
+`Action.etag`, the body `action_body` over the facts `with_body_facts` annotates, and the
+answer's headers are the ones Django itself sent for this endpoint's previous 200/304 in this
+process (middlewares' security headers, CSP, Cache-Control, Content-Type), with only ETag,
+Content-Length and X-Request-Id (`clean_request_id`) filled in per answer. Until Django has
+answered once, every poll goes to Django.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.models import Model
+from django.http.request import split_domain_port, validate_host
+from psycopg import AsyncConnection, AsyncCursor
+
+from approvals.api.serialize import action_body, body_facts
+from approvals.models import Action, Agent, Run
+from approvals.selectors import run_token_action_scope
+from approvals.services.preconditions import TagCondition, read_condition
+from approvals.services.tokens import LOOKUP_PREFIX_LENGTH, RUN_PREFIX, _hash_token
+from console.auth import RUN, any_token_or_ended_run_deferred, bearer_token
+from console.requestctx import clean_request_id
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = Mapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# The route of approvals.api.actions.action_get (console/urls_api.py mounts the API at /api/v1).
+_PATH = re.compile(
+    r"/api/v1/actions/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+)
+# The headers Django fills in per answer; every other one is replayed as Django sent it.
+_PER_ANSWER = (b"etag", b"content-length", b"x-request-id")
+# Headers the fast path reads; a request repeating one of them goes to Django.
+_READ = frozenset({b"host", b"authorization", b"if-none-match", b"x-request-id"})
+# With one of these (or a body) Django may answer differently: it answers.
+_HANDS_OFF = frozenset({b"prefer", b"cookie", b"content-length", b"transfer-encoding"})
+# Connections per web process: one statement per poll, two cores; more would only queue.
+POOL_MAX = 4
+# The bearer of action_get: the fast path serves only the run tokens it accepts, ended included.
+_BEARER = any_token_or_ended_run_deferred
+
+
+@dataclass(frozen=True)
+class Poll:
+    """The parts of a request the fast path answers from."""
+
+    action_id: uuid.UUID
+    token: str
+    condition: TagCondition | None
+    request_id: str
+    scheme: str  # the learned headers are per scheme (HSTS is sent over HTTPS only)
+
+
+def _fields(
+    model: type[Model],
+    alias: str,
+    *,
+    only: frozenset[str] | None = None,
+    exclude: frozenset[str] = frozenset(),
+) -> list[tuple[str, str]]:
+    """(attname, SQL column) of `model`'s concrete fields in their order (Model.from_db's);
+    a field left out is deferred: reading it would be a query, which hands the poll over."""
+    return [
+        (field.attname, f'{alias}."{field.column}"')
+        for field in model._meta.concrete_fields
+        if (only is None or field.attname in only) and field.attname not in exclude
+    ]
+
+
+class _Statements:
+    """The two statements of a fast poll, built once from the models' metadata."""
+
+    def __init__(self) -> None:
+        run_table = Run._meta.db_table
+        agent_table = Agent._meta.db_table
+        action_table = Action._meta.db_table
+        # The token's run: what the token check and run_token_action_scope read.
+        self.token_fields = _fields(
+            Run, "t", only=frozenset({"id", "agent_id", "token_hash", "status", "expires_at"})
+        )
+        # A run token whose agent is inactive is no credential (principal_for_token).
+        token_from = (
+            f'FROM "{run_table}" t JOIN "{agent_table}" g ON g.id = t.agent_id AND g.is_active '
+        )
+        where = "WHERE t.token_prefix = %s"
+        # The 304 check: the action's revision and who may read it.
+        self.state_fields = _fields(
+            Action, "a", only=frozenset({"id", "run_id", "agent_id", "status", "revision"})
+        )
+        self.state_sql = (
+            f"SELECT {', '.join(c for _, c in self.token_fields + self.state_fields)} "
+            f'{token_from}LEFT JOIN "{action_table}" a ON a.id = %s {where}'
+        )
+        # The 200: the row and its run's (for the body) plus the body's facts. The facts'
+        # SQL names the action table itself, so the action is not aliased here.
+        quoted = f'"{action_table}"'
+        self.action_fields = _fields(Action, quoted, exclude=frozenset({"payload"}))
+        self.run_fields = _fields(Run, "ar", exclude=frozenset({"write_set", "task", "token_hash"}))
+        self.agent_fields = [("id", "ag.id"), ("name", "ag.name")]
+        facts = body_facts("postgresql")
+        self.fact_names = [name for name, _, _ in facts]
+        self.fact_params = tuple(p for _, _, params in facts for p in params)
+        columns = (
+            [c for _, c in self.token_fields + self.action_fields + self.run_fields]
+            + [c for _, c in self.agent_fields]
+            + [sql for _, sql, _ in facts]
+        )
+        self.body_sql = (
+            f"SELECT {', '.join(columns)} {token_from}"
+            f"LEFT JOIN {quoted} ON {quoted}.id = %s "
+            f'LEFT JOIN "{run_table}" ar ON ar.id = {quoted}.run_id '
+            f'LEFT JOIN "{agent_table}" ag ON ag.id = ar.agent_id {where}'
+        )
+
+
+def _connection_kwargs() -> dict[str, Any]:
+    """psycopg's connection arguments from Django's settings (the same database and
+    credentials), autocommit, timestamps in UTC as Django's connections read them."""
+    params = connections[DEFAULT_DB_ALIAS].get_connection_params()
+    kwargs = {
+        key: value
+        for key, value in params.items()
+        if key not in ("cursor_factory", "context", "prepare_threshold")
+    }
+    kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
+    kwargs["autocommit"] = True
+    # An unreachable server costs a poll no longer than Django's pool would make it wait.
+    kwargs.setdefault("connect_timeout", int(getattr(settings, "AIRLOCK_DB_POOL_TIMEOUT", 10)))
+    return kwargs
+
+
+class _Connections:
+    """At most `size` connections of this process, each with its cursor, handed out with
+    no more than a list pop while one is idle (psycopg_pool's checkout cost as much as the
+    304's own statement). A connection whose statement failed is closed, not reused: after
+    a PostgreSQL restart the polls in flight go to Django, the next ones reconnect."""
+
+    def __init__(self, kwargs: dict[str, Any], size: int) -> None:
+        self.kwargs = kwargs
+        self.idle: list[AsyncCursor[Any]] = []
+        self.free = asyncio.Semaphore(size)
+        self.timeout = float(getattr(settings, "AIRLOCK_DB_POOL_TIMEOUT", 10))
+
+    async def rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        if self.free.locked():
+            await asyncio.wait_for(self.free.acquire(), self.timeout)
+        else:
+            await self.free.acquire()
+        try:
+            cursor = self.idle.pop() if self.idle else await self._connect()
+            try:
+                await cursor.execute(sql, params, prepare=True)
+                rows = await cursor.fetchall()
+            except BaseException:
+                await cursor.connection.close()
+                raise
+            self.idle.append(cursor)
+            return rows
+        finally:
+            self.free.release()
+
+    async def _connect(self) -> AsyncCursor[Any]:
+        connection = await AsyncConnection.connect(**self.kwargs)
+        return connection.cursor()
+
+
+def _model(model: type[Model], fields: list[tuple[str, str]], values: Any) -> Any:
+    return model.from_db(DEFAULT_DB_ALIAS, [name for name, _ in fields], list(values))
+
+
+class PollFront:
+    """ASGI middleware: fast short polls, everything else to `app` (see the module doc)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.templates: dict[tuple[int, str], list[tuple[bytes, bytes]]] = {}
+        self._connections: _Connections | None = None
+        # The embedded default (SQLite) has no async driver here: Django answers every poll.
+        self.enabled = connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        poll = self._parse(scope) if self.enabled and scope["type"] == "http" else None
+        if poll is None:
+            await self.app(scope, receive, send)
+            return
+        answer: tuple[int, str, bytes] | None = None
+        if self._learned(poll):
+            try:
+                answer = await self._answer(poll)
+            except Exception:  # Django answers any doubt itself
+                logger.debug("fast poll handed to Django", exc_info=True)
+        if answer is None:
+            await self.app(scope, receive, self._learning(poll, send))
+            return
+        status, etag, body = answer
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": self._headers(poll, status, etag, body),
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    # --- the request ---------------------------------------------------------------------
+
+    def _parse(self, scope: Scope) -> Poll | None:
+        """The poll's parts, or None when this request is not one the fast path serves."""
+        if scope["method"] != "GET" or scope.get("query_string") or scope.get("root_path"):
+            return None
+        match = _PATH.fullmatch(scope["path"])
+        if match is None:
+            return None
+        headers: dict[bytes, str] = {}
+        for raw_name, raw_value in scope["headers"]:
+            name = raw_name.lower()
+            if name in _HANDS_OFF or (name in _READ and name in headers):
+                return None
+            if name in _READ:
+                headers[name] = raw_value.decode("latin-1")
+            elif name == _proxy_ssl_header():
+                return None  # HTTPS as a proxy says: Django judges (HSTS, redirects)
+        token = bearer_token(headers.get(b"authorization", ""))
+        host = headers.get(b"host")
+        if token is None or not token.startswith(RUN_PREFIX) or host is None:
+            return None
+        domain, _ = split_domain_port(host)
+        if not domain or not validate_host(domain, settings.ALLOWED_HOSTS):
+            return None  # Django's 400 (DisallowedHost)
+        scheme = str(scope.get("scheme", "http"))
+        if settings.SECURE_SSL_REDIRECT and scheme != "https":
+            return None
+        return Poll(
+            action_id=uuid.UUID(match.group(1)),
+            token=token,
+            condition=read_condition(headers.get(b"if-none-match")),
+            request_id=clean_request_id(headers.get(b"x-request-id")),
+            scheme=scheme,
+        )
+
+    def _learned(self, poll: Poll) -> bool:
+        return (200, poll.scheme) in self.templates and (
+            poll.condition is None or (304, poll.scheme) in self.templates
+        )
+
+    # --- the answer -----------------------------------------------------------------------
+
+    @cached_property
+    def _sql(self) -> _Statements:
+        return _Statements()
+
+    async def _rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        if self._connections is None:
+            self._connections = _Connections(_connection_kwargs(), POOL_MAX)
+        return await self._connections.rows(sql, params)
+
+    def _token_run(self, rows: list[tuple[Any, ...]], token: str) -> tuple[Run, int] | None:
+        """The run whose stored hash is the token's (every candidate compared, in constant
+        time, as principal_for_token does) and its row's index."""
+        digest = _hash_token(token)
+        fields = self._sql.token_fields
+        hash_at = [name for name, _ in fields].index("token_hash")
+        found: tuple[Run, int] | None = None
+        for index, row in enumerate(rows):
+            if hmac.compare_digest(row[hash_at], digest):
+                found = (_model(Run, fields, row[: len(fields)]), index)
+        return found
+
+    async def _answer(self, poll: Poll) -> tuple[int, str, bytes] | None:
+        """(status, ETag, body) of the poll, or None: Django answers."""
+        if RUN not in _BEARER.kinds or not _BEARER.ended_run:
+            return None
+        sql = self._sql
+        prefix = poll.token[:LOOKUP_PREFIX_LENGTH]
+        if poll.condition is not None:
+            rows = await self._rows(sql.state_sql, (poll.action_id, prefix))
+            found = self._token_run(rows, poll.token)
+            if found is None:
+                return None
+            run, index = found
+            start = len(sql.token_fields)
+            action = _model(Action, sql.state_fields, rows[index][start:])
+            if not _visible(action, run):
+                return None
+            if poll.condition.weak_match(action.etag):
+                return 304, action.etag, b""
+        rows = await self._rows(sql.body_sql, (*sql.fact_params, poll.action_id, prefix))
+        found = self._token_run(rows, poll.token)
+        if found is None:
+            return None
+        run, index = found
+        action = self._action(rows[index])
+        if action is None or not _visible(action, run):
+            return None
+        if poll.condition is not None and poll.condition.weak_match(action.etag):
+            return 304, action.etag, b""
+        # A body that needs another read (votes, an undo's state) raises
+        # SynchronousOnlyOperation here: Django answers it.
+        return 200, action.etag, action_body(action)
+
+    def _action(self, row: tuple[Any, ...]) -> Action | None:
+        sql = self._sql
+        at = len(sql.token_fields)
+        parts: list[Any] = []
+        for fields in (sql.action_fields, sql.run_fields, sql.agent_fields):
+            parts.append(row[at : at + len(fields)])
+            at += len(fields)
+        if parts[0][0] is None:
+            return None  # no such action
+        action: Action = _model(Action, sql.action_fields, parts[0])
+        action_run = _model(Run, sql.run_fields, parts[1])
+        Run._meta.get_field("agent").set_cached_value(
+            action_run, _model(Agent, sql.agent_fields, parts[2])
+        )
+        Action._meta.get_field("run").set_cached_value(action, action_run)
+        for name, value in zip(sql.fact_names, row[at:], strict=True):
+            setattr(action, name, value)
+        return action
+
+    # --- the headers, as Django sent them ----------------------------------------------------
+
+    def _learning(self, poll: Poll, send: Send) -> Send:
+        """`send` that keeps the headers of Django's 200 and 304 answers to such polls."""
+
+        async def learn(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] in (200, 304):
+                headers = [(bytes(n), bytes(v)) for n, v in message.get("headers", [])]
+                names = {name.lower() for name, _ in headers}
+                # A cookie belongs to one client: an answer that sets one is never replayed.
+                if names.issuperset(_PER_ANSWER) and b"set-cookie" not in names:
+                    self.templates[(message["status"], poll.scheme)] = headers
+            await send(message)
+
+        return learn
+
+    def _headers(self, poll: Poll, status: int, etag: str, body: bytes) -> list[Any]:
+        values = {
+            b"etag": etag.encode("latin-1"),
+            b"content-length": str(len(body)).encode(),
+            b"x-request-id": poll.request_id.encode("latin-1"),
+        }
+        return [
+            (name, values.get(name.lower(), value))
+            for name, value in self.templates[(status, poll.scheme)]
+        ]
+
+
+def _visible(action: Action, run: Run) -> bool:
+    """actions_visible_to(run)'s rule, checked on the row read."""
+    scope = run_token_action_scope(run)
+    return all(getattr(action, name) == value for name, value in scope.items())
+
+
+def _proxy_ssl_header() -> bytes | None:
+    header = settings.SECURE_PROXY_SSL_HEADER
+    if not header:
+        return None
+    # Django's META name (HTTP_X_FORWARDED_PROTO) as the header's ASGI name.
+    return header[0].removeprefix("HTTP_").replace("_", "-").lower().encode()

@@ -1,0 +1,252 @@
+"""The agent's short poll answered in front of Django (approvals/api/fastpoll.py) answers
+exactly as Django does — status, every header, body — for every case of the matrix, on a
+real uvicorn: the product's Django application on one server, the front over the same
+application (its Django answers marked) on the other. The happy cases are answered by the
+front itself; every other one is handed to Django."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from approvals.api.fastpoll import PollFront
+from approvals.models import ActionStatus, Approval, ApprovalDecision, ApprovalSubject, Decision
+from approvals.services.runs import run_finish, run_revoke
+from audit.services import Actor
+from console import asgi
+from tests.conftest import free_port, subprocess_env
+from tests.fixtures.api import make_active_run, make_agent_with_token
+from tests.fixtures.core import make_action
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+REQUEST_ID = "fastpoll-matrix-1"
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+def _start(app: str) -> Server:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            *(str(Path(sys.executable).parent / "uvicorn"), app, "--port", str(port)),
+            *("--log-level", "warning", "--no-server-header", "--lifespan", "off"),
+        ],
+        # django-csp orders the policy's directives by set iteration: one seed for both
+        # servers, so that their headers compare byte for byte.
+        env=subprocess_env(LOG_LEVEL="WARNING", PYTHONHASHSEED="0"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return Server(url=url, process=process)
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"uvicorn {app} did not start")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def servers(django_db_setup: Any) -> Iterator[dict[str, Server]]:
+    """{"django": console.asgi's Django application, "front": the front over it}."""
+    started: dict[str, Server] = {}
+    try:
+        started["django"] = _start("console.asgi:django_application")
+        started["front"] = _start("tests.fastpoll_app:application")
+        yield started
+    finally:
+        for server in started.values():
+            server.process.terminate()
+            server.process.wait(timeout=10)
+
+
+@dataclass
+class World:
+    token: str  # an active run's
+    agent_token: str
+    action: Any  # pending its approval, polled by the run
+    voted: Any  # one vote of two: its body names the voter (another read)
+    other_agents: Any
+    sibling: Any  # another run's action of the same agent
+
+
+def _writes(prefix: str) -> list[dict[str, Any]]:
+    # Active runs may not overlap: each its own names.
+    return [{"resource": f"dns-record/{prefix}-*", "operations": ["create"]}]
+
+
+def _pending(run: Any, name: str) -> Any:
+    action = make_action(
+        run=run,
+        identifier=f"dns-record/{name}",
+        operation="create",
+        payload={"n": 1},
+        status=ActionStatus.PENDING_APPROVAL,
+    )
+    Approval.objects.create(
+        subject=ApprovalSubject.ACTION,
+        run=run,
+        action=action,
+        quorum=2,
+        expires_at=timezone.now().replace(year=timezone.now().year + 1),
+    )
+    return action
+
+
+@pytest.fixture
+def world() -> World:
+    robot = make_agent_with_token("fast-bot")
+    run = make_active_run(robot.agent, _writes("app"))
+    sibling_run = make_active_run(robot.agent, _writes("sib"))
+    other = make_active_run(make_agent_with_token("other-bot").agent, _writes("oth"))
+    voted = _pending(run.run, "app-voted")
+    person = get_user_model().objects.create_user(username="voter")
+    ApprovalDecision.objects.create(
+        approval=Approval.objects.get(action=voted), person=person, decision=Decision.APPROVE
+    )
+    return World(
+        token=run.token,
+        agent_token=robot.token,
+        action=_pending(run.run, "app-1"),
+        voted=voted,
+        other_agents=_pending(other.run, "app-other"),
+        sibling=_pending(sibling_run.run, "app-sibling"),
+    )
+
+
+def _get(server: Server, path: str, token: str, **headers: str) -> httpx.Response:
+    sent = {"Authorization": f"Bearer {token}", "X-Request-Id": REQUEST_ID, **headers}
+    return httpx.get(f"{server.url}{path}", headers=sent, timeout=10)
+
+
+def _comparable(response: httpx.Response) -> tuple[int, list[tuple[str, str]], bytes]:
+    headers = [
+        (name, value)
+        for name, value in response.headers.multi_items()
+        if name not in ("date", "x-test-served-by")
+    ]
+    return response.status_code, headers, response.content
+
+
+def _answered_alike(
+    servers: dict[str, Server],
+    path: str,
+    token: str,
+    headers: dict[str, str],
+    by_front: bool,
+    status: int,
+) -> None:
+    """Both servers answer alike; the front's answer came from itself (or from Django)."""
+    django = _get(servers["django"], path, token, **headers)
+    front = _get(servers["front"], path, token, **headers)
+    assert django.status_code == status, django.text
+    assert _comparable(front) == _comparable(django)
+    assert ("x-test-served-by" not in front.headers) is by_front
+
+
+def _learn(servers: dict[str, Server], world: World) -> None:
+    """The front replays the headers of Django's own 200 and 304: let it see one of each."""
+    path = f"/api/v1/actions/{world.action.pk}"
+    etag = _get(servers["front"], path, world.token).headers["ETag"]
+    _get(servers["front"], path, world.token, **{"If-None-Match": etag})
+
+
+def _token(world: World, which: str) -> str:
+    if which == "wrong":  # the run token's prefix with another secret
+        return world.token[:-1] + ("A" if world.token[-1] != "A" else "B")
+    if which == "unknown":
+        return "rt_" + "x" * 40
+    return str(getattr(world, which))
+
+
+def _path(world: World, which: str) -> str:
+    if which == "unknown":
+        return "/api/v1/actions/00000000-0000-4000-8000-000000000000"
+    return f"/api/v1/actions/{getattr(world, which).pk}"
+
+
+ETAG = '"a1"'  # a new action's (revision 1)
+# (case, the action polled, the token, headers, answered by the front itself?, status)
+MATRIX: list[tuple[str, str, str, dict[str, str], bool, int]] = [
+    ("200", "action", "token", {}, True, 200),
+    ("304", "action", "token", {"If-None-Match": ETAG}, True, 304),
+    ("other If-None-Match", "action", "token", {"If-None-Match": '"a999"'}, True, 200),
+    ("bad If-None-Match", "action", "token", {"If-None-Match": "a1, ,"}, True, 200),
+    ("another run of the agent", "sibling", "token", {}, True, 200),
+    ("a vote to name", "voted", "token", {}, False, 200),
+    ("wrong token", "action", "wrong", {}, False, 401),
+    ("unknown token", "action", "unknown", {}, False, 401),
+    ("agent token", "action", "agent_token", {}, False, 200),
+    ("other agent's action", "other_agents", "token", {}, False, 404),
+    ("unknown id", "unknown", "token", {}, False, 404),
+    ("Prefer wait", "action", "token", {"Prefer": "wait=1", "If-None-Match": ETAG}, False, 304),
+    ("bad Prefer", "action", "token", {"Prefer": "wait=soon"}, False, 400),
+    ("disallowed Host", "action", "token", {"Host": "evil.example"}, False, 400),
+]
+
+
+@pytest.mark.parametrize(
+    ("action", "token", "headers", "by_front", "status"),
+    [case[1:] for case in MATRIX],
+    ids=[case[0] for case in MATRIX],
+)
+def test_the_front_answers_a_poll_exactly_as_django_does(
+    servers: dict[str, Server],
+    world: World,
+    action: str,
+    token: str,
+    headers: dict[str, str],
+    by_front: bool,
+    status: int,
+) -> None:
+    _learn(servers, world)
+    _answered_alike(servers, _path(world, action), _token(world, token), headers, by_front, status)
+
+
+@pytest.mark.parametrize("ending", ["revoked", "finished"])
+def test_an_ended_runs_token_reads_its_own_action_in_front_and_no_other(
+    servers: dict[str, Server], world: World, ending: str
+) -> None:
+    _learn(servers, world)
+    run = world.action.run
+    if ending == "revoked":
+        run_revoke(run=run, actor=Actor.system("tests"), reason="test")
+    else:
+        run_finish(run=run, actor=Actor.agent(run.agent))
+    world.action.refresh_from_db()
+    for action, by_front, status in ((world.action, True, 200), (world.sibling, False, 404)):
+        _answered_alike(servers, f"/api/v1/actions/{action.pk}", world.token, {}, by_front, status)
+
+
+def test_a_poll_without_a_request_id_gets_a_fresh_one_from_the_front(
+    servers: dict[str, Server], world: World
+) -> None:
+    _learn(servers, world)
+    url = f"{servers['front'].url}/api/v1/actions/{world.action.pk}"
+    answers = [httpx.get(url, headers={"Authorization": f"Bearer {world.token}"}) for _ in "ab"]
+    assert all("x-test-served-by" not in answer.headers for answer in answers)
+    ids = {answer.headers["X-Request-Id"] for answer in answers}
+    assert len(ids) == 2 and all(len(i) == 32 for i in ids)
+
+
+def test_the_product_application_is_the_front_over_django() -> None:
+    assert isinstance(asgi.application, PollFront)
+    assert asgi.application.app is asgi.django_application
