@@ -68,15 +68,18 @@ def web_connections_fit_the_database(app_configs: Any, **kwargs: Any) -> list[Ch
     max_connections = _server_max_connections(database)
     if max_connections is None:
         return []
-    pool_max = int(settings.AIRLOCK_DB_POOL_MAX)
+    # The pool's connections plus the short poll's own (approvals/api/fastpoll.py).
+    pool_max = int(settings.AIRLOCK_DB_POOL_MAX) + int(settings.AIRLOCK_FAST_POLL_CONNECTIONS)
     if processes * pool_max <= max_connections:
         return []
     return [
         Warning(
-            f"{processes} web processes (WEB_CONCURRENCY) x {pool_max} pooled connections "
-            f"(AIRLOCK_DB_POOL_MAX) = {processes * pool_max} exceeds the server's "
+            f"{processes} web processes (WEB_CONCURRENCY) x {pool_max} connections "
+            "(AIRLOCK_DB_POOL_MAX + AIRLOCK_FAST_POLL_CONNECTIONS) = "
+            f"{processes * pool_max} exceeds the server's "
             f"max_connections ({max_connections}): under load, requests fail to connect.",
-            hint="Lower AIRLOCK_DB_POOL_MAX or WEB_CONCURRENCY, or raise max_connections; "
+            hint="Lower AIRLOCK_DB_POOL_MAX, AIRLOCK_FAST_POLL_CONNECTIONS or WEB_CONCURRENCY, "
+            "or raise max_connections; "
             "leave room for the workers, cron and maintenance sessions too.",
             id="airlock.W011",
         )

@@ -173,6 +173,9 @@ AIRLOCK_DB_POOL_MAX = env_int(
 )
 AIRLOCK_DB_POOL_MIN = min(env_int("AIRLOCK_DB_POOL_MIN", 2, minimum=1), AIRLOCK_DB_POOL_MAX)
 AIRLOCK_DB_POOL_TIMEOUT = env_int("AIRLOCK_DB_POOL_TIMEOUT", 10, minimum=1)
+# The short poll's own connections per web process (approvals/api/fastpoll.py), beside the
+# pool: one statement per poll on two cores; more would only queue.
+AIRLOCK_FAST_POLL_CONNECTIONS = env_int("AIRLOCK_FAST_POLL_CONNECTIONS", 4, minimum=1)
 # Whether the web processes pool (what `manage.py check` judges), and whether this one does.
 AIRLOCK_DB_POOL_WEB = env_bool("AIRLOCK_DB_POOL", True)
 AIRLOCK_DB_POOL = env_bool("AIRLOCK_DB_POOL", SERVES_ASGI)

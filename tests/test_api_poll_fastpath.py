@@ -250,3 +250,15 @@ def test_a_poll_without_a_request_id_gets_a_fresh_one_from_the_front(
 def test_the_product_application_is_the_front_over_django() -> None:
     assert isinstance(asgi.application, PollFront)
     assert asgi.application.app is asgi.django_application
+
+
+def test_a_deactivated_agents_run_token_is_refused_alike_and_by_django(
+    servers: dict[str, Server], world: World
+) -> None:
+    # principal_for_token: a run token identifies its run only while its agent is active.
+    _learn(servers, world)
+    agent = world.action.run.agent
+    agent.is_active = False
+    agent.save(update_fields=["is_active"])
+    path = f"/api/v1/actions/{world.action.pk}"
+    _answered_alike(servers, path, world.token, {}, False, 401)

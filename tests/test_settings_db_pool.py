@@ -90,6 +90,22 @@ def test_check_warns_when_web_processes_times_pool_max_exceed_max_connections() 
 
 
 @pytest.mark.django_db
+def test_check_counts_the_short_polls_own_connections_beside_the_pool() -> None:
+    processes = _max_connections() // 25  # x (20 + 1) each fits; x (20 + 20) does not
+    fits = _check(
+        WEB_CONCURRENCY=str(processes), AIRLOCK_DB_POOL_MAX="20", AIRLOCK_FAST_POLL_CONNECTIONS="1"
+    )
+    assert "airlock.W011" not in fits.stderr + fits.stdout
+    result = _check(
+        WEB_CONCURRENCY=str(processes),
+        AIRLOCK_DB_POOL_MAX="20",
+        AIRLOCK_FAST_POLL_CONNECTIONS="20",
+    )
+    assert "airlock.W011" in result.stderr + result.stdout
+    assert "AIRLOCK_FAST_POLL_CONNECTIONS" in result.stderr + result.stdout
+
+
+@pytest.mark.django_db
 def test_check_is_quiet_when_the_pools_fit() -> None:
     result = _check(WEB_CONCURRENCY="2")
     assert result.returncode == 0, result.stderr

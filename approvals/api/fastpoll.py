@@ -12,7 +12,7 @@ goes to Django unchanged, which then answers exactly as it always did. Rate limi
 audit stay off this read path, as on Django's.
 
 Nothing here is a second copy of a rule: the token is parsed by `console.auth.bearer_token`
-and checked against the same SHA-256 (`_hash_token`, constant-time compare), who reads what
+and checked against the same SHA-256 (`token_digest`, constant-time compare), who reads what
 is `run_token_action_scope` (the rule `actions_visible_to` filters with), the ETag is
 `Action.etag`, the body `action_body` over the facts `with_body_facts` annotates, and the
 answer's headers are the ones Django itself sent for this endpoint's previous 200/304 in this
@@ -43,7 +43,7 @@ from approvals.api.serialize import action_body, body_facts
 from approvals.models import Action, Agent, Run
 from approvals.selectors import run_token_action_scope
 from approvals.services.preconditions import TagCondition, read_condition
-from approvals.services.tokens import LOOKUP_PREFIX_LENGTH, RUN_PREFIX, _hash_token
+from approvals.services.tokens import LOOKUP_PREFIX_LENGTH, RUN_PREFIX, token_digest
 from console.auth import RUN, any_token_or_ended_run_deferred, bearer_token
 from console.requestctx import clean_request_id
 
@@ -65,8 +65,6 @@ _PER_ANSWER = (b"etag", b"content-length", b"x-request-id")
 _READ = frozenset({b"host", b"authorization", b"if-none-match", b"x-request-id"})
 # With one of these (or a body) Django may answer differently: it answers.
 _HANDS_OFF = frozenset({b"prefer", b"cookie", b"content-length", b"transfer-encoding"})
-# Connections per web process: one statement per poll, two cores; more would only queue.
-POOL_MAX = 4
 # The bearer of action_get: the fast path serves only the run tokens it accepts, ended included.
 _BEARER = any_token_or_ended_run_deferred
 
@@ -156,7 +154,7 @@ def _connection_kwargs() -> dict[str, Any]:
     kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
     kwargs["autocommit"] = True
     # An unreachable server costs a poll no longer than Django's pool would make it wait.
-    kwargs.setdefault("connect_timeout", int(getattr(settings, "AIRLOCK_DB_POOL_TIMEOUT", 10)))
+    kwargs.setdefault("connect_timeout", settings.AIRLOCK_DB_POOL_TIMEOUT)
     return kwargs
 
 
@@ -170,7 +168,7 @@ class _Connections:
         self.kwargs = kwargs
         self.idle: list[AsyncCursor[Any]] = []
         self.free = asyncio.Semaphore(size)
-        self.timeout = float(getattr(settings, "AIRLOCK_DB_POOL_TIMEOUT", 10))
+        self.timeout = float(settings.AIRLOCK_DB_POOL_TIMEOUT)
 
     async def rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         if self.free.locked():
@@ -282,13 +280,14 @@ class PollFront:
 
     async def _rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         if self._connections is None:
-            self._connections = _Connections(_connection_kwargs(), POOL_MAX)
+            size = settings.AIRLOCK_FAST_POLL_CONNECTIONS
+            self._connections = _Connections(_connection_kwargs(), size)
         return await self._connections.rows(sql, params)
 
     def _token_run(self, rows: list[tuple[Any, ...]], token: str) -> tuple[Run, int] | None:
         """The run whose stored hash is the token's (every candidate compared, in constant
         time, as principal_for_token does) and its row's index."""
-        digest = _hash_token(token)
+        digest = token_digest(token)
         fields = self._sql.token_fields
         hash_at = [name for name, _ in fields].index("token_hash")
         found: tuple[Run, int] | None = None

@@ -65,13 +65,13 @@ class Principal:
         return self.actor.label
 
 
-def _hash_token(secret: str) -> str:
+def token_digest(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
 
 
 def token_generate(kind_prefix: str) -> NewToken:
     secret = kind_prefix + secrets.token_urlsafe(32)
-    return NewToken(secret=secret, prefix=secret[:LOOKUP_PREFIX_LENGTH], hash=_hash_token(secret))
+    return NewToken(secret=secret, prefix=secret[:LOOKUP_PREFIX_LENGTH], hash=token_digest(secret))
 
 
 def _live(now: datetime) -> Q:
@@ -97,7 +97,7 @@ def principal_for_token(raw: str) -> Principal | None:
         return None
     now = timezone.now()
     prefix = raw[:LOOKUP_PREFIX_LENGTH]
-    digest = _hash_token(raw)
+    digest = token_digest(raw)
     if raw.startswith(AGENT_PREFIX):
         tokens = list(
             AgentToken.objects.select_related("agent")
