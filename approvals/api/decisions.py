@@ -73,6 +73,4 @@ def approval_decision(
         comment=payload.comment,
     )
     # Rendered from the rows the decision locked: nothing else changes them meanwhile.
-    return json_response(
-        approval_json(decided.approval, approvals_so_far=decided.approvals_so_far)
-    )
+    return json_response(approval_json(decided.approval, approvals_so_far=decided.approvals_so_far))
