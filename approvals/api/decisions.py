@@ -14,7 +14,7 @@ from ninja import Query, Router
 from approvals.api.schemas import ApprovalItem, ApprovalPage, DecisionIn
 from approvals.api.serialize import approval_json
 from approvals.selectors import approval_get_for_person, approval_list_for_person
-from approvals.services.decisions import approval_decide
+from approvals.services.decisions import approval_decide_tallied
 from console.api_support import (
     OLDEST_FIRST,
     TIME_CURSOR_PATTERN,
@@ -65,7 +65,7 @@ def approval_decision(
     request: HttpRequest, approval_id: uuid.UUID, payload: DecisionIn
 ) -> HttpResponse:
     principal = writing_principal(request)
-    decided = approval_decide(
+    decided = approval_decide_tallied(
         approval_id=approval_id,
         actor=principal.actor,
         person=principal.user,

@@ -200,6 +200,16 @@ def _deciding_person(actor: Actor, person: Any) -> Any:
 
 
 def approval_decide(
+    *, approval_id: uuid.UUID | str, actor: Actor, decision: str, comment: str = ""
+) -> Approval:
+    """approval_decide_tallied, for callers that want the approval only."""
+    decided = approval_decide_tallied(
+        approval_id=approval_id, actor=actor, decision=decision, comment=comment
+    )
+    return decided.approval
+
+
+def approval_decide_tallied(
     *,
     approval_id: uuid.UUID | str,
     actor: Actor,
@@ -208,6 +218,7 @@ def approval_decide(
     person: Any = None,
 ) -> Decided:
     """Record one person's decision; at quorum admit the run or queue the action.
+    Returns the approval as decided and its approving votes so far (Decided).
 
     `person`: the user `actor` names, if the caller has it loaded (saves a read).
     Takes its locks first, in the project's one order (_lock_approval_subject:
