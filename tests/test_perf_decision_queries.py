@@ -14,8 +14,6 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from approvals.models import Approval
-from approvals.services.runs import run_create
-from audit.services import Actor
 from ownership.models import ConflictClass
 from tests.fixtures.api import (
     AgentActor,
@@ -110,14 +108,11 @@ def test_a_run_decisions_answer_is_what_a_fresh_read_shows(
     api: Any, agent: AgentActor, operator: Person, decision: str
 ) -> None:
     ensure_api_kinds()
-    run, _ = run_create(
-        agent=agent.agent,
-        task="decision answer",
-        write_set=[{"resource": "dns-record/app-web", "operations": ["update"]}],
-        ttl_seconds=None,
-        actor=Actor.agent(agent.agent),
+    created = api.create_run(
+        agent.token, [{"resource": "dns-record/app-web", "operations": ["update"]}]
     )
-    approval = Approval.objects.get(run=run, subject="run")
+    assert created.status_code == 201, created.content
+    approval = Approval.objects.get(run_id=json.loads(created.content)["id"], subject="run")
     answer = _decided(api, operator, approval, decision)
     assert answer["subject"] == "run"
     assert answer == _fresh(api, operator, approval)
