@@ -12,9 +12,9 @@ from django.http import HttpRequest, HttpResponse
 from ninja import Query, Router
 
 from approvals.api.schemas import ApprovalItem, ApprovalPage, DecisionIn
-from approvals.api.serialize import approval_json, approval_load
+from approvals.api.serialize import approval_json
 from approvals.selectors import approval_get_for_person, approval_list_for_person
-from approvals.services.decisions import approval_decide
+from approvals.services.decisions import approval_decide_tallied
 from console.api_support import (
     OLDEST_FIRST,
     TIME_CURSOR_PATTERN,
@@ -65,10 +65,12 @@ def approval_decision(
     request: HttpRequest, approval_id: uuid.UUID, payload: DecisionIn
 ) -> HttpResponse:
     principal = writing_principal(request)
-    approval = approval_decide(
+    decided = approval_decide_tallied(
         approval_id=approval_id,
         actor=principal.actor,
+        person=principal.user,
         decision=payload.decision,
         comment=payload.comment,
     )
-    return json_response(approval_json(approval_load(approval.pk)))
+    # Rendered from the rows the decision locked: nothing else changes them meanwhile.
+    return json_response(approval_json(decided.approval, approvals_so_far=decided.approvals_so_far))

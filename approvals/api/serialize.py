@@ -302,7 +302,10 @@ def _execution_info(operation: dict[str, Any] | None) -> dict[str, Any] | None:
 # --- Approvals -------------------------------------------------------------------------
 
 
-def approval_json(approval: Approval) -> dict[str, Any]:
+def approval_json(approval: Approval, *, approvals_so_far: int | None = None) -> dict[str, Any]:
+    """`approvals_so_far`: the approving votes, when the caller counted them already."""
+    if approvals_so_far is None:
+        approvals_so_far = approval.decisions.filter(decision=Decision.APPROVE).count()
     run = approval.run
     item: dict[str, Any] = {
         "id": str(approval.pk),
@@ -318,7 +321,7 @@ def approval_json(approval: Approval) -> dict[str, Any]:
         "diff": None,
         "observed_etag": None,
         "current_etag": None,
-        "approvals_so_far": approval.decisions.filter(decision=Decision.APPROVE).count(),
+        "approvals_so_far": approvals_so_far,
         "quorum": approval.quorum,
         "expires_at": iso(approval.expires_at),
         "status": approval.status,
@@ -375,12 +378,6 @@ def _approval_call(approval: Approval, action: Action) -> dict[str, Any]:
             for row in three_way_diff(current, current, proposed)
         ],
     }
-
-
-def approval_load(approval_id: Any) -> Approval:
-    return Approval.objects.select_related(
-        "run__agent", "action__kind", "action__conflict_class"
-    ).get(pk=approval_id)
 
 
 # --- Auto-approve rules ------------------------------------------------------------------

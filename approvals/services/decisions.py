@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -138,6 +139,16 @@ def _subject_identifier(approval: Approval) -> str:
     return approval.action.resource_identifier if approval.action is not None else ""
 
 
+# What deciding (separation of duties, the transition, the answer) reads of each subject's
+# rows besides the approval: joined into its locking read, nothing more (each column
+# joined costs compiling the statement, on every decision).
+_DECIDING_NEEDS: dict[str, tuple[str, ...]] = {
+    ApprovalSubject.RUN: ("run__agent",),
+    ApprovalSubject.ACTION: ("run__agent", "action__conflict_class"),
+    ApprovalSubject.PLAN: ("run__agent", "plan"),
+}
+
+
 def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
     """Lock an approval and what deciding it changes, in the project's one lock order.
 
@@ -175,16 +186,51 @@ def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
             list(Plan.objects.select_for_update(of=("self",)).filter(pk=plan_id).values_list("pk"))
     return (
         Approval.objects.select_for_update(of=("self",))
-        .select_related("run__agent", "action__conflict_class", "action__kind", "plan")
+        .select_related(*_DECIDING_NEEDS[subject])
         .get(pk=approval_id)
     )
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What a decision left: the approval as locked and changed (its status and
+    decided_at set; nothing else moves while it is locked), and the approving votes
+    it now has. Enough to render the answer without reading the rows again."""
+
+    approval: Approval
+    approvals_so_far: int
+
+
+def _deciding_person(actor: Actor, person: Any) -> Any:
+    """The active person `actor` names: `person` when the caller loaded that very user
+    already (the API's token lookup finds active users only), else read (person_of)."""
+    if person is not None and person.is_active and Actor.person(person) == actor:
+        return person
+    return person_of(actor)
 
 
 def approval_decide(
     *, approval_id: uuid.UUID | str, actor: Actor, decision: str, comment: str = ""
 ) -> Approval:
-    """Record one person's decision; at quorum admit the run or queue the action.
+    """approval_decide_tallied, for callers that want the approval only."""
+    decided = approval_decide_tallied(
+        approval_id=approval_id, actor=actor, decision=decision, comment=comment
+    )
+    return decided.approval
 
+
+def approval_decide_tallied(
+    *,
+    approval_id: uuid.UUID | str,
+    actor: Actor,
+    decision: str,
+    comment: str = "",
+    person: Any = None,
+) -> Decided:
+    """Record one person's decision; at quorum admit the run or queue the action.
+    Returns the approval as decided and its approving votes so far (Decided).
+
+    `person`: the user `actor` names, if the caller has it loaded (saves a read).
     Takes its locks first, in the project's one order (_lock_approval_subject:
     kind advisory locks, run, action, approval), and appends audit events only
     after them, so it never deadlocks with run_create, action_cancel, a revoke
@@ -203,8 +249,9 @@ def approval_decide(
         approval_uuid = uuid.UUID(str(approval_id))
     except ValueError as exc:
         raise NotFound("No such approval.") from exc
-    person = person_of(actor)
+    person = _deciding_person(actor, person)
     expired = False
+    approves = 0
     with transaction.atomic():
         try:
             approval = _lock_approval_subject(approval_uuid)
@@ -221,12 +268,23 @@ def approval_decide(
         if approval.expires_at <= now:
             _expire_locked(approval=approval, now=now)
             expired = True
-        elif ApprovalDecision.objects.filter(approval=approval, person=person).exists():
-            raise InvalidTransition(
-                "You have already decided this approval; a person counts once.",
-                code="already_decided",
-            )
         else:
+            # One read for both: this person's earlier vote, and the approvals so far
+            # (a handful of rows: a person counts once; no other vote can land while
+            # the approval row is locked).
+            votes = list(
+                ApprovalDecision.objects.filter(approval=approval).values_list(
+                    "person_id", "decision"
+                )
+            )
+            if any(voter == person.pk for voter, _ in votes):
+                raise InvalidTransition(
+                    "You have already decided this approval; a person counts once.",
+                    code="already_decided",
+                )
+            approves = [vote for _, vote in votes].count(Decision.APPROVE) + (
+                decision == Decision.APPROVE
+            )
             ApprovalDecision.objects.create(
                 approval=approval, person=person, decision=decision, comment=comment
             )
@@ -245,18 +303,13 @@ def approval_decide(
             )
             if decision == Decision.REJECT:
                 _reject_locked(approval=approval, person=person, comment=comment, now=now)
+            elif approves >= approval.quorum:
+                _approve_locked(approval=approval, person=person, now=now)
             else:
-                approvals = ApprovalDecision.objects.filter(
-                    approval=approval, decision=Decision.APPROVE
-                ).count()
-                if approvals >= approval.quorum:
-                    _approve_locked(approval=approval, person=person, now=now)
-                else:
-                    _record_partial_vote(approval, now=now)
+                _record_partial_vote(approval, now=now)
     if expired:
         raise InvalidTransition("This approval has expired.", code="approval_expired")
-    approval.refresh_from_db()
-    return approval
+    return Decided(approval=approval, approvals_so_far=approves)
 
 
 def _record_partial_vote(approval: Approval, *, now: datetime) -> None:
@@ -273,8 +326,14 @@ def _record_partial_vote(approval: Approval, *, now: datetime) -> None:
         transaction.on_commit(partial(notify_run_changed, approval.run_id))
 
 
+def _settle_locked(approval: Approval, status: str, *, now: datetime) -> None:
+    """The locked approval is decided: the row, and the instance the answer renders."""
+    Approval.objects.filter(pk=approval.pk).update(status=status, decided_at=now)
+    approval.status, approval.decided_at = status, now
+
+
 def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
-    Approval.objects.filter(pk=approval.pk).update(status=ApprovalStatus.APPROVED, decided_at=now)
+    _settle_locked(approval, ApprovalStatus.APPROVED, now=now)
     actor = Actor.person(person)
     if approval.subject == ApprovalSubject.RUN:
         audit_append(
@@ -317,7 +376,7 @@ def _leave_approval(approval: Approval, to_status: str, **fields: Any) -> tuple[
 
 
 def _reject_locked(*, approval: Approval, person: Any, comment: str, now: datetime) -> None:
-    Approval.objects.filter(pk=approval.pk).update(status=ApprovalStatus.REJECTED, decided_at=now)
+    _settle_locked(approval, ApprovalStatus.REJECTED, now=now)
     actor = Actor.person(person)
     error = {"code": "rejected", "comment": comment, "by": person.get_username()}
     if approval.subject == ApprovalSubject.RUN:

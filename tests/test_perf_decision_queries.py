@@ -1,0 +1,118 @@
+"""A person's decision (`POST /api/v1/approvals/{id}/decision`) is most of the approval
+round trip (issue 11): its statements are counted here, with an upper bound, so a
+regression fails; and its answer, rendered from the rows the decision locked, must be
+exactly what reading the approval afresh shows. Counts, not timings: the bench measures
+the speed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from approvals.models import Approval
+from ownership.models import ConflictClass
+from tests.fixtures.api import (
+    AgentActor,
+    Person,
+    ensure_api_kinds,
+    make_active_run,
+    make_person_with_token,
+)
+
+pytestmark = pytest.mark.django_db
+
+# Token lookup; the peek at the approval's subject; run (share), action and approval
+# locks; the decider's groups; the agent's live tokens (separation of duties); the votes
+# so far; the vote; two audit appends; the approval's and the action's status; the
+# resource the answer's diff is taken against — and the test transaction's savepoint pair.
+PER_CALL_DECISION_STATEMENTS = 16
+
+
+def _propose_prod_alerts(api: Any, agent: AgentActor, key: str = "key-decision-1") -> Approval:
+    """A per-call update of prod-alerts (replace_shared_document), waiting for a person."""
+    run = make_active_run(agent.agent)
+    response = api.put(
+        "/api/v1/resources/notification-policy/prod-alerts",
+        token=run.token,
+        body={"severity": "critical"},
+        headers={"If-Match": '"41"', "Idempotency-Key": key},
+    )
+    assert response.status_code == 202, response.content
+    return Approval.objects.get(action_id=json.loads(response.content)["id"])
+
+
+def _decided(api: Any, person: Person, approval: Approval, decision: str) -> dict[str, Any]:
+    response = api.decide(approval.pk, decision, token=person.token, comment="looked at it")
+    assert response.status_code == 200, response.content
+    return dict(json.loads(response.content))
+
+
+def _fresh(api: Any, person: Person, approval: Approval) -> dict[str, Any]:
+    response = api.get(f"/api/v1/approvals/{approval.pk}", token=person.token)
+    assert response.status_code == 200, response.content
+    return dict(json.loads(response.content))
+
+
+@pytest.fixture
+def second_operator(db: Any) -> Person:
+    return make_person_with_token("bea", "operators")
+
+
+def test_a_per_call_decision_costs_a_bounded_number_of_statements(
+    api: Any, agent: AgentActor, operator: Person, prod_alerts: Any
+) -> None:
+    approval = _propose_prod_alerts(api, agent)
+    api.get("/api/v1/approvals", token=operator.token)  # the token's last_used write first
+    with CaptureQueriesContext(connection) as captured:
+        response = api.decide(approval.pk, "approve", token=operator.token)
+    assert response.status_code == 200, response.content
+    assert json.loads(response.content)["status"] == "approved"
+    queries = [q["sql"] for q in captured.captured_queries]
+    assert len(queries) <= PER_CALL_DECISION_STATEMENTS, "\n".join(queries)
+    # The approval is read twice (its subject, then locked) and never again after commit.
+    approval_reads = [
+        q for q in queries if q.lstrip().startswith("SELECT") and 'FROM "approvals_approval"' in q
+    ]
+    assert len(approval_reads) == 2, approval_reads
+
+
+@pytest.mark.parametrize("decision", ["approve", "reject"])
+def test_a_call_decisions_answer_is_what_a_fresh_read_shows(
+    api: Any, agent: AgentActor, operator: Person, prod_alerts: Any, decision: str
+) -> None:
+    approval = _propose_prod_alerts(api, agent)
+    answer = _decided(api, operator, approval, decision)
+    assert answer["status"] == ("approved" if decision == "approve" else "rejected")
+    assert answer == _fresh(api, operator, approval)
+
+
+def test_a_vote_below_quorum_answers_what_a_fresh_read_shows(
+    api: Any, agent: AgentActor, operator: Person, second_operator: Person, prod_alerts: Any
+) -> None:
+    ConflictClass.objects.filter(slug="replace_shared_document").update(quorum=2)
+    approval = _propose_prod_alerts(api, agent)
+    first = _decided(api, operator, approval, "approve")
+    assert (first["status"], first["approvals_so_far"]) == ("pending", 1)
+    assert first == _fresh(api, operator, approval)
+    second = _decided(api, second_operator, approval, "approve")
+    assert (second["status"], second["approvals_so_far"]) == ("approved", 2)
+    assert second == _fresh(api, operator, approval)
+
+
+@pytest.mark.parametrize("decision", ["approve", "reject"])
+def test_a_run_decisions_answer_is_what_a_fresh_read_shows(
+    api: Any, agent: AgentActor, operator: Person, decision: str
+) -> None:
+    ensure_api_kinds()
+    created = api.create_run(
+        agent.token, [{"resource": "dns-record/app-web", "operations": ["update"]}]
+    )
+    assert created.status_code == 201, created.content
+    approval = Approval.objects.get(run_id=json.loads(created.content)["id"], subject="run")
+    answer = _decided(api, operator, approval, decision)
+    assert answer["subject"] == "run"
+    assert answer == _fresh(api, operator, approval)
