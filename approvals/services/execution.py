@@ -61,6 +61,7 @@ from console.core.errors import KillSwitchEngaged, LockBusy, LockLost
 from console.core.killswitch import engaged_switch_for
 from console.core.lock import FencedLock, FencedLockGroup
 from console.core.operations import open_operations
+from console.core.write_rows import lock_batch_rows
 from console.models import KillSwitch
 from console.requestctx import reset_request_id, set_request_id
 from ownership.models import TargetType
@@ -255,9 +256,13 @@ def _drain(lead: Action, group: FencedLockGroup, fence: int) -> str:
     crash_point("after_barrier_commit")
     notify_actions_now([a.pk for a in claimed if isinstance(results[a.pk], WriteOutcome)])
     outcomes = {a.pk: _settle(a, operations[a.pk].pk, results[a.pk]) for a in claimed}
-    for action in claimed:
-        if action.pk != lead.pk:  # the lead's job moves its own plan
-            plan_after_action(action_id=action.pk)
+    # The lead's job moves its own plan; a batched write that is a plan's step (or the
+    # resolution of one) moves its plan here.
+    in_plans = Action.objects.filter(pk__in=[a.pk for a in claimed if a.pk != lead.pk]).filter(
+        Q(plan_step__isnull=False) | Q(parent__isnull=False)
+    )
+    for action_id in in_plans.values_list("pk", flat=True):
+        plan_after_action(action_id=action_id)
     if lead.pk in outcomes:
         return outcomes[lead.pk]
     status = Action.objects.filter(pk=lead.pk).values_list("status", flat=True).first()
@@ -280,6 +285,7 @@ def _apply_batch(
     results: dict[uuid.UUID, _Result] = {}
     try:
         with transaction.atomic(), audit_deferred() as events:
+            rows = lock_batch_rows([(a.pk, operations[a.pk].pk) for a in claimed])
             for action in claimed:
                 if locks[action.resource_identifier].lost:
                     results[action.pk] = LockLost(f"lost the lock on {action.resource_identifier}")
@@ -292,6 +298,7 @@ def _apply_batch(
                         operation_id=operations[action.pk].pk,
                         fence=fence,
                         actor=WORKER_ACTOR,
+                        locked=rows.get(action.pk),
                     )
                 except (KillSwitchEngaged, DatabaseError) as exc:
                     events.discard_after(mark)
