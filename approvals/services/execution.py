@@ -276,11 +276,34 @@ class _BatchRolledBack(DatabaseError):
     """A failed savepoint rollback doomed the whole batch transaction."""
 
 
+class _RedoWithSavepoints(Exception):
+    """A write of a batch applied without savepoints failed: the batch is redone with them."""
+
+
 def _apply_batch(
     claimed: list[Action],
     operations: dict[uuid.UUID, Operation],
     locks: dict[str, FencedLock],
     fence: int,
+) -> dict[uuid.UUID, _Result]:
+    """Apply the claimed writes in one transaction. First without a savepoint per write
+    (two round trips each): a failing write (an error, a kill switch) is rare, and then
+    the whole transaction rolls back and the batch is applied again with a savepoint per
+    write, so that the failure stays that write's own and the others are applied."""
+    try:
+        return _apply_batch_once(claimed, operations, locks, fence, savepoints=False)
+    except _RedoWithSavepoints as exc:
+        log.info("a batched write failed (%s): applying the batch with savepoints", exc.__cause__)
+        return _apply_batch_once(claimed, operations, locks, fence, savepoints=True)
+
+
+def _apply_batch_once(
+    claimed: list[Action],
+    operations: dict[uuid.UUID, Operation],
+    locks: dict[str, FencedLock],
+    fence: int,
+    *,
+    savepoints: bool,
 ) -> dict[uuid.UUID, _Result]:
     results: dict[uuid.UUID, _Result] = {}
     try:
@@ -292,16 +315,18 @@ def _apply_batch(
                     continue
                 mark = events.mark()
                 try:
-                    # Its own atomic block is the write's savepoint inside the batch.
                     results[action.pk] = apply_action(
                         action_id=action.pk,
                         operation_id=operations[action.pk].pk,
                         fence=fence,
                         actor=WORKER_ACTOR,
                         locked=rows.get(action.pk),
+                        savepoint=savepoints,
                     )
                 except (KillSwitchEngaged, DatabaseError) as exc:
-                    events.discard_after(mark)
+                    if not savepoints:
+                        raise _RedoWithSavepoints(type(exc).__name__) from exc
+                    events.discard_after(mark)  # its savepoint rolled back
                     results[action.pk] = exc
             if transaction.get_rollback():
                 raise _BatchRolledBack("the batch transaction can no longer commit")

@@ -47,7 +47,7 @@ from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from console.core.killswitch import refuse_if_engaged
 from console.core.operations import EXECUTABLE_STATUSES
-from console.core.write_rows import LockedRows, lock_write_rows, run_end_status
+from console.core.write_rows import NOT_READ, LockedRows, lock_write_rows, run_end_status
 from console.core.write_rows import lock_run_for_share as lock_run_for_share  # re-exported
 from ownership.diff import proposed_document
 from ownership.models import Resource, ResourceVersion
@@ -106,6 +106,7 @@ def apply_action(
     actor: Actor,
     before_commit: Callable[[], None] | None = None,
     locked: LockedRows | None = None,
+    savepoint: bool = True,
 ) -> WriteOutcome:
     """Apply the action's write through the barrier, in one transaction.
 
@@ -117,9 +118,11 @@ def apply_action(
     carried it out, e.g. the worker — is kept in the details as `executor`.
     `before_commit` runs last inside the transaction (the engine registers its
     wake-up there), so a caller needs no enclosing transaction and its savepoint.
-    `locked`: the rows a batch already locked in its transaction (lock_batch_rows).
+    `locked`: the rows a batch already locked in its transaction (lock_batch_rows);
+    such a batch may also ask for no savepoint of this write's own (`savepoint=False`:
+    an error then dooms the caller's whole transaction, which the caller redoes).
     """
-    with transaction.atomic():
+    with transaction.atomic(savepoint=savepoint):
         outcome = _apply_in_transaction(
             action_id=action_id, operation_id=operation_id, fence=fence, actor=actor, locked=locked
         )
@@ -157,7 +160,7 @@ def _apply_in_transaction(
     if action.operation == WriteOperation.CREATE:
         result = _write_create(action, fence=fence, now=now)
     else:
-        result = _write_existing(action, fence=fence, now=now)
+        result = _write_existing(action, fence=fence, now=now, current=locked.resource)
     if isinstance(result, _Refused):
         return _refuse(
             action, operation, result.refusal, actor=actor, resource_id=result.resource_id
@@ -290,15 +293,19 @@ def _record_applied(
     )
 
 
-def _write_existing(action: Action, *, fence: int, now: datetime) -> _Written | _Refused:
-    """Update or delete: the single conditional UPDATE, then classify a miss."""
+def _write_existing(
+    action: Action, *, fence: int, now: datetime, current: Any = NOT_READ
+) -> _Written | _Refused:
+    """Update or delete: the single conditional UPDATE, then classify a miss.
+    `current`: the resource's id and document when the caller's batch read them."""
     observed = action.observed_version
     assert observed is not None  # a constraint: updates and deletes observe a version
-    current = (
-        Resource.objects.filter(kind_id=action.kind_id, name=action.name)
-        .values("id", "document")
-        .first()
-    )
+    if current is NOT_READ:
+        current = (
+            Resource.objects.filter(kind_id=action.kind_id, name=action.name)
+            .values("id", "document")
+            .first()
+        )
     if current is None:
         return _Refused(
             Refusal(MISSING, "the resource does not exist", expected_version=observed, fence=fence)

@@ -17,24 +17,38 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import F
+from django.db.models import F, Q
 
-from approvals.models import Action, ActionStatus, Operation, Run, RunStatus, run_end_exempt
+from approvals.models import (
+    Action,
+    ActionStatus,
+    Operation,
+    Run,
+    RunStatus,
+    WriteOperation,
+    run_end_exempt,
+)
 from console.core.errors import NotFound
 from console.core.killswitch import any_engaged, hold_switches_shared
-from ownership.models import TargetType
+from ownership.models import Resource, TargetType
+
+# `LockedRows.resource` when the resource was not read with the rows (the barrier reads it).
+NOT_READ: Any = object()
 
 
 @dataclass(frozen=True)
 class LockedRows:
     """One write's rows, locked in its transaction. `switches_clear`: no kill switch was
     engaged when checked under the shared switch lock (held to commit, so none can be
-    engaged since): the barrier need not look again."""
+    engaged since): the barrier need not look again. `resource`: an update's or delete's
+    resource `{"id", "document"}` (None: no such resource) read with the batch — not
+    locked: the barrier's conditional UPDATE still refuses it if it moved since."""
 
     operation: Operation
     run_state: tuple[str, datetime] | None
     action: Action
     switches_clear: bool = False
+    resource: Any = NOT_READ
 
 
 def lock_write_rows(*, action_id: uuid.UUID | str, operation_id: int) -> LockedRows:
@@ -87,11 +101,32 @@ def lock_batch_rows(
         .order_by("pk")
     }
     expected = dict(writes)
+    existing = [a for a in actions.values() if a.operation != WriteOperation.CREATE]
+    documents = _read_resources(existing)
     return {
-        action_id: LockedRows(op, runs.get(op.action_run_id), actions[action_id], clear)
+        action_id: LockedRows(
+            op,
+            runs.get(op.action_run_id),
+            action,
+            clear,
+            NOT_READ
+            if action.operation == WriteOperation.CREATE
+            else documents.get((action.kind_id, action.name)),
+        )
         for action_id, op in operations.items()
-        if action_id in actions and expected.get(action_id) == op.pk
+        if (action := actions.get(action_id)) is not None and expected.get(action_id) == op.pk
     }
+
+
+def _read_resources(actions: list[Action]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The id and document of the resources of several updates/deletes, in one query."""
+    if not actions:
+        return {}
+    which = Q()
+    for action in actions:
+        which |= Q(kind_id=action.kind_id, name=action.name)
+    rows = Resource.objects.filter(which).values("id", "kind_id", "name", "document")
+    return {(r["kind_id"], r["name"]): {"id": r["id"], "document": r["document"]} for r in rows}
 
 
 def _lock_runs_for_share(run_ids: list[Any]) -> dict[Any, tuple[str, datetime]]:
