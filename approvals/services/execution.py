@@ -121,19 +121,10 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
         group = FencedLockGroup(connection, [lock])
         group.locks += _companions(action, connection, limit=batch - 1)
         fence = group.fence()
-    except LockBusy:
-        action_retry_later(
-            action_id=action.pk, reason="lock_busy", from_statuses=(ActionStatus.QUEUED,)
-        )
-        return "lock_busy"
-    except (redis.RedisError, DatabaseError) as exc:
-        _release_quietly(lock)
-        action_retry_later(
-            action_id=action.pk,
-            reason=f"transient: {type(exc).__name__}",
-            from_statuses=(ActionStatus.QUEUED,),
-        )
-        return "transient"
+    except (LockBusy, redis.RedisError, DatabaseError) as exc:
+        if not isinstance(exc, LockBusy):  # what was taken before the failure goes back
+            _release_quietly(lock)
+        return _retry_unlocked(action, exc)
     try:
         group.start_heartbeat()
         return _drain(action, group, fence)
@@ -149,18 +140,8 @@ def _execute_http(action: Action, *, connection: redis.Redis) -> str:
     lock = FencedLock(connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
     try:
         fence = lock.acquire(wait_seconds=0.2)
-    except LockBusy:
-        action_retry_later(
-            action_id=action.pk, reason="lock_busy", from_statuses=(ActionStatus.QUEUED,)
-        )
-        return "lock_busy"
-    except (redis.RedisError, DatabaseError) as exc:
-        action_retry_later(
-            action_id=action.pk,
-            reason=f"transient: {type(exc).__name__}",
-            from_statuses=(ActionStatus.QUEUED,),
-        )
-        return "transient"
+    except (LockBusy, redis.RedisError, DatabaseError) as exc:
+        return _retry_unlocked(action, exc)
     try:
         lock.start_heartbeat()
         return execute_http(action=action, lock=lock, fence=fence)
@@ -169,6 +150,18 @@ def _execute_http(action: Action, *, connection: redis.Redis) -> str:
             lock.release()
         except redis.RedisError:
             log.warning("could not release the lock on %s", action.resource_identifier)
+
+
+def _retry_unlocked(action: Action, exc: Exception) -> str:
+    """No lock and fence (busy, or Redis/PostgreSQL unreachable): nothing was claimed;
+    the action stays queued and is delivered again after a backoff."""
+    busy = isinstance(exc, LockBusy)
+    action_retry_later(
+        action_id=action.pk,
+        reason="lock_busy" if busy else f"transient: {type(exc).__name__}",
+        from_statuses=(ActionStatus.QUEUED,),
+    )
+    return "lock_busy" if busy else "transient"
 
 
 def _batched_elsewhere(lock: FencedLock, action: Action) -> bool:
@@ -233,8 +226,8 @@ def _companions(lead: Action, connection: redis.Redis, *, limit: int) -> list[Fe
 
 
 def _drain(lead: Action, group: FencedLockGroup, fence: int) -> str:
-    """Claim the batch (one short transaction), then apply it (ONE transaction, a
-    savepoint per write, the audit events appended together last), then settle each
+    """Claim the batch (one short transaction), then apply it (ONE transaction, the
+    audit events appended together last; see _apply_batch), then settle each
     write's outcome on its own: a refusal, a kill switch or an error of one write never
     undoes the others. A worker killed in between leaves claimed operations pending: the
     reconciler abandons them after their lease and queues the actions again."""
@@ -247,6 +240,8 @@ def _drain(lead: Action, group: FencedLockGroup, fence: int) -> str:
         lease_seconds=operation_lease_seconds(),
     )
     claimed = [a for a in actions if a.pk in operations]
+    if not claimed:
+        return _skipped(lead)
     notify_actions_now([a.pk for a in claimed])  # now `executing`
     withdraw_action_jobs([a.pk for a in claimed if a.pk != lead.pk])
     crash_point("after_open_operation")
@@ -263,9 +258,12 @@ def _drain(lead: Action, group: FencedLockGroup, fence: int) -> str:
     )
     for action_id in in_plans.values_list("pk", flat=True):
         plan_after_action(action_id=action_id)
-    if lead.pk in outcomes:
-        return outcomes[lead.pk]
-    status = Action.objects.filter(pk=lead.pk).values_list("status", flat=True).first()
+    return outcomes[lead.pk] if lead.pk in outcomes else _skipped(lead)
+
+
+def _skipped(action: Action) -> str:
+    """The outcome of a delivery whose action someone else moved on (it was not claimed)."""
+    status = Action.objects.filter(pk=action.pk).values_list("status", flat=True).first()
     return f"skipped:{status or 'missing'}"
 
 

@@ -237,10 +237,11 @@ class FencedLockGroup:
         FencedLock.acquire for why the confirmation comes after the draw)."""
         try:
             fence = next_fence()
+            answers = self._renew_all()
         except BaseException:
             self.release()
             raise
-        kept = [lock for lock, ours in zip(self.locks, self._renew_all(), strict=True) if ours]
+        kept = [lock for lock, ours in zip(self.locks, answers, strict=True) if ours]
         if not kept or kept[0] is not self.locks[0]:
             self.release()
             first = self.locks[0].key
