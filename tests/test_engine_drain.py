@@ -96,16 +96,16 @@ def test_two_batches_claiming_overlapping_writes_apply_each_exactly_once(
     engine_world: Any, engine_redis: Any, monkeypatch: Any
 ) -> None:
     actions = _queued_updates(engine_world, 12)
-    # Both deliveries have chosen and locked their batches before either draws its
-    # fence and claims: they candidates overlap, the locks split them.
-    both_chosen = threading.Barrier(2, timeout=WAIT)
-    real_fence = FencedLockGroup.fence
+    # Both deliveries hold their own lock before either chooses its companions: their
+    # candidates (the oldest due writes) overlap, and the companions' locks split them.
+    both_locked = threading.Barrier(2, timeout=WAIT)
+    real_init = FencedLockGroup.__init__
 
-    def fence_when_both_chose(group: FencedLockGroup) -> int:
-        both_chosen.wait()
-        return real_fence(group)
+    def group_when_both_locked(group: FencedLockGroup, redis: Any, locks: Any) -> None:
+        both_locked.wait()
+        real_init(group, redis, locks)
 
-    monkeypatch.setattr(FencedLockGroup, "fence", fence_when_both_chose)
+    monkeypatch.setattr(FencedLockGroup, "__init__", group_when_both_locked)
     first = Worker(lambda: action_execute(action_id=actions[0].pk, batch=12))
     second = Worker(lambda: action_execute(action_id=actions[11].pk, batch=12))
     first.start()
