@@ -119,7 +119,7 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
                 return "skipped:batched"
             lock.take(wait_seconds=0.2)
         group = FencedLockGroup(connection, [lock])
-        group.locks += _companions(action, connection, limit=batch - 1)
+        group.join(_companions(action, connection, limit=batch - 1))  # the free ones
         fence = group.fence()
     except (LockBusy, redis.RedisError, DatabaseError) as exc:
         if not isinstance(exc, LockBusy):  # what was taken before the failure goes back
@@ -190,9 +190,9 @@ class _BatchLock(FencedLock):
 
 def _companions(lead: Action, connection: redis.Redis, *, limit: int) -> list[FencedLock]:
     """Up to `limit` other due queued writes to managed resources, oldest first, each on
-    a resource of its own (not the lead's), not held by a kill switch, whose lock was
-    free: taken now (without waiting), named after the action it is taken for (a
-    kill switch is checked again by the barrier; here it only keeps paused work out)."""
+    a resource of its own (not the lead's) and not held by a kill switch: their locks,
+    not yet taken, each named after the action it is for (a kill switch is checked again
+    by the barrier; here it only keeps paused work out)."""
     if limit < 1:
         return []
     now = timezone.now()
@@ -205,24 +205,17 @@ def _companions(lead: Action, connection: redis.Redis, *, limit: int) -> list[Fe
         .select_related("kind", "conflict_class", "run")
         .order_by("created_at")[: limit * 2]
     )
-    taken: list[FencedLock] = []
+    locks: list[FencedLock] = []
     resources = {lead.resource_identifier}
-    try:
-        for candidate in candidates:
-            resource = candidate.resource_identifier
-            if resource in resources or any(s.covers(resource) for s in switches):
-                continue
-            resources.add(resource)
-            lock = _BatchLock(connection, candidate)
-            if lock.try_acquire():
-                taken.append(lock)
-                if len(taken) == limit:
-                    break
-    except BaseException:
-        for held in taken:
-            _release_quietly(held)
-        raise
-    return taken
+    for candidate in candidates:
+        resource = candidate.resource_identifier
+        if resource in resources or any(s.covers(resource) for s in switches):
+            continue
+        resources.add(resource)
+        locks.append(_BatchLock(connection, candidate))
+        if len(locks) == limit:
+            break
+    return locks
 
 
 def _drain(lead: Action, group: FencedLockGroup, fence: int) -> str:

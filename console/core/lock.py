@@ -232,6 +232,21 @@ class FencedLockGroup:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
+    def join(self, candidates: list[FencedLock]) -> None:
+        """Try to take more locks, without waiting (one pipelined SET NX for all): those
+        taken join the group, the busy ones are left out."""
+        if not candidates:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for lock in candidates:
+            pipe.set(lock.redis_key, lock.token, nx=True, px=lock.ttl_ms)
+        try:
+            answers = pipe.execute()
+        except BaseException:
+            self._release_all(candidates)  # token-checked: only those we did take
+            raise
+        self.locks += [lock for lock, took in zip(candidates, answers, strict=True) if took]
+
     def fence(self) -> int:
         """Draw the fence and keep the locks still ours after it was drawn (see
         FencedLock.acquire for why the confirmation comes after the draw)."""
