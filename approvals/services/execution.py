@@ -110,9 +110,10 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
         connection = engine_redis()
     if action.kind.target == TargetType.HTTP:
         return _execute_http(action, connection=connection)
-    lock = FencedLock(
-        connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms(), holder=str(action.pk)
-    )
+    # The lead's own lock is not named after it: a busy lock of a holder that died (or of
+    # a duplicate delivery) is waited for, as any busy lock; only a live batch's companion
+    # lock says it was taken for this action.
+    lock = FencedLock(connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
     try:
         if not lock.try_acquire():
             if _batched_elsewhere(lock, action):
@@ -166,7 +167,9 @@ def _retry_unlocked(action: Action, exc: Exception) -> str:
 
 def _batched_elsewhere(lock: FencedLock, action: Action) -> bool:
     """Is the busy lock held by another job's batch *for this very action*? Then that
-    batch claims (or leaves queued, for the reconciler) this action: nothing to wait for."""
+    batch claims it: nothing to wait for. (Should that batch die before its claim, or
+    drop the action, the action stays queued without a job, and the reconciler sends
+    it again a few seconds later.)"""
     holder = lock.holder_token()
     return holder is not None and holder.startswith(f"{action.pk}:")
 
