@@ -147,10 +147,7 @@ def _execute_http(action: Action, *, connection: redis.Redis) -> str:
         lock.start_heartbeat()
         return execute_http(action=action, lock=lock, fence=fence)
     finally:
-        try:
-            lock.release()
-        except redis.RedisError:
-            log.warning("could not release the lock on %s", action.resource_identifier)
+        _release_quietly(lock)
 
 
 def _retry_unlocked(action: Action, exc: Exception) -> str:
