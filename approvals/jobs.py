@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
+from django.conf import settings
 from django.db import close_old_connections
 
 from approvals.models import Operation
@@ -44,7 +45,8 @@ def _fresh_database(job: Callable[P, R]) -> Callable[P, R]:
 
 @_fresh_database
 def execute_action_job(action_id: str) -> str:
-    outcome = action_execute(action_id=uuid.UUID(action_id))
+    # A job drains its action and the next due ones on other resources (group commit).
+    outcome = action_execute(action_id=uuid.UUID(action_id), batch=settings.AIRLOCK_DRAIN_BATCH)
     # A plan's step (or a resolution of one) goes on to the next step in this worker.
     plan_after_action(action_id=action_id)
     return outcome

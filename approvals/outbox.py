@@ -26,7 +26,7 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
-from approvals.notify import notify_action_changed
+from approvals.notify import action_channel, notify_action_changed
 
 log = logging.getLogger("airlock.outbox")
 
@@ -156,6 +156,49 @@ def enqueue_undo_execution(
     _enqueue(
         "undo", operation_id, EXECUTE_UNDO_JOB, delay_seconds=delay_seconds, connection=connection
     )
+
+
+def withdraw_action_jobs(
+    action_ids: list[uuid.UUID], *, connection: redis.Redis | None = None
+) -> None:
+    """Another job's batch has claimed these actions: take their own jobs off the queue,
+    so that a worker does not spend a job on each only to find it claimed. A best
+    effort: a job already dequeued runs, finds its action no longer queued and stops;
+    one that is taken off is deleted (RQ would keep it forever), its marker with it (the
+    reconciler then resends whatever PostgreSQL still says is due)."""
+    if not action_ids:
+        return
+    conn = connection or engine_redis()
+    queue_key = engine_queue(conn).key
+    markers = [marker_key("action", action_id) for action_id in action_ids]
+    try:
+        found: list[Any] = list(conn.mget(markers))  # type: ignore[arg-type]  # sync client
+        job_ids = [bytes(raw).decode() for raw in found if raw is not None]
+        pipe = conn.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.lrem(queue_key, 1, job_id)
+        removed = [job_id for job_id, count in zip(job_ids, pipe.execute(), strict=True) if count]
+        pipe = conn.pipeline(transaction=False)
+        for job_id in removed:
+            pipe.delete(Job.key_for(job_id))
+        pipe.delete(*markers)
+        pipe.execute()
+    except redis.RedisError:
+        log.warning("could not withdraw the jobs of %d batched actions", len(action_ids))
+
+
+def notify_actions_now(action_ids: list[uuid.UUID]) -> None:
+    """Wake the long-pollers of several actions at once (one pipelined round trip), for
+    changes already committed. A lost wake-up only delays a poller until its timeout."""
+    if not action_ids:
+        return
+    try:
+        pipe = engine_redis().pipeline(transaction=False)
+        for action_id in action_ids:
+            pipe.publish(action_channel(action_id), b"changed")
+        pipe.execute()
+    except redis.RedisError:
+        log.warning("could not notify %d actions", len(action_ids), exc_info=True)
 
 
 def notify_action_on_commit(action_id: uuid.UUID) -> None:

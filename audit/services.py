@@ -17,7 +17,9 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -193,6 +195,46 @@ def _event(prepared: _Prepared, *, seq: int, prev_hash: str, digest: str) -> Aud
     return event
 
 
+class DeferredAppends:
+    """The events `audit_deferred` holds back, in order, until its block ends."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[_Prepared, AuditEvent]] = []
+
+    def mark(self) -> int:
+        """Where the events of a savepoint about to open begin."""
+        return len(self.items)
+
+    def discard_after(self, mark: int) -> None:
+        """The savepoint opened at `mark` rolled back: its events never happened."""
+        del self.items[mark:]
+
+
+_DEFERRED: ContextVar[DeferredAppends | None] = ContextVar("audit_deferred", default=None)
+
+
+@contextmanager
+def audit_deferred() -> Iterator[DeferredAppends]:
+    """Inside a transaction that records many changes (the drain's batch): every
+    audit_append in the block holds its event back, and the block's end appends them
+    all, in order, under ONE head lock — one contiguous run of the chain, one INSERT.
+
+    The head is then locked once, after every row lock of the batch (the lock order:
+    the audit head last), instead of from the first change to the commit. The events
+    returned inside the block get their seq and hashes when it ends. A savepoint that
+    rolls back inside the block must drop its events (`mark` / `discard_after`).
+    """
+    if not connection.in_atomic_block:
+        raise RuntimeError("audit_deferred() needs the caller's transaction")
+    held = DeferredAppends()
+    token = _DEFERRED.set(held)
+    try:
+        yield held
+    finally:
+        _DEFERRED.reset(token)
+    _chain_and_insert(held.items)
+
+
 def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
     """Append one event to the chain, inside the caller's transaction.
 
@@ -200,6 +242,11 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
     of a transaction so the lock is held briefly.
     """
     prepared = _prepare(event)
+    deferred = _DEFERRED.get()
+    if deferred is not None:
+        placeholder = _event(prepared, seq=0, prev_hash="", digest="")
+        deferred.items.append((prepared, placeholder))
+        return placeholder
     if connection.vendor != "postgresql":
         return _append_batch([prepared])[0]
     template = canonical_json({"event": prepared.fields, "prev_hash": ""})
@@ -238,22 +285,28 @@ def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:
 
 
 def _append_batch(prepared: list[_Prepared]) -> list[AuditEvent]:
-    if not prepared:
-        return []
+    items = [(item, _event(item, seq=0, prev_hash="", digest="")) for item in prepared]
+    _chain_and_insert(items)
+    return [event for _, event in items]
+
+
+def _chain_and_insert(items: list[tuple[_Prepared, AuditEvent]]) -> None:
+    """Give each event its seq and hashes after the head (locked until commit), insert
+    them all, move the head: three statements, whatever the number of events."""
+    if not items:
+        return
     with transaction.atomic(savepoint=False):
         head = AuditHead.objects.select_for_update().filter(pk=1).first()
         if head is None:
             head = AuditHead.objects.create(pk=1, seq=0, hash=GENESIS_HASH)
         seq, prev_hash = head.seq, head.hash
-        events = []
-        for item in prepared:
+        for prepared, event in items:
             seq += 1
-            digest = event_hash({**item.fields, "seq": seq}, prev_hash)
-            events.append(_event(item, seq=seq, prev_hash=prev_hash, digest=digest))
+            digest = event_hash({**prepared.fields, "seq": seq}, prev_hash)
+            event.seq, event.prev_hash, event.hash = seq, prev_hash, digest
             prev_hash = digest
-        AuditEvent.objects.bulk_create(events)
+        AuditEvent.objects.bulk_create([event for _, event in items])
         AuditHead.objects.filter(pk=1).update(seq=seq, hash=prev_hash)
-    return events
 
 
 def _execute_append(params: list[Any]) -> Any:

@@ -25,7 +25,7 @@ from console.core.fence import (
     fence_floor,
     next_fence,
 )
-from console.core.lock import FencedLock, lock_key
+from console.core.lock import FencedLock, FencedLockGroup, lock_key
 from ownership.models import Resource
 from tests.conftest import PrivateRedis
 from tests.fixtures.core import execute, make_action, make_resource, make_run, spawn_worker
@@ -48,6 +48,46 @@ def test_fences_rise_strictly_and_come_from_postgresql() -> None:
     fences = [next_fence() for _ in range(20)]
     assert fences == sorted(set(fences))
     assert current_fence() == fences[-1]
+
+
+def test_a_lock_group_takes_the_free_locks_under_one_fence_and_gives_them_all_back(
+    redis_client: redis.Redis,
+) -> None:
+    lead, free, busy = (FencedLock(redis_client, key=unique_key(), ttl_ms=5_000) for _ in "abc")
+    other = FencedLock(redis_client, key=busy.key, ttl_ms=5_000)
+    earlier = other.acquire()  # the busy resource's holder, with an earlier fence
+    lead.take()
+    group = FencedLockGroup(redis_client, [lead])
+    group.join([free, busy])
+    assert group.locks == [lead, free]  # the busy one is left out, not waited for
+    fence = group.fence()
+    assert fence > earlier and lead.fence == free.fence == fence
+    assert lead.held() and free.held() and other.held()
+    group.release()
+    assert not lead.held() and not free.held() and other.held()
+
+
+def test_a_lock_group_drops_a_lock_taken_while_its_fence_was_drawn(
+    redis_client: redis.Redis,
+) -> None:
+    lead, lost = (FencedLock(redis_client, key=unique_key(), ttl_ms=5_000) for _ in "ab")
+    lead.take()
+    group = FencedLockGroup(redis_client, [lead])
+    group.join([lost])
+    redis_client.set(lock_key(lost.key), "a-successor")  # expired and taken meanwhile
+    group.fence()
+    assert group.locks == [lead]
+    assert redis_client.get(lock_key(lost.key)) == b"a-successor"  # not ours to release
+    # The lead itself lost: the whole group is busy and gives everything back.
+    second, other = (FencedLock(redis_client, key=unique_key(), ttl_ms=5_000) for _ in "ab")
+    second.take()
+    group = FencedLockGroup(redis_client, [second])
+    group.join([other])
+    redis_client.set(lock_key(second.key), "a-successor")
+    with pytest.raises(LockBusy):
+        group.fence()
+    assert not other.held()
+    group.release()
 
 
 def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release(

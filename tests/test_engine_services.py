@@ -95,13 +95,14 @@ def test_a_delivery_that_finds_the_action_moved_on_once_it_holds_the_lock_claims
     so no operation is opened and the action is not moved."""
     action = engine_world.proposed_update("late", {"n": 0}, {"n": 1})
     kind = action.kind
-    real_acquire = FencedLock.acquire
+    real_try_acquire = FencedLock.try_acquire
 
-    def moved_then_acquire(lock: FencedLock, wait_seconds: float | None = None) -> int:
+    def moved_then_acquire(lock: FencedLock) -> bool:
         Action.objects.filter(pk=action.pk).update(status=moved_to)
-        return real_acquire(lock, wait_seconds)
+        return real_try_acquire(lock)
 
-    monkeypatch.setattr(FencedLock, "acquire", moved_then_acquire)
+    # The delivery's first step on the lock (a batch claims under locks taken this way).
+    monkeypatch.setattr(FencedLock, "try_acquire", moved_then_acquire)
     assert action_execute(action_id=action.pk) == f"skipped:{moved_to}"
     assert Action.objects.values_list("status", flat=True).get(pk=action.pk) == moved_to
     assert not Operation.objects.filter(action=action).exists()

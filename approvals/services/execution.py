@@ -3,58 +3,80 @@
 Flow of one delivery (`action_execute`):
   1. load the action; anything but `queued` is a no-op (re-delivery, duplicates);
   2. kill switch engaged for the resource -> `paused` with the reason;
-  3. take the resource's FencedLock (busy -> retry later with backoff, stays `queued`);
-  4. re-check the status now that the lock is held; `open_operation` moves it to
-     `executing` with a lease; `apply_action` writes through the barrier in one
-     transaction (an external HTTP target: approvals.services.http_writes);
-  5. a refusal is routed (approvals.services.attempts.route_refusal): stale
-     version -> conflict, kill switch -> paused, stale fence / lost lock ->
-     queued again with a new fence on the next attempt; transient errors ->
-     exponential backoff with jitter, at most AIRLOCK_MAX_ATTEMPTS, then
-     `failed` with the reason.
+  3. take the resource's FencedLock (busy -> retry later with backoff, stays `queued`;
+     busy because another job's batch took it for this very action -> nothing to do);
+  4. the drain (`batch` > 1, the worker's job): the next due queued writes on other
+     resources whose locks are free join, all under one fence (FencedLockGroup);
+  5. the claim: one short transaction moves every write of the batch still `queued`
+     to `executing` with a pending operation (console.core.operations.open_operations);
+     the batched actions' own jobs are taken off the queue;
+  6. the apply: ONE transaction, `apply_action` (the barrier) per write in its own
+     savepoint, the audit events appended together last (audit_deferred);
+  7. each result is settled on its own (approvals.services.attempts): stale version
+     -> conflict, kill switch -> paused, stale fence / lost lock -> queued again with
+     a new fence on the next attempt; transient errors -> exponential backoff with
+     jitter, at most AIRLOCK_MAX_ATTEMPTS, then `failed` with the reason.
+An external HTTP target is one write with its own lock (approvals.services.http_writes).
 
 PostgreSQL is the outbox: approvals.services.reconcile re-enqueues due actions
 whose job is missing from RQ and recovers operations a dead worker left
-`pending` past their lease.
+`pending` past their lease (a worker killed mid-batch leaves the whole batch so).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import uuid
 from datetime import timedelta
 from typing import Any
 
 import redis
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from approvals.models import Action, ActionStatus
-from approvals.outbox import engine_redis, enqueue_action_execution, notify_action_on_commit
+from approvals.models import Action, ActionStatus, Operation
+from approvals.outbox import (
+    engine_redis,
+    enqueue_action_execution,
+    notify_actions_now,
+    withdraw_action_jobs,
+)
 from approvals.services.attempts import (
     WORKER_ACTOR,
     action_pause,
     action_retry_later,
-    claim,
     crash_point,
     lock_ttl_ms,
     operation_fail_pending,
+    operation_lease_seconds,
     route_refusal,
+    worker_name,
 )
 from approvals.services.http_writes import execute_http
-from console.core.barrier import apply_action
+from approvals.services.plan_engine import plan_after_action
+from audit.services import audit_deferred
+from console.core.barrier import WriteOutcome, apply_action
 from console.core.errors import KillSwitchEngaged, LockBusy, LockLost
 from console.core.killswitch import engaged_switch_for
-from console.core.lock import FencedLock
+from console.core.lock import FencedLock, FencedLockGroup
+from console.core.operations import open_operations
+from console.core.write_rows import lock_batch_rows
+from console.models import KillSwitch
 from console.requestctx import reset_request_id, set_request_id
 from ownership.models import TargetType
 
 log = logging.getLogger("airlock.execution")
 
 
-def action_execute(*, action_id: uuid.UUID, connection: redis.Redis | None = None) -> str:
-    """Execute one delivery of an action's job. Idempotent; returns a short outcome."""
+def action_execute(
+    *, action_id: uuid.UUID, connection: redis.Redis | None = None, batch: int = 1
+) -> str:
+    """Execute one delivery of an action's job. Idempotent; returns a short outcome.
+
+    `batch` > 1 (the worker's job): a write to a managed resource also drains up to
+    `batch - 1` other due queued writes on distinct resources, in the same transaction
+    (see _drain); the returned outcome is still this action's."""
     action = (
         Action.objects.select_related("kind", "conflict_class", "run").filter(pk=action_id).first()
     )
@@ -62,12 +84,12 @@ def action_execute(*, action_id: uuid.UUID, connection: redis.Redis | None = Non
         return "missing"
     token = set_request_id(action.request_id or f"action-{action.pk}")
     try:
-        return _execute(action, connection=connection)
+        return _execute(action, connection=connection, batch=batch)
     finally:
         reset_request_id(token)
 
 
-def _execute(action: Action, *, connection: redis.Redis | None) -> str:
+def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> str:
     if action.status != ActionStatus.QUEUED:
         return f"skipped:{action.status}"
     now = timezone.now()
@@ -86,33 +108,251 @@ def _execute(action: Action, *, connection: redis.Redis | None) -> str:
 
     if connection is None:
         connection = engine_redis()
+    if action.kind.target == TargetType.HTTP:
+        return _execute_http(action, connection=connection)
+    # The lead's own lock is not named after it: a busy lock of a holder that died (or of
+    # a duplicate delivery) is waited for, as any busy lock; only a live batch's companion
+    # lock says it was taken for this action.
+    lock = FencedLock(connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
+    try:
+        if not lock.try_acquire():
+            if _batched_elsewhere(lock, action):
+                return "skipped:batched"
+            lock.take(wait_seconds=0.2)
+        group = FencedLockGroup(connection, [lock])
+        group.join(_companions(action, connection, limit=batch - 1))  # the free ones
+        fence = group.fence()
+    except (LockBusy, redis.RedisError, DatabaseError) as exc:
+        if not isinstance(exc, LockBusy):  # what was taken before the failure goes back
+            _release_quietly(lock)
+        return _retry_unlocked(action, exc)
+    try:
+        group.start_heartbeat()
+        return _drain(action, group, fence)
+    finally:
+        try:
+            group.release()
+        except redis.RedisError:
+            log.warning("could not release the locks of a batch led by %s", action.pk)
+
+
+def _execute_http(action: Action, *, connection: redis.Redis) -> str:
+    """A write to an external target: one action, its own lock (approvals.services.http_writes)."""
     lock = FencedLock(connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
     try:
         fence = lock.acquire(wait_seconds=0.2)
-    except LockBusy:
-        action_retry_later(
-            action_id=action.pk, reason="lock_busy", from_statuses=(ActionStatus.QUEUED,)
-        )
-        return "lock_busy"
-    except (redis.RedisError, DatabaseError) as exc:
-        action_retry_later(
-            action_id=action.pk,
-            reason=f"transient: {type(exc).__name__}",
-            from_statuses=(ActionStatus.QUEUED,),
-        )
-        return "transient"
+    except (LockBusy, redis.RedisError, DatabaseError) as exc:
+        return _retry_unlocked(action, exc)
     try:
         lock.start_heartbeat()
-        # A duplicate delivery that waited for the lock finds the action done: the
-        # claim (a conditional UPDATE from `queued`, under the lock) refuses it.
-        if action.kind.target == TargetType.HTTP:
-            return execute_http(action=action, lock=lock, fence=fence)
-        return _execute_managed(action=action, lock=lock, fence=fence)
+        return execute_http(action=action, lock=lock, fence=fence)
     finally:
-        try:
-            lock.release()
-        except redis.RedisError:
-            log.warning("could not release the lock on %s", action.resource_identifier)
+        _release_quietly(lock)
+
+
+def _retry_unlocked(action: Action, exc: Exception) -> str:
+    """No lock and fence (busy, or Redis/PostgreSQL unreachable): nothing was claimed;
+    the action stays queued and is delivered again after a backoff."""
+    busy = isinstance(exc, LockBusy)
+    action_retry_later(
+        action_id=action.pk,
+        reason="lock_busy" if busy else f"transient: {type(exc).__name__}",
+        from_statuses=(ActionStatus.QUEUED,),
+    )
+    return "lock_busy" if busy else "transient"
+
+
+def _batched_elsewhere(lock: FencedLock, action: Action) -> bool:
+    """Is the busy lock held by another job's batch *for this very action*? Then that
+    batch claims it: nothing to wait for. (Should that batch die before its claim, or
+    drop the action, the action stays queued without a job, and the reconciler sends
+    it again a few seconds later.)"""
+    holder = lock.holder_token()
+    return holder is not None and holder.startswith(f"{action.pk}:")
+
+
+def _release_quietly(lock: FencedLock) -> None:
+    try:
+        lock.release()
+    except redis.RedisError:
+        log.warning("could not release the lock on %s", lock.key)
+
+
+class _BatchLock(FencedLock):
+    """A companion's lock, with the action it was taken for."""
+
+    def __init__(self, connection: redis.Redis, action: Action) -> None:
+        super().__init__(
+            connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms(), holder=str(action.pk)
+        )
+        self.action = action
+
+
+def _companions(lead: Action, connection: redis.Redis, *, limit: int) -> list[FencedLock]:
+    """Up to `limit` other due queued writes to managed resources, oldest first, each on
+    a resource of its own (not the lead's) and not held by a kill switch: their locks,
+    not yet taken, each named after the action it is for (a kill switch is checked again
+    by the barrier; here it only keeps paused work out)."""
+    if limit < 1:
+        return []
+    now = timezone.now()
+    switches = list(KillSwitch.objects.filter(engaged=True).only("id", "scope"))
+    candidates = (
+        Action.objects.filter(status=ActionStatus.QUEUED)
+        .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
+        .exclude(pk=lead.pk)
+        .exclude(kind__target=TargetType.HTTP)
+        .select_related("kind", "conflict_class", "run")
+        .order_by("created_at")[: limit * 2]
+    )
+    locks: list[FencedLock] = []
+    resources = {lead.resource_identifier}
+    for candidate in candidates:
+        resource = candidate.resource_identifier
+        if resource in resources or any(s.covers(resource) for s in switches):
+            continue
+        resources.add(resource)
+        locks.append(_BatchLock(connection, candidate))
+        if len(locks) == limit:
+            break
+    return locks
+
+
+def _drain(lead: Action, group: FencedLockGroup, fence: int) -> str:
+    """Claim the batch (one short transaction), then apply it (ONE transaction, the
+    audit events appended together last; see _apply_batch), then settle each
+    write's outcome on its own: a refusal, a kill switch or an error of one write never
+    undoes the others. A worker killed in between leaves claimed operations pending: the
+    reconciler abandons them after their lease and queues the actions again."""
+    actions = [lead, *(lock.action for lock in group.locks if isinstance(lock, _BatchLock))]
+    actions.sort(key=lambda a: a.created_at)  # the batch writes in proposal order
+    operations = open_operations(
+        action_ids=[a.pk for a in actions],
+        fence=fence,
+        worker=worker_name(),
+        lease_seconds=operation_lease_seconds(),
+    )
+    claimed = [a for a in actions if a.pk in operations]
+    if not claimed:
+        return _skipped(lead)
+    notify_actions_now([a.pk for a in claimed])  # now `executing`
+    withdraw_action_jobs([a.pk for a in claimed if a.pk != lead.pk])
+    crash_point("after_open_operation")
+    group.renew()
+    locks = {lock.key: lock for lock in group.locks}
+    results = _apply_batch(claimed, operations, locks, fence)
+    crash_point("after_barrier_commit")
+    notify_actions_now([a.pk for a in claimed if isinstance(results[a.pk], WriteOutcome)])
+    outcomes = {a.pk: _settle(a, operations[a.pk].pk, results[a.pk]) for a in claimed}
+    # The lead's job moves its own plan; a batched write that is a plan's step (or the
+    # resolution of one) moves its plan here.
+    in_plans = Action.objects.filter(pk__in=[a.pk for a in claimed if a.pk != lead.pk]).filter(
+        Q(plan_step__isnull=False) | Q(parent__isnull=False)
+    )
+    for action_id in in_plans.values_list("pk", flat=True):
+        plan_after_action(action_id=action_id)
+    return outcomes[lead.pk] if lead.pk in outcomes else _skipped(lead)
+
+
+def _skipped(action: Action) -> str:
+    """The outcome of a delivery whose action someone else moved on (it was not claimed)."""
+    status = Action.objects.filter(pk=action.pk).values_list("status", flat=True).first()
+    return f"skipped:{status or 'missing'}"
+
+
+_Result = WriteOutcome | KillSwitchEngaged | LockLost | DatabaseError
+
+
+class _BatchRolledBack(DatabaseError):
+    """A failed savepoint rollback doomed the whole batch transaction."""
+
+
+class _RedoWithSavepoints(Exception):
+    """A write of a batch applied without savepoints failed: the batch is redone with them."""
+
+
+def _apply_batch(
+    claimed: list[Action],
+    operations: dict[uuid.UUID, Operation],
+    locks: dict[str, FencedLock],
+    fence: int,
+) -> dict[uuid.UUID, _Result]:
+    """Apply the claimed writes in one transaction. First without a savepoint per write
+    (two round trips each): a failing write (an error, a kill switch) is rare, and then
+    the whole transaction rolls back and the batch is applied again with a savepoint per
+    write, so that the failure stays that write's own and the others are applied."""
+    try:
+        return _apply_batch_once(claimed, operations, locks, fence, savepoints=False)
+    except _RedoWithSavepoints as exc:
+        log.info("a batched write failed (%s): applying the batch with savepoints", exc.__cause__)
+        return _apply_batch_once(claimed, operations, locks, fence, savepoints=True)
+
+
+def _apply_batch_once(
+    claimed: list[Action],
+    operations: dict[uuid.UUID, Operation],
+    locks: dict[str, FencedLock],
+    fence: int,
+    *,
+    savepoints: bool,
+) -> dict[uuid.UUID, _Result]:
+    results: dict[uuid.UUID, _Result] = {}
+    try:
+        with transaction.atomic(), audit_deferred() as events:
+            rows = lock_batch_rows([(a.pk, operations[a.pk].pk) for a in claimed])
+            for action in claimed:
+                if locks[action.resource_identifier].lost:
+                    results[action.pk] = LockLost(f"lost the lock on {action.resource_identifier}")
+                    continue
+                mark = events.mark()
+                try:
+                    results[action.pk] = apply_action(
+                        action_id=action.pk,
+                        operation_id=operations[action.pk].pk,
+                        fence=fence,
+                        actor=WORKER_ACTOR,
+                        locked=rows.get(action.pk),
+                        savepoint=savepoints,
+                    )
+                except (KillSwitchEngaged, DatabaseError) as exc:
+                    if not savepoints:
+                        raise _RedoWithSavepoints(type(exc).__name__) from exc
+                    events.discard_after(mark)  # its savepoint rolled back
+                    results[action.pk] = exc
+            if transaction.get_rollback():
+                raise _BatchRolledBack("the batch transaction can no longer commit")
+            crash_point("inside_barrier_before_commit")
+    except DatabaseError as exc:
+        return {action.pk: exc for action in claimed}
+    return results
+
+
+def _settle(action: Action, operation_id: int, result: _Result) -> str:
+    """Route one write's result, in its own short transaction (attempts.py)."""
+    if isinstance(result, KillSwitchEngaged):
+        # Engaged between our check and the barrier's: nothing was written.
+        operation_fail_pending(operation_id, {"refused": "kill_switch_engaged"})
+        action_pause(
+            action_id=action.pk,
+            reason=str(result.extra.get("reason") or result.message),
+            scope=str(result.extra.get("scope") or ""),
+        )
+        return "paused"
+    if isinstance(result, LockLost):
+        action_retry_later(action_id=action.pk, reason="lock_lost", operation_id=operation_id)
+        return "lock_lost"
+    if isinstance(result, DatabaseError):
+        action_retry_later(
+            action_id=action.pk,
+            reason=f"transient: {type(result).__name__}",
+            operation_id=operation_id,
+        )
+        return "transient"
+    if result.applied:
+        return "applied"
+    return route_refusal(
+        action_id=action.pk, operation_id=operation_id, refusal=_refusal_code(result)
+    )
 
 
 def _refusal_code(outcome: Any) -> str:
@@ -128,50 +368,3 @@ def _refusal_code(outcome: Any) -> str:
     if isinstance(refusal, dict):
         return str(refusal.get("code") or refusal.get("reason") or "")
     return str(refusal)
-
-
-def _before_barrier_commit(action_id: uuid.UUID) -> None:
-    # The barrier leaves wake-ups to its caller: registered inside its transaction.
-    notify_action_on_commit(action_id)
-    crash_point("inside_barrier_before_commit")
-
-
-def _execute_managed(*, action: Action, lock: Any, fence: int) -> str:
-    operation = claim(action, fence)
-    if isinstance(operation, str):
-        return operation
-    crash_point("after_open_operation")
-    try:
-        lock.check()
-        outcome = apply_action(
-            action_id=action.pk,
-            operation_id=operation.pk,
-            fence=fence,
-            actor=WORKER_ACTOR,
-            before_commit=functools.partial(_before_barrier_commit, action.pk),
-        )
-        crash_point("after_barrier_commit")
-    except KillSwitchEngaged as exc:
-        # Engaged between our check and the barrier's: nothing was written.
-        operation_fail_pending(operation.pk, {"refused": "kill_switch_engaged"})
-        action_pause(
-            action_id=action.pk,
-            reason=str(exc.extra.get("reason") or exc.message),
-            scope=str(exc.extra.get("scope") or ""),
-        )
-        return "paused"
-    except LockLost:
-        action_retry_later(action_id=action.pk, reason="lock_lost", operation_id=operation.pk)
-        return "lock_lost"
-    except (redis.RedisError, DatabaseError) as exc:
-        action_retry_later(
-            action_id=action.pk,
-            reason=f"transient: {type(exc).__name__}",
-            operation_id=operation.pk,
-        )
-        return "transient"
-    if getattr(outcome, "applied", False):
-        return "applied"
-    return route_refusal(
-        action_id=action.pk, operation_id=operation.pk, refusal=_refusal_code(outcome)
-    )

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -41,18 +41,16 @@ from approvals.models import (
     ActionStatus,
     Operation,
     OperationStatus,
-    Run,
-    RunStatus,
     WriteOperation,
-    run_end_exempt,
 )
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
-from console.core.errors import NotFound
-from console.core.killswitch import hold_switches_shared, refuse_if_engaged
+from console.core.killswitch import refuse_if_engaged
 from console.core.operations import EXECUTABLE_STATUSES
+from console.core.write_rows import NOT_READ, LockedRows, lock_write_rows, run_end_status
+from console.core.write_rows import lock_run_for_share as lock_run_for_share  # re-exported
 from ownership.diff import proposed_document
-from ownership.models import Resource, ResourceVersion, TargetType
+from ownership.models import Resource, ResourceVersion
 
 # Why a write was refused (WriteOutcome.refusal.reason).
 STALE_VERSION = "stale_version"  # someone wrote since the agent read: route to a conflict
@@ -107,6 +105,8 @@ def apply_action(
     fence: int,
     actor: Actor,
     before_commit: Callable[[], None] | None = None,
+    locked: LockedRows | None = None,
+    savepoint: bool = True,
 ) -> WriteOutcome:
     """Apply the action's write through the barrier, in one transaction.
 
@@ -118,10 +118,13 @@ def apply_action(
     carried it out, e.g. the worker — is kept in the details as `executor`.
     `before_commit` runs last inside the transaction (the engine registers its
     wake-up there), so a caller needs no enclosing transaction and its savepoint.
+    `locked`: the rows a batch already locked in its transaction (lock_batch_rows);
+    such a batch may also ask for no savepoint of this write's own (`savepoint=False`:
+    an error then dooms the caller's whole transaction, which the caller redoes).
     """
-    with transaction.atomic():
+    with transaction.atomic(savepoint=savepoint):
         outcome = _apply_in_transaction(
-            action_id=action_id, operation_id=operation_id, fence=fence, actor=actor
+            action_id=action_id, operation_id=operation_id, fence=fence, actor=actor, locked=locked
         )
         if before_commit is not None:
             before_commit()
@@ -129,32 +132,22 @@ def apply_action(
 
 
 def _apply_in_transaction(
-    *, action_id: uuid.UUID | str, operation_id: int, fence: int, actor: Actor
+    *,
+    action_id: uuid.UUID | str,
+    operation_id: int,
+    fence: int,
+    actor: Actor,
+    locked: LockedRows | None,
 ) -> WriteOutcome:
-    # Before any row lock: an engage waits for this write, or this write sees it.
-    hold_switches_shared()
-    # The action's run id comes with the operation row (one statement; only the
-    # operation row is locked here, the run and the action follow in order).
-    operation = (
-        Operation.objects.select_for_update(of=("self",))
-        .filter(pk=operation_id, action_id=action_id, undo_of__isnull=True)
-        .annotate(action_run_id=F("action__run_id"))
-        .first()
-    )
-    if operation is None:
-        raise NotFound("no such operation for this action", extra={"operation": operation_id})
-    run_id = operation.action_run_id
-    run_state = lock_run_for_share(run_id) if run_id is not None else None
-    action = (
-        Action.objects.select_for_update(of=("self",))
-        .select_related("kind", "conflict_class", "run__agent")
-        .get(pk=action_id)
-    )
+    if locked is None:
+        locked = lock_write_rows(action_id=action_id, operation_id=operation_id)
+    operation, run_state, action = locked.operation, locked.run_state, locked.action
     if operation.status != OperationStatus.PENDING:
         # A re-delivered job: the first delivery already recorded the outcome.
         return _finished_outcome(action, operation)
 
-    refuse_if_engaged(action.resource_identifier)
+    if not locked.switches_clear:
+        refuse_if_engaged(action.resource_identifier)
 
     if action.status not in EXECUTABLE_STATUSES:
         refusal = Refusal(ACTION_NOT_EXECUTABLE, f"the action is {action.status}", fence=fence)
@@ -167,65 +160,13 @@ def _apply_in_transaction(
     if action.operation == WriteOperation.CREATE:
         result = _write_create(action, fence=fence, now=now)
     else:
-        result = _write_existing(action, fence=fence, now=now)
+        result = _write_existing(action, fence=fence, now=now, current=locked.resource)
     if isinstance(result, _Refused):
         return _refuse(
             action, operation, result.refusal, actor=actor, resource_id=result.resource_id
         )
 
     return _record_applied(action, operation, result, fence=fence, actor=actor, now=now)
-
-
-def lock_run_for_share(run_id: Any) -> tuple[str, datetime] | None:
-    """`SELECT status, expires_at ... FOR SHARE` on the run row (caller's transaction).
-
-    A revoke, finish, expiry or heartbeat UPDATEs the run row, so it waits for
-    this transaction; one that committed first is seen (READ COMMITTED).
-    """
-    if connection.vendor != "postgresql":
-        # SQLite (the embedded default) has no row locks; its write transactions are
-        # already serialised (BEGIN IMMEDIATE).
-        found = Run.objects.filter(pk=run_id).values_list("status", "expires_at").first()
-        return (str(found[0]), found[1]) if found else None
-    assert Run._meta.db_table == "approvals_run"
-    sql = "SELECT status, expires_at FROM approvals_run WHERE id = %s FOR SHARE"
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [Run._meta.pk.get_db_prep_value(run_id, connection)])
-        row = cursor.fetchone()
-    return (str(row[0]), row[1]) if row else None
-
-
-def run_end_status(
-    action: Action, run_state: tuple[str, datetime] | None, *, now: datetime
-) -> str | None:
-    """None when the action's run still allows it to write; else the action's end status
-    (`cancelled` for a revoked/rejected/finished run, `expired` for an expired one).
-
-    Exemptions (approvals.models.run_end_exempt, the same rule the run's end uses):
-    a conflict-resolution action (`parent` set, created by conflict_resolve)
-    carries a person's decision — and, for a quorum class, the approvals of enough
-    people — not the agent's, so its run's end does not stop it: conflicts are
-    often settled after the agent has gone. And a write to an external target that
-    may already have reached it (an `unknown` or abandoned attempt) is replayed
-    with the same target Idempotency-Key to settle it, never left unsettled.
-    """
-    if action.parent_id is not None:
-        return None
-    if (
-        action.kind.target == TargetType.HTTP
-        and Action.objects.filter(pk=action.pk).filter(run_end_exempt()).exists()
-    ):
-        return None
-    if run_state is None:
-        return ActionStatus.CANCELLED
-    status, expires_at = run_state
-    if status == RunStatus.EXPIRED:
-        return ActionStatus.EXPIRED
-    if status != RunStatus.ACTIVE:
-        return ActionStatus.CANCELLED
-    if expires_at is not None and expires_at <= now:
-        return ActionStatus.EXPIRED
-    return None
 
 
 def _refuse_ended_run(
@@ -352,15 +293,19 @@ def _record_applied(
     )
 
 
-def _write_existing(action: Action, *, fence: int, now: datetime) -> _Written | _Refused:
-    """Update or delete: the single conditional UPDATE, then classify a miss."""
+def _write_existing(
+    action: Action, *, fence: int, now: datetime, current: Any = NOT_READ
+) -> _Written | _Refused:
+    """Update or delete: the single conditional UPDATE, then classify a miss.
+    `current`: the resource's id and document when the caller's batch read them."""
     observed = action.observed_version
     assert observed is not None  # a constraint: updates and deletes observe a version
-    current = (
-        Resource.objects.filter(kind_id=action.kind_id, name=action.name)
-        .values("id", "document")
-        .first()
-    )
+    if current is NOT_READ:
+        current = (
+            Resource.objects.filter(kind_id=action.kind_id, name=action.name)
+            .values("id", "document")
+            .first()
+        )
     if current is None:
         return _Refused(
             Refusal(MISSING, "the resource does not exist", expected_version=observed, fence=fence)

@@ -7,6 +7,7 @@ finish it exactly once, under its row lock.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, connection, transaction
@@ -92,7 +93,55 @@ def open_operation(
         )
 
 
+def open_operations(
+    *, action_ids: Sequence[uuid.UUID], fence: int, worker: str, lease_seconds: int
+) -> dict[uuid.UUID, Operation]:
+    """`open_operation` for a batch under one fence (the drain): in ONE short transaction,
+    every action still `queued` moves to `executing` (one conditional UPDATE … RETURNING)
+    and gets its pending operation (one multi-row INSERT). Actions in any other status
+    are left out of the answer: whoever moved them owns them. Committed without waiting
+    for the WAL flush, like a single claim (see open_operation)."""
+    if not action_ids:
+        return {}
+    now = timezone.now()
+    lease_expires_at = now + timedelta(seconds=lease_seconds)
+    pk = Action._meta.pk
+    assert pk is not None
+    table = Action._meta.db_table
+    marks = ", ".join(["%s"] * len(action_ids))
+    with transaction.atomic():
+        _commit_without_flush()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} SET status = %s, revision = revision + 1, updated_at = %s "  # noqa: S608
+                f"WHERE status = %s AND id IN ({marks}) RETURNING id",
+                [
+                    ActionStatus.EXECUTING,
+                    now,
+                    ActionStatus.QUEUED,
+                    *(pk.get_db_prep_value(i, connection) for i in action_ids),
+                ],
+            )
+            moved = {uuid.UUID(str(row[0])) for row in cursor.fetchall()}
+        operations = Operation.objects.bulk_create(
+            Operation(
+                action_id=action_id,
+                fence=fence,
+                worker=worker[:200],
+                lease_expires_at=lease_expires_at,
+                status=OperationStatus.PENDING,
+            )
+            for action_id in action_ids
+            if action_id in moved
+        )
+    return {operation.action_id: operation for operation in operations}
+
+
 def _commit_without_flush() -> None:
+    # Only for a transaction of its own: inside a caller's it would also let the
+    # caller's writes commit without the flush.
+    if connection.in_atomic_block and len(connection.savepoint_ids) > 0:
+        return
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute("SET LOCAL synchronous_commit TO OFF")

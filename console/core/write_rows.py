@@ -1,0 +1,198 @@
+"""The rows a write locks before it writes, in the one lock order (console/core/barrier.py):
+the kill-switch lock SHARED, the operation row, the run row FOR SHARE, the action row.
+
+`lock_write_rows` locks them for one write (the barrier's own first step);
+`lock_batch_rows` locks them for a batch of writes in one transaction (the drain), each
+kind of row in one statement and in id order, before any of the batch's writes — so a
+batch takes its locks in the same order as a single write, and the audit head (taken
+last, by audit_deferred) after all of them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+from django.db.models import F, Q
+
+from approvals.models import (
+    Action,
+    ActionStatus,
+    Operation,
+    Run,
+    RunStatus,
+    WriteOperation,
+    run_end_exempt,
+)
+from console.core.errors import NotFound
+from console.core.killswitch import any_engaged, hold_switches_shared
+from ownership.models import Resource, TargetType
+
+# `LockedRows.resource` when the resource was not read with the rows (the barrier reads it).
+NOT_READ: Any = object()
+
+
+@dataclass(frozen=True)
+class LockedRows:
+    """One write's rows, locked in its transaction. `switches_clear`: no kill switch was
+    engaged when checked under the shared switch lock (held to commit, so none can be
+    engaged since): the barrier need not look again. `resource`: an update's or delete's
+    resource `{"id", "document"}` (None: no such resource) read with the batch — not
+    locked: the barrier's conditional UPDATE still refuses it if it moved since."""
+
+    operation: Operation
+    run_state: tuple[str, datetime] | None
+    action: Action
+    switches_clear: bool = False
+    resource: Any = NOT_READ
+
+
+def lock_write_rows(*, action_id: uuid.UUID | str, operation_id: int) -> LockedRows:
+    """Lock one write's rows (caller's transaction). Raises NotFound."""
+    # Before any row lock: an engage waits for this write, or this write sees it.
+    hold_switches_shared()
+    # The action's run id comes with the operation row (one statement; only the
+    # operation row is locked here, the run and the action follow in order).
+    operation = (
+        Operation.objects.select_for_update(of=("self",))
+        .filter(pk=operation_id, action_id=action_id, undo_of__isnull=True)
+        .annotate(action_run_id=F("action__run_id"))
+        .first()
+    )
+    if operation is None:
+        raise NotFound("no such operation for this action", extra={"operation": operation_id})
+    run_id = operation.action_run_id
+    run_state = lock_run_for_share(run_id) if run_id is not None else None
+    action = (
+        Action.objects.select_for_update(of=("self",))
+        .select_related("kind", "conflict_class", "run__agent")
+        .get(pk=action_id)
+    )
+    return LockedRows(operation, run_state, action)
+
+
+def lock_batch_rows(
+    writes: Sequence[tuple[uuid.UUID, int]],
+) -> dict[uuid.UUID, LockedRows]:
+    """Lock the rows of several writes `(action_id, operation_id)` (caller's transaction):
+    the switch lock, then every operation, every run, every action — one statement each.
+    A write whose operation is missing is left out (apply_action without `locked`
+    raises NotFound for it, as for a single write)."""
+    hold_switches_shared()
+    clear = not any_engaged()
+    operations = {
+        op.action_id: op
+        for op in Operation.objects.select_for_update(of=("self",))
+        .filter(pk__in=[op_id for _, op_id in writes], undo_of__isnull=True)
+        .annotate(action_run_id=F("action__run_id"))
+        .order_by("pk")
+    }
+    run_ids = sorted({op.action_run_id for op in operations.values() if op.action_run_id})
+    runs = _lock_runs_for_share(run_ids)
+    actions = {
+        action.pk: action
+        for action in Action.objects.select_for_update(of=("self",))
+        .select_related("kind", "conflict_class", "run__agent")
+        .filter(pk__in=list(operations))
+        .order_by("pk")
+    }
+    expected = dict(writes)
+    existing = [a for a in actions.values() if a.operation != WriteOperation.CREATE]
+    documents = _read_resources(existing)
+    return {
+        action_id: LockedRows(
+            op,
+            runs.get(op.action_run_id),
+            action,
+            clear,
+            NOT_READ
+            if action.operation == WriteOperation.CREATE
+            else documents.get((action.kind_id, action.name)),
+        )
+        for action_id, op in operations.items()
+        if (action := actions.get(action_id)) is not None and expected.get(action_id) == op.pk
+    }
+
+
+def _read_resources(actions: list[Action]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The id and document of the resources of several updates/deletes, in one query."""
+    if not actions:
+        return {}
+    which = Q()
+    for action in actions:
+        which |= Q(kind_id=action.kind_id, name=action.name)
+    rows = Resource.objects.filter(which).values("id", "kind_id", "name", "document")
+    return {(r["kind_id"], r["name"]): {"id": r["id"], "document": r["document"]} for r in rows}
+
+
+def _lock_runs_for_share(run_ids: list[Any]) -> dict[Any, tuple[str, datetime]]:
+    if connection.vendor != "postgresql" or len(run_ids) == 1:
+        return {
+            run_id: state for run_id in run_ids if (state := lock_run_for_share(run_id)) is not None
+        }
+    assert Run._meta.db_table == "approvals_run" and Run._meta.pk is not None
+    marks = ", ".join(["%s"] * len(run_ids))
+    sql = (
+        f"SELECT id, status, expires_at FROM approvals_run WHERE id IN ({marks}) "  # noqa: S608
+        "ORDER BY id FOR SHARE"
+    )
+    prep = Run._meta.pk.get_db_prep_value
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [prep(run_id, connection) for run_id in run_ids])
+        return {row[0]: (str(row[1]), row[2]) for row in cursor.fetchall()}
+
+
+def lock_run_for_share(run_id: Any) -> tuple[str, datetime] | None:
+    """`SELECT status, expires_at ... FOR SHARE` on the run row (caller's transaction).
+
+    A revoke, finish, expiry or heartbeat UPDATEs the run row, so it waits for
+    this transaction; one that committed first is seen (READ COMMITTED).
+    """
+    if connection.vendor != "postgresql":
+        # SQLite (the embedded default) has no row locks; its write transactions are
+        # already serialised (BEGIN IMMEDIATE).
+        found = Run.objects.filter(pk=run_id).values_list("status", "expires_at").first()
+        return (str(found[0]), found[1]) if found else None
+    assert Run._meta.db_table == "approvals_run"
+    sql = "SELECT status, expires_at FROM approvals_run WHERE id = %s FOR SHARE"
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [Run._meta.pk.get_db_prep_value(run_id, connection)])
+        row = cursor.fetchone()
+    return (str(row[0]), row[1]) if row else None
+
+
+def run_end_status(
+    action: Action, run_state: tuple[str, datetime] | None, *, now: datetime
+) -> str | None:
+    """None when the action's run still allows it to write; else the action's end status
+    (`cancelled` for a revoked/rejected/finished run, `expired` for an expired one).
+
+    Exemptions (approvals.models.run_end_exempt, the same rule the run's end uses):
+    a conflict-resolution action (`parent` set, created by conflict_resolve)
+    carries a person's decision — and, for a quorum class, the approvals of enough
+    people — not the agent's, so its run's end does not stop it: conflicts are
+    often settled after the agent has gone. And a write to an external target that
+    may already have reached it (an `unknown` or abandoned attempt) is replayed
+    with the same target Idempotency-Key to settle it, never left unsettled.
+    """
+    if action.parent_id is not None:
+        return None
+    if (
+        action.kind.target == TargetType.HTTP
+        and Action.objects.filter(pk=action.pk).filter(run_end_exempt()).exists()
+    ):
+        return None
+    if run_state is None:
+        return ActionStatus.CANCELLED
+    status, expires_at = run_state
+    if status == RunStatus.EXPIRED:
+        return ActionStatus.EXPIRED
+    if status != RunStatus.ACTIVE:
+        return ActionStatus.CANCELLED
+    if expires_at is not None and expires_at <= now:
+        return ActionStatus.EXPIRED
+    return None
