@@ -26,6 +26,7 @@ pytest_plugins = [
     "tests.fixtures.api",
     "tests.fixtures.engine",
     "tests.fixtures.console",
+    "tests.fixtures.plans",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
