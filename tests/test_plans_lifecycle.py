@@ -15,24 +15,9 @@ from approvals.services.runs import run_revoke
 from audit.models import AuditEvent
 from audit.services import Actor
 from ownership.models import Resource, ResourceVersion
+from tests.fixtures import plans as plan_fx
 from tests.fixtures.core import make_resource
 from tests.fixtures.engine import wait_for
-from tests.fixtures.plans import (
-    POLICY,
-    approve_plan,
-    bump_resource,
-    create_step,
-    patch_step,
-    plan_key,
-    plan_status,
-    propose_plan,
-    proposed_plan,
-    put_step,
-    read_plan,
-    resource_row,
-    step_action,
-    three_steps,
-)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -64,26 +49,28 @@ def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_tw
 
     make_resource("dns-record/app-c", {"ip": "c"}, version=5)
     steps = [
-        patch_step("dns-record/app-a", '"3"', {"ip": "2"}),
-        create_step("dns-record/app-new", {"ip": "9"}),
-        patch_step(POLICY, '"41"', {"x": 1}),
-        put_step("dns-record/app-c", '"5"', {"ip": "c2"}),
+        plan_fx.patch_step("dns-record/app-a", '"3"', {"ip": "2"}),
+        plan_fx.create_step("dns-record/app-new", {"ip": "9"}),
+        plan_fx.patch_step(plan_fx.POLICY, '"41"', {"x": 1}),
+        plan_fx.put_step("dns-record/app-c", '"5"', {"ip": "c2"}),
     ]
-    plan_id = proposed_plan(api, run, steps)
-    bump_resource("dns-record/app-c", {"ip": "someone"})
-    approve_plan(api, operator, plan_id)
+    plan_id = plan_fx.proposed_plan(api, run, steps)
+    plan_fx.bump_resource("dns-record/app-c", {"ip": "someone"})
+    plan_fx.approve_plan(api, operator, plan_id)
 
     crashes = 0
     for _ in range(10):
         worker = rq_worker(AIRLOCK_TEST_CRASH_AT=point)
         try:
             wait_for(
-                lambda worker=worker: not worker.alive() or plan_status(plan_id) == "compensated",
+                lambda worker=worker: (
+                    not worker.alive() or plan_fx.plan_status(plan_id) == "compensated"
+                ),
                 timeout=20,
             )
         except AssertionError:
             break  # this worker no longer reaches the point
-        if plan_status(plan_id) == "compensated":
+        if plan_fx.plan_status(plan_id) == "compensated":
             break
         crashes += 1
         reconcile()
@@ -93,14 +80,16 @@ def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_tw
 
     def reconciled_to_the_end() -> bool:
         reconcile()
-        return plan_status(plan_id) == "compensated"
+        return plan_fx.plan_status(plan_id) == "compensated"
 
     wait_for(reconciled_to_the_end, timeout=60, interval=0.5)
     _applied_at_most_once(run.run.pk)
-    assert resource_row("dns-record/app-a").document == {"ip": "1"}
-    assert resource_row("dns-record/app-new").deleted
-    assert resource_row(POLICY).document == {"channels": ["email"]}, survivor.output()
-    assert resource_row("dns-record/app-c").document == {"ip": "someone"}
+    assert plan_fx.resource_row("dns-record/app-a").document == {"ip": "1"}
+    assert plan_fx.resource_row("dns-record/app-new").deleted
+    assert plan_fx.resource_row(plan_fx.POLICY).document == {"channels": ["email"]}, (
+        survivor.output()
+    )
+    assert plan_fx.resource_row("dns-record/app-c").document == {"ip": "someone"}
     ended = AuditEvent.objects.filter(event_type="plan.ended", details__plan=plan_id)
     assert ended.count() == 1
 
@@ -120,7 +109,7 @@ def test_a_plan_needs_the_strictest_quorum_and_keeps_the_agents_owner_out(
     run.agent.owner = owner.user
     run.agent.save(update_fields=["owner"])
     second = make_person_with_token("second-operator", "operators")
-    response = propose_plan(api, run, three_steps())
+    response = plan_fx.propose_plan(api, run, plan_fx.three_steps())
     assert response.status_code == 202, response.content
     plan_id = response.json()["id"]
     approval = Approval.objects.get(plan_id=plan_id)
@@ -133,7 +122,7 @@ def test_a_plan_needs_the_strictest_quorum_and_keeps_the_agents_owner_out(
     assert [s["resource"] for s in item["steps"]] == [
         "dns-record/app-a",
         "dns-record/app-new",
-        POLICY,
+        plan_fx.POLICY,
     ]
     assert item["steps"][2]["diff"] == [
         {"path": "/channels", "current": ["email"], "proposed": ["pager"]}
@@ -144,15 +133,15 @@ def test_a_plan_needs_the_strictest_quorum_and_keeps_the_agents_owner_out(
     refused = api.post(url, token=owner.token, body={"decision": "approve"})
     assert refused.status_code == 403 and refused.json()["code"] == "self_approval"
     assert api.post(url, token=operator.token, body={"decision": "approve"}).status_code == 200
-    assert plan_status(plan_id) == "pending_approval"  # one of two
+    assert plan_fx.plan_status(plan_id) == "pending_approval"  # one of two
     assert api.post(url, token=second.token, body={"decision": "approve"}).status_code == 200
-    assert plan_status(plan_id) == "executing"
+    assert plan_fx.plan_status(plan_id) == "executing"
 
 
 def test_a_rejected_plan_runs_nothing_and_the_agent_reads_why(
     api: Any, run: Any, operator: Any, plan_world: Any
 ) -> None:
-    response = propose_plan(api, run, three_steps())
+    response = plan_fx.propose_plan(api, run, plan_fx.three_steps())
     plan_id = response.json()["id"]
     [item] = [
         i
@@ -163,7 +152,7 @@ def test_a_rejected_plan_runs_nothing_and_the_agent_reads_why(
         item["id"], "reject", token=operator.token, comment="not during the freeze"
     )
     assert rejected.status_code == 200, rejected.content
-    body = read_plan(api, run.token, plan_id)
+    body = plan_fx.read_plan(api, run.token, plan_id)
     assert body["status"] == "rejected"
     assert body["error"]["comment"] == "not during the freeze"
     assert [s["status"] for s in body["steps"]] == ["skipped"] * 3
@@ -173,8 +162,8 @@ def test_a_rejected_plan_runs_nothing_and_the_agent_reads_why(
 def test_the_plan_answers_304_to_its_etag_and_a_replayed_key_gets_the_same_plan(
     api: Any, run: Any, plan_world: Any
 ) -> None:
-    key = plan_key()
-    body = {"reason": "r", "steps": three_steps()}
+    key = plan_fx.plan_key()
+    body = {"reason": "r", "steps": plan_fx.three_steps()}
     path = f"/api/v1/runs/{run.run.pk}/plans"
     first = api.post(path, token=run.token, body=body, headers={"Idempotency-Key": key})
     assert first.status_code == 202, first.content
@@ -198,7 +187,7 @@ def test_the_plan_answers_304_to_its_etag_and_a_replayed_key_gets_the_same_plan(
         f"/api/v1/runs/{uuid.uuid4()}/plans",
         token=run.token,
         body=body,
-        headers={"Idempotency-Key": plan_key()},
+        headers={"Idempotency-Key": plan_fx.plan_key()},
     )
     assert elsewhere.status_code == 404
 
@@ -213,19 +202,23 @@ def test_a_kill_switch_pauses_a_step_and_the_release_resumes_the_plan_where_it_s
     actor = Actor.system("test")
     kill_switch_set(scope="dns-record/app-b", engaged=True, reason="incident", actor=actor)
     steps = [
-        patch_step("dns-record/app-a", '"3"', {"ip": "2"}),
-        create_step("dns-record/app-b", {"b": 1}),
+        plan_fx.patch_step("dns-record/app-a", '"3"', {"ip": "2"}),
+        plan_fx.create_step("dns-record/app-b", {"b": 1}),
     ]
-    plan_id = propose_plan(api, run, steps).json()["id"]
+    plan_id = plan_fx.propose_plan(api, run, steps).json()["id"]
     wait_for(
-        lambda: (a := step_action(plan_id, 2)) is not None and a.status == "paused", timeout=30
+        lambda: (a := plan_fx.step_action(plan_id, 2)) is not None and a.status == "paused",
+        timeout=30,
     )
-    assert resource_row("dns-record/app-a").document == {"ip": "2"}
-    assert plan_status(plan_id) == "executing"
+    assert plan_fx.resource_row("dns-record/app-a").document == {"ip": "2"}
+    assert plan_fx.plan_status(plan_id) == "executing"
     kill_switch_set(scope="dns-record/app-b", engaged=False, reason="", actor=actor)
-    wait_for(lambda: plan_status(plan_id) == "applied", timeout=30)
-    assert resource_row("dns-record/app-b").document == {"b": 1}
-    assert ResourceVersion.objects.filter(resource=resource_row("dns-record/app-a")).count() == 2
+    wait_for(lambda: plan_fx.plan_status(plan_id) == "applied", timeout=30)
+    assert plan_fx.resource_row("dns-record/app-b").document == {"b": 1}
+    assert (
+        ResourceVersion.objects.filter(resource=plan_fx.resource_row("dns-record/app-a")).count()
+        == 2
+    )
 
 
 def test_a_run_that_ends_cancels_its_waiting_plan_and_compensates_its_running_one(
@@ -235,27 +228,29 @@ def test_a_run_that_ends_cancels_its_waiting_plan_and_compensates_its_running_on
     from audit.services import Actor
     from console.services import kill_switch_set
 
-    waiting_id = propose_plan(api, run, three_steps()).json()["id"]  # per-call: waits
+    waiting_id = plan_fx.propose_plan(api, run, plan_fx.three_steps()).json()[
+        "id"
+    ]  # per-call: waits
     rq_worker()
     kill_switch_set(
         scope="dns-record/app-b", engaged=True, reason="hold", actor=Actor.system("test")
     )
-    running = propose_plan(
+    running = plan_fx.propose_plan(
         api,
         run,
         [
-            create_step("dns-record/app-c", {"c": 1}),
-            create_step("dns-record/app-b", {"b": 1}),
+            plan_fx.create_step("dns-record/app-c", {"c": 1}),
+            plan_fx.create_step("dns-record/app-b", {"b": 1}),
         ],
     )
     running_id = running.json()["id"]
-    wait_for(lambda: (a := step_action(running_id, 2)) is not None and a.status == "paused")
+    wait_for(lambda: (a := plan_fx.step_action(running_id, 2)) is not None and a.status == "paused")
     run_finish(run=run.run, actor=Actor.run(run.run))
 
-    assert plan_status(waiting_id) == "cancelled"
-    assert read_plan(api, run.token, waiting_id)["error"]["code"] == "run_not_active"
-    wait_for(lambda: plan_status(running_id) == "compensated", timeout=30)
-    assert resource_row("dns-record/app-c").deleted
+    assert plan_fx.plan_status(waiting_id) == "cancelled"
+    assert plan_fx.read_plan(api, run.token, waiting_id)["error"]["code"] == "run_not_active"
+    wait_for(lambda: plan_fx.plan_status(running_id) == "compensated", timeout=30)
+    assert plan_fx.resource_row("dns-record/app-c").deleted
     assert not Resource.objects.filter(kind_id="dns-record", name="app-b").exists()
 
 
@@ -269,12 +264,12 @@ def test_a_plan_whose_approval_expires_ends_expired_with_nothing_run(
     from approvals.models import Approval
     from approvals.services.decisions import approval_expire_due
 
-    plan_id = propose_plan(api, run, three_steps()).json()["id"]
+    plan_id = plan_fx.propose_plan(api, run, plan_fx.three_steps()).json()["id"]
     Approval.objects.filter(plan_id=plan_id).update(
         expires_at=timezone.now() - timedelta(seconds=1)
     )
     assert approval_expire_due()["expired"] == 1
-    body = read_plan(api, run.token, plan_id)
+    body = plan_fx.read_plan(api, run.token, plan_id)
     assert body["status"] == "expired" and body["error"]["code"] == "approval_expired"
     assert [s["status"] for s in body["steps"]] == ["skipped"] * 3
     assert AuditEvent.objects.filter(event_type="approval.expired", details__plan=plan_id).exists()
@@ -295,8 +290,8 @@ def test_a_long_poll_on_a_plan_is_answered_when_its_approval_is_decided(
     agent_headers = {"Authorization": f"Bearer {run.token}"}
     proposed = httpx.post(
         f"{base}/api/v1/runs/{run.run.pk}/plans",
-        headers={**agent_headers, "Idempotency-Key": plan_key()},
-        json={"steps": three_steps()},
+        headers={**agent_headers, "Idempotency-Key": plan_fx.plan_key()},
+        json={"steps": plan_fx.three_steps()},
         timeout=10,
     )
     assert proposed.status_code == 202, proposed.text
@@ -332,7 +327,7 @@ def test_an_overdue_plan_approval_escalates_to_its_steps_escalation_group(
         escalation_seconds=60, escalation_group="oncall"
     )
     oncall = make_person_with_token("pager-holder", "oncall")
-    plan_id = propose_plan(api, run, three_steps()).json()["id"]
+    plan_id = plan_fx.propose_plan(api, run, plan_fx.three_steps()).json()["id"]
     approval = Approval.objects.get(plan_id=plan_id)
     assert approval.escalate_at is not None
 
@@ -355,7 +350,7 @@ def test_who_reads_a_plan(
 ) -> None:
     from tests.fixtures.api import make_active_run, make_agent_with_token
 
-    plan_id = propose_plan(api, run, three_steps()).json()["id"]
+    plan_id = plan_fx.propose_plan(api, run, plan_fx.three_steps()).json()["id"]
     url = f"/api/v1/plans/{plan_id}"
     assert api.get(url, token=run.token).status_code == 200  # its run
     assert api.get(url, token=operator.token).status_code == 200  # operators read everything
@@ -373,8 +368,10 @@ def test_who_reads_a_plan(
 # (approvals/services/plan_state.py): nothing ran, every step skipped, and the plan's ETag
 # and updated_at move, so a reader holding the old ETag is not told 304.
 def _propose_waiting_plan(api: Any, run: Any) -> str:
-    make_resource(POLICY, {"channels": ["email"]}, version=41)
-    response = propose_plan(api, run, [patch_step(POLICY, '"41"', {"channels": ["pager"]})])
+    make_resource(plan_fx.POLICY, {"channels": ["email"]}, version=41)
+    response = plan_fx.propose_plan(
+        api, run, [plan_fx.patch_step(plan_fx.POLICY, '"41"', {"channels": ["pager"]})]
+    )
     assert response.status_code in (201, 202), response.content
     plan_id = str(response.json()["id"])
     assert Plan.objects.get(pk=plan_id).status == "pending_approval"
