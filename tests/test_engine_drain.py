@@ -9,7 +9,8 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import DatabaseError
+from django.db import DatabaseError, connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from approvals.models import Action, Operation
@@ -18,7 +19,7 @@ from approvals.services.execution import action_execute
 from approvals.services.reconcile import reconcile
 from audit.models import AuditEvent
 from audit.services import audit_chain_verify
-from console.core import barrier
+from console.core import barrier, batch_write
 from console.core.lock import FencedLockGroup
 from console.core.operations import open_operations
 from ownership.models import Resource, ResourceVersion
@@ -92,6 +93,47 @@ def test_one_delivery_drains_the_due_writes_on_other_resources_under_one_fence(
     assert action_execute(action_id=actions[4].pk, batch=10) == "skipped:applied"
 
 
+def test_a_batch_of_plain_writes_costs_the_same_statements_whatever_its_size(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    """The plain updates of a batch land with one conditional UPDATE and are recorded with
+    one statement per table (console/core/batch_write.py), not four statements a write."""
+    statements = []
+    for size in (3, 12):
+        actions = _queued_updates(engine_world, size, prefix=f"s{size}")
+        with CaptureQueriesContext(connection) as queries:
+            assert action_execute(action_id=actions[0].pk, batch=size) == "applied"
+        assert _statuses(actions) == ["applied"] * size
+        _applied_exactly_once(actions)
+        statements.append(len(queries.captured_queries))
+    assert statements[0] == statements[1]
+    assert audit_chain_verify().ok
+
+
+def test_a_mixed_batch_keeps_proposal_order_across_creates_and_misses(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    """A create (applied on its own) and a stale update (refused on its own) in the middle
+    of plain updates: every write gets its own outcome and the batch's audit events stay
+    one contiguous run in proposal order."""
+    first = _queued_updates(engine_world, 2, prefix="m")
+    created = engine_world.proposed_create("m-new.example.com", {"ttl": 60})
+    stale, last = _queued_updates(engine_world, 2, prefix="n")
+    Resource.objects.filter(kind=stale.kind, name=stale.name).update(version=2)
+    actions = [*first, created, stale, last]
+
+    assert action_execute(action_id=first[0].pk, batch=5) == "applied"
+
+    assert _statuses(actions) == ["applied", "applied", "applied", "conflict", "applied"]
+    _applied_exactly_once([*first, created, last])
+    events = AuditEvent.objects.filter(event_type__in=["write.applied", "write.refused"])
+    ordered = list(events.order_by("seq").values_list("seq", "action_id", "event_type"))
+    assert [action_id for _, action_id, _ in ordered] == [a.pk for a in actions]
+    assert [seq for seq, _, _ in ordered] == list(range(ordered[0][0], ordered[0][0] + 5))
+    assert ordered[3][2] == "write.refused"
+    assert audit_chain_verify().ok
+
+
 def test_two_batches_claiming_overlapping_writes_apply_each_exactly_once(
     engine_world: Any, engine_redis: Any, monkeypatch: Any
 ) -> None:
@@ -154,6 +196,15 @@ def test_a_failing_write_in_a_batch_does_not_lose_the_others(
         return real_update(*args, **expected)
 
     monkeypatch.setattr(barrier, "_conditional_update", fail_for_one)
+    real_together = batch_write._update_together
+
+    def fail_together(writes: Any, **kwargs: Any) -> set[int]:
+        if any(written.resource_id == doomed.pk for written in writes):
+            raise DatabaseError("the disk said no")
+        return real_together(writes, **kwargs)
+
+    # The batch tries its writes together first (one UPDATE), then one at a time.
+    monkeypatch.setattr(batch_write, "_update_together", fail_together)
     # A second kind of failure in the same batch: a stale version (someone wrote first).
     Resource.objects.filter(kind=actions[2].kind, name=actions[2].name).update(version=2)
 

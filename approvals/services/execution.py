@@ -57,6 +57,7 @@ from approvals.services.http_writes import execute_http
 from approvals.services.plan_engine import plan_after_action
 from audit.services import audit_deferred
 from console.core.barrier import WriteOutcome, apply_action
+from console.core.batch_write import apply_locked_batch
 from console.core.errors import KillSwitchEngaged, LockBusy, LockLost
 from console.core.killswitch import engaged_switch_for
 from console.core.lock import FencedLock, FencedLockGroup
@@ -277,8 +278,9 @@ def _apply_batch(
     locks: dict[str, FencedLock],
     fence: int,
 ) -> dict[uuid.UUID, _Result]:
-    """Apply the claimed writes in one transaction. First without a savepoint per write
-    (two round trips each): a failing write (an error, a kill switch) is rare, and then
+    """Apply the claimed writes in one transaction. First together, without a savepoint per
+    write (batch_write.py: one UPDATE for the plain writes, one statement per table to
+    record them): a failing write (an error, a kill switch) is rare, and then
     the whole transaction rolls back and the batch is applied again with a savepoint per
     write, so that the failure stays that write's own and the others are applied."""
     try:
@@ -300,25 +302,35 @@ def _apply_batch_once(
     try:
         with transaction.atomic(), audit_deferred() as events:
             rows = lock_batch_rows([(a.pk, operations[a.pk].pk) for a in claimed])
+            live = []
             for action in claimed:
                 if locks[action.resource_identifier].lost:
                     results[action.pk] = LockLost(f"lost the lock on {action.resource_identifier}")
-                    continue
-                mark = events.mark()
-                try:
-                    results[action.pk] = apply_action(
-                        action_id=action.pk,
-                        operation_id=operations[action.pk].pk,
-                        fence=fence,
-                        actor=WORKER_ACTOR,
-                        locked=rows.get(action.pk),
-                        savepoint=savepoints,
-                    )
+                else:
+                    live.append(action)
+            if not savepoints and all(action.pk in rows for action in live):
+                try:  # the usual case: the plain writes land together (batch_write.py)
+                    together = [rows[action.pk] for action in live]
+                    results.update(apply_locked_batch(together, fence=fence, actor=WORKER_ACTOR))
                 except (KillSwitchEngaged, DatabaseError) as exc:
-                    if not savepoints:
-                        raise _RedoWithSavepoints(type(exc).__name__) from exc
-                    events.discard_after(mark)  # its savepoint rolled back
-                    results[action.pk] = exc
+                    raise _RedoWithSavepoints(type(exc).__name__) from exc
+            else:
+                for action in live:
+                    mark = events.mark()
+                    try:
+                        results[action.pk] = apply_action(
+                            action_id=action.pk,
+                            operation_id=operations[action.pk].pk,
+                            fence=fence,
+                            actor=WORKER_ACTOR,
+                            locked=rows.get(action.pk),
+                            savepoint=savepoints,
+                        )
+                    except (KillSwitchEngaged, DatabaseError) as exc:
+                        if not savepoints:
+                            raise _RedoWithSavepoints(type(exc).__name__) from exc
+                        events.discard_after(mark)  # its savepoint rolled back
+                        results[action.pk] = exc
             if transaction.get_rollback():
                 raise _BatchRolledBack("the batch transaction can no longer commit")
             crash_point("inside_barrier_before_commit")

@@ -27,13 +27,13 @@ This module never touches Redis: publishing wake-ups after commit is the caller'
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import Case, F, Field, Model, Value, When
 from django.utils import timezone
 
 from approvals.models import (
@@ -151,7 +151,9 @@ def _apply_in_transaction(
 
     if action.status not in EXECUTABLE_STATUSES:
         refusal = Refusal(ACTION_NOT_EXECUTABLE, f"the action is {action.status}", fence=fence)
-        return _refuse(action, operation, refusal, actor=actor, resource_id=action.resource_id)
+        return record_refusal(
+            action, operation, refusal, actor=actor, resource_id=action.resource_id
+        )
 
     now = timezone.now()
     ended = run_end_status(action, run_state, now=now)
@@ -162,11 +164,11 @@ def _apply_in_transaction(
     else:
         result = _write_existing(action, fence=fence, now=now, current=locked.resource)
     if isinstance(result, _Refused):
-        return _refuse(
+        return record_refusal(
             action, operation, result.refusal, actor=actor, resource_id=result.resource_id
         )
 
-    return _record_applied(action, operation, result, fence=fence, actor=actor, now=now)
+    return record_applied([(action, operation, result)], fence=fence, actor=actor, now=now)[0]
 
 
 def _refuse_ended_run(
@@ -190,7 +192,7 @@ def _refuse_ended_run(
         updated_at=now,
         error={"code": RUN_NOT_ACTIVE, "detail": refusal.message},
     )
-    return _refuse(action, operation, refusal, actor=actor, resource_id=action.resource_id)
+    return record_refusal(action, operation, refusal, actor=actor, resource_id=action.resource_id)
 
 
 def refuse_if_run_ended(
@@ -218,7 +220,9 @@ def refuse_if_run_ended(
 
 
 @dataclass(frozen=True)
-class _Written:
+class Written:
+    """A write that landed: the resource row now holds `document` at `result_version`."""
+
     resource_id: int
     base_version: int | None
     result_version: int
@@ -232,70 +236,91 @@ class _Refused:
     resource_id: int | None = None
 
 
-def _record_applied(
-    action: Action,
-    operation: Operation,
-    result: _Written,
+def record_applied(
+    writes: Sequence[tuple[Action, Operation, Written]],
     *,
     fence: int,
     actor: Actor,
     now: datetime,
-) -> WriteOutcome:
-    """The write happened: its history row, the operation done (undo deadline from
-    the kind/class window), the action applied, and the audit event last."""
-    deadline = now + undo_window(action)
-    ResourceVersion.objects.create(
-        resource_id=result.resource_id,
-        version=result.result_version,
-        document=result.document,
-        deleted=result.deleted,
-        operation=action.operation,
-        fence=fence,
-        run_id=action.run_id,
-        action_id=action.pk,
+) -> list[WriteOutcome]:
+    """The writes happened: their history rows, their operations done (undo deadline
+    from the kind/class window), their actions applied — one statement each, however many
+    writes (the drain records its batch at once) — and their audit events last, in order."""
+    deadlines = {operation.pk: now + undo_window(action) for action, operation, _ in writes}
+    ResourceVersion.objects.bulk_create(
+        ResourceVersion(
+            resource_id=written.resource_id,
+            version=written.result_version,
+            document=written.document,
+            deleted=written.deleted,
+            operation=action.operation,
+            fence=fence,
+            run_id=action.run_id,
+            action_id=action.pk,
+        )
+        for action, _, written in writes
     )
-    Operation.objects.filter(pk=operation.pk).update(
+    operation_ids = [operation.pk for _, operation, _ in writes]
+    Operation.objects.filter(pk__in=operation_ids).update(
         status=OperationStatus.DONE,
         fence=fence,
-        base_version=result.base_version,
-        result_version=result.result_version,
-        undo_deadline=deadline,
+        base_version=_per_row(
+            Operation, "base_version", {op.pk: w.base_version for _, op, w in writes}
+        ),
+        result_version=_per_row(
+            Operation, "result_version", {op.pk: w.result_version for _, op, w in writes}
+        ),
+        undo_deadline=_per_row(Operation, "undo_deadline", deadlines),
         finished_at=now,
         outcome={"result": "applied"},
     )
-    Action.objects.filter(pk=action.pk).update(
+    Action.objects.filter(pk__in=[action.pk for action, _, _ in writes]).update(
         status=ActionStatus.APPLIED,
         revision=F("revision") + 1,
-        resource_id=result.resource_id,
+        resource_id=_per_row(Action, "resource", {a.pk: w.resource_id for a, _, w in writes}),
         error=None,
         updated_at=now,
     )
-    _audit_write(
-        "write.applied",
-        action,
-        operation,
-        actor=actor,
-        details={
-            "fence": fence,
-            "from_version": result.base_version,
-            "to_version": result.result_version,
-        },
-    )
-    return WriteOutcome(
-        applied=True,
-        action_id=action.pk,
-        operation_id=operation.pk,
-        fence=fence,
-        resource_id=result.resource_id,
-        base_version=result.base_version,
-        result_version=result.result_version,
-        undo_deadline=deadline,
-    )
+    outcomes = []
+    for action, operation, written in writes:
+        _audit_write(
+            "write.applied",
+            action,
+            operation,
+            actor=actor,
+            details={
+                "fence": fence,
+                "from_version": written.base_version,
+                "to_version": written.result_version,
+            },
+        )
+        outcomes.append(
+            WriteOutcome(
+                applied=True,
+                action_id=action.pk,
+                operation_id=operation.pk,
+                fence=fence,
+                resource_id=written.resource_id,
+                base_version=written.base_version,
+                result_version=written.result_version,
+                undo_deadline=deadlines[operation.pk],
+            )
+        )
+    return outcomes
+
+
+def _per_row(model: type[Model], field_name: str, values: Mapping[Any, Any]) -> Any:
+    """A column's value row by row (by primary key), for an UPDATE of several rows."""
+    if len(values) == 1:
+        return next(iter(values.values()))
+    field = model._meta.get_field(field_name)
+    assert isinstance(field, Field)
+    return Case(*(When(pk=pk, then=Value(v, output_field=field)) for pk, v in values.items()))
 
 
 def _write_existing(
     action: Action, *, fence: int, now: datetime, current: Any = NOT_READ
-) -> _Written | _Refused:
+) -> Written | _Refused:
     """Update or delete: the single conditional UPDATE, then classify a miss.
     `current`: the resource's id and document when the caller's batch read them."""
     observed = action.observed_version
@@ -319,8 +344,8 @@ def _write_existing(
     if _conditional_update(
         document, deleting, fence, now, pk=current["id"], version=observed, deleted=False
     ):
-        return _Written(current["id"], observed, observed + 1, document, deleting)
-    return _Refused(_classify_miss(current["id"], expected=observed, fence=fence), current["id"])
+        return Written(current["id"], observed, observed + 1, document, deleting)
+    return _Refused(classify_miss(current["id"], expected=observed, fence=fence), current["id"])
 
 
 def _conditional_update(
@@ -338,7 +363,7 @@ def _conditional_update(
     return rows == 1
 
 
-def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _Refused:
+def _write_create(action: Action, *, fence: int, now: datetime) -> Written | _Refused:
     """Create: INSERT (the unique kind+name constraint refuses a concurrent twin),
     or revive a tombstone with the same conditional UPDATE."""
     document = proposed_document(action, {})
@@ -368,13 +393,13 @@ def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _R
             if existing is None:  # not a name clash: let it surface
                 raise
             return _Refused(_already_exists(existing, fence), existing["id"])
-        return _Written(resource.pk, None, 1, document, False)
+        return Written(resource.pk, None, 1, document, False)
     if not existing["deleted"]:
         return _Refused(_already_exists(existing, fence), existing["id"])
     if _conditional_update(
         document, False, fence, now, pk=existing["id"], version=existing["version"], deleted=True
     ):
-        return _Written(
+        return Written(
             existing["id"], existing["version"], existing["version"] + 1, document, False
         )
     fresh = _reread(existing["id"])
@@ -393,7 +418,7 @@ def _write_create(action: Action, *, fence: int, now: datetime) -> _Written | _R
     return _Refused(refusal, existing["id"])
 
 
-def _classify_miss(resource_id: int, *, expected: int, fence: int) -> Refusal:
+def classify_miss(resource_id: int, *, expected: int, fence: int) -> Refusal:
     """Zero rows matched: re-read (a new statement sees the latest commit) and say why."""
     fresh = _reread(resource_id)
     if fresh["last_fence"] >= fence:
@@ -456,7 +481,7 @@ def _already_exists(existing: Mapping[str, Any], fence: int) -> Refusal:
     )
 
 
-def _refuse(
+def record_refusal(
     action: Action,
     operation: Operation,
     refusal: Refusal,

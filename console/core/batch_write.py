@@ -1,0 +1,148 @@
+"""The drain's writes applied together: the batch's plain updates and deletes land with ONE
+conditional UPDATE and are recorded with one statement per table (barrier.record_applied),
+instead of four statements a write.
+
+The rule is the barrier's (console/core/barrier.py): a write lands only while its row is at
+the observed version, not a tombstone, and its last fence is older than the batch's fence.
+Every row the batch writes under was locked by lock_batch_rows in the caller's transaction.
+A write that is not plain — a create, an operation already finished, an action no longer
+executable, an ended run, a kill switch to look at again, a resource that does not exist —
+goes through `apply_action` on its own, in proposal order, as before. A write the UPDATE
+missed is classified and refused on its own (a re-read), as a single write's miss is.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+from django.utils import timezone
+
+from approvals.models import Action, Operation, OperationStatus, WriteOperation
+from audit.services import Actor
+from console.core.barrier import (
+    WriteOutcome,
+    Written,
+    apply_action,
+    classify_miss,
+    record_applied,
+    record_refusal,
+)
+from console.core.operations import EXECUTABLE_STATUSES
+from console.core.write_rows import NOT_READ, LockedRows, run_end_status
+from ownership.diff import proposed_document
+from ownership.models import Resource
+
+# The barrier's conditional UPDATE for many rows: each (id, observed version, document,
+# tombstone) of VALUES lands only where the row still matches; RETURNING names those that did.
+_UPDATE_TOGETHER = """
+UPDATE ownership_resource AS r
+   SET document = v.document, deleted = v.deleted, version = r.version + 1,
+       last_fence = %s, updated_at = %s
+  FROM (VALUES {rows}) AS v (id, version, document, deleted)
+ WHERE r.id = v.id AND r.version = v.version AND NOT r.deleted AND r.last_fence < %s
+RETURNING r.id
+"""
+_ROW = "(%s::bigint, %s::bigint, %s::jsonb, %s::boolean)"
+
+
+def apply_locked_batch(
+    writes: Sequence[LockedRows], *, fence: int, actor: Actor
+) -> dict[uuid.UUID, WriteOutcome]:
+    """Apply the batch's writes (rows locked, caller's transaction, no savepoints: an error
+    dooms the caller's transaction, which redoes the batch a write at a time)."""
+    now = timezone.now()
+    outcomes: dict[uuid.UUID, WriteOutcome] = {}
+    plain: list[LockedRows] = []
+    for rows in writes:
+        if connection.vendor == "postgresql" and _is_plain(rows, now):
+            plain.append(rows)
+            continue
+        outcomes.update(_apply_together(plain, fence=fence, actor=actor, now=now))
+        plain = []
+        outcomes[rows.action.pk] = apply_action(
+            action_id=rows.action.pk,
+            operation_id=rows.operation.pk,
+            fence=fence,
+            actor=actor,
+            locked=rows,
+            savepoint=False,
+        )
+    outcomes.update(_apply_together(plain, fence=fence, actor=actor, now=now))
+    return outcomes
+
+
+def _is_plain(rows: LockedRows, now: datetime) -> bool:
+    """An update or delete of an existing resource that nothing stops but its version."""
+    action = rows.action
+    return (
+        rows.operation.status == OperationStatus.PENDING
+        and rows.switches_clear
+        and action.status in EXECUTABLE_STATUSES
+        and action.operation != WriteOperation.CREATE
+        and rows.resource is not NOT_READ
+        and rows.resource is not None
+        and run_end_status(action, rows.run_state, now=now) is None
+    )
+
+
+def _apply_together(
+    plain: list[LockedRows], *, fence: int, actor: Actor, now: datetime
+) -> dict[uuid.UUID, WriteOutcome]:
+    """One UPDATE for all; then, in proposal order, each run of writes that landed is
+    recorded together and each miss is refused on its own (the audit events stay in order)."""
+    if not plain:
+        return {}
+    planned = [(rows, _written(rows)) for rows in plain]
+    landed = _update_together([written for _, written in planned], fence=fence, now=now)
+    outcomes: dict[uuid.UUID, WriteOutcome] = {}
+    run: list[tuple[Action, Operation, Written]] = []
+    for rows, written in planned:
+        if written.resource_id in landed:
+            run.append((rows.action, rows.operation, written))
+            continue
+        outcomes.update(_recorded(run, fence=fence, actor=actor, now=now))
+        run = []
+        assert written.base_version is not None
+        refusal = classify_miss(written.resource_id, expected=written.base_version, fence=fence)
+        outcomes[rows.action.pk] = record_refusal(
+            rows.action, rows.operation, refusal, actor=actor, resource_id=written.resource_id
+        )
+    outcomes.update(_recorded(run, fence=fence, actor=actor, now=now))
+    return outcomes
+
+
+def _written(rows: LockedRows) -> Written:
+    """What the write will hold if it lands (a tombstone keeps its last document)."""
+    action, current = rows.action, rows.resource
+    observed = action.observed_version
+    assert observed is not None  # a constraint: updates and deletes observe a version
+    deleting = action.operation == WriteOperation.DELETE
+    document = current["document"] if deleting else proposed_document(action, current["document"])
+    return Written(current["id"], observed, observed + 1, document, deleting)
+
+
+def _update_together(writes: list[Written], *, fence: int, now: datetime) -> set[int]:
+    """The resource ids the one conditional UPDATE wrote."""
+    as_json = Resource._meta.get_field("document").get_db_prep_value
+    params: list[Any] = [fence, now]
+    for written in writes:
+        document = as_json(written.document, connection)
+        params += [written.resource_id, written.base_version, document, written.deleted]
+    params.append(fence)
+    sql = _UPDATE_TOGETHER.format(rows=", ".join([_ROW] * len(writes)))
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {int(row[0]) for row in cursor.fetchall()}
+
+
+def _recorded(
+    run: list[tuple[Action, Operation, Written]], *, fence: int, actor: Actor, now: datetime
+) -> dict[uuid.UUID, WriteOutcome]:
+    if not run:
+        return {}
+    outcomes = record_applied(run, fence=fence, actor=actor, now=now)
+    return {outcome.action_id: outcome for outcome in outcomes}
