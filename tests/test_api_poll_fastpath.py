@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,10 +18,19 @@ from typing import Any
 import httpx
 import pytest
 from django.contrib.auth import get_user_model
+from django.db.models import F
 from django.utils import timezone
 
 from approvals.api.fastpoll import PollFront
-from approvals.models import ActionStatus, Approval, ApprovalDecision, ApprovalSubject, Decision
+from approvals.models import (
+    Action,
+    ActionStatus,
+    Approval,
+    ApprovalDecision,
+    ApprovalSubject,
+    Decision,
+)
+from approvals.notify import notify_action_changed
 from approvals.services.runs import run_finish, run_revoke
 from audit.services import Actor
 from console import asgi
@@ -163,10 +173,13 @@ def _answered_alike(
 
 
 def _learn(servers: dict[str, Server], world: World) -> None:
-    """The front replays the headers of Django's own 200 and 304: let it see one of each."""
+    """The front replays the headers of Django's own 200 and 304, short and held (a held
+    answer adds Preference-Applied and Vary): let it see one of each (`wait=0` is a held
+    poll's answer without the wait)."""
     path = f"/api/v1/actions/{world.action.pk}"
-    etag = _get(servers["front"], path, world.token).headers["ETag"]
-    _get(servers["front"], path, world.token, **{"If-None-Match": etag})
+    for prefer in ({}, {"Prefer": "wait=0"}):
+        etag = _get(servers["front"], path, world.token, **prefer).headers["ETag"]
+        _get(servers["front"], path, world.token, **{"If-None-Match": etag, **prefer})
 
 
 def _token(world: World, which: str) -> str:
@@ -197,7 +210,27 @@ MATRIX: list[tuple[str, str, str, dict[str, str], bool, int]] = [
     ("agent token", "action", "agent_token", {}, False, 200),
     ("other agent's action", "other_agents", "token", {}, False, 404),
     ("unknown id", "unknown", "token", {}, False, 404),
-    ("Prefer wait", "action", "token", {"Prefer": "wait=1", "If-None-Match": ETAG}, False, 304),
+    (
+        "Prefer wait, unchanged",
+        "action",
+        "token",
+        {"Prefer": "wait=1", "If-None-Match": ETAG},
+        True,
+        304,
+    ),
+    (
+        "Prefer wait, changed",
+        "action",
+        "token",
+        {"Prefer": "wait=1", "If-None-Match": '"a9"'},
+        True,
+        200,
+    ),
+    ("Prefer wait, not final", "action", "token", {"Prefer": "wait=1"}, True, 200),
+    ("Prefer wait=0", "action", "token", {"Prefer": "wait=0"}, True, 200),
+    ("Prefer, no wait", "action", "token", {"Prefer": "respond-async"}, True, 200),
+    ("Prefer wait, a vote to name", "voted", "token", {"Prefer": "wait=1"}, False, 200),
+    ("Prefer wait, wrong token", "action", "wrong", {"Prefer": "wait=1"}, False, 401),
     ("bad Prefer", "action", "token", {"Prefer": "wait=soon"}, False, 400),
     ("disallowed Host", "action", "token", {"Host": "evil.example"}, False, 400),
 ]
@@ -262,3 +295,33 @@ def test_a_deactivated_agents_run_token_is_refused_alike_and_by_django(
     agent.save(update_fields=["is_active"])
     path = f"/api/v1/actions/{world.action.pk}"
     _answered_alike(servers, path, world.token, {}, False, 401)
+
+
+def test_a_poll_held_in_front_is_answered_by_the_front_when_the_action_changes(
+    servers: dict[str, Server], world: World
+) -> None:
+    """The held poll waits on the action's pub/sub channel and reads again in front: the
+    change reaches the agent without Django (the wait is 20 s; the wake-up ends it)."""
+    _learn(servers, world)
+    path = f"/api/v1/actions/{world.action.pk}"
+    held: dict[str, httpx.Response] = {}
+
+    def poll() -> None:
+        headers = {"Prefer": "wait=20", "If-None-Match": ETAG}
+        held["answer"] = _get(servers["front"], path, world.token, **headers)
+
+    waiter = threading.Thread(target=poll)
+    started = time.monotonic()
+    waiter.start()
+    time.sleep(0.5)  # held by now; a change before its first read is answered at once too
+    Action.objects.filter(pk=world.action.pk).update(
+        status=ActionStatus.CANCELLED, revision=F("revision") + 1
+    )
+    notify_action_changed(world.action.pk)
+    waiter.join(timeout=30)
+    answer = held["answer"]
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["ETag"] == '"a2"' and answer.json()["status"] == "cancelled"
+    assert answer.headers["Preference-Applied"] == "wait=20"
+    assert "x-test-served-by" not in answer.headers
+    assert time.monotonic() - started < 15  # woken, not the end of the 20 s wait

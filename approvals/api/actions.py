@@ -89,7 +89,7 @@ class ActionState:
     body: bytes  # empty when the answer will not need it (304, or still holding)
 
 
-def _should_hold(state: ActionState, condition: TagCondition | None) -> bool:
+def action_should_hold(state: ActionState, condition: TagCondition | None) -> bool:
     if condition is not None:
         return condition.weak_match(state.etag)
     return not state.final
@@ -121,7 +121,7 @@ def _action_state(
             state = ActionState(
                 etag=f'"a{row[0]}"', final=row[1] in FINAL_ACTION_STATUSES, body=b""
             )
-            if holding and _should_hold(state, condition):
+            if holding and action_should_hold(state, condition):
                 return state
             if condition is not None and condition.weak_match(state.etag):
                 return state
@@ -129,7 +129,7 @@ def _action_state(
         if action is None:
             raise NotFound(f"Action {action_id} not found.")
         state = ActionState(etag=action.etag, final=action.is_final, body=action_body(action))
-        if holding and _should_hold(state, condition):
+        if holding and action_should_hold(state, condition):
             return ActionState(etag=state.etag, final=state.final, body=b"")
         return state
     finally:
@@ -164,7 +164,7 @@ async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse
             run=False,
             wait=wait,
             read=lambda woken: read(request, action_id, condition, True, woken),
-            should_hold=lambda state: _should_hold(state, condition),
+            should_hold=lambda state: action_should_hold(state, condition),
         )
     if not wait or not (state.body or (condition and condition.weak_match(state.etag))):
         # No wait, or a wait that ended holding an unfinished action: answer its state.

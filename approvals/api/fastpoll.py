@@ -1,5 +1,5 @@
-"""The agent's short poll, answered in front of Django: `GET /api/v1/actions/{id}` with a
-run token, no `Prefer`, the action visible to the run.
+"""The agent's poll, answered in front of Django: `GET /api/v1/actions/{id}` with a run
+token, the action visible to the run — the short poll and the held one (`Prefer: wait=N`).
 
 That poll is most of an agent's traffic, and Django's ASGI path (request object, ninja,
 middlewares, a thread hop, the ORM compiling two querysets) costs several times the read
@@ -19,6 +19,14 @@ answer's headers are the ones Django itself sent for this endpoint's previous 20
 process (middlewares' security headers, CSP, Cache-Control, Content-Type), with only ETag,
 Content-Length and X-Request-Id (`clean_request_id`) filled in per answer. Until Django has
 answered once, every poll goes to Django.
+
+A held poll waits as Django's does — `approvals.api.longpoll.hold` (woken by the action's
+pub/sub channel, no database connection held while waiting) with `action_should_hold` — but
+each read is the one statement on the event loop instead of the ORM behind a thread hop: an
+approval reaches a waiting agent without Django. Its answer replays Django's own held answer
+(Preference-Applied filled in). A read that needs Django once the wait has begun (a body
+that names voters) hands the poll to Django, which reads again and, if the action still
+holds, waits again: at most twice the wait, in that one case.
 """
 
 from __future__ import annotations
@@ -39,12 +47,15 @@ from django.db.models import Model
 from django.http.request import split_domain_port, validate_host
 from psycopg import AsyncConnection, AsyncCursor
 
+from approvals.api.actions import ActionState, action_should_hold
+from approvals.api.longpoll import hold, parse_prefer_wait
 from approvals.api.serialize import action_body, body_facts
-from approvals.models import Action, Agent, Run
+from approvals.models import FINAL_ACTION_STATUSES, Action, Agent, Run
 from approvals.selectors import run_token_action_scope
 from approvals.services.preconditions import TagCondition, read_condition
 from approvals.services.tokens import LOOKUP_PREFIX_LENGTH, RUN_PREFIX, token_digest
 from console.auth import RUN, any_token_or_ended_run_deferred, bearer_token
+from console.problems import ApiError
 from console.requestctx import clean_request_id
 
 logger = logging.getLogger(__name__)
@@ -61,10 +72,12 @@ _PATH = re.compile(
 )
 # The headers Django fills in per answer; every other one is replayed as Django sent it.
 _PER_ANSWER = (b"etag", b"content-length", b"x-request-id")
+# ... and a held poll's answer, Preference-Applied (wait=N).
+_PREFERENCE = b"preference-applied"
 # Headers the fast path reads; a request repeating one of them goes to Django.
-_READ = frozenset({b"host", b"authorization", b"if-none-match", b"x-request-id"})
+_READ = frozenset({b"host", b"authorization", b"if-none-match", b"x-request-id", b"prefer"})
 # With one of these (or a body) Django may answer differently: it answers.
-_HANDS_OFF = frozenset({b"prefer", b"cookie", b"content-length", b"transfer-encoding"})
+_HANDS_OFF = frozenset({b"cookie", b"content-length", b"transfer-encoding"})
 # The bearer of action_get: the fast path serves only the run tokens it accepts, ended included.
 _BEARER = any_token_or_ended_run_deferred
 
@@ -78,6 +91,15 @@ class Poll:
     condition: TagCondition | None
     request_id: str
     scheme: str  # the learned headers are per scheme (HSTS is sent over HTTPS only)
+    wait: int | None  # Prefer: wait=N (None: no wait asked; 0: asked, not held)
+
+    def template(self, status: int) -> tuple[int, str, bool]:
+        """The key of the learned headers for this poll's answer with `status`."""
+        return status, self.scheme, self.wait is not None
+
+
+class _HandOff(Exception):
+    """A read of a held poll that the fast path cannot answer."""
 
 
 def _fields(
@@ -202,7 +224,7 @@ class PollFront:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.templates: dict[tuple[int, str], list[tuple[bytes, bytes]]] = {}
+        self.templates: dict[tuple[int, str, bool], list[tuple[bytes, bytes]]] = {}
         self._connections: _Connections | None = None
         # The embedded default (SQLite) has no async driver here: Django answers every poll.
         self.enabled = connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
@@ -259,17 +281,22 @@ class PollFront:
         scheme = str(scope.get("scheme", "http"))
         if settings.SECURE_SSL_REDIRECT and scheme != "https":
             return None
+        try:
+            wait = parse_prefer_wait(headers.get(b"prefer"))
+        except ApiError:
+            return None  # Django's 400, after authentication
         return Poll(
             action_id=uuid.UUID(match.group(1)),
             token=token,
             condition=read_condition(headers.get(b"if-none-match")),
             request_id=clean_request_id(headers.get(b"x-request-id")),
             scheme=scheme,
+            wait=wait,
         )
 
     def _learned(self, poll: Poll) -> bool:
-        return (200, poll.scheme) in self.templates and (
-            poll.condition is None or (304, poll.scheme) in self.templates
+        return poll.template(200) in self.templates and (
+            poll.condition is None or poll.template(304) in self.templates
         )
 
     # --- the answer -----------------------------------------------------------------------
@@ -297,23 +324,68 @@ class PollFront:
         return found
 
     async def _answer(self, poll: Poll) -> tuple[int, str, bytes] | None:
-        """(status, ETag, body) of the poll, or None: Django answers."""
+        """(status, ETag, body) of the poll, or None: Django answers. A held poll waits as
+        approvals.api.actions.action_get does, then answers what it last read."""
         if RUN not in _BEARER.kinds or not _BEARER.ended_run:
             return None
+        condition = poll.condition
+        if poll.wait:
+            state = await hold(
+                channel=poll.action_id,
+                run=False,
+                wait=poll.wait,
+                read=lambda woken: self._held_read(poll),
+                should_hold=lambda state: action_should_hold(state, condition),
+            )
+            if condition is not None and condition.weak_match(state.etag):
+                return 304, state.etag, b""
+            if state.body:
+                return 200, state.etag, state.body
+        if condition is not None:
+            tag = await self._state(poll)
+            if tag is None:
+                return None
+            if condition.weak_match(tag.etag):
+                return 304, tag.etag, b""
+        full = await self._full(poll)
+        if full is None:
+            return None
+        if condition is not None and condition.weak_match(full.etag):
+            return 304, full.etag, b""
+        return 200, full.etag, full.body
+
+    async def _held_read(self, poll: Poll) -> ActionState:
+        """One read of a held poll: the tag first (one statement, no body) and, once the
+        poll stops holding, the answer's body."""
+        state = await self._state(poll)
+        if state is None:
+            raise _HandOff
+        if action_should_hold(state, poll.condition):
+            return state
+        full = await self._full(poll)
+        if full is None:
+            raise _HandOff
+        return full
+
+    async def _state(self, poll: Poll) -> ActionState | None:
+        """The action's tag and whether it is final (no body), or None: Django answers."""
         sql = self._sql
         prefix = poll.token[:LOOKUP_PREFIX_LENGTH]
-        if poll.condition is not None:
-            rows = await self._rows(sql.state_sql, (poll.action_id, prefix))
-            found = self._token_run(rows, poll.token)
-            if found is None:
-                return None
-            run, index = found
-            start = len(sql.token_fields)
-            action = _model(Action, sql.state_fields, rows[index][start:])
-            if not _visible(action, run):
-                return None
-            if poll.condition.weak_match(action.etag):
-                return 304, action.etag, b""
+        rows = await self._rows(sql.state_sql, (poll.action_id, prefix))
+        found = self._token_run(rows, poll.token)
+        if found is None:
+            return None
+        run, index = found
+        action = _model(Action, sql.state_fields, rows[index][len(sql.token_fields) :])
+        if not _visible(action, run):
+            return None
+        return ActionState(action.etag, action.status in FINAL_ACTION_STATUSES, b"")
+
+    async def _full(self, poll: Poll) -> ActionState | None:
+        """The action with its body, or None: Django answers. A body that needs another
+        read (votes, an undo's state) raises SynchronousOnlyOperation: Django answers."""
+        sql = self._sql
+        prefix = poll.token[:LOOKUP_PREFIX_LENGTH]
         rows = await self._rows(sql.body_sql, (*sql.fact_params, poll.action_id, prefix))
         found = self._token_run(rows, poll.token)
         if found is None:
@@ -322,11 +394,7 @@ class PollFront:
         action = self._action(rows[index])
         if action is None or not _visible(action, run):
             return None
-        if poll.condition is not None and poll.condition.weak_match(action.etag):
-            return 304, action.etag, b""
-        # A body that needs another read (votes, an undo's state) raises
-        # SynchronousOnlyOperation here: Django answers it.
-        return 200, action.etag, action_body(action)
+        return ActionState(action.etag, action.is_final, action_body(action))
 
     def _action(self, row: tuple[Any, ...]) -> Action | None:
         sql = self._sql
@@ -358,7 +426,7 @@ class PollFront:
                 names = {name.lower() for name, _ in headers}
                 # A cookie belongs to one client: an answer that sets one is never replayed.
                 if names.issuperset(_PER_ANSWER) and b"set-cookie" not in names:
-                    self.templates[(message["status"], poll.scheme)] = headers
+                    self.templates[poll.template(message["status"])] = headers
             await send(message)
 
         return learn
@@ -369,9 +437,11 @@ class PollFront:
             b"content-length": str(len(body)).encode(),
             b"x-request-id": poll.request_id.encode("latin-1"),
         }
+        if poll.wait is not None:
+            values[_PREFERENCE] = f"wait={poll.wait}".encode()
         return [
             (name, values.get(name.lower(), value))
-            for name, value in self.templates[(status, poll.scheme)]
+            for name, value in self.templates[poll.template(status)]
         ]
 
 
