@@ -236,10 +236,12 @@ def round_trip(b: Bench) -> dict[str, Any]:
 
 
 def _span_rate(count: int, first: datetime | None, last: datetime | None) -> float | None:
-    """Items per second between the first and the last finish (worker start-up excluded)."""
-    if first is None or last is None or count < 2 or last <= first:
+    """Items per second from the first one's start to the last one's finish (worker start-up
+    excluded; a batch's writes share one finish time, so the first start, not the first
+    finish, opens the span)."""
+    if first is None or last is None or count < 1 or last <= first:
         return None
-    return round((count - 1) / (last - first).total_seconds(), 1)
+    return round(count / (last - first).total_seconds(), 1)
 
 
 def _enqueue_noops(queue: Queue, jobs: int) -> list[str]:
@@ -248,8 +250,9 @@ def _enqueue_noops(queue: Queue, jobs: int) -> list[str]:
 
 
 def _noop_rate(connection: redis.Redis, ids: list[str]) -> float | None:
-    ended = [j.ended_at for j in Job.fetch_many(ids, connection) if j and j.ended_at]
-    return _span_rate(len(ended), min(ended, default=None), max(ended, default=None))
+    jobs = [j for j in Job.fetch_many(ids, connection) if j and j.started_at and j.ended_at]
+    first = min((j.started_at for j in jobs if j.started_at), default=None)
+    return _span_rate(len(jobs), first, max((j.ended_at for j in jobs if j.ended_at), default=None))
 
 
 def _wait_jobs(connection: redis.Redis, ids: list[str], timeout: float) -> None:
@@ -283,7 +286,7 @@ def _approve_and_queue(b: Bench, pendings: list[Pending]) -> dict[str, Any]:
     _wait_jobs(connection, before + after, timeout=60)
     span = Operation.objects.filter(
         action_id__in=ids, status="done", undo_of__isnull=True
-    ).aggregate(first=Min("finished_at"), last=Max("finished_at"))
+    ).aggregate(first=Min("started_at"), last=Max("finished_at"))
     applied = Action.objects.filter(id__in=ids, status="applied").count()
     return {
         "actions": len(ids),
