@@ -325,3 +325,25 @@ def test_a_poll_held_in_front_is_answered_by_the_front_when_the_action_changes(
     assert answer.headers["Preference-Applied"] == "wait=20"
     assert "x-test-served-by" not in answer.headers
     assert time.monotonic() - started < 15  # woken, not the end of the 20 s wait
+
+
+def test_a_fresh_front_holds_its_first_held_poll_and_learns_the_answer_from_django(
+    servers: dict[str, Server], world: World
+) -> None:
+    """Before the front has seen a held answer, it still waits in front; Django then gives
+    the answer without a wait (wait=0) and the front keeps its headers for the next one."""
+    fresh = _start("tests.fastpoll_app:application")
+    try:
+        path = f"/api/v1/actions/{world.action.pk}"
+        held = {"Prefer": "wait=1", "If-None-Match": ETAG}
+        for by_front in (False, True):
+            started = time.monotonic()
+            django = _get(servers["django"], path, world.token, **held)
+            front = _get(fresh, path, world.token, **held)
+            assert time.monotonic() - started >= 2  # each server held its poll for 1 s
+            assert front.status_code == 304
+            assert _comparable(front) == _comparable(django)
+            assert ("x-test-served-by" not in front.headers) is by_front
+    finally:
+        fresh.process.terminate()
+        fresh.process.wait(timeout=10)

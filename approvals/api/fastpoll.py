@@ -235,7 +235,8 @@ class PollFront:
             await self.app(scope, receive, send)
             return
         answer: tuple[int, str, bytes] | None = None
-        if self._learned(poll):
+        # A held poll waits in front even before its answer's headers are learned.
+        if poll.wait or self._learned(poll):
             try:
                 answer = await self._answer(poll)
             except Exception:  # Django answers any doubt itself
@@ -244,6 +245,11 @@ class PollFront:
             await self.app(scope, receive, self._learning(poll, send))
             return
         status, etag, body = answer
+        if poll.template(status) not in self.templates:
+            # The first held answer of its kind: the wait is over, so Django answers it at
+            # once (wait=0) and the front learns its headers (Preference-Applied restored).
+            await self.app(_waiting_no_more(scope), receive, self._learning(poll, send))
+            return
         await send(
             {
                 "type": "http.response.start",
@@ -418,11 +424,16 @@ class PollFront:
     # --- the headers, as Django sent them ----------------------------------------------------
 
     def _learning(self, poll: Poll, send: Send) -> Send:
-        """`send` that keeps the headers of Django's 200 and 304 answers to such polls."""
+        """`send` that keeps the headers of Django's 200 and 304 answers to such polls (and
+        says the poll's own Preference-Applied, when Django answered its wait=0 stand-in)."""
+        applied = f"wait={poll.wait}".encode()
 
         async def learn(message: Message) -> None:
             if message["type"] == "http.response.start" and message["status"] in (200, 304):
                 headers = [(bytes(n), bytes(v)) for n, v in message.get("headers", [])]
+                if poll.wait is not None:
+                    headers = [(n, applied if n.lower() == _PREFERENCE else v) for n, v in headers]
+                    message = {**message, "headers": headers}
                 names = {name.lower() for name, _ in headers}
                 # A cookie belongs to one client: an answer that sets one is never replayed.
                 if names.issuperset(_PER_ANSWER) and b"set-cookie" not in names:
@@ -443,6 +454,15 @@ class PollFront:
             (name, values.get(name.lower(), value))
             for name, value in self.templates[poll.template(status)]
         ]
+
+
+def _waiting_no_more(scope: Scope) -> Scope:
+    """The poll's scope, now asking Django for its answer without a wait (`Prefer: wait=0`;
+    the request is the front's to change: it has read all it needs of it)."""
+    scope["headers"] = [
+        (n, b"wait=0" if n.lower() == b"prefer" else v) for n, v in scope["headers"]
+    ]
+    return scope
 
 
 def _visible(action: Action, run: Run) -> bool:
