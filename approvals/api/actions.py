@@ -20,10 +20,8 @@ from ninja import Query, Router
 
 from approvals.api.longpoll import (
     hold,
-    if_none_match_doc,
-    longpoll_responses,
+    longpoll_read,
     parse_prefer_wait,
-    prefer_doc,
     release_connection,
 )
 from approvals.api.schemas import ActionOut, ActionPage
@@ -136,18 +134,16 @@ def _action_state(
         release_connection(holding)
 
 
-@router.get(
+@longpoll_read(
+    router,
     "/actions/{action_id}",
+    out=ActionOut,
+    subject="action",
     auth=any_token_or_ended_run_deferred,
-    response={200: ActionOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read an action (long-poll with Prefer: wait=N)",
     description="An agent token or an active run's token reads the agent's actions; the "
     "token of an ended run reads only that run's actions.",
     tags=["actions"],
-    openapi_extra={
-        "parameters": [prefer_doc("action", "(see If-None-Match)"), if_none_match_doc("action")],
-        "responses": longpoll_responses("action"),
-    },
 )
 async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     try:

@@ -23,10 +23,8 @@ from pydantic import ConfigDict
 
 from approvals.api.longpoll import (
     hold,
-    if_none_match_doc,
-    longpoll_responses,
+    longpoll_read,
     parse_prefer_wait,
-    prefer_doc,
     release_connection,
 )
 from approvals.models import ApprovalStatus, Plan, PlanStep, Run
@@ -378,18 +376,16 @@ def _plan_state(
         release_connection(holding)
 
 
-@router.get(
+@longpoll_read(
+    router,
     "/plans/{plan_id}",
+    out=PlanOut,
+    subject="plan",
     auth=any_token_or_ended_run,
-    response={200: PlanOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read a plan (long-poll with Prefer: wait=N)",
     description="The plan with every step's state, its approval and compensations. Held "
     "with `Prefer: wait=N` while the ETag still matches If-None-Match, or (without it) "
     "while the plan has not ended (`applied`, `compensated`, `rejected`, `expired`, `cancelled`).",
-    openapi_extra={
-        "parameters": [prefer_doc("plan", "(see If-None-Match)"), if_none_match_doc("plan")],
-        "responses": longpoll_responses("plan"),
-    },
 )
 async def plan_get(request: HttpRequest, plan_id: uuid.UUID) -> HttpResponse:
     wait = parse_prefer_wait(request.headers.get("Prefer"))
