@@ -37,12 +37,12 @@ from audit.services import Actor
 from console.api_support import (
     TEXT_PATTERN,
     conditional_response,
+    idempotency_claim,
     json_bytes,
     json_response,
     propose_for_replay,
     rate_limit_writes,
     read_body,
-    replay_response,
 )
 from console.auth import (
     any_token_or_ended_run,
@@ -304,18 +304,15 @@ def plan_create(request: HttpRequest, run_id: uuid.UUID, payload: PlanCreateIn) 
     rate_limit_writes(principal)
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     steps = [_step_spec(run, n, step) for n, step in enumerate(payload.steps, start=1)]
-    body = read_body(request)
-    begin = idempotency.idempotency_begin(
+    record_id = idempotency_claim(
+        request,
         actor=Actor.agent(principal.agent),  # keys belong to the agent, not the run
         key=key,
         method="POST",
-        path=request.path,
-        fingerprint=idempotency.request_fingerprint(method="POST", path=request.path, body=body),
+        body=read_body(request),
     )
-    if begin.replay is not None:
-        return replay_response(begin.replay)
-    record_id = begin.record_id
-    assert record_id is not None
+    if isinstance(record_id, HttpResponse):
+        return record_id  # the replayed answer
 
     def render(plan: Plan) -> tuple[HttpResponse, Any]:
         recorded = Plan.objects.select_related("agent").get(pk=plan.pk)
