@@ -25,6 +25,7 @@ from approvals.services import idempotency
 from approvals.services.idempotency import StoredResponse
 from approvals.services.preconditions import TagCondition
 from approvals.services.tokens import Principal
+from audit.services import Actor
 from console.auth import PERSON, Bearer, principal_of
 from console.core import jsonsafe
 from console.core.errors import DomainError, Forbidden
@@ -98,6 +99,25 @@ def replay_response(stored: StoredResponse) -> HttpResponse:
         response[header] = value
     response["Idempotent-Replayed"] = "true"
     return response
+
+
+def idempotency_claim(
+    request: HttpRequest, *, actor: Actor, key: str, method: str, body: bytes
+) -> HttpResponse | int:
+    """Claim the Idempotency-Key `key` of `actor` for this request (its method, path and
+    body): the id of the new record to store the answer under, or the replayed answer
+    of the request that used the key first. Raises what `idempotency_begin` raises."""
+    begin = idempotency.idempotency_begin(
+        actor=actor,
+        key=key,
+        method=method,
+        path=request.path,
+        fingerprint=idempotency.request_fingerprint(method=method, path=request.path, body=body),
+    )
+    if begin.replay is not None:
+        return replay_response(begin.replay)
+    assert begin.record_id is not None
+    return begin.record_id
 
 
 def store_for_replay(record_id: int, response: HttpResponse, *, action_id: Any = None) -> None:

@@ -20,10 +20,8 @@ from ninja import Query, Router
 
 from approvals.api.longpoll import (
     hold,
-    if_none_match_doc,
-    longpoll_responses,
+    longpoll_read,
     parse_prefer_wait,
-    prefer_doc,
     release_connection,
 )
 from approvals.api.schemas import ActionOut, ActionPage
@@ -46,10 +44,10 @@ from console.api_support import (
     NEWEST_FIRST,
     TIME_CURSOR_PATTERN,
     conditional_response,
+    idempotency_claim,
     page_response,
     rate_limit_writes,
     read_body,
-    replay_response,
     store_for_replay,
 )
 from console.auth import (
@@ -136,18 +134,16 @@ def _action_state(
         release_connection(holding)
 
 
-@router.get(
+@longpoll_read(
+    router,
     "/actions/{action_id}",
+    out=ActionOut,
+    subject="action",
     auth=any_token_or_ended_run_deferred,
-    response={200: ActionOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read an action (long-poll with Prefer: wait=N)",
     description="An agent token or an active run's token reads the agent's actions; the "
     "token of an ended run reads only that run's actions.",
     tags=["actions"],
-    openapi_extra={
-        "parameters": [prefer_doc("action", "(see If-None-Match)"), if_none_match_doc("action")],
-        "responses": longpoll_responses("action"),
-    },
 )
 async def action_get(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     try:
@@ -266,26 +262,24 @@ def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     # Exactly like a write: the same key and request replay the first answer; the
     # same key for another action (another path) is 422 idempotency_key_reused.
-    body = read_body(request)
-    begin = idempotency.idempotency_begin(
+    record_id = idempotency_claim(
+        request,
         # A run token's key belongs to its agent, a personal token's to the person.
         actor=Actor.agent(principal.agent) if principal.kind == "run" else actor,
         key=key,
         method="POST",
-        path=request.path,
-        fingerprint=idempotency.request_fingerprint(method="POST", path=request.path, body=body),
+        body=read_body(request),
     )
-    if begin.replay is not None:
-        return replay_response(begin.replay)
-    assert begin.record_id is not None
+    if isinstance(record_id, HttpResponse):
+        return record_id  # the replayed answer
     try:
         # The undo request and its stored answer commit together (or neither).
         with transaction.atomic():
             action_undo_request(action_id=action_id, actor=actor, idempotency_key=key)
             action = action_load(action_id)
             response = action_response(action, status=202)
-            store_for_replay(begin.record_id, response, action_id=action.pk)
+            store_for_replay(record_id, response, action_id=action.pk)
     except BaseException:
-        idempotency.idempotency_release(record_id=begin.record_id)
+        idempotency.idempotency_release(record_id=record_id)
         raise
     return response

@@ -1,5 +1,5 @@
-"""Conditional reads and long-polling (`Prefer: wait=N`, `If-None-Match`) of runs
-and actions: one hold loop, one answer builder."""
+"""Conditional reads and long-polling (`Prefer: wait=N`, `If-None-Match`) of runs,
+plans and actions: one hold loop, one answer builder, one route declaration."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from typing import Any, TypeVar
 
 from django.db import connection
 from django.utils import timezone
+from ninja import Router, Schema
+from ninja.types import TCallable
 
 from approvals.notify import action_waiters
-from console.problems import ApiError
+from console.problems import ApiError, errors
 
 MAX_WAIT_SECONDS = 60
 # While subscribed, a waiter still re-reads this often in case a wake-up was lost.
@@ -108,29 +110,33 @@ async def hold(
     return state
 
 
-def prefer_doc(subject: str, holds: str) -> dict[str, Any]:
+def _header_doc(name: str, description: str) -> dict[str, Any]:
     return {
         "in": "header",
-        "name": "Prefer",
+        "name": name,
         "required": False,
         "schema": {"type": "string"},
-        "description": f"`wait=N` (N ≤ 60): hold the request until the {subject} changes "
+        "description": description,
+    }
+
+
+def _prefer_doc(subject: str, holds: str) -> dict[str, Any]:
+    return _header_doc(
+        "Prefer",
+        f"`wait=N` (N ≤ 60): hold the request until the {subject} changes "
         f"{holds} or N seconds pass. Answered with `Preference-Applied: wait=N`.",
-    }
+    )
 
 
-def if_none_match_doc(subject: str) -> dict[str, Any]:
-    return {
-        "in": "header",
-        "name": "If-None-Match",
-        "required": False,
-        "schema": {"type": "string"},
-        "description": f"The {subject} ETag you hold: 304 while unchanged; with Prefer: wait, "
+def _if_none_match_doc(subject: str) -> dict[str, Any]:
+    return _header_doc(
+        "If-None-Match",
+        f"The {subject} ETag you hold: 304 while unchanged; with Prefer: wait, "
         "held while unchanged. A malformed value is ignored.",
-    }
+    )
 
 
-def longpoll_responses(subject: str) -> dict[str, Any]:
+def _longpoll_responses(subject: str) -> dict[str, Any]:
     return {
         "200": {
             "description": f"The {subject}",
@@ -141,3 +147,27 @@ def longpoll_responses(subject: str) -> dict[str, Any]:
         },
         "304": {"description": "Not modified (ETag still matches If-None-Match)"},
     }
+
+
+def longpoll_read(
+    router: Router,
+    path: str,
+    *,
+    out: type[Schema],
+    subject: str,
+    holds: str = "(see If-None-Match)",
+    **route: Any,
+) -> Callable[[TCallable], TCallable]:
+    """Declare the GET of a long-polled `subject` (an action, a plan, a run): its
+    answers (200 with ETag, 304, the problems) and its Prefer / If-None-Match headers
+    are documented once for all of them. `holds`: how long a wait is held, in the
+    words of the Prefer header's description."""
+    return router.get(
+        path,
+        response={200: out, 304: None, **errors(400, 401, 403, 404, 422)},
+        openapi_extra={
+            "parameters": [_prefer_doc(subject, holds), _if_none_match_doc(subject)],
+            "responses": _longpoll_responses(subject),
+        },
+        **route,
+    )

@@ -23,10 +23,8 @@ from pydantic import ConfigDict
 
 from approvals.api.longpoll import (
     hold,
-    if_none_match_doc,
-    longpoll_responses,
+    longpoll_read,
     parse_prefer_wait,
-    prefer_doc,
     release_connection,
 )
 from approvals.models import ApprovalStatus, Plan, PlanStep, Run
@@ -39,12 +37,12 @@ from audit.services import Actor
 from console.api_support import (
     TEXT_PATTERN,
     conditional_response,
+    idempotency_claim,
     json_bytes,
     json_response,
     propose_for_replay,
     rate_limit_writes,
     read_body,
-    replay_response,
 )
 from console.auth import (
     any_token_or_ended_run,
@@ -306,18 +304,15 @@ def plan_create(request: HttpRequest, run_id: uuid.UUID, payload: PlanCreateIn) 
     rate_limit_writes(principal)
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     steps = [_step_spec(run, n, step) for n, step in enumerate(payload.steps, start=1)]
-    body = read_body(request)
-    begin = idempotency.idempotency_begin(
+    record_id = idempotency_claim(
+        request,
         actor=Actor.agent(principal.agent),  # keys belong to the agent, not the run
         key=key,
         method="POST",
-        path=request.path,
-        fingerprint=idempotency.request_fingerprint(method="POST", path=request.path, body=body),
+        body=read_body(request),
     )
-    if begin.replay is not None:
-        return replay_response(begin.replay)
-    record_id = begin.record_id
-    assert record_id is not None
+    if isinstance(record_id, HttpResponse):
+        return record_id  # the replayed answer
 
     def render(plan: Plan) -> tuple[HttpResponse, Any]:
         recorded = Plan.objects.select_related("agent").get(pk=plan.pk)
@@ -378,18 +373,16 @@ def _plan_state(
         release_connection(holding)
 
 
-@router.get(
+@longpoll_read(
+    router,
     "/plans/{plan_id}",
+    out=PlanOut,
+    subject="plan",
     auth=any_token_or_ended_run,
-    response={200: PlanOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read a plan (long-poll with Prefer: wait=N)",
     description="The plan with every step's state, its approval and compensations. Held "
     "with `Prefer: wait=N` while the ETag still matches If-None-Match, or (without it) "
     "while the plan has not ended (`applied`, `compensated`, `rejected`, `expired`, `cancelled`).",
-    openapi_extra={
-        "parameters": [prefer_doc("plan", "(see If-None-Match)"), if_none_match_doc("plan")],
-        "responses": longpoll_responses("plan"),
-    },
 )
 async def plan_get(request: HttpRequest, plan_id: uuid.UUID) -> HttpResponse:
     wait = parse_prefer_wait(request.headers.get("Prefer"))

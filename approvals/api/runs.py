@@ -18,10 +18,8 @@ from ninja import Query, Router
 
 from approvals.api.longpoll import (
     hold,
-    if_none_match_doc,
-    longpoll_responses,
+    longpoll_read,
     parse_prefer_wait,
-    prefer_doc,
     release_connection,
 )
 from approvals.api.schemas import RevokeIn, RunCreatedOut, RunCreateIn, RunOut, RunPage
@@ -143,18 +141,17 @@ _RUN_HOLDS = (
 )
 
 
-@router.get(
+@longpoll_read(
+    router,
     "/runs/{run_id}",
+    out=RunOut,
+    subject="run",
+    holds=_RUN_HOLDS,
     auth=any_token_or_ended_run,
-    response={200: RunOut, 304: None, **errors(400, 401, 403, 404, 422)},
     summary="Read a run (long-poll with Prefer: wait=N)",
     description="A run token reads its own run, also after the run ended (`status` and "
     "`status_reason` say why). The `ETag` changes with the run's status; an agent waits for "
     "its run's approval with `Prefer: wait=N` and `If-None-Match`, as for actions.",
-    openapi_extra={
-        "parameters": [prefer_doc("run", _RUN_HOLDS), if_none_match_doc("run")],
-        "responses": longpoll_responses("run"),
-    },
 )
 async def run_get(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     principal = principal_of(request)

@@ -24,13 +24,13 @@ from console.api_support import (
     RESOURCE_CURSOR_PATTERN,
     Keyset,
     conditional_response,
+    idempotency_claim,
     json_bytes,
     page_response,
     parse_json_object,
     propose_for_replay,
     rate_limit_writes,
     read_body,
-    replay_response,
 )
 from console.auth import any_token, principal_of, run_token
 from console.core.errors import NotFound
@@ -289,17 +289,16 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
         idempotency_key=key,
         reason=preconditions.reason,
     )
-    begin = idempotency.idempotency_begin(
+    record_id = idempotency_claim(
+        request,
         actor=Actor.agent(principal.agent),  # keys belong to the agent, not the run
         key=key,
         method=method,
-        path=request.path,
-        fingerprint=idempotency.request_fingerprint(method=method, path=request.path, body=body),
+        body=body,
     )
-    if begin.replay is not None:
-        return replay_response(begin.replay)
-    assert begin.record_id is not None
-    return _propose(run, proposal, begin.record_id)
+    if isinstance(record_id, HttpResponse):
+        return record_id  # the replayed answer
+    return _propose(run, proposal, record_id)
 
 
 def _propose(run: Any, proposal: action_services.Proposal, record_id: int) -> HttpResponse:
