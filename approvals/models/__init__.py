@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.db import models
@@ -10,6 +11,21 @@ from django.db.models import Exists, OuterRef, Q
 
 from approvals.models.choices import PayloadFormat, WriteOperation
 from approvals.models.writes import ConditionalWrite, Revisioned
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+
+
+def _accountable_person(*, related_name: str) -> models.ForeignKey[User | None, User | None]:
+    """A person separation of duties treats like an agent's owner (approvals/services/
+    decisions.py): optional, and the row outlives them."""
+    return models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name=related_name,
+    )
 
 
 class Agent(models.Model):
@@ -20,21 +36,9 @@ class Agent(models.Model):
     description = models.TextField(blank=True)
     # The person accountable for this agent; separation of duties may forbid
     # them from approving the agent's own actions.
-    owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL,
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="owned_agents",
-    )
+    owner = _accountable_person(related_name="owned_agents")
     # Who registered it: separation of duties treats them like the owner.
-    created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL,
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="+",
-    )
+    created_by = _accountable_person(related_name="+")
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -64,13 +68,7 @@ class AgentToken(TokenFields):
     agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="tokens")
     # Who minted it (null for the command line): while the token is live,
     # separation of duties treats them like the agent's owner.
-    created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL,
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="+",
-    )
+    created_by = _accountable_person(related_name="+")
 
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.agent_id})"
