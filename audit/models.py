@@ -32,10 +32,13 @@ class AuditEvent(models.Model):
     action_id = models.UUIDField(null=True, blank=True)
     details = models.JSONField(default=dict)
     prev_hash = models.CharField(max_length=64)
-    hash = models.CharField(max_length=64, unique=True)
+    # Unique through a constraint, not `unique=True`: on PostgreSQL that would add a second
+    # index (varchar_pattern_ops, for LIKE) that no query uses and every append must update.
+    hash = models.CharField(max_length=64)
 
     class Meta:
         ordering = ["seq"]
+        constraints = [models.UniqueConstraint(fields=["hash"], name="audit_auditevent_hash_key")]
         indexes = [
             models.Index(fields=["resource", "seq"]),
             models.Index(fields=["run_id", "seq"]),

@@ -324,3 +324,27 @@ def test_a_batch_append_chains_in_order_between_single_appends() -> None:
     assert audit_append_many([]) == []
     result = verify_chain()
     assert result.ok and result.events == 8
+
+
+@pytest.mark.django_db
+def test_the_event_hash_is_unique_and_appends_update_no_index_nobody_reads() -> None:
+    """Each append updates every index of the event table: no LIKE (varchar_pattern_ops)
+    index on the hash, which no query uses; the hash stays unique."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = 'audit_auditevent' "
+            "AND indexdef LIKE %s",
+            ["%pattern_ops%"],
+        )
+        assert cursor.fetchall() == []
+    event = audit_append(event_type="test.unique", actor=Actor.system("tests"))
+    twin = AuditEvent(
+        seq=event.seq + 1000,
+        created_at=event.created_at,
+        actor_type=event.actor_type,
+        event_type=event.event_type,
+        prev_hash=event.hash,
+        hash=event.hash,
+    )
+    with pytest.raises(DatabaseError), transaction.atomic():
+        twin.save(force_insert=True)
