@@ -5,6 +5,7 @@ through these, so a member is added in one place."""
 from __future__ import annotations
 
 import functools
+import json
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -68,14 +69,16 @@ _FACTS_SQL = {
         'decided_at', ap.decided_at, 'from_conflict', ap.from_conflict_id,
         'resolved_by', u.{username},
         'approves', (SELECT count(*) FROM {decision} d
-                     WHERE d.approval_id = ap.id AND d.decision = %s))
+                     WHERE d.approval_id = ap.id AND d.decision = %s),
+        'votes', {votes})
       FROM {approval} ap
       LEFT JOIN {conflict} c ON c.id = ap.from_conflict_id
       LEFT JOIN {user} u ON u.id = c.resolved_by_id
       WHERE ap.action_id = {action}.id ORDER BY ap.created_at DESC LIMIT 1)""",
     "_run_approval": """(SELECT {obj}('id', ap.id, 'quorum', ap.quorum,
         'approves', (SELECT count(*) FROM {decision} d
-                     WHERE d.approval_id = ap.id AND d.decision = %s))
+                     WHERE d.approval_id = ap.id AND d.decision = %s),
+        'votes', {votes})
       FROM {approval} ap
       WHERE ap.run_id = {action}.run_id AND ap.subject = %s
       ORDER BY ap.created_at DESC LIMIT 1)""",
@@ -94,6 +97,18 @@ _FACTS_SQL = {
       ORDER BY o.started_at DESC LIMIT 1)""",
     "_undo_requested": """EXISTS (SELECT 1 FROM {operation} o
       WHERE o.action_id = {action}.id AND o.undo_of_id IS NOT NULL)""",
+}
+# An approval's votes, oldest first, as [[username, decision], ...] (NULL or [] when none):
+# the names the JSON shows come with the row instead of one more read per poll. SQLite's
+# json_group_array keeps its subquery's order; its value arrives as text (see _voters).
+_VOTES_SQL = {
+    "postgresql": """(SELECT jsonb_agg(jsonb_build_array(vu.{username}, d.decision)
+        ORDER BY d.created_at)
+      FROM {decision} d JOIN {user} vu ON vu.id = d.person_id WHERE d.approval_id = ap.id)""",
+    "sqlite": """(SELECT json_group_array(json_array(v.name, v.decision)) FROM
+      (SELECT vu.{username} AS name, d.decision AS decision FROM {decision} d
+       JOIN {user} vu ON vu.id = d.person_id WHERE d.approval_id = ap.id
+       ORDER BY d.created_at) v)""",
 }
 _FACTS_PARAMS: dict[str, tuple[str, ...]] = {
     "_own_approval": (Decision.APPROVE,),
@@ -117,6 +132,9 @@ def _facts_sql(vendor: str) -> dict[str, str]:
         "user": quote(user._meta.db_table),
         "username": quote(username.column),
     }
+    names["votes"] = _VOTES_SQL["postgresql" if vendor == "postgresql" else "sqlite"].format(
+        **names
+    )
     return {name: sql.format(**names) for name, sql in _FACTS_SQL.items()}
 
 
@@ -234,12 +252,9 @@ def _approval_info(action: Action) -> dict[str, Any]:
     approvers: list[str] = []
     rejecter: str | None = None
     if approval["approves"] or approval["status"] == ApprovalStatus.REJECTED:
-        # Names only once someone voted (a pending poll costs no read here).
-        votes = _votes(approval["id"])
-        approvers = [v.person.get_username() for v in votes if v.decision == Decision.APPROVE]
-        rejecter = next(
-            (v.person.get_username() for v in votes if v.decision == Decision.REJECT), None
-        )
+        votes = _voters(approval)
+        approvers = [name for name, decision in votes if decision == Decision.APPROVE]
+        rejecter = next((name for name, decision in votes if decision == Decision.REJECT), None)
     by: str | None = rejecter if approval["status"] == ApprovalStatus.REJECTED else None
     if by is None and approvers:
         by = ", ".join(approvers)
@@ -256,23 +271,19 @@ def _approval_info(action: Action) -> dict[str, Any]:
     }
 
 
-def _votes(approval_id: Any) -> list[ApprovalDecision]:
-    return list(
-        ApprovalDecision.objects.filter(approval_id=uuid.UUID(str(approval_id)))
-        .select_related("person")
-        .order_by("created_at")
-    )
+def _voters(approval: dict[str, Any]) -> list[tuple[str, str]]:
+    """(username, decision) of the approval's votes, oldest first, from its body fact."""
+    votes = approval.get("votes") or []
+    if isinstance(votes, str):  # SQLite: the aggregate comes back as JSON text
+        votes = json.loads(votes)
+    return [(str(name), str(decision)) for name, decision in votes]
 
 
 def _run_approval_info(run: Run, approval: dict[str, Any] | None) -> dict[str, Any]:
     """An action without its own approval was approved with its run."""
     approvers: list[str] = []
     if approval is not None and approval["approves"]:
-        approvers = [
-            v.person.get_username()
-            for v in _votes(approval["id"])
-            if v.decision == Decision.APPROVE
-        ]
+        approvers = [name for name, decision in _voters(approval) if decision == Decision.APPROVE]
     quorum = approval["quorum"] if approval is not None else 1
     return {
         "mode": "per_run",
