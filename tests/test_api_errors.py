@@ -339,14 +339,9 @@ def test_an_engaged_kill_switch_pauses_a_write_instead_of_503(
         body={"engaged": True, "scope": "dns-record/*", "reason": "incident 42"},
     )
     assert response.status_code == 200, response.content
-    response = api.patch(
-        "/api/v1/resources/dns-record/app-web",
-        token=run.token,
-        body={"ip": "10.0.0.2"},
-        headers={"If-Match": '"3"', "Idempotency-Key": "key-paused-1"},
+    body = api.accepted_write(
+        run.token, "patch", "dns-record/app-web", {"ip": "10.0.0.2"}, if_match='"3"'
     )
-    assert response.status_code == 202, response.content
-    body = json.loads(response.content)
     assert body["status"] == "paused"
     assert body["paused_reason"] == "incident 42"
 
