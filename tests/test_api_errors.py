@@ -239,14 +239,20 @@ def test_another_runs_exclusive_lease_is_423_leased(api: Any, run: Any, prod_ale
     assert Snapshot.take() == before
 
 
-def test_a_write_without_if_match_is_428_precondition_required(
-    api: Any, run: Any, prod_alerts: Any
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({"Idempotency-Key": "key-no-match-1"}, 428, "precondition_required"),
+        ({"If-Match": '"41"'}, 400, "idempotency_key_missing"),
+    ],
+    ids=["without-if-match-428", "without-idempotency-key-400"],
+)
+def test_a_write_without_a_required_header_is_refused_and_changes_nothing(
+    api: Any, run: Any, prod_alerts: Any, headers: dict[str, str], status: int, code: str
 ) -> None:
     before = Snapshot.take()
-    response = api.patch(
-        PROD, token=run.token, body={"a": 1}, headers={"Idempotency-Key": "key-no-match-1"}
-    )
-    problem(response, 428, "precondition_required", False)
+    response = api.patch(PROD, token=run.token, body={"a": 1}, headers=headers)
+    problem(response, status, code, False)
     assert Snapshot.take() == before
 
 
@@ -266,15 +272,6 @@ def test_a_stale_if_match_is_412_and_audited_with_the_run(
     assert event is not None and event.event_type == "action.refused_stale"
     assert event.actor_type == "run" and event.actor_id == str(run.run.pk)
     assert event.run_id == run.run.pk
-
-
-def test_a_write_without_a_key_is_400_idempotency_key_missing(
-    api: Any, run: Any, prod_alerts: Any
-) -> None:
-    before = Snapshot.take()
-    response = api.patch(PROD, token=run.token, body={"a": 1}, headers={"If-Match": '"41"'})
-    problem(response, 400, "idempotency_key_missing", False)
-    assert Snapshot.take() == before
 
 
 def test_a_malformed_key_is_400_idempotency_key_invalid(
