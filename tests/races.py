@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.db import connection, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
 
 WAIT = 20.0  # seconds: an upper bound for a forced step, never a synchronisation
 
@@ -65,14 +65,32 @@ class Holder(Worker):
         return self.finish()
 
 
-def lock_waiters() -> int:
-    """How many backends on the test database wait on a lock right now."""
+def finish_each(*threads: Worker) -> list[OperationalError]:
+    """Finishes every thread in turn; the OperationalErrors (a deadlock, a serialisation
+    failure) they raised. Any other error is raised at once."""
+    errors: list[OperationalError] = []
+    for thread in threads:
+        try:
+            thread.finish()
+        except OperationalError as exc:
+            errors.append(exc)
+    return errors
+
+
+def over_sessions(aggregate: str, *, where: str) -> int:
+    """`aggregate` (a count) over the sessions on the test database that match `where`
+    (both SQL written by the tests, never input)."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            f"SELECT {aggregate} FROM pg_stat_activity "  # noqa: S608
+            f"WHERE datname = current_database() AND {where}"
         )
         return int(cursor.fetchone()[0])
+
+
+def lock_waiters() -> int:
+    """How many backends on the test database wait on a lock right now."""
+    return over_sessions("count(*)", where="wait_event_type = 'Lock'")
 
 
 def wait_for_lock_waiters(count: int, *, threads: tuple[Worker, ...] = ()) -> None:

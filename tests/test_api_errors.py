@@ -239,14 +239,20 @@ def test_another_runs_exclusive_lease_is_423_leased(api: Any, run: Any, prod_ale
     assert Snapshot.take() == before
 
 
-def test_a_write_without_if_match_is_428_precondition_required(
-    api: Any, run: Any, prod_alerts: Any
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({"Idempotency-Key": "key-no-match-1"}, 428, "precondition_required"),
+        ({"If-Match": '"41"'}, 400, "idempotency_key_missing"),
+    ],
+    ids=["without-if-match-428", "without-idempotency-key-400"],
+)
+def test_a_write_without_a_required_header_is_refused_and_changes_nothing(
+    api: Any, run: Any, prod_alerts: Any, headers: dict[str, str], status: int, code: str
 ) -> None:
     before = Snapshot.take()
-    response = api.patch(
-        PROD, token=run.token, body={"a": 1}, headers={"Idempotency-Key": "key-no-match-1"}
-    )
-    problem(response, 428, "precondition_required", False)
+    response = api.patch(PROD, token=run.token, body={"a": 1}, headers=headers)
+    problem(response, status, code, False)
     assert Snapshot.take() == before
 
 
@@ -266,15 +272,6 @@ def test_a_stale_if_match_is_412_and_audited_with_the_run(
     assert event is not None and event.event_type == "action.refused_stale"
     assert event.actor_type == "run" and event.actor_id == str(run.run.pk)
     assert event.run_id == run.run.pk
-
-
-def test_a_write_without_a_key_is_400_idempotency_key_missing(
-    api: Any, run: Any, prod_alerts: Any
-) -> None:
-    before = Snapshot.take()
-    response = api.patch(PROD, token=run.token, body={"a": 1}, headers={"If-Match": '"41"'})
-    problem(response, 400, "idempotency_key_missing", False)
-    assert Snapshot.take() == before
 
 
 def test_a_malformed_key_is_400_idempotency_key_invalid(
@@ -339,14 +336,9 @@ def test_an_engaged_kill_switch_pauses_a_write_instead_of_503(
         body={"engaged": True, "scope": "dns-record/*", "reason": "incident 42"},
     )
     assert response.status_code == 200, response.content
-    response = api.patch(
-        "/api/v1/resources/dns-record/app-web",
-        token=run.token,
-        body={"ip": "10.0.0.2"},
-        headers={"If-Match": '"3"', "Idempotency-Key": "key-paused-1"},
+    body = api.accepted_write(
+        run.token, "patch", "dns-record/app-web", {"ip": "10.0.0.2"}, if_match='"3"'
     )
-    assert response.status_code == 202, response.content
-    body = json.loads(response.content)
     assert body["status"] == "paused"
     assert body["paused_reason"] == "incident 42"
 

@@ -21,7 +21,7 @@ from approvals.models import (
     Approval,
 )
 from approvals.services.idempotency import KEY_PATTERN
-from tests.fixtures.api import ApiClient, RowCounts
+from tests.fixtures.api import PROD_ALERTS, ApiClient, RowCounts
 from tests.fixtures.core import applied_prod_alerts_action
 
 pytestmark = pytest.mark.django_db
@@ -237,14 +237,10 @@ def test_no_generated_undo_is_a_5xx_and_a_refusal_changes_nothing(
 
 @pytest.fixture
 def pending_approval(api: Any, run: Any, prod_alerts: Any) -> Approval:
-    response = api.patch(
-        PROD,
-        token=run.token,
-        body={"severity": "critical"},
-        headers={"If-Match": '"41"', "Idempotency-Key": "key-for-decision"},
+    action = api.accepted_write(
+        run.token, "patch", PROD_ALERTS, {"severity": "critical"}, if_match='"41"'
     )
-    assert response.status_code == 202, response.content
-    approval: Approval = Approval.objects.get(action_id=json.loads(response.content)["id"])
+    approval: Approval = Approval.objects.get(action_id=action["id"])
     return approval
 
 

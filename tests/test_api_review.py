@@ -28,7 +28,7 @@ from tests.fixtures.api import (
     problem,
 )
 from tests.fixtures.core import applied_prod_alerts_action, make_action
-from tests.races import WAIT, Holder, Worker, wait_until_blocked_or_finished
+from tests.races import WAIT, Holder, Worker, finish_each, wait_until_blocked_or_finished
 
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
 
@@ -264,12 +264,7 @@ def _real_deadlock() -> OperationalError:
     b = Worker(lambda: lock(2, 1, second_locked, first_locked))
     a.start()
     b.start()
-    errors = []
-    for thread in (a, b):
-        try:
-            thread.finish()
-        except OperationalError as exc:
-            errors.append(exc)
+    errors = finish_each(a, b)
     assert len(errors) == 1, errors
     return errors[0]
 

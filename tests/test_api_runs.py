@@ -17,7 +17,13 @@ from approvals.services.runs import run_expire_due
 from approvals.services.write_sets import names_overlap
 from audit.models import AuditEvent
 from ownership.models import OwnershipRecord
-from tests.fixtures.api import ApiClient, ensure_api_kinds, make_active_run, make_agent_with_token
+from tests.fixtures.api import (
+    PROD_ALERTS,
+    ApiClient,
+    ensure_api_kinds,
+    make_active_run,
+    make_agent_with_token,
+)
 
 
 @pytest.mark.django_db
@@ -250,13 +256,7 @@ def test_heartbeat_extends_but_never_past_the_maximum(api: Any, agent: Any, sett
 def test_finish_frees_ownership_cancels_open_actions_and_is_idempotent(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
-    response = api.patch(
-        "/api/v1/resources/notification-policy/prod-alerts",
-        token=run.token,
-        body={"a": 1},
-        headers={"If-Match": '"41"', "Idempotency-Key": "key-finish-01"},
-    )
-    action_id = json.loads(response.content)["id"]
+    action_id = api.accepted_write(run.token, "patch", PROD_ALERTS, {"a": 1}, if_match='"41"')["id"]
     assert api.post(f"/api/v1/runs/{run.run.pk}/finish", token=run.token).status_code == 200
     assert not OwnershipRecord.objects.filter(run=run.run, active=True).exists()
     assert Action.objects.get(pk=action_id).status == "cancelled"
@@ -271,21 +271,10 @@ def test_finish_frees_ownership_cancels_open_actions_and_is_idempotent(
 def test_expiry_ends_the_run_and_its_unexecuted_actions(
     api: Any, run: Any, prod_alerts: Any
 ) -> None:
-    response = api.patch(
-        "/api/v1/resources/notification-policy/prod-alerts",
-        token=run.token,
-        body={"a": 1},
-        headers={"If-Match": '"41"', "Idempotency-Key": "key-expire-01"},
-    )
-    action_id = json.loads(response.content)["id"]
+    action_id = api.accepted_write(run.token, "patch", PROD_ALERTS, {"a": 1}, if_match='"41"')["id"]
     Run.objects.filter(pk=run.run.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
     # an expired run writes nothing, even before housekeeping runs
-    refused = api.patch(
-        "/api/v1/resources/notification-policy/prod-alerts",
-        token=run.token,
-        body={"a": 2},
-        headers={"If-Match": '"41"', "Idempotency-Key": "key-expire-02"},
-    )
+    refused = api.write(run.token, "patch", PROD_ALERTS, {"a": 2}, if_match='"41"')
     assert refused.status_code == 409
     assert json.loads(refused.content)["run_status"] == "expired"
     assert run_expire_due() == 1

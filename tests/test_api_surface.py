@@ -121,21 +121,14 @@ def test_resources_are_listed_by_kind_and_prefix_with_pagination(api: Any, agent
 
 def test_a_create_with_if_none_match_star(api: Any, run: Any) -> None:
     # Also the check that issue 9's strict If-Match parsing left If-None-Match: * alone.
-    response = api.put(
-        "/api/v1/resources/notification-policy/staging-new",
-        token=run.token,
-        body={"severity": "info"},
-        headers={"If-None-Match": "*", "Idempotency-Key": "key-create-01"},
+    info = {"severity": "info"}
+    action = api.accepted_write(
+        run.token, "put", "notification-policy/staging-new", info, if_none_match="*"
     )
-    assert response.status_code == 202, response.content
-    action = body(response)
     assert action["operation"] == "create" and action["observed_etag"] is None
     make_resource("notification-policy/staging-taken", {"a": 1}, version=3)
-    taken = api.put(
-        "/api/v1/resources/notification-policy/staging-taken",
-        token=run.token,
-        body={"severity": "info"},
-        headers={"If-None-Match": "*", "Idempotency-Key": "key-create-02"},
+    taken = api.write(
+        run.token, "put", "notification-policy/staging-taken", info, if_none_match="*"
     )
     assert taken.status_code == 412
     assert body(taken)["current_etag"] == '"3"'

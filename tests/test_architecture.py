@@ -1,8 +1,10 @@
 """The shape of the code, enforced (ARCHITECTURE.md draws it; issue 10).
 
-Plain `ast` over the files: no Django, no database, well under two seconds. The rules are
-the tables below; a failure lists every offender with what to do about it. Change a table
-only with the architecture (and ARCHITECTURE.md) — never to make an offender pass.
+Plain `ast` over the files (read by tests/architecture.py): no Django, no database, well under
+two seconds. The rules are the tables below — the layers, the libraries and isolation lines,
+the verbs' documents — and in tests/test_architecture_files.py (imports inside functions,
+module size); a failure lists every offender with what to do about it. Change a table only
+with the architecture (and ARCHITECTURE.md) — never to make an offender pass.
 """
 
 from __future__ import annotations
@@ -10,17 +12,22 @@ from __future__ import annotations
 import ast
 import fnmatch
 import functools
-import os
 import re
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-# The server's packages: every module in them is placed in a layer and checked.
-# (bench/ is an interface: it drives the product, nothing in the product imports it.)
-SERVER_PACKAGES = ("approvals", "audit", "console", "ownership", "bench")
+from tests.architecture import (
+    ROOT,
+    SERVER_PACKAGES,
+    Module,
+    first_party,
+    first_party_imports,
+    import_nodes,
+    imports,
+    place,
+    report,
+    server_modules,
+)
 
 # Layers from the bottom. A module may import its own layer or a lower one, never a higher
 # one. Each module gets the layer of the FIRST row whose pattern matches its dotted name
@@ -138,16 +145,6 @@ ISOLATION: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ),
 )
 
-# Imports inside functions that need no reason comment. Django documents AppConfig.ready
-# as the place for imports that need the app registry (signals, checks).
-FUNCTION_IMPORT_ALLOWED: tuple[tuple[str, str], ...] = (("*.apps", "ready"),)
-
-MAX_MODULE_LINES = 600
-# Everything first-party is measured, except these directories (anywhere in the path).
-NOT_MEASURED_DIRS = frozenset(
-    {".venv", ".git", "data", "tests", "migrations", "node_modules", "__pycache__", "build"}
-)
-
 # A public name of a service/selector module used only by tests is alive when one of these
 # documents names it (as `name`): a verb kept for operators or the test suite on purpose.
 VERB_DOCUMENTS = ("ARCHITECTURE.md", "README.md")
@@ -155,46 +152,11 @@ VERB_DOCUMENTS = ("ARCHITECTURE.md", "README.md")
 # The agent's client is its own package and speaks only HTTP.
 CLIENT_DIRS = ("clients", "examples")
 
-
-@dataclass(frozen=True)
-class Import:
-    importer: str
-    target: str  # a first-party module, or the absolute name of a third-party one
-    line: int
-    in_function: bool
-    type_checking: bool
-
-
-@dataclass(frozen=True)
-class Module:
-    name: str
-    path: Path
-    tree: ast.Module
-    source: str
-
-    @property
-    def rel(self) -> str:
-        return str(self.path.relative_to(ROOT))
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-@functools.cache
-def server_modules() -> dict[str, Module]:
-    modules: dict[str, Module] = {}
-    for package in SERVER_PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if "migrations" in path.parts:
-                continue
-            source = path.read_text()
-            name = _module_name(path)
-            modules[name] = Module(name, path, ast.parse(source, str(path)), source)
-    return modules
+# This check's own files name modules and verbs as data: their names keep nothing alive.
+ARCHITECTURE_CHECKS = frozenset(
+    ROOT / "tests" / name
+    for name in ("architecture.py", "test_architecture.py", "test_architecture_files.py")
+)
 
 
 def layer_of(name: str) -> int | None:
@@ -204,108 +166,12 @@ def layer_of(name: str) -> int | None:
     return None
 
 
-def _resolve(name: str) -> str:
-    """The deepest first-party module that `import name` loads."""
-    modules = server_modules()
-    while name and name not in modules:
-        name = name.rpartition(".")[0]
-    return name
-
-
-def _absolute(module: Module, node: ast.ImportFrom) -> str:
-    if not node.level:
-        return node.module or ""
-    base = module.name.split(".")
-    if module.path.name != "__init__.py":
-        base = base[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
-    """The statement lists directly inside a statement (imports are statements, so walking
-    only these finds every import without visiting expressions)."""
-    blocks = [getattr(node, f, None) for f in ("body", "orelse", "finalbody")]
-    blocks += [h.body for h in getattr(node, "handlers", ())]
-    blocks += [c.body for c in getattr(node, "cases", ())]
-    return [b for b in blocks if isinstance(b, list) and b and isinstance(b[0], ast.stmt)]
-
-
-def _import_nodes(
-    tree: ast.Module,
-) -> list[tuple[ast.Import | ast.ImportFrom, str | None, bool]]:
-    """Every import statement with the function it is in (or None) and whether it sits in
-    an `if TYPE_CHECKING:` block."""
-    found: list[tuple[ast.Import | ast.ImportFrom, str | None, bool]] = []
-
-    def walk(body: list[ast.stmt], function: str | None, type_checking: bool) -> None:
-        for statement in body:
-            if isinstance(statement, ast.Import | ast.ImportFrom):
-                found.append((statement, function, type_checking))
-            elif isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
-                walk(statement.body, statement.name, type_checking)
-            elif isinstance(statement, ast.If) and _is_type_checking(statement.test):
-                walk(statement.body, function, True)
-                walk(statement.orelse, function, type_checking)
-            else:
-                for block in _blocks(statement):
-                    walk(block, function, type_checking)
-
-    walk(tree.body, None, False)
-    return found
-
-
-@functools.cache
-def imports() -> tuple[Import, ...]:
-    modules = server_modules()
-    edges: list[Import] = []
-    for module in modules.values():
-        for node, function, type_checking in _import_nodes(module.tree):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = _absolute(module, node)
-                for alias in node.names:
-                    full = f"{base}.{alias.name}"
-                    targets.append(full if full in modules else base)
-            for target in targets:
-                if target.split(".")[0] in SERVER_PACKAGES:
-                    target = _resolve(target)
-                if target and target != module.name:
-                    edges.append(
-                        Import(
-                            module.name, target, node.lineno, function is not None, type_checking
-                        )
-                    )
-    return tuple(dict.fromkeys(edges))
-
-
-def _first_party(edge: Import) -> bool:
-    return edge.target in server_modules()
-
-
-def _where(edge: Import) -> str:
-    return f"{server_modules()[edge.importer].rel}:{edge.line}"
-
-
-def _report(title: str, offenders: list[str], advice: str) -> str:
-    lines = "\n  ".join(sorted(offenders))
-    return f"{title} ({len(offenders)}):\n  {lines}\n{advice}"
-
-
 # -- layers -----------------------------------------------------------------------------
 
 
 def test_it_places_every_server_module_in_a_layer() -> None:
     unplaced = [name for name in server_modules() if layer_of(name) is None]
-    assert not unplaced, _report(
+    assert not unplaced, report(
         "Modules in no layer",
         unplaced,
         "Add a row to LAYERS at the top of tests/test_architecture.py (and to ARCHITECTURE.md).",
@@ -314,16 +180,14 @@ def test_it_places_every_server_module_in_a_layer() -> None:
 
 def test_no_module_imports_a_higher_layer() -> None:
     offenders = []
-    for edge in imports():
-        if not _first_party(edge):
-            continue
+    for edge in first_party_imports():
         low, high = layer_of(edge.importer), layer_of(edge.target)
         if low is not None and high is not None and high > low:
             offenders.append(
-                f"{_where(edge)}  {edge.importer} ({LAYER_NAMES[low]}) imports "
+                f"{place(edge)}  {edge.importer} ({LAYER_NAMES[low]}) imports "
                 f"{edge.target} ({LAYER_NAMES[high]})"
             )
-    assert not offenders, _report(
+    assert not offenders, report(
         "Imports from a lower layer to a higher one",
         offenders,
         "Move the code down to the lowest layer that needs it (a leaf, console/core, the "
@@ -336,13 +200,13 @@ def test_the_domain_layers_import_no_web_framework_and_services_no_job_queue() -
     for edge in imports():
         layer = layer_of(edge.importer)
         forbidden = FORBIDDEN_LIBRARIES.get(layer) if layer is not None else None
-        if not forbidden or _first_party(edge):
+        if not forbidden or first_party(edge):
             continue
         if any(edge.target == lib or edge.target.startswith(lib + ".") for lib in forbidden):
             offenders.append(
-                f"{_where(edge)}  {edge.importer} ({LAYER_NAMES[layer]}) imports {edge.target}"
+                f"{place(edge)}  {edge.importer} ({LAYER_NAMES[layer]}) imports {edge.target}"
             )
-    assert not offenders, _report(
+    assert not offenders, report(
         "Domain modules importing the web layer or the job queue",
         offenders,
         "Requests, responses, schemas and templates belong to interfaces; services enqueue "
@@ -352,15 +216,13 @@ def test_the_domain_layers_import_no_web_framework_and_services_no_job_queue() -
 
 def test_isolated_packages_import_no_other_app() -> None:
     offenders = []
-    for edge in imports():
-        if not _first_party(edge):
-            continue
+    for edge in first_party_imports():
         for importer, forbidden, why in ISOLATION:
             if fnmatch.fnmatchcase(edge.importer, importer) and any(
                 fnmatch.fnmatchcase(edge.target, pattern) for pattern in forbidden
             ):
-                offenders.append(f"{_where(edge)}  {edge.importer} imports {edge.target}: {why}")
-    assert not offenders, _report(
+                offenders.append(f"{place(edge)}  {edge.importer} imports {edge.target}: {why}")
+    assert not offenders, report(
         "Imports across an isolation line",
         offenders,
         "Invert the dependency: the other app calls audit (or bench calls the product).",
@@ -377,7 +239,7 @@ def _client_files() -> list[Path]:
 def test_the_client_and_the_examples_import_nothing_from_the_server() -> None:
     offenders = []
     for path in _client_files():
-        for node, _, _ in _import_nodes(ast.parse(path.read_text(), str(path))):
+        for node, _, _ in import_nodes(ast.parse(path.read_text(), str(path))):
             names = (
                 [alias.name for alias in node.names]
                 if isinstance(node, ast.Import)
@@ -386,7 +248,7 @@ def test_the_client_and_the_examples_import_nothing_from_the_server() -> None:
             for name in names:
                 if name.split(".")[0] in SERVER_PACKAGES:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}  imports {name}")
-    assert not offenders, _report(
+    assert not offenders, report(
         "Client code importing the server",
         offenders,
         "airlock-client speaks only the public REST API; copy the constant, do not import it.",
@@ -444,124 +306,21 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_there_is_no_import_cycle_among_first_party_modules() -> None:
     graph: dict[str, set[str]] = defaultdict(set)
     where: dict[tuple[str, str], str] = {}
-    for edge in imports():
+    for edge in first_party_imports():
         # Inside functions counts; TYPE_CHECKING imports never run.
-        if _first_party(edge) and not edge.type_checking:
+        if not edge.type_checking:
             graph[edge.importer].add(edge.target)
-            where.setdefault((edge.importer, edge.target), _where(edge))
+            where.setdefault((edge.importer, edge.target), place(edge))
     offenders = []
     for component in _cycles(graph):
         members = set(component)
         links = [f"{where[(a, b)]} {a} -> {b}" for a in component for b in graph[a] if b in members]
         offenders.append(f"cycle of {len(component)}: " + "; ".join(sorted(links)))
-    assert not offenders, _report(
+    assert not offenders, report(
         "Import cycles",
         offenders,
         "Break each with a small leaf module both sides can import (as approvals/outbox.py "
         "did), or by moving the shared code down a layer.",
-    )
-
-
-# -- imports inside functions -------------------------------------------------------------
-
-_NOT_A_REASON = re.compile(r"noqa(:\s*[A-Z0-9, ]+)?|type:\s*ignore(\[[^\]]*\])?|pragma:[^#]*")
-
-
-def _is_reason(comment: str) -> bool:
-    text = _NOT_A_REASON.sub("", comment.lstrip("#"))
-    return len(re.findall(r"[A-Za-z]{2,}", text)) >= 2
-
-
-def _comment(line: str) -> str:
-    """The comment on a line of an import statement (imports hold no string literals, so
-    every `#` starts a comment)."""
-    return line[line.index("#") :] if "#" in line else ""
-
-
-def _unexplained_function_imports(module: Module) -> list[str]:
-    lines = module.source.splitlines()
-    offenders: list[str] = []
-
-    def comment_above(line: int) -> bool:
-        above = line - 1
-        return (
-            above >= 1
-            and lines[above - 1].lstrip().startswith("#")
-            and _is_reason(lines[above - 1])
-        )
-
-    def trailing(node: ast.stmt) -> bool:
-        end = node.end_lineno or node.lineno
-        return any(_is_reason(_comment(lines[n - 1])) for n in range(node.lineno, end + 1))
-
-    def check_body(body: list[ast.stmt], function: str) -> None:
-        # One reason above a run of consecutive imports covers the run.
-        group_explained = False
-        for statement in body:
-            if isinstance(statement, ast.Import | ast.ImportFrom):
-                explained = comment_above(statement.lineno) or trailing(statement)
-                group_explained = explained or group_explained
-                if not group_explained:
-                    offenders.append(
-                        f"{module.rel}:{statement.lineno}  in {function}(): "
-                        f"{lines[statement.lineno - 1].strip()}"
-                    )
-            else:
-                group_explained = False
-
-    def visit(body: list[ast.stmt], function: str | None) -> None:
-        if function is not None:
-            check_body(body, function)
-        for statement in body:
-            name = function
-            if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
-                name = statement.name
-                if any(
-                    fnmatch.fnmatchcase(module.name, m) and name == f
-                    for m, f in FUNCTION_IMPORT_ALLOWED
-                ):
-                    continue
-            for block in _blocks(statement):
-                visit(block, name)
-
-    visit(module.tree.body, None)
-    return offenders
-
-
-def test_every_import_inside_a_function_says_why() -> None:
-    offenders = [o for m in server_modules().values() for o in _unexplained_function_imports(m)]
-    assert not offenders, _report(
-        "Imports inside functions without a reason",
-        offenders,
-        "Move the import to the top of the file. If it must stay (a cycle you cannot break, "
-        "a heavy optional module, code that runs before django.setup()), say why in a "
-        "one-line `# reason` comment on the line above or at the end of the line.",
-    )
-
-
-# -- module size --------------------------------------------------------------------------
-
-
-def _measured_files() -> list[Path]:
-    files: list[Path] = []
-    for directory, subdirs, names in os.walk(ROOT):
-        subdirs[:] = [
-            d for d in subdirs if d not in NOT_MEASURED_DIRS and not d.endswith(".egg-info")
-        ]
-        files += [Path(directory, n) for n in names if n.endswith(".py")]
-    return sorted(files)
-
-
-def test_no_first_party_module_is_over_600_lines() -> None:
-    offenders = []
-    for path in _measured_files():
-        count = len(path.read_text().splitlines())
-        if count > MAX_MODULE_LINES:
-            offenders.append(f"{path.relative_to(ROOT)}: {count} lines")
-    assert not offenders, _report(
-        f"Modules over {MAX_MODULE_LINES} lines",
-        offenders,
-        "Split by sub-domain into a package (approvals/api/ -> runs.py, actions.py, ...).",
     )
 
 
@@ -619,7 +378,7 @@ def _references() -> tuple[dict[Path, set[str]], set[str]]:
             code[extra] = _identifiers(ast.parse(extra.read_text(), str(extra)))
     tests: set[str] = set()
     for path in sorted((ROOT / "tests").rglob("*.py")):
-        if path != Path(__file__).resolve():
+        if path not in ARCHITECTURE_CHECKS:
             tests |= _identifiers(ast.parse(path.read_text(), str(path)))
     return code, tests
 
@@ -667,7 +426,7 @@ def test_every_public_name_of_a_service_or_selector_is_used() -> None:
             reason = _unused_reason(name, is_function, module)
             if reason is not None:
                 offenders.append(f"{module.rel}:{line}  {module.name}.{name} {reason}")
-    assert not offenders, _report(
+    assert not offenders, report(
         "Public service/selector names that are dead or needlessly public",
         offenders,
         "Each service verb and selector exists because an interface, a job, a command or "

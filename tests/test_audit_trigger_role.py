@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from django.db.utils import DatabaseError
 
 from audit.models import AuditEvent
 from audit.services import Actor, audit_append
-from tests.fixtures.audit import ordinary_role_in_maintenance
+from tests.fixtures.audit import assert_an_ordinary_role_is_refused
 
 pytestmark = pytest.mark.django_db
 
 
 def test_an_ordinary_role_cannot_delete_audit_rows_even_with_the_maintenance_setting() -> None:
     audit_append(event_type="test.event", actor=Actor.system(), details={})
-    with (
-        pytest.raises(DatabaseError, match="append-only"),
-        ordinary_role_in_maintenance("audit_auditevent") as cursor,
-    ):
-        cursor.execute("DELETE FROM audit_auditevent")
+    assert_an_ordinary_role_is_refused(
+        "DELETE FROM audit_auditevent", table="audit_auditevent", match="append-only"
+    )
     assert AuditEvent.objects.count() == 1

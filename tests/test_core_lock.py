@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,10 +39,14 @@ def unique_key() -> str:
     return f"notification-policy/lock-{uuid.uuid4().hex[:12]}"
 
 
+LockOnKey = Callable[[int], FencedLock]
+
+
 @pytest.fixture
-def key() -> str:
-    """A lock key no other test uses."""
-    return unique_key()
+def lock_on_key(redis_client: redis.Redis) -> LockOnKey:
+    """A new FencedLock with the given TTL (ms), on one key no other test uses."""
+    key = unique_key()
+    return lambda ttl_ms: FencedLock(redis_client, key=key, ttl_ms=ttl_ms)
 
 
 def test_fences_rise_strictly_and_come_from_postgresql() -> None:
@@ -91,14 +96,14 @@ def test_a_lock_group_drops_a_lock_taken_while_its_fence_was_drawn(
 
 
 def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release(
-    redis_client: redis.Redis, key: str
+    redis_client: redis.Redis, lock_on_key: LockOnKey
 ) -> None:
-    first = FencedLock(redis_client, key=key, ttl_ms=5_000)
+    first = lock_on_key(5_000)
     fence = first.acquire()
     assert first.fence == fence and first.held()
-    assert redis_client.get(lock_key(key)) == first.token.encode()
+    assert redis_client.get(lock_key(first.key)) == first.token.encode()
 
-    second = FencedLock(redis_client, key=key, ttl_ms=5_000)
+    second = lock_on_key(5_000)
     with pytest.raises(LockBusy):
         second.acquire(wait_seconds=0.05)
     with pytest.raises(LockLost):
@@ -117,12 +122,12 @@ def test_a_second_holder_is_busy_and_a_wrong_token_can_neither_renew_nor_release
 
 
 def test_an_expired_lock_cannot_be_renewed_and_its_successor_has_a_larger_fence(
-    redis_client: redis.Redis, key: str
+    lock_on_key: LockOnKey,
 ) -> None:
-    first = FencedLock(redis_client, key=key, ttl_ms=100)
+    first = lock_on_key(100)
     old_fence = first.acquire()
     time.sleep(0.2)
-    successor = FencedLock(redis_client, key=key, ttl_ms=5_000)
+    successor = lock_on_key(5_000)
     new_fence = successor.acquire()
     assert new_fence > old_fence
     with pytest.raises(LockLost):
@@ -135,12 +140,10 @@ def test_an_expired_lock_cannot_be_renewed_and_its_successor_has_a_larger_fence(
     successor.release()
 
 
-def test_waiting_acquire_gets_the_lock_when_the_holder_releases(
-    redis_client: redis.Redis, key: str
-) -> None:
-    with FencedLock(redis_client, key=key, ttl_ms=300) as holder:
+def test_waiting_acquire_gets_the_lock_when_the_holder_releases(lock_on_key: LockOnKey) -> None:
+    with lock_on_key(300) as holder:
         assert holder.held()
-        waiter = FencedLock(redis_client, key=key, ttl_ms=1_000)
+        waiter = lock_on_key(1_000)
         started = time.monotonic()
         fence = waiter.acquire(wait_seconds=3)  # the holder's TTL runs out
         assert time.monotonic() - started < 2

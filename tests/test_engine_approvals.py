@@ -20,13 +20,6 @@ from tests.fixtures.engine import reject
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def policy(engine_world: Any, engine_redis: Any) -> Any:
-    kind = engine_world.kind("notification-policy")
-    engine_world.resource(kind, "prod-alerts", {"destinations": ["oncall"], "severity": "high"})
-    return kind
-
-
 def _propose_replace(world: Any, kind: Any, doc: dict[str, Any], version: int = 1) -> Action:
     return world.propose(kind, "prod-alerts", payload=doc, observed_version=version)
 

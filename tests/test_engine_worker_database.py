@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from django.db import connection
 
 from approvals.models import Action, Approval
 from approvals.services.decisions import approval_decide
 from audit.services import Actor
 from tests.fixtures.engine import wait_for
+from tests.races import over_sessions
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -30,12 +30,7 @@ def _approve_and_wait(engine_world: Any, action: Action) -> None:
 
 def _cut_other_connections() -> int:
     """Terminate every other session on the test database (the worker's)."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
-        return int(cursor.fetchone()[0])
+    return over_sessions("count(pg_terminate_backend(pid))", where="pid <> pg_backend_pid()")
 
 
 def test_a_worker_whose_database_connection_was_cut_applies_the_next_job(

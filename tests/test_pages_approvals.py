@@ -13,7 +13,7 @@ from django.utils import timezone
 from approvals.models import Approval, ApprovalDecision
 from audit.models import AuditEvent
 from ownership.models import Resource
-from tests.fixtures.console import People, World, client_for, make_run
+from tests.fixtures.console import People, World, client_for, make_run, post_form
 
 pytestmark = pytest.mark.django_db
 
@@ -83,11 +83,12 @@ def test_an_operator_approves_in_place_and_the_counters_refresh(
 
 
 def test_a_plain_form_post_redirects_back_to_the_inbox(people: People, world: World) -> None:
-    client = client_for(people.operator)
-    response = client.post(
-        f"/approvals/{world.run_approval.id}/decision/", {"decision": "approve", "comment": ""}
+    client = post_form(
+        people.operator,
+        f"/approvals/{world.run_approval.id}/decision/",
+        {"decision": "approve", "comment": ""},
+        redirects_to="/approvals/",
     )
-    assert response.status_code == 302 and response["Location"] == "/approvals/"
     world.pending_run.refresh_from_db()
     assert world.pending_run.status == "active"
     assert "Decision recorded." in client.get("/approvals/").content.decode()

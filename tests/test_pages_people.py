@@ -12,7 +12,7 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import Forbidden, ValidationFailed
 from console.people import person_create, person_groups, person_set_active, person_update
-from tests.fixtures.console import People, client_for
+from tests.fixtures.console import People, client_for, post_form
 
 pytestmark = pytest.mark.django_db
 
@@ -30,8 +30,7 @@ def _events(event_type: str) -> int:
 
 
 def test_an_admin_creates_a_person_who_can_sign_in(people: People) -> None:
-    response = client_for(people.admin).post("/people/new/", NEW)
-    assert response.status_code == 302 and response["Location"] == "/people/"
+    post_form(people.admin, "/people/new/", NEW, redirects_to="/people/")
     nina = User.objects.get(username="nina")
     assert person_groups(nina) == (["owner"], ["platform", "release-owners"])
     signed_in = Client().post("/login/", {"username": "nina", "password": NEW["password"]})

@@ -17,7 +17,7 @@ from approvals.services.rules import (
 from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import Forbidden, ValidationFailed
-from tests.fixtures.console import People, World, client_for
+from tests.fixtures.console import People, World, client_for, post_form
 
 pytestmark = pytest.mark.django_db
 
@@ -37,8 +37,7 @@ def _events(event_type: str) -> int:
 
 
 def test_an_admin_creates_a_rule_and_it_is_audited_once(people: People, world: World) -> None:
-    response = client_for(people.admin).post("/rules/new/", RULE)
-    assert response.status_code == 302 and response["Location"] == "/rules/"
+    post_form(people.admin, "/rules/new/", RULE, redirects_to="/rules/")
     rule = AutoApproveRule.objects.get()
     assert rule.kind_id == "notification-policy" and rule.name_prefix == "sandbox-"
     assert rule.operations == ["create", "update"] and rule.enabled and rule.agent is None

@@ -20,7 +20,13 @@ from django.utils import timezone
 from approvals.models import Action, IdempotencyRecord, Operation, Run
 from approvals.services import idempotency
 from audit.models import AuditEvent
-from tests.fixtures.api import ApiClient, ensure_api_kinds, make_active_run, make_agent_with_token
+from tests.fixtures.api import (
+    PROD_ALERTS,
+    ApiClient,
+    ensure_api_kinds,
+    make_active_run,
+    make_agent_with_token,
+)
 from tests.fixtures.core import execute, make_action
 from tests.races import WAIT, Holder, Worker, wait_for_lock_waiters
 
@@ -177,13 +183,9 @@ def test_an_undo_key_reused_for_another_action_is_422_and_changes_nothing(
 
 def test_a_write_key_reused_for_an_undo_is_422(api: Any, run: Any, prod_alerts: Any) -> None:
     action = _applied_action(run, 41)
-    write = api.patch(
-        PROD,
-        token=run.token,
-        body={"severity": "x"},
-        headers={"If-Match": '"42"', "Idempotency-Key": "shared-key-0001"},
+    api.accepted_write(
+        run.token, "patch", PROD_ALERTS, {"severity": "x"}, if_match='"42"', key="shared-key-0001"
     )
-    assert write.status_code == 202, write.content
     response = api.undo(action.pk, token=run.token, key="shared-key-0001")
     assert response.status_code == 422
     assert json.loads(response.content)["code"] == "idempotency_key_reused"

@@ -25,7 +25,7 @@ from console import ops
 from console.core.fence import FENCE_SEQUENCE, current_fence, forget_fence_floor_check
 from ownership.models import Resource
 from tests.conftest import ROOT, subprocess_env
-from tests.fixtures.audit import ordinary_role_in_maintenance
+from tests.fixtures.audit import assert_an_ordinary_role_is_refused
 from tests.fixtures.console import PASSWORD, People
 from tests.fixtures.engine import wait_for
 from tests.test_settings_deploy import PRODUCTION, check_deploy
@@ -192,11 +192,9 @@ def test_appends_still_move_the_head_forward_outside_maintenance() -> None:
 @pytest.mark.django_db
 def test_an_ordinary_role_cannot_rewind_the_head_even_with_the_maintenance_setting() -> None:
     audit_append(event_type="test.event", actor=Actor.system(), details={})
-    with (
-        pytest.raises(DatabaseError, match="only moves forward"),
-        ordinary_role_in_maintenance("audit_audithead") as cursor,
-    ):
-        cursor.execute("UPDATE audit_audithead SET seq = 0")
+    assert_an_ordinary_role_is_refused(
+        "UPDATE audit_audithead SET seq = 0", table="audit_audithead", match="only moves forward"
+    )
     assert AuditHead.objects.get().seq == 1
 
 

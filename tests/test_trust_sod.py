@@ -21,6 +21,7 @@ from approvals.models import Agent, AgentToken, Approval, ApprovalDecision, Run
 from approvals.services.runs import run_create
 from audit.services import Actor
 from tests.fixtures.api import (
+    PROD_ALERTS,
     AgentActor,
     Person,
     ensure_api_kinds,
@@ -90,14 +91,10 @@ def test_an_admin_who_minted_a_token_cannot_approve_the_agents_per_call_action(
 ) -> None:
     run = make_active_run(agent.agent)
     _mint(admin, agent.agent)
-    response = api.put(
-        "/api/v1/resources/notification-policy/prod-alerts",
-        token=run.token,
-        body={"severity": "critical"},
-        headers={"If-Match": '"41"', "Idempotency-Key": "sod-call-1"},
+    action = api.accepted_write(
+        run.token, "put", PROD_ALERTS, {"severity": "critical"}, if_match='"41"'
     )
-    assert response.status_code == 202, response.content
-    approval = Approval.objects.get(action_id=json.loads(response.content)["id"])
+    approval = Approval.objects.get(action_id=action["id"])
 
     refused = _decide(api, admin, approval)
     assert refused.status_code == 403 and _problem_code(refused) == "self_approval"
