@@ -42,6 +42,7 @@ from functools import cached_property
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import SynchronousOnlyOperation
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.models import Model
 from django.http.request import split_domain_port, validate_host
@@ -340,13 +341,12 @@ class PollFront:
                 channel=poll.action_id,
                 run=False,
                 wait=poll.wait,
-                read=lambda woken: self._held_read(poll),
+                read=lambda woken: self._held_read(poll, woken),
                 should_hold=lambda state: action_should_hold(state, condition),
             )
-            if condition is not None and condition.weak_match(state.etag):
-                return 304, state.etag, b""
-            if state.body:
+            if state.body and not action_should_hold(state, condition):
                 return 200, state.etag, state.body
+            # The wait is over with nothing to show: the poll's answer now, read afresh.
         if condition is not None:
             tag = await self._state(poll)
             if tag is None:
@@ -360,9 +360,17 @@ class PollFront:
             return 304, full.etag, b""
         return 200, full.etag, full.body
 
-    async def _held_read(self, poll: Poll) -> ActionState:
-        """One read of a held poll: the tag first (one statement, no body) and, once the
-        poll stops holding, the answer's body."""
+    async def _held_read(self, poll: Poll, woken: bool) -> ActionState:
+        """One read of a held poll. Woken by a publish (the action most likely changed):
+        the answer in one statement, as action_get's woken read. Otherwise the tag first (one
+        statement, no body) and the body only once the poll stops holding."""
+        if woken:
+            try:
+                full = await self._full(poll)
+            except SynchronousOnlyOperation:
+                full = None  # a body that needs Django: hand off only if the wait is over
+            if full is not None:
+                return full
         state = await self._state(poll)
         if state is None:
             raise _HandOff
