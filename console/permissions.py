@@ -5,10 +5,14 @@ Selectors and services ask these predicates; views never test groups by hand.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.db import connection
+from django.db.models import JSONField
+from django.db.models.expressions import RawSQL
 
 from audit.models import ActorType
 from audit.services import Actor
@@ -35,6 +39,34 @@ def user_groups(user: Any) -> frozenset[str]:
         cached = frozenset(user.groups.values_list("name", flat=True))
         user._airlock_groups = cached
     return cached
+
+
+def group_names_of(user_id_column: str) -> RawSQL:
+    """The names of the groups of the user whose id is `user_id_column` (a quoted column of
+    the outer query), as a JSON array: read with the row that names the user (a personal
+    token's lookup) instead of one more query when a role is checked (`remember_groups`)."""
+    user = get_user_model()
+    groups: Any = user._meta.get_field("groups")  # the ManyToManyField to Group
+    through, group = groups.remote_field.through, groups.related_model
+    to_user, to_group = (
+        str(next(f.column for f in through._meta.concrete_fields if f.related_model is model))
+        for model in (user, group)
+    )
+    quote = connection.ops.quote_name
+    aggregate = "jsonb_agg" if connection.vendor == "postgresql" else "json_group_array"
+    sql = (
+        f"(SELECT {aggregate}(g.{quote('name')}) FROM {quote(through._meta.db_table)} ug "  # noqa: S608
+        f"JOIN {quote(group._meta.db_table)} g ON g.id = ug.{quote(to_group)} "
+        f"WHERE ug.{quote(to_user)} = {user_id_column})"
+    )
+    return RawSQL(sql, (), output_field=JSONField())  # noqa: S611 - no values, names quoted
+
+
+def remember_groups(user: Any, names: Any) -> None:
+    """Cache the group names `group_names_of` read on `user`, for `user_groups`."""
+    if isinstance(names, str):  # SQLite: the aggregate can come back as JSON text
+        names = json.loads(names)
+    user._airlock_groups = frozenset(str(name) for name in names or ())
 
 
 def is_admin(user: Any) -> bool:

@@ -25,11 +25,11 @@ from tests.fixtures.api import (
 
 pytestmark = pytest.mark.django_db
 
-# Token lookup; the peek at the approval's subject; run (share), action and approval
-# locks; the decider's groups; the agent's live tokens (separation of duties); the votes
+# Token lookup (with the decider's groups); the peek at the approval's subject; run
+# (share), action and approval locks; the agent's live tokens (separation of duties); the votes
 # so far; the vote; two audit appends; the approval's and the action's status; the
 # resource the answer's diff is taken against — and the test transaction's savepoint pair.
-PER_CALL_DECISION_STATEMENTS = 16
+PER_CALL_DECISION_STATEMENTS = 15
 
 
 def _propose_prod_alerts(api: Any, agent: AgentActor, key: str = "key-decision-1") -> Approval:

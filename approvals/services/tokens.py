@@ -24,7 +24,7 @@ from approvals.models import Agent, AgentToken, PersonalToken, Run
 from audit.services import Actor, audit_append
 from console.core.actors import person_id
 from console.core.errors import ValidationFailed
-from console.permissions import is_admin, require_person
+from console.permissions import group_names_of, is_admin, remember_groups, require_person
 
 AGENT_PREFIX = "ak_"
 RUN_PREFIX = "rt_"
@@ -74,6 +74,12 @@ def token_generate(kind_prefix: str) -> NewToken:
     return NewToken(secret=secret, prefix=secret[:LOOKUP_PREFIX_LENGTH], hash=token_digest(secret))
 
 
+# The personal token's user column, as the lookup's outer query names it.
+_PERSONAL_TOKEN_USER = '"{}"."{}"'.format(
+    PersonalToken._meta.db_table, PersonalToken._meta.get_field("user").column
+)
+
+
 def _live(now: datetime) -> Q:
     return Q(revoked_at__isnull=True) & (Q(expires_at__isnull=True) | Q(expires_at__gt=now))
 
@@ -119,14 +125,15 @@ def principal_for_token(raw: str) -> Principal | None:
         return Principal(kind="run", token_prefix=prefix, agent=run.agent, run=run)
     if raw.startswith(PERSONAL_PREFIX):
         personal: list[Any] = list(
-            PersonalToken.objects.select_related("user").filter(
-                _live(now), prefix=prefix, user__is_active=True
-            )
+            PersonalToken.objects.select_related("user")
+            .filter(_live(now), prefix=prefix, user__is_active=True)
+            .annotate(group_names=group_names_of(_PERSONAL_TOKEN_USER))
         )
         token = _matching(personal, digest)
         if token is None:
             return None
         _touch(PersonalToken, token.pk, token.last_used_at, now)
+        remember_groups(token.user, token.group_names)  # the role checks read no more
         return Principal(kind="person", token_prefix=prefix, user=token.user)
     return None
 

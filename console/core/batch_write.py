@@ -126,10 +126,13 @@ def _written(rows: LockedRows) -> Written:
 
 
 def _update_together(writes: list[Written], *, fence: int, now: datetime) -> set[int]:
-    """The resource ids the one conditional UPDATE wrote."""
+    """The resource ids the one conditional UPDATE wrote. The rows go in id order, so that
+    two overlapping batches (a zombie's and its successor's) whose plans look each row up by
+    its key lock their common rows in the same order; a deadlock PostgreSQL still finds
+    aborts one batch, which is then redone a write at a time."""
     as_json = Resource._meta.get_field("document").get_db_prep_value
     params: list[Any] = [fence, now]
-    for written in writes:
+    for written in sorted(writes, key=lambda w: w.resource_id):
         document = as_json(written.document, connection)
         params += [written.resource_id, written.base_version, document, written.deleted]
     params.append(fence)
