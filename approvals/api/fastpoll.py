@@ -24,9 +24,9 @@ A held poll waits as Django's does — `approvals.api.longpoll.hold` (woken by t
 pub/sub channel, no database connection held while waiting) with `action_should_hold` — but
 each read is the one statement on the event loop instead of the ORM behind a thread hop: an
 approval reaches a waiting agent without Django. Its answer replays Django's own held answer
-(Preference-Applied filled in). A read that needs Django once the wait has begun (a body
-that names voters) hands the poll to Django, which reads again and, if the action still
-holds, waits again: at most twice the wait, in that one case.
+(Preference-Applied filled in). A body that needs Django (an undo's state) once the wait
+has begun hands the poll to Django, which reads again and, if the action still holds, waits
+again: at most twice the wait, in that one case.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from psycopg import AsyncConnection, AsyncCursor
 from approvals.api.actions import ActionState, action_should_hold
 from approvals.api.longpoll import hold, parse_prefer_wait
 from approvals.api.serialize import action_body, body_facts
-from approvals.models import FINAL_ACTION_STATUSES, Action, Agent, Run
+from approvals.models import Action, Agent, Run
 from approvals.selectors import run_token_action_scope
 from approvals.services.preconditions import TagCondition, read_condition
 from approvals.services.tokens import LOOKUP_PREFIX_LENGTH, RUN_PREFIX, token_digest
@@ -393,11 +393,11 @@ class PollFront:
         action = _model(Action, sql.state_fields, rows[index][len(sql.token_fields) :])
         if not _visible(action, run):
             return None
-        return ActionState(action.etag, action.status in FINAL_ACTION_STATUSES, b"")
+        return ActionState(action.etag, action.is_final, b"")
 
     async def _full(self, poll: Poll) -> ActionState | None:
         """The action with its body, or None: Django answers. A body that needs another
-        read (votes, an undo's state) raises SynchronousOnlyOperation: Django answers."""
+        read (an undo's state) raises SynchronousOnlyOperation: Django answers."""
         sql = self._sql
         prefix = poll.token[:LOOKUP_PREFIX_LENGTH]
         rows = await self._rows(sql.body_sql, (*sql.fact_params, poll.action_id, prefix))

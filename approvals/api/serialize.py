@@ -67,18 +67,12 @@ def run_json(run: Run) -> dict[str, Any]:
 _FACTS_SQL = {
     "_own_approval": """(SELECT {obj}('id', ap.id, 'status', ap.status, 'quorum', ap.quorum,
         'decided_at', ap.decided_at, 'from_conflict', ap.from_conflict_id,
-        'resolved_by', u.{username},
-        'approves', (SELECT count(*) FROM {decision} d
-                     WHERE d.approval_id = ap.id AND d.decision = %s),
-        'votes', {votes})
+        'resolved_by', u.{username}, 'votes', {votes})
       FROM {approval} ap
       LEFT JOIN {conflict} c ON c.id = ap.from_conflict_id
       LEFT JOIN {user} u ON u.id = c.resolved_by_id
       WHERE ap.action_id = {action}.id ORDER BY ap.created_at DESC LIMIT 1)""",
-    "_run_approval": """(SELECT {obj}('id', ap.id, 'quorum', ap.quorum,
-        'approves', (SELECT count(*) FROM {decision} d
-                     WHERE d.approval_id = ap.id AND d.decision = %s),
-        'votes', {votes})
+    "_run_approval": """(SELECT {obj}('id', ap.id, 'quorum', ap.quorum, 'votes', {votes})
       FROM {approval} ap
       WHERE ap.run_id = {action}.run_id AND ap.subject = %s
       ORDER BY ap.created_at DESC LIMIT 1)""",
@@ -99,7 +93,8 @@ _FACTS_SQL = {
       WHERE o.action_id = {action}.id AND o.undo_of_id IS NOT NULL)""",
 }
 # An approval's votes, oldest first, as [[username, decision], ...] (NULL or [] when none):
-# the names the JSON shows come with the row instead of one more read per poll. SQLite's
+# the names the JSON shows (and how many approved) come with the row, not in a read of their
+# own. SQLite's
 # json_group_array keeps its subquery's order; its value arrives as text (see _voters).
 _VOTES_SQL = {
     "postgresql": """(SELECT jsonb_agg(jsonb_build_array(vu.{username}, d.decision)
@@ -111,8 +106,7 @@ _VOTES_SQL = {
        ORDER BY d.created_at) v)""",
 }
 _FACTS_PARAMS: dict[str, tuple[str, ...]] = {
-    "_own_approval": (Decision.APPROVE,),
-    "_run_approval": (Decision.APPROVE, ApprovalSubject.RUN),
+    "_run_approval": (ApprovalSubject.RUN,),
 }
 
 
@@ -249,12 +243,9 @@ def _approval_info(action: Action) -> dict[str, Any]:
     approval: dict[str, Any] | None = _facts(action, "_own_approval")
     if approval is None:
         return _run_approval_info(action.run, _facts(action, "_run_approval"))
-    approvers: list[str] = []
-    rejecter: str | None = None
-    if approval["approves"] or approval["status"] == ApprovalStatus.REJECTED:
-        votes = _voters(approval)
-        approvers = [name for name, decision in votes if decision == Decision.APPROVE]
-        rejecter = next((name for name, decision in votes if decision == Decision.REJECT), None)
+    votes = _voters(approval)
+    approvers = [name for name, decision in votes if decision == Decision.APPROVE]
+    rejecter = next((name for name, decision in votes if decision == Decision.REJECT), None)
     by: str | None = rejecter if approval["status"] == ApprovalStatus.REJECTED else None
     if by is None and approvers:
         by = ", ".join(approvers)
@@ -281,9 +272,8 @@ def _voters(approval: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _run_approval_info(run: Run, approval: dict[str, Any] | None) -> dict[str, Any]:
     """An action without its own approval was approved with its run."""
-    approvers: list[str] = []
-    if approval is not None and approval["approves"]:
-        approvers = [name for name, decision in _voters(approval) if decision == Decision.APPROVE]
+    votes = _voters(approval) if approval is not None else []
+    approvers = [name for name, decision in votes if decision == Decision.APPROVE]
     quorum = approval["quorum"] if approval is not None else 1
     return {
         "mode": "per_run",

@@ -48,7 +48,6 @@ from approvals.services.write_sets import entries_of, lock_kinds
 from audit.services import Actor, audit_append
 from console.core.action_audit import audit_action_event
 from console.core.actors import person_id
-from console.core.barrier import lock_run_for_share
 from console.core.errors import (
     Forbidden,
     InvalidTransition,
@@ -56,6 +55,7 @@ from console.core.errors import (
     ValidationFailed,
     text_within,
 )
+from console.core.write_rows import lock_run_for_share
 from console.permissions import can_decide_approvals, person_of
 from ownership.models import OwnershipRecord
 from ownership.reopen import conflict_reopen_for_resolution

@@ -10,8 +10,11 @@ Flow of one delivery (`action_execute`):
   5. the claim: one short transaction moves every write of the batch still `queued`
      to `executing` with a pending operation (console.core.operations.open_operations);
      the batched actions' own jobs are taken off the queue;
-  6. the apply: ONE transaction, `apply_action` (the barrier) per write in its own
-     savepoint, the audit events appended together last (audit_deferred);
+  6. the apply: ONE transaction — the plain updates and deletes together
+     (console.core.batch_write: one conditional UPDATE, one statement per table to record
+     them), anything else through `apply_action` (the barrier); a failing write makes the
+     batch redo itself a write at a time, each in its own savepoint; the audit events are
+     appended together last (audit_deferred);
   7. each result is settled on its own (approvals.services.attempts): stale version
      -> conflict, kill switch -> paused, stale fence / lost lock -> queued again with
      a new fence on the next attempt; transient errors -> exponential backoff with
@@ -28,7 +31,6 @@ from __future__ import annotations
 import logging
 import uuid
 from datetime import timedelta
-from typing import Any
 
 import redis
 from django.db import DatabaseError, transaction
@@ -363,20 +365,5 @@ def _settle(action: Action, operation_id: int, result: _Result) -> str:
     if result.applied:
         return "applied"
     return route_refusal(
-        action_id=action.pk, operation_id=operation_id, refusal=_refusal_code(result)
+        action_id=action.pk, operation_id=operation_id, refusal=result.reason or ""
     )
-
-
-def _refusal_code(outcome: Any) -> str:
-    refusal = getattr(outcome, "refusal", None)
-    if refusal is None:
-        return ""
-    if isinstance(refusal, str):
-        return refusal
-    for attr in ("code", "reason", "kind"):
-        value = getattr(refusal, attr, None)
-        if isinstance(value, str):
-            return value
-    if isinstance(refusal, dict):
-        return str(refusal.get("code") or refusal.get("reason") or "")
-    return str(refusal)

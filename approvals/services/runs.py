@@ -44,8 +44,8 @@ from approvals.services.write_sets import (
 )
 from audit.models import ActorType
 from audit.services import Actor, audit_append
-from console.core.barrier import lock_run_for_share
 from console.core.errors import DomainError, InvalidTransition, NotFound, ValidationFailed
+from console.core.write_rows import lock_run_for_share
 from console.permissions import can_decide_approvals, require_person
 from ownership.models import OwnershipRecord
 

@@ -47,8 +47,13 @@ from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from console.core.killswitch import refuse_if_engaged
 from console.core.operations import EXECUTABLE_STATUSES
-from console.core.write_rows import NOT_READ, LockedRows, lock_write_rows, run_end_status
-from console.core.write_rows import lock_run_for_share as lock_run_for_share  # re-exported
+from console.core.write_rows import (
+    NOT_READ,
+    LockedRows,
+    lock_run_for_share,
+    lock_write_rows,
+    run_end_status,
+)
 from ownership.diff import proposed_document
 from ownership.models import Resource, ResourceVersion
 
@@ -335,17 +340,30 @@ def _write_existing(
         return _Refused(
             Refusal(MISSING, "the resource does not exist", expected_version=observed, fence=fence)
         )
-    deleting = action.operation == WriteOperation.DELETE
-    # The merge patch is computed from the document read above; if anyone wrote
-    # since, the version precondition below fails and nothing is written. A
-    # tombstone keeps its last document (readers see a delete as `{}`, the
-    # proposed document; the history row keeps what was deleted).
-    document = current["document"] if deleting else proposed_document(action, current["document"])
+    planned = planned_write(action, current)
     if _conditional_update(
-        document, deleting, fence, now, pk=current["id"], version=observed, deleted=False
+        planned.document,
+        planned.deleted,
+        fence,
+        now,
+        pk=planned.resource_id,
+        version=observed,
+        deleted=False,
     ):
-        return Written(current["id"], observed, observed + 1, document, deleting)
+        return planned
     return _Refused(classify_miss(current["id"], expected=observed, fence=fence), current["id"])
+
+
+def planned_write(action: Action, current: Mapping[str, Any]) -> Written:
+    """What an update or delete of `current` (the resource's id and document) holds if it
+    lands at the observed version. The merge patch is computed from that document; if anyone
+    wrote since, the version precondition fails and nothing is written. A tombstone keeps its
+    last document (readers see a delete as `{}`; the history row keeps what was deleted)."""
+    observed = action.observed_version
+    assert observed is not None  # a constraint: updates and deletes observe a version
+    deleting = action.operation == WriteOperation.DELETE
+    document = current["document"] if deleting else proposed_document(action, current["document"])
+    return Written(current["id"], observed, observed + 1, document, deleting)
 
 
 def _conditional_update(

@@ -28,12 +28,12 @@ from console.core.barrier import (
     Written,
     apply_action,
     classify_miss,
+    planned_write,
     record_applied,
     record_refusal,
 )
 from console.core.operations import EXECUTABLE_STATUSES
 from console.core.write_rows import NOT_READ, LockedRows, run_end_status
-from ownership.diff import proposed_document
 from ownership.models import Resource
 
 # The barrier's conditional UPDATE for many rows: each (id, observed version, document,
@@ -96,7 +96,7 @@ def _apply_together(
     recorded together and each miss is refused on its own (the audit events stay in order)."""
     if not plain:
         return {}
-    planned = [(rows, _written(rows)) for rows in plain]
+    planned = [(rows, planned_write(rows.action, rows.resource)) for rows in plain]
     landed = _update_together([written for _, written in planned], fence=fence, now=now)
     outcomes: dict[uuid.UUID, WriteOutcome] = {}
     run: list[tuple[Action, Operation, Written]] = []
@@ -113,16 +113,6 @@ def _apply_together(
         )
     outcomes.update(_recorded(run, fence=fence, actor=actor, now=now))
     return outcomes
-
-
-def _written(rows: LockedRows) -> Written:
-    """What the write will hold if it lands (a tombstone keeps its last document)."""
-    action, current = rows.action, rows.resource
-    observed = action.observed_version
-    assert observed is not None  # a constraint: updates and deletes observe a version
-    deleting = action.operation == WriteOperation.DELETE
-    document = current["document"] if deleting else proposed_document(action, current["document"])
-    return Written(current["id"], observed, observed + 1, document, deleting)
 
 
 def _update_together(writes: list[Written], *, fence: int, now: datetime) -> set[int]:
