@@ -70,19 +70,18 @@ def hashed_fields(
     }
 
 
-def system_event_hash(
+def system_event_fields(
     *,
     seq: int,
     created_at: datetime,
     label: str,
     event_type: str,
     details: dict[str, Any],
-    prev_hash: str,
     resource: str = "",
-) -> str:
-    """The hash of a system event with no run, action or request id, for rows
+) -> dict[str, Any]:
+    """The hashed fields of a system event with no run, action or request id, for rows
     written without audit_append: the bench's bulk seed, tests that forge rows."""
-    fields = hashed_fields(
+    return hashed_fields(
         seq=seq,
         created_at=created_at,
         actor_type="system",
@@ -95,7 +94,6 @@ def system_event_hash(
         action_id=None,
         details=details,
     )
-    return event_hash(fields, prev_hash)
 
 
 def _row_hash(row: Any) -> str:

@@ -12,14 +12,12 @@
 
 from __future__ import annotations
 
-import io
 import json
 import multiprocessing
 import os
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import django
@@ -29,12 +27,12 @@ django.setup()  # the app registry must be ready before the models below are imp
 
 import redis  # noqa: E402
 from django.conf import settings  # noqa: E402
-from django.db import connection, connections, transaction  # noqa: E402
+from django.db import connection, connections  # noqa: E402
 
 from approvals.models import Action, ActionStatus, PayloadFormat, Run  # noqa: E402
-from audit.chain import system_event_hash  # noqa: E402
-from audit.models import AuditEvent, AuditHead  # noqa: E402
+from audit.models import AuditEvent  # noqa: E402
 from audit.services import Actor, audit_append  # noqa: E402
+from bench import seed  # noqa: E402
 from console.core.barrier import apply_action  # noqa: E402
 from console.core.lock import FencedLock  # noqa: E402
 from console.core.operations import open_operation  # noqa: E402
@@ -208,92 +206,15 @@ def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
-    """Bring the database up to the given totals with COPY; keep the audit chain valid.
-
-    Bulk, not the services: 10⁶-10⁷ audited rows through the services would take hours."""
+    """Bring the database up to the given totals (bench/seed.py); keep the audit chain valid."""
     t0 = time.perf_counter()
-    _seed_audit(int(spec["audit_events"]))
-    _seed_rows(spec)
+    seed.seed_scale(spec)
     return {
         "audit_events": AuditEvent.objects.count(),
         "resources": Resource.objects.count(),
         "actions": Action.objects.count(),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-
-
-def _seed_audit(want_events: int) -> None:
-    """Chained events appended by COPY under the head row's lock: the chain stays valid."""
-    with transaction.atomic():
-        head = AuditHead.objects.select_for_update().get(pk=1)
-        seq, prev = head.seq, head.hash
-        missing = max(0, want_events - AuditEvent.objects.count())
-        now = datetime.now(UTC)
-        with connection.cursor() as cursor:
-            batch = 50_000
-            done = 0
-            while done < missing:
-                buf = io.StringIO()
-                for _ in range(min(batch, missing - done)):
-                    seq += 1
-                    details = {"n": seq}
-                    digest = system_event_hash(
-                        seq=seq,
-                        created_at=now,
-                        label="bench-seed",
-                        event_type="bench.seed",
-                        details=details,
-                        prev_hash=prev,
-                    )
-                    buf.write(
-                        f"{seq}\t{now.isoformat()}\tsystem\t\tbench-seed\t\tbench.seed\t\t\\N\t\\N"
-                        f"\t{json.dumps(details)}\t{prev}\t{digest}\n"
-                    )
-                    prev = digest
-                    done += 1
-                buf.seek(0)
-                with cursor.copy(
-                    "COPY audit_auditevent (seq, created_at, actor_type, actor_id, actor_label, "
-                    "request_id, event_type, resource, run_id, action_id, details, prev_hash, "
-                    "hash) FROM STDIN"
-                ) as copy:
-                    copy.write(buf.getvalue())
-        AuditHead.objects.filter(pk=1).update(seq=seq, hash=prev)
-
-
-def _seed_rows(spec: dict[str, Any]) -> None:
-    """Resources and applied actions by INSERT … SELECT generate_series."""
-    want_resources, want_actions, kind = int(spec["resources"]), int(spec["actions"]), spec["kind"]
-    have_resources = Resource.objects.count()
-    with connection.cursor() as cursor:
-        if want_resources > have_resources:
-            cursor.execute(
-                "INSERT INTO ownership_resource (kind_id, name, document, version, last_fence, "
-                "deleted, owner_group, created_at, updated_at) "
-                "SELECT %s, 'scale-' || g, '{\"n\": 0}'::jsonb, 1, 0, false, 'platform', now(), "
-                "now() FROM generate_series(%s::bigint, %s::bigint) g",
-                [kind, have_resources + 1, want_resources],
-            )
-        have_actions = Action.objects.count()
-        if want_actions > have_actions:
-            cursor.execute(
-                "INSERT INTO approvals_action (id, run_id, agent_id, kind_id, name, operation, "
-                "payload_format, payload, observed_version, conflict_class_id, status, revision, "
-                "reason, idempotency_key, request_id, paused_reason, attempts, created_at, "
-                "updated_at) "
-                "SELECT gen_random_uuid(), %s, %s, %s, 'scale-' || g, 'update', 'merge_patch', "
-                "'{\"n\": 1}'::jsonb, 1, %s, 'applied', 3, '', '', '', '', 1, now(), now() "
-                "FROM generate_series(%s::bigint, %s::bigint) g",
-                [
-                    spec["run_id"],
-                    spec["agent_id"],
-                    kind,
-                    spec["conflict_class"],
-                    have_actions + 1,
-                    want_actions,
-                ],
-            )
-        cursor.execute("ANALYZE")
 
 
 TASKS = {"core_write": core_write, "audit_append": audit_writers, "seed_scale": seed_scale}

@@ -15,7 +15,7 @@ from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
-from audit.chain import GENESIS_HASH, system_event_hash
+from audit.chain import GENESIS_HASH, event_hash, system_event_fields
 from audit.models import AuditEvent, AuditHead
 from audit.selectors import audit_list
 from audit.services import Actor, audit_append, audit_append_many
@@ -119,15 +119,15 @@ def test_a_missing_or_moved_row_is_detected_at_the_first_bad_seq(
 
 def _forged_row(seq: int, prev_hash: str, *, valid_hash: bool) -> list[Any]:
     now = timezone.now()
-    digest = system_event_hash(
+    fields = system_event_fields(
         seq=seq,
         created_at=now,
         label="forger",
         event_type="write.applied",
         resource="notification-policy/prod-alerts",
         details={"forged": True},
-        prev_hash=prev_hash,
     )
+    digest = event_hash(fields, prev_hash)
     if not valid_hash:
         digest = "f" * 64
     return [seq, now, "system", "", "forger", "", "write.applied",
