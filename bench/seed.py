@@ -179,6 +179,9 @@ def _indexes_rebuilt_after(table: str, *, rows: int) -> Iterator[None]:
     yield
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL maintenance_work_mem = '512MB'")
+        # Django's foreign keys are deferred: their checks of the load must run before a
+        # constraint can be added in the same transaction.
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
         for kind, name, definition in before:
             if kind == "index":
                 cursor.execute(definition)
