@@ -269,7 +269,8 @@ def render_list_page(
 ) -> HttpResponse:
     """A filtered list, newest first by `fields`: one keyset page of `queryset` as
     `rows`, the next page's cursor and the query string without it (the "next" link
-    keeps the filters); the whole page, or its ``list`` partial for htmx."""
+    keeps the filters); the whole page, or its ``list`` partial for htmx. The
+    template's link: console/partials/_list_pager.html."""
     page, next_cursor = keyset_page(queryset, cursor=request.GET.get("cursor"), fields=fields)
     return render_fragment_or_page(
         request,
