@@ -27,21 +27,25 @@ class AgentAdmin(ReadOnlyAdmin):
     search_fields = ("name",)
 
 
+def _token_columns(owner: str) -> tuple[str, ...]:
+    """An agent's or a person's tokens show the same columns, with their owner's."""
+    return ("prefix", owner, "label", "created_at", "last_used_at", "revoked_at")
+
+
 class TokenAdmin(ReadOnlyAdmin):
     """Tokens are created (and shown once) on the Tokens page; here only looked at."""
 
-    list_display: tuple[str, ...] = ("prefix", "label", "created_at", "last_used_at", "revoked_at")
     exclude = ("token_hash",)
 
 
 @admin.register(AgentToken)
 class AgentTokenAdmin(TokenAdmin):
-    list_display = ("prefix", "agent", "label", "created_at", "last_used_at", "revoked_at")
+    list_display = _token_columns("agent")
 
 
 @admin.register(PersonalToken)
 class PersonalTokenAdmin(TokenAdmin):
-    list_display = ("prefix", "user", "label", "created_at", "last_used_at", "revoked_at")
+    list_display = _token_columns("user")
 
 
 @admin.register(Run)

@@ -256,3 +256,30 @@ def query_without(request: HttpRequest, key: str) -> str:
     params = request.GET.copy()
     params.pop(key, None)
     return params.urlencode()
+
+
+def render_list_page(
+    request: HttpRequest,
+    template: str,
+    queryset: Any,
+    context: dict[str, Any],
+    *,
+    rows: str,
+    fields: tuple[str, str] = ("created_at", "id"),
+) -> HttpResponse:
+    """A filtered list, newest first by `fields`: one keyset page of `queryset` as
+    `rows`, the next page's cursor and the query string without it (the "next" link
+    keeps the filters); the whole page, or its ``list`` partial for htmx. The
+    template's link: console/partials/_list_pager.html."""
+    page, next_cursor = keyset_page(queryset, cursor=request.GET.get("cursor"), fields=fields)
+    return render_fragment_or_page(
+        request,
+        template,
+        {
+            **context,
+            rows: page,
+            "next_cursor": next_cursor,
+            "query": query_without(request, "cursor"),
+        },
+        partial="list",
+    )

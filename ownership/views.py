@@ -29,11 +29,10 @@ from console.pages import (
     error_status,
     forbid_unless,
     is_htmx,
-    keyset_page,
     pretty,
-    query_without,
     raise_if_denied,
     render_fragment_or_page,
+    render_list_page,
 )
 from ownership.diff import default_choice, document_diff, three_way_diff
 from ownership.forms import (
@@ -137,16 +136,10 @@ def conflicts_list(request: HttpRequest) -> HttpResponse:
         mine=scope != "all",
         status=status if status in ConflictStatus.values else None,
     )
-    rows, next_cursor = keyset_page(conflicts, cursor=request.GET.get("cursor"))
-    context = {
-        "nav": "conflicts",
-        "conflicts": rows,
-        "scope": scope,
-        "status": status,
-        "next_cursor": next_cursor,
-        "query": query_without(request, "cursor"),
-    }
-    return render_fragment_or_page(request, "ownership/conflicts.html", context, partial="list")
+    context = {"nav": "conflicts", "scope": scope, "status": status}
+    return render_list_page(
+        request, "ownership/conflicts.html", conflicts, context, rows="conflicts"
+    )
 
 
 @console_page
@@ -246,20 +239,19 @@ def resources_list(request: HttpRequest) -> HttpResponse:
             resources = resources.filter(kind_id=form.cleaned_data["kind"])
         if form.cleaned_data.get("prefix"):
             resources = resources.filter(name__startswith=form.cleaned_data["prefix"])
-    rows, next_cursor = keyset_page(
-        resources.only("id", "kind_id", "name", "version", "owner_group", "updated_at", "deleted"),
-        cursor=request.GET.get("cursor"),
-        fields=("updated_at", "id"),
-    )
     context = {
         "nav": "resources",
         "kinds": list(ResourceKind.objects.values_list("slug", flat=True)),
         "form": form if form.is_bound else ResourceFilterForm(),
-        "resources": rows,
-        "next_cursor": next_cursor,
-        "query": query_without(request, "cursor"),
     }
-    return render_fragment_or_page(request, "ownership/resources.html", context, partial="list")
+    return render_list_page(
+        request,
+        "ownership/resources.html",
+        resources.only("id", "kind_id", "name", "version", "owner_group", "updated_at", "deleted"),
+        context,
+        rows="resources",
+        fields=("updated_at", "id"),
+    )
 
 
 def _resource_for(user: Any, identifier: str) -> Resource:

@@ -27,10 +27,9 @@ from console.pages import (
     error_status,
     forbid_unless,
     is_htmx,
-    keyset_page,
     pretty,
-    query_without,
     render_fragment_or_page,
+    render_list_page,
 )
 from ownership.models import OwnershipRecord
 
@@ -97,16 +96,12 @@ def runs_list(request: HttpRequest) -> HttpResponse:
             runs = runs.filter(
                 Exists(Action.objects.filter(run=OuterRef("pk"), status=data["action_status"]))
             )
-    rows, next_cursor = keyset_page(runs, cursor=request.GET.get("cursor"))
     context = {
         "nav": "runs",
         "form": form if form.is_bound else RunFilterForm(),
-        "runs": rows,
-        "next_cursor": next_cursor,
-        "query": query_without(request, "cursor"),
         "now": timezone.now(),
     }
-    return render_fragment_or_page(request, "approvals/runs.html", context, partial="list")
+    return render_list_page(request, "approvals/runs.html", runs, context, rows="runs")
 
 
 def _run_for(user: Any, run_id: uuid.UUID) -> Run:
