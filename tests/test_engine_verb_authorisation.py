@@ -61,6 +61,17 @@ def test_it_lets_only_the_owner_revoke_a_personal_token(people: People) -> None:
     assert token_revoke(token=token, actor=Actor.person(people.owner)) is True
 
 
+def test_it_lets_a_person_mint_personal_tokens_only_for_themselves(people: People) -> None:
+    for actor in (Actor.person(people.admin), Actor.person(people.operator)):
+        with pytest.raises(Forbidden):
+            personal_token_create(user=people.owner, actor=actor)
+    assert not PersonalToken.objects.filter(user=people.owner).exists()
+    assert not AuditEvent.objects.filter(event_type="token.created").exists()
+    mine, _secret = personal_token_create(user=people.owner, actor=Actor.person(people.owner))
+    by_cli, _secret = personal_token_create(user=people.owner, actor=Actor.system("cli"))
+    assert {mine.user_id, by_cli.user_id} == {people.owner.pk}
+
+
 def test_it_lets_only_admins_mint_and_revoke_agent_tokens(people: People, world: World) -> None:
     with pytest.raises(Forbidden):
         agent_token_create(agent=world.agent, actor=Actor.person(people.operator))

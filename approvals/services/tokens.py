@@ -179,7 +179,16 @@ def personal_token_create(
     label: str = "",
     expires_at: datetime | None = None,
 ) -> tuple[PersonalToken, str]:
-    """Issue a personal token carrying `user`'s permissions."""
+    """Issue a personal token carrying `user`'s permissions.
+
+    Raises Forbidden unless the actor is that (active) person or the system: a token acts
+    with its user's roles, so even an admin may not mint one for someone else.
+    """
+    require_person(
+        actor,
+        lambda person: person.pk == user.pk,
+        "You may only create personal tokens for yourself.",
+    )
     return _token_issue(
         PersonalToken,
         PERSONAL_PREFIX,
