@@ -13,6 +13,7 @@ one multi-row INSERT and one head update.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -132,6 +133,8 @@ def _storable(value: Any) -> Any:
     if isinstance(value, list):
         return [_storable(item) for item in value]
     if isinstance(value, str):
+        if value.isascii() and "\x00" not in value:  # the usual string: nothing to change
+            return value
         return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
@@ -142,9 +145,49 @@ def _storable(value: Any) -> Any:
 
 
 def _clean_details(details: dict[str, Any] | None) -> dict[str, Any]:
+    cleaned: dict[str, Any]
+    try:
+        cleaned = _clean_plain(details or {})
+        return cleaned
+    except _NotPlain:
+        pass
     # Round-trip through JSON so the hash covers exactly what is stored.
-    cleaned: dict[str, Any] = _storable(json.loads(json.dumps(_scrub(details or {}), default=str)))
+    cleaned = _storable(json.loads(json.dumps(_scrub(details or {}), default=str)))
     return cleaned
+
+
+class _NotPlain(Exception):
+    """A value the JSON round trip could change (a tuple, a float, a non-str key, ...)."""
+
+
+_PLAIN_SCALARS = (int, bool, type(None))
+
+
+def _clean_plain(value: Any) -> Any:
+    """`_clean_details` in one pass for details made only of dicts with str keys, lists,
+    strs, ints, bools and None — what nearly every event carries, and what the JSON round
+    trip leaves as it is: the same scrub, then the same `_storable`, without the round trip.
+    Anything else raises _NotPlain (the caller then takes the round trip)."""
+    kind = type(value)
+    if kind is dict:
+        cleaned = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _NotPlain
+            cleaned[_storable(key)] = "[redacted]" if _secret_key(key) else _clean_plain(item)
+        return cleaned
+    if kind is list:
+        return [_clean_plain(item) for item in value]
+    if kind is str:
+        return _storable(_TOKEN_VALUE_PATTERN.sub("[redacted]", value) if "_" in value else value)
+    if kind in _PLAIN_SCALARS:
+        return value
+    raise _NotPlain
+
+
+@functools.lru_cache(maxsize=1024)
+def _secret_key(key: str) -> bool:
+    return _SECRET_KEY_PATTERN.search(key) is not None
 
 
 def _as_uuid(value: uuid.UUID | str | None) -> uuid.UUID | None:

@@ -15,6 +15,7 @@ from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
+from audit import services
 from audit.chain import GENESIS_HASH, system_event_hash
 from audit.models import AuditEvent, AuditHead
 from audit.selectors import audit_list
@@ -348,3 +349,36 @@ def test_the_event_hash_is_unique_and_appends_update_no_index_nobody_reads() -> 
     )
     with pytest.raises(DatabaseError), transaction.atomic():
         twin.save(force_insert=True)
+
+
+_PLAIN_DETAILS: list[dict[str, Any]] = [
+    {},
+    {"operation": "update", "operation_id": 12, "fence": 33, "from_version": None},
+    {"executor": {"type": "system", "id": "", "label": "worker"}, "ok": True, "n": -(2**70)},
+    {"api_key": "x", "nested": {"Password": ["a"], "list": [{"secret_thing": 1}, [None]]}},
+    {"note": "called with ak_abcdefghijkl and rt_1234567890", "t": "pt_short"},
+    {"nul": "a\x00b", "lone": "x\udcff", "ünï": "çödé ✓", "bad\x00key": "v"},
+]
+_ODD_DETAILS: list[dict[Any, Any]] = [
+    {"float": 0.1, "big": 1e16},
+    {"tuple": (1, 2)},
+    {3: "int key"},
+    {"uuid": uuid.UUID(int=7), "when": timezone.now()},
+]
+
+
+@pytest.mark.parametrize("details", _PLAIN_DETAILS + _ODD_DETAILS)
+def test_the_one_pass_cleaning_of_details_equals_the_json_round_trip(
+    details: dict[str, Any],
+) -> None:
+    """Plain details skip the JSON round trip (audit.services._clean_plain); what the hash
+    covers must be byte for byte what the round trip gives, and anything else (floats,
+    tuples, non-str keys, objects) must still take the round trip."""
+    round_trip = services._storable(json.loads(json.dumps(services._scrub(details), default=str)))
+    cleaned = services._clean_details(details)
+    assert json.dumps(cleaned, sort_keys=True) == json.dumps(round_trip, sort_keys=True)
+    if details in _PLAIN_DETAILS:
+        assert services._clean_plain(details) == round_trip
+    else:
+        with pytest.raises(services._NotPlain):
+            services._clean_plain(details)
