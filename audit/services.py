@@ -48,9 +48,10 @@ _TOKEN_VALUE_PATTERN = re.compile(r"\b(ak|rt|pt)_[A-Za-z0-9_-]{8,}")
 # with everything but `seq` and `prev_hash` (which come last in sorted-key order,
 # so the text is `<prefix><seq>},"prev_hash":"<prev>"}` — the very bytes
 # `audit.chain.event_hash` hashes), then the event is inserted and the head moved.
-_APPEND = """
+_APPEND_HEAD = """
 WITH head AS (
-    SELECT seq + 1 AS seq, hash AS prev FROM audit_audithead WHERE id = 1 FOR UPDATE
+    SELECT seq + 1 AS seq, hash AS prev FROM audit_audithead WHERE id = 1"""
+_APPEND_REST = """ FOR UPDATE
 ), h AS (
     SELECT seq, prev, encode(sha256(convert_to(
         %s || seq::text || '},"prev_hash":"' || prev || '"}', 'UTF8')), 'hex') AS digest
@@ -64,6 +65,7 @@ UPDATE audit_audithead SET seq = h.seq, hash = h.digest FROM h
 WHERE audit_audithead.id = 1
 RETURNING h.seq, h.prev, h.digest
 """
+_APPEND = _APPEND_HEAD + _APPEND_REST
 _HASH_SUFFIX = '0},"prev_hash":""}'
 
 
@@ -292,11 +294,57 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
         return placeholder
     if connection.vendor != "postgresql":
         return _append_batch([prepared])[0]
+    params = _append_params(prepared)
+    # One statement is atomic by itself: no BEGIN/COMMIT round trips of our own
+    # when the caller is in autocommit (inside its transaction it is simply the
+    # transaction's last statement).
+    row = _execute_append(params)
+    if row is None:  # the head row is missing (a flushed test database)
+        AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
+        row = _execute_append(params)
+    assert row is not None
+    return _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+
+
+@dataclass(frozen=True)
+class GuardedAppend:
+    """One append as a statement for the caller to send (see audit_append_if)."""
+
+    sql: str
+    params: list[Any]
+    prepared: _Prepared
+
+    def appended(self, row: Any) -> AuditEvent | None:
+        """The event from the statement's row; None when nothing was appended (the guard
+        did not hold, or the head row is missing: then call audit_append)."""
+        if row is None:
+            return None
+        return _event(self.prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+
+
+def audit_append_if(
+    guard: str, guard_params: Sequence[Any], **event: Unpack[EventSpec]
+) -> GuardedAppend | None:
+    """audit_append as ONE statement that appends only if the SQL condition `guard` (its
+    placeholders filled from `guard_params`) holds when it runs: for a caller that sends it
+    in the same round trip as the statement it records (console/core/land.py), so that a
+    change that did not happen is not recorded. The same lock rule as audit_append; the
+    head row is locked only when the guard holds. None where an append is not one
+    statement (inside audit_deferred, or not PostgreSQL): the caller calls audit_append."""
+    if _DEFERRED.get() is not None or connection.vendor != "postgresql":
+        return None
+    prepared = _prepare(event)
+    sql = f"{_APPEND_HEAD} AND ({guard}){_APPEND_REST}"
+    return GuardedAppend(sql, [*guard_params, *_append_params(prepared)], prepared)
+
+
+def _append_params(prepared: _Prepared) -> list[Any]:
+    """_APPEND's parameters: the hashed text up to seq, then the stored columns."""
     template = canonical_json({"event": prepared.fields, "prev_hash": ""})
     if not template.endswith(_HASH_SUFFIX):  # the field set changed: fix _APPEND
         raise RuntimeError("audit hash layout is not <prefix><seq>},prev_hash")
     columns = prepared.columns
-    params: list[Any] = [
+    return [
         template[: -len(_HASH_SUFFIX)],
         columns["created_at"],
         columns["actor_type"],
@@ -309,15 +357,6 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
         columns["action_id"],
         json.dumps(columns["details"], ensure_ascii=False),
     ]
-    # One statement is atomic by itself: no BEGIN/COMMIT round trips of our own
-    # when the caller is in autocommit (inside its transaction it is simply the
-    # transaction's last statement).
-    row = _execute_append(params)
-    if row is None:  # the head row is missing (a flushed test database)
-        AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
-        row = _execute_append(params)
-    assert row is not None
-    return _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
 
 
 def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:

@@ -19,7 +19,13 @@ from audit import services
 from audit.chain import GENESIS_HASH, system_event_hash
 from audit.models import AuditEvent, AuditHead
 from audit.selectors import audit_list
-from audit.services import Actor, audit_append, audit_append_many
+from audit.services import (
+    Actor,
+    audit_append,
+    audit_append_if,
+    audit_append_many,
+    audit_deferred,
+)
 from audit.verify import verify_chain
 from console.core.errors import ValidationFailed
 from tests.conftest import ROOT, subprocess_env
@@ -382,3 +388,25 @@ def test_the_one_pass_cleaning_of_details_equals_the_json_round_trip(
     else:
         with pytest.raises(services._NotPlain):
             services._clean_plain(details)
+
+
+@pytest.mark.django_db
+def test_a_guarded_append_appends_only_while_its_guard_holds() -> None:
+    """audit_append_if: the statement a caller sends behind its own write (land.py); a
+    guard that does not hold appends nothing and leaves the head unlocked and unmoved."""
+    actor = Actor.system("test")
+    with transaction.atomic():
+        skipped = audit_append_if("1 = %s", [2], event_type="test.skipped", actor=actor)
+        kept = audit_append_if("1 = %s", [1], event_type="test.kept", actor=actor)
+        assert skipped is not None and kept is not None
+        with connection.cursor() as cursor:
+            cursor.execute(skipped.sql, skipped.params)
+            assert skipped.appended(cursor.fetchone()) is None
+            cursor.execute(kept.sql, kept.params)
+            event = kept.appended(cursor.fetchone())
+    assert event is not None and event.seq == 1
+    assert list(AuditEvent.objects.values_list("event_type", flat=True)) == ["test.kept"]
+    assert verify_chain().ok
+    # Inside audit_deferred an append is not one statement: the caller appends itself.
+    with transaction.atomic(), audit_deferred():
+        assert audit_append_if("true", [], event_type="test.none", actor=actor) is None

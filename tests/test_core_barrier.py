@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.models import AuditEvent
@@ -451,3 +451,25 @@ def test_engaged_switch_for_matches_global_prefix_and_exact_scopes() -> None:
     # The broadest engaged switch is the one reported.
     assert engaged_switch_for("dns-record/www").reason == "everything"  # type: ignore[union-attr]
     assert engaged_switch_for("anything/else").scope == "*"  # type: ignore[union-attr]
+
+
+@pytest.mark.django_db(transaction=True)  # the claim must run in autocommit, as a job's does
+def test_the_claim_commits_unflushed_only_in_its_own_transaction(prod_alerts: Any) -> None:
+    """open_operation's claim is one statement: alone (autocommit) it turns the flush wait
+    off for its own commit only (set_config(..., true)), and inside a caller's transaction
+    it leaves the caller's commit alone."""
+
+    def synchronous_commit() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            return str(cursor.fetchone()[0])
+
+    run = make_run()
+    alone = prod_alerts_action(run, payload={"a": 1})
+    open_operation(action_id=alone.pk, fence=next_fence(), worker="w", lease_seconds=60)
+    assert synchronous_commit() == "on"  # nothing left behind on the connection
+    inside = prod_alerts_action(run, payload={"b": 1})
+    with transaction.atomic():
+        open_operation(action_id=inside.pk, fence=next_fence(), worker="w", lease_seconds=60)
+        assert synchronous_commit() == "on"
+    assert Action.objects.get(pk=inside.pk).status == ActionStatus.EXECUTING

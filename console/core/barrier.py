@@ -43,8 +43,8 @@ from approvals.models import (
     OperationStatus,
     WriteOperation,
 )
-from audit.services import Actor
-from console.core.action_audit import audit_action_event
+from audit.services import Actor, EventSpec, audit_append
+from console.core.action_audit import action_event
 from console.core.killswitch import refuse_if_engaged
 from console.core.land import Written, land_write, undo_window
 from console.core.operations import EXECUTABLE_STATUSES
@@ -164,11 +164,10 @@ def _apply_in_transaction(
     else:
         landing = operation if connection.vendor == "postgresql" else None
         result = _write_existing(
-            action, fence=fence, now=now, current=locked.resource, landing=landing
+            action, fence=fence, now=now, current=locked.resource, landing=landing, actor=actor
         )
-        if landing is not None and isinstance(result, Written):  # recorded with the UPDATE
-            landed = [(action, operation, result)]
-            return audit_applied(landed, fence=fence, actor=actor, now=now)[0]
+        if landing is not None and isinstance(result, Written):  # recorded and audited
+            return _applied(action, operation, result, fence=fence, now=now)
     if isinstance(result, _Refused):
         return record_refusal(
             action, operation, result.refusal, actor=actor, resource_id=result.resource_id
@@ -276,10 +275,10 @@ def record_applied(
         error=None,
         updated_at=now,
     )
-    return audit_applied(writes, fence=fence, actor=actor, now=now)
+    return _audit_applied(writes, fence=fence, actor=actor, now=now)
 
 
-def audit_applied(
+def _audit_applied(
     writes: Sequence[tuple[Action, Operation, Written]],
     *,
     fence: int,
@@ -289,30 +288,35 @@ def audit_applied(
     """The recorded writes' audit events, in order, and their outcomes."""
     outcomes = []
     for action, operation, written in writes:
-        _audit_write(
-            "write.applied",
-            action,
-            operation,
-            actor=actor,
-            details={
-                "fence": fence,
-                "from_version": written.base_version,
-                "to_version": written.result_version,
-            },
-        )
-        outcomes.append(
-            WriteOutcome(
-                applied=True,
-                action_id=action.pk,
-                operation_id=operation.pk,
-                fence=fence,
-                resource_id=written.resource_id,
-                base_version=written.base_version,
-                result_version=written.result_version,
-                undo_deadline=now + undo_window(action),
-            )
-        )
+        audit_append(**_applied_event(action, operation, written, fence=fence, actor=actor))
+        outcomes.append(_applied(action, operation, written, fence=fence, now=now))
     return outcomes
+
+
+def _applied_event(
+    action: Action, operation: Operation, written: Written, *, fence: int, actor: Actor
+) -> EventSpec:
+    details = {
+        "fence": fence,
+        "from_version": written.base_version,
+        "to_version": written.result_version,
+    }
+    return _write_event("write.applied", action, operation, actor=actor, details=details)
+
+
+def _applied(
+    action: Action, operation: Operation, written: Written, *, fence: int, now: datetime
+) -> WriteOutcome:
+    return WriteOutcome(
+        applied=True,
+        action_id=action.pk,
+        operation_id=operation.pk,
+        fence=fence,
+        resource_id=written.resource_id,
+        base_version=written.base_version,
+        result_version=written.result_version,
+        undo_deadline=now + undo_window(action),
+    )
 
 
 def _per_row(model: type[Model], field_name: str, values: Mapping[Any, Any]) -> Any:
@@ -331,11 +335,13 @@ def _write_existing(
     now: datetime,
     current: Any = NOT_READ,
     landing: Operation | None = None,
+    actor: Actor | None = None,
 ) -> Written | _Refused:
     """Update or delete: the single conditional UPDATE, then classify a miss.
     `current`: the resource's id and document when the caller's batch read them.
     `landing` (PostgreSQL): the write's operation — the UPDATE then also records the write
-    (history row, operation done, action applied) in the same statement (land.py)."""
+    (history row, operation done, action applied) in the same statement and its audit
+    event by `actor` right after it, in the same round trip (land.py)."""
     observed = action.observed_version
     assert observed is not None  # a constraint: updates and deletes observe a version
     if current is NOT_READ:
@@ -350,23 +356,14 @@ def _write_existing(
         )
     planned = planned_write(action, current)
     if landing is not None:
+        assert actor is not None
+        event = _applied_event(action, landing, planned, fence=fence, actor=actor)
         landed = land_write(
-            planned,
-            fence=fence,
-            now=now,
-            action=action,
-            operation_id=landing.pk,
+            planned, fence=fence, now=now, action=action, operation_id=landing.pk, event=event
         )
     else:
-        landed = _conditional_update(
-            planned.document,
-            planned.deleted,
-            fence,
-            now,
-            pk=planned.resource_id,
-            version=observed,
-            deleted=False,
-        )
+        expected = {"pk": planned.resource_id, "version": observed, "deleted": False}
+        landed = _conditional_update(planned.document, planned.deleted, fence, now, **expected)
     if landed:
         return planned
     return _Refused(classify_miss(current["id"], expected=observed, fence=fence), current["id"])
@@ -531,7 +528,8 @@ def record_refusal(
         outcome=refusal.as_dict(),
         finished_at=timezone.now(),
     )
-    _audit_write("write.refused", action, operation, actor=actor, details=refusal.as_dict())
+    details = refusal.as_dict()
+    audit_append(**_write_event("write.refused", action, operation, actor=actor, details=details))
     return WriteOutcome(
         applied=False,
         action_id=action.pk,
@@ -547,11 +545,11 @@ def _write_actor(action: Action) -> Actor:
     return Actor.run(action.run)
 
 
-def _audit_write(
+def _write_event(
     event_type: str, action: Action, operation: Operation, *, actor: Actor, details: dict[str, Any]
-) -> None:
+) -> EventSpec:
     """The run's audit event for a write or its refusal, naming the executor."""
-    audit_action_event(
+    return action_event(
         action,
         event_type=event_type,
         actor=_write_actor(action),

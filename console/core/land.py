@@ -7,8 +7,8 @@ data-modifying CTEs: the three records are written only when the UPDATE returned
 so a miss changes nothing and is classified afterwards, as before. The operation and
 action rows are already locked by this transaction (console/core/write_rows.py), so the
 statement takes no lock the one lock order does not already hold, except the resource
-row's, which the UPDATE takes first. The audit event stays a statement of its own, after
-this one: it locks the audit head, always last.
+row's, which the UPDATE takes first. The audit event stays a statement of its own, run
+after this one (it locks the audit head, always last), but is sent with it: one round trip.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from django.db import connection
 
 from approvals.models import Action, ActionStatus, OperationStatus
+from audit.services import EventSpec, audit_append, audit_append_if
 from ownership.models import Resource
 
 _LAND = """
@@ -66,15 +67,54 @@ class Written:
 
 
 def land_write(
-    planned: Written, *, fence: int, now: datetime, action: Action, operation_id: int
+    planned: Written,
+    *,
+    fence: int,
+    now: datetime,
+    action: Action,
+    operation_id: int,
+    event: EventSpec,
 ) -> bool:
     """Write `planned` (an update's document or a delete's tombstone, at its base version
-    + 1) and record it; False (nothing written) when the row is no longer at the base
-    version, is a tombstone, or has seen `fence`."""
+    + 1), record it, and append `event` (`write.applied`); False — nothing written, nothing
+    appended — when the row is no longer at the base version, is a tombstone, or has seen
+    `fence`. The append is sent with the write (psycopg's pipeline: one round trip) and
+    made only if the operation is `done` when it runs — the row is locked by this
+    transaction and was pending, so only this write's statement can have made it so."""
+    with connection.cursor() as cursor:
+        appending = audit_append_if(_LANDED, [operation_id, OperationStatus.DONE.value], **event)
+        if appending is None:  # not one statement here (audit_deferred): append after
+            cursor.execute(_LAND, _land_params(planned, fence, now, action, operation_id))
+            landed = _landed(cursor.fetchone())
+            if landed:
+                audit_append(**event)
+            return landed
+        with connection.wrap_database_errors, connection.cursor() as append:
+            with connection.connection.pipeline():
+                cursor.execute(_LAND, _land_params(planned, fence, now, action, operation_id))
+                append.execute(appending.sql, appending.params)
+            landed = _landed(cursor.fetchone())
+            row = append.fetchone()
+    if landed and appending.appended(row) is None:  # the head row is missing
+        audit_append(**event)
+    return landed
+
+
+# The guard of the append: true once this write's statement has made its operation `done`.
+_LANDED = "EXISTS (SELECT 1 FROM approvals_operation WHERE id = %s AND status = %s)"
+
+
+def _landed(row: Any) -> bool:
+    return bool(row and row[0] == 1)
+
+
+def _land_params(
+    planned: Written, fence: int, now: datetime, action: Action, operation_id: int
+) -> list[Any]:
     observed = planned.base_version
     assert observed is not None  # an update or a delete: it observed a version
     as_json = Resource._meta.get_field("document").get_db_prep_value
-    params = [
+    return [
         as_json(planned.document, connection),
         planned.deleted,
         fence,
@@ -100,7 +140,3 @@ def land_write(
         now,
         action.pk,
     ]
-    with connection.cursor() as cursor:
-        cursor.execute(_LAND, params)
-        row = cursor.fetchone()
-    return bool(row and row[0] == 1)
