@@ -186,6 +186,7 @@ def _sql() -> _Statements:
     return _Statements(SWITCH_LOCK_SHARED, operation, run, action)
 
 
+@cache
 def _fields(model: type[Model]) -> list[Field[Any, Any]]:
     return [f for f in model._meta.concrete_fields if isinstance(f, Field)]
 
@@ -213,23 +214,24 @@ _M = TypeVar("_M", bound=Model)
 def _load(model: type[_M], row: Sequence[Any], offset: int = 0) -> _M:
     """A model instance from `row[offset:]` in `_fields(model)` order, as the ORM
     would build it (each field's from-database conversion applied)."""
-    values = []
-    for index, field in enumerate(_fields(model)):
-        value = row[offset + index]
-        for convert in _converters(field):
-            value = convert(value, field, connection)
-        values.append(value)
-    return model.from_db(connection.alias, _attnames(model), values)
+    names, conversions = _loader(model)
+    values = list(row[offset : offset + len(names)])
+    for index, field, convert in conversions:
+        values[index] = convert(values[index], field, connection)
+    return model.from_db(connection.alias, names, values)
 
 
 @cache
-def _attnames(model: type[Model]) -> list[str]:
-    return [field.attname for field in _fields(model)]
-
-
-@cache
-def _converters(field: Field[Any, Any]) -> tuple[Any, ...]:
-    return tuple(field.get_db_converters(connection))
+def _loader(model: type[Model]) -> tuple[list[str], tuple[tuple[int, Field[Any, Any], Any], ...]]:
+    """The model's attribute names, and the (index, field, converter) of the fields whose
+    value the ORM converts after reading it (e.g. a JSONField decodes its text)."""
+    fields = _fields(model)
+    conversions = tuple(
+        (index, field, convert)
+        for index, field in enumerate(fields)
+        for convert in field.get_db_converters(connection)
+    )
+    return [field.attname for field in fields], conversions
 
 
 def lock_batch_rows(
