@@ -13,6 +13,7 @@ one multi-row INSERT and one head update.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -47,9 +48,10 @@ _TOKEN_VALUE_PATTERN = re.compile(r"\b(ak|rt|pt)_[A-Za-z0-9_-]{8,}")
 # with everything but `seq` and `prev_hash` (which come last in sorted-key order,
 # so the text is `<prefix><seq>},"prev_hash":"<prev>"}` — the very bytes
 # `audit.chain.event_hash` hashes), then the event is inserted and the head moved.
-_APPEND = """
+_APPEND_HEAD = """
 WITH head AS (
-    SELECT seq + 1 AS seq, hash AS prev FROM audit_audithead WHERE id = 1 FOR UPDATE
+    SELECT seq + 1 AS seq, hash AS prev FROM audit_audithead WHERE id = 1"""
+_APPEND_REST = """ FOR UPDATE
 ), h AS (
     SELECT seq, prev, encode(sha256(convert_to(
         %s || seq::text || '},"prev_hash":"' || prev || '"}', 'UTF8')), 'hex') AS digest
@@ -63,6 +65,7 @@ UPDATE audit_audithead SET seq = h.seq, hash = h.digest FROM h
 WHERE audit_audithead.id = 1
 RETURNING h.seq, h.prev, h.digest
 """
+_APPEND = _APPEND_HEAD + _APPEND_REST
 _HASH_SUFFIX = '0},"prev_hash":""}'
 
 
@@ -132,6 +135,8 @@ def _storable(value: Any) -> Any:
     if isinstance(value, list):
         return [_storable(item) for item in value]
     if isinstance(value, str):
+        if value.isascii() and "\x00" not in value:  # the usual string: nothing to change
+            return value
         return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
@@ -142,9 +147,49 @@ def _storable(value: Any) -> Any:
 
 
 def _clean_details(details: dict[str, Any] | None) -> dict[str, Any]:
+    cleaned: dict[str, Any]
+    try:
+        cleaned = _clean_plain(details or {})
+        return cleaned
+    except _NotPlain:
+        pass
     # Round-trip through JSON so the hash covers exactly what is stored.
-    cleaned: dict[str, Any] = _storable(json.loads(json.dumps(_scrub(details or {}), default=str)))
+    cleaned = _storable(json.loads(json.dumps(_scrub(details or {}), default=str)))
     return cleaned
+
+
+class _NotPlain(Exception):
+    """A value the JSON round trip could change (a tuple, a float, a non-str key, ...)."""
+
+
+_PLAIN_SCALARS = (int, bool, type(None))
+
+
+def _clean_plain(value: Any) -> Any:
+    """`_clean_details` in one pass for details made only of dicts with str keys, lists,
+    strs, ints, bools and None — what nearly every event carries, and what the JSON round
+    trip leaves as it is: the same scrub, then the same `_storable`, without the round trip.
+    Anything else raises _NotPlain (the caller then takes the round trip)."""
+    kind = type(value)
+    if kind is dict:
+        cleaned = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _NotPlain
+            cleaned[_storable(key)] = "[redacted]" if _secret_key(key) else _clean_plain(item)
+        return cleaned
+    if kind is list:
+        return [_clean_plain(item) for item in value]
+    if kind is str:
+        return _storable(_TOKEN_VALUE_PATTERN.sub("[redacted]", value) if "_" in value else value)
+    if kind in _PLAIN_SCALARS:
+        return value
+    raise _NotPlain
+
+
+@functools.lru_cache(maxsize=1024)
+def _secret_key(key: str) -> bool:
+    return _SECRET_KEY_PATTERN.search(key) is not None
 
 
 def _as_uuid(value: uuid.UUID | str | None) -> uuid.UUID | None:
@@ -249,11 +294,57 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
         return placeholder
     if connection.vendor != "postgresql":
         return _append_batch([prepared])[0]
+    params = _append_params(prepared)
+    # One statement is atomic by itself: no BEGIN/COMMIT round trips of our own
+    # when the caller is in autocommit (inside its transaction it is simply the
+    # transaction's last statement).
+    row = _execute_append(params)
+    if row is None:  # the head row is missing (a flushed test database)
+        AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
+        row = _execute_append(params)
+    assert row is not None
+    return _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+
+
+@dataclass(frozen=True)
+class GuardedAppend:
+    """One append as a statement for the caller to send (see audit_append_if)."""
+
+    sql: str
+    params: list[Any]
+    prepared: _Prepared
+
+    def appended(self, row: Any) -> AuditEvent | None:
+        """The event from the statement's row; None when nothing was appended (the guard
+        did not hold, or the head row is missing: then call audit_append)."""
+        if row is None:
+            return None
+        return _event(self.prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+
+
+def audit_append_if(
+    guard: str, guard_params: Sequence[Any], **event: Unpack[EventSpec]
+) -> GuardedAppend | None:
+    """audit_append as ONE statement that appends only if the SQL condition `guard` (its
+    placeholders filled from `guard_params`) holds when it runs: for a caller that sends it
+    in the same round trip as the statement it records (console/core/land.py), so that a
+    change that did not happen is not recorded. The same lock rule as audit_append; the
+    head row is locked only when the guard holds. None where an append is not one
+    statement (inside audit_deferred, or not PostgreSQL): the caller calls audit_append."""
+    if _DEFERRED.get() is not None or connection.vendor != "postgresql":
+        return None
+    prepared = _prepare(event)
+    sql = f"{_APPEND_HEAD} AND ({guard}){_APPEND_REST}"
+    return GuardedAppend(sql, [*guard_params, *_append_params(prepared)], prepared)
+
+
+def _append_params(prepared: _Prepared) -> list[Any]:
+    """_APPEND's parameters: the hashed text up to seq, then the stored columns."""
     template = canonical_json({"event": prepared.fields, "prev_hash": ""})
     if not template.endswith(_HASH_SUFFIX):  # the field set changed: fix _APPEND
         raise RuntimeError("audit hash layout is not <prefix><seq>},prev_hash")
     columns = prepared.columns
-    params: list[Any] = [
+    return [
         template[: -len(_HASH_SUFFIX)],
         columns["created_at"],
         columns["actor_type"],
@@ -266,15 +357,6 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
         columns["action_id"],
         json.dumps(columns["details"], ensure_ascii=False),
     ]
-    # One statement is atomic by itself: no BEGIN/COMMIT round trips of our own
-    # when the caller is in autocommit (inside its transaction it is simply the
-    # transaction's last statement).
-    row = _execute_append(params)
-    if row is None:  # the head row is missing (a flushed test database)
-        AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
-        row = _execute_append(params)
-    assert row is not None
-    return _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
 
 
 def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:

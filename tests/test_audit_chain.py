@@ -15,10 +15,17 @@ from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
+from audit import services
 from audit.chain import GENESIS_HASH, event_hash, system_event_fields
 from audit.models import AuditEvent, AuditHead
 from audit.selectors import audit_list
-from audit.services import Actor, audit_append, audit_append_many
+from audit.services import (
+    Actor,
+    audit_append,
+    audit_append_if,
+    audit_append_many,
+    audit_deferred,
+)
 from audit.verify import verify_chain
 from console.core.errors import ValidationFailed
 from tests.conftest import ROOT, subprocess_env
@@ -348,3 +355,58 @@ def test_the_event_hash_is_unique_and_appends_update_no_index_nobody_reads() -> 
     )
     with pytest.raises(DatabaseError), transaction.atomic():
         twin.save(force_insert=True)
+
+
+_PLAIN_DETAILS: list[dict[str, Any]] = [
+    {},
+    {"operation": "update", "operation_id": 12, "fence": 33, "from_version": None},
+    {"executor": {"type": "system", "id": "", "label": "worker"}, "ok": True, "n": -(2**70)},
+    {"api_key": "x", "nested": {"Password": ["a"], "list": [{"secret_thing": 1}, [None]]}},
+    {"note": "called with ak_abcdefghijkl and rt_1234567890", "t": "pt_short"},
+    {"nul": "a\x00b", "lone": "x\udcff", "ünï": "çödé ✓", "bad\x00key": "v"},
+]
+_ODD_DETAILS: list[dict[Any, Any]] = [
+    {"float": 0.1, "big": 1e16},
+    {"tuple": (1, 2)},
+    {3: "int key"},
+    {"uuid": uuid.UUID(int=7), "when": timezone.now()},
+]
+
+
+@pytest.mark.parametrize("details", _PLAIN_DETAILS + _ODD_DETAILS)
+def test_the_one_pass_cleaning_of_details_equals_the_json_round_trip(
+    details: dict[str, Any],
+) -> None:
+    """Plain details skip the JSON round trip (audit.services._clean_plain); what the hash
+    covers must be byte for byte what the round trip gives, and anything else (floats,
+    tuples, non-str keys, objects) must still take the round trip."""
+    round_trip = services._storable(json.loads(json.dumps(services._scrub(details), default=str)))
+    cleaned = services._clean_details(details)
+    assert json.dumps(cleaned, sort_keys=True) == json.dumps(round_trip, sort_keys=True)
+    if details in _PLAIN_DETAILS:
+        assert services._clean_plain(details) == round_trip
+    else:
+        with pytest.raises(services._NotPlain):
+            services._clean_plain(details)
+
+
+@pytest.mark.django_db
+def test_a_guarded_append_appends_only_while_its_guard_holds() -> None:
+    """audit_append_if: the statement a caller sends behind its own write (land.py); a
+    guard that does not hold appends nothing and leaves the head unlocked and unmoved."""
+    actor = Actor.system("test")
+    with transaction.atomic():
+        skipped = audit_append_if("1 = %s", [2], event_type="test.skipped", actor=actor)
+        kept = audit_append_if("1 = %s", [1], event_type="test.kept", actor=actor)
+        assert skipped is not None and kept is not None
+        with connection.cursor() as cursor:
+            cursor.execute(skipped.sql, skipped.params)
+            assert skipped.appended(cursor.fetchone()) is None
+            cursor.execute(kept.sql, kept.params)
+            event = kept.appended(cursor.fetchone())
+    assert event is not None and event.seq == 1
+    assert list(AuditEvent.objects.values_list("event_type", flat=True)) == ["test.kept"]
+    assert verify_chain().ok
+    # Inside audit_deferred an append is not one statement: the caller appends itself.
+    with transaction.atomic(), audit_deferred():
+        assert audit_append_if("true", [], event_type="test.none", actor=actor) is None

@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection, transaction
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.models import AuditEvent
@@ -451,3 +451,73 @@ def test_engaged_switch_for_matches_global_prefix_and_exact_scopes() -> None:
     # The broadest engaged switch is the one reported.
     assert engaged_switch_for("dns-record/www").reason == "everything"  # type: ignore[union-attr]
     assert engaged_switch_for("anything/else").scope == "*"  # type: ignore[union-attr]
+
+
+@pytest.mark.django_db(transaction=True)  # the claim must run in autocommit, as a job's does
+def test_the_claim_commits_unflushed_only_in_its_own_transaction(prod_alerts: Any) -> None:
+    """open_operation's claim is one statement: alone (autocommit) it turns the flush wait
+    off for its own commit only (set_config(..., true)), and inside a caller's transaction
+    it leaves the caller's commit alone."""
+
+    def synchronous_commit() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            return str(cursor.fetchone()[0])
+
+    run = make_run()
+    alone = prod_alerts_action(run, payload={"a": 1})
+    open_operation(action_id=alone.pk, fence=next_fence(), worker="w", lease_seconds=60)
+    assert synchronous_commit() == "on"  # nothing left behind on the connection
+    inside = prod_alerts_action(run, payload={"b": 1})
+    with transaction.atomic():
+        open_operation(action_id=inside.pk, fence=next_fence(), worker="w", lease_seconds=60)
+        assert synchronous_commit() == "on"
+    assert Action.objects.get(pk=inside.pk).status == ActionStatus.EXECUTING
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_wait_that_fails_inside_the_pipelined_locks_is_a_database_error_and_rolls_back(
+    prod_alerts: Any,
+) -> None:
+    """The barrier's locks go to PostgreSQL as one pipeline (write_rows.py): a statement
+    of it that fails (here the operation row's lock times out behind another holder) must
+    surface as Django's DatabaseError, as an ORM statement's would, leave nothing written
+    and the connection usable — and the same operation then applies."""
+    run = make_run()
+    action = prod_alerts_action(run, payload={"severity": "page"})
+    fence = next_fence()
+    operation = open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=60)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_operation_row() -> None:
+        try:
+            with transaction.atomic():
+                Operation.objects.select_for_update().get(pk=operation.pk)
+                holding.set()
+                release.wait(timeout=30)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_the_operation_row)
+    holder.start()
+    try:
+        assert holding.wait(timeout=10)
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '200ms'")
+        with pytest.raises(DatabaseError):
+            apply_action(
+                action_id=action.pk, operation_id=operation.pk, fence=fence, actor=Actor.run(run)
+            )
+        assert Resource.objects.get(pk=prod_alerts.pk).version == 41
+        assert Operation.objects.get(pk=operation.pk).status == OperationStatus.PENDING
+        assert not AuditEvent.objects.filter(event_type__startswith="write.").exists()
+    finally:
+        release.set()
+        holder.join(timeout=30)
+        with connection.cursor() as cursor:
+            cursor.execute("RESET lock_timeout")
+    outcome = apply_action(
+        action_id=action.pk, operation_id=operation.pk, fence=fence, actor=Actor.run(run)
+    )
+    assert outcome.applied and outcome.result_version == 42
+    assert verify_chain().ok

@@ -196,6 +196,15 @@ def test_a_failing_write_in_a_batch_does_not_lose_the_others(
         return real_update(*args, **expected)
 
     monkeypatch.setattr(barrier, "_conditional_update", fail_for_one)
+    real_land = barrier.land_write
+
+    def land_fails_for_one(planned: Any, **kwargs: Any) -> bool:
+        # PostgreSQL lands a single update with its records in one statement (land.py).
+        if planned.resource_id == doomed.pk:
+            raise DatabaseError("the disk said no")
+        return real_land(planned, **kwargs)
+
+    monkeypatch.setattr(barrier, "land_write", land_fails_for_one)
     real_together = batch_write._update_together
 
     def fail_together(writes: Any, **kwargs: Any) -> set[int]:
@@ -224,6 +233,7 @@ def test_a_failing_write_in_a_batch_does_not_lose_the_others(
     assert audit_chain_verify().ok
 
     monkeypatch.setattr(barrier, "_conditional_update", real_update)
+    monkeypatch.setattr(barrier, "land_write", real_land)
     Action.objects.filter(pk=failed.pk).update(not_before=None)
     assert action_execute(action_id=failed.pk, batch=4) == "applied"
     _applied_exactly_once([failed])

@@ -6,15 +6,14 @@ from typing import Any
 
 from approvals.models import Action
 from audit.models import AuditEvent
-from audit.services import Actor, audit_append
+from audit.services import Actor, EventSpec, audit_append
 
 
-def audit_action_event(
+def action_event(
     action: Action, *, event_type: str, actor: Actor, details: dict[str, Any]
-) -> AuditEvent:
-    """Append `event_type` about `action` inside the caller's transaction (audit_append's
-    lock rule: keep it the last step)."""
-    return audit_append(
+) -> EventSpec:
+    """The event about `action`, as audit_append's keyword arguments."""
+    return EventSpec(
         event_type=event_type,
         actor=actor,
         resource=action.resource_identifier,
@@ -22,3 +21,11 @@ def audit_action_event(
         action_id=action.pk,
         details=details,
     )
+
+
+def audit_action_event(
+    action: Action, *, event_type: str, actor: Actor, details: dict[str, Any]
+) -> AuditEvent:
+    """Append `event_type` about `action` inside the caller's transaction (audit_append's
+    lock rule: keep it the last step)."""
+    return audit_append(**action_event(action, event_type=event_type, actor=actor, details=details))

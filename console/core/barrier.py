@@ -29,10 +29,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Case, F, Field, Model, Value, When
 from django.utils import timezone
 
@@ -43,9 +43,10 @@ from approvals.models import (
     OperationStatus,
     WriteOperation,
 )
-from audit.services import Actor
-from console.core.action_audit import audit_action_event
+from audit.services import Actor, EventSpec, audit_append
+from console.core.action_audit import action_event
 from console.core.killswitch import refuse_if_engaged
+from console.core.land import Written, land_write, undo_window
 from console.core.operations import EXECUTABLE_STATUSES
 from console.core.write_rows import (
     NOT_READ,
@@ -95,12 +96,6 @@ class WriteOutcome:
     @property
     def reason(self) -> str | None:
         return self.refusal.reason if self.refusal else None
-
-
-def undo_window(action: Action) -> timedelta:
-    kind_window = action.kind.undo_window_seconds
-    seconds = kind_window if kind_window is not None else action.conflict_class.undo_window_seconds
-    return timedelta(seconds=seconds)
 
 
 def apply_action(
@@ -167,7 +162,12 @@ def _apply_in_transaction(
     if action.operation == WriteOperation.CREATE:
         result = _write_create(action, fence=fence, now=now)
     else:
-        result = _write_existing(action, fence=fence, now=now, current=locked.resource)
+        landing = operation if connection.vendor == "postgresql" else None
+        result = _write_existing(
+            action, fence=fence, now=now, current=locked.resource, landing=landing, actor=actor
+        )
+        if landing is not None and isinstance(result, Written):  # recorded and audited
+            return _applied(action, operation, result, fence=fence, now=now)
     if isinstance(result, _Refused):
         return record_refusal(
             action, operation, result.refusal, actor=actor, resource_id=result.resource_id
@@ -225,17 +225,6 @@ def refuse_if_run_ended(
 
 
 @dataclass(frozen=True)
-class Written:
-    """A write that landed: the resource row now holds `document` at `result_version`."""
-
-    resource_id: int
-    base_version: int | None
-    result_version: int
-    document: Any
-    deleted: bool
-
-
-@dataclass(frozen=True)
 class _Refused:
     refusal: Refusal
     resource_id: int | None = None
@@ -286,32 +275,48 @@ def record_applied(
         error=None,
         updated_at=now,
     )
+    return _audit_applied(writes, fence=fence, actor=actor, now=now)
+
+
+def _audit_applied(
+    writes: Sequence[tuple[Action, Operation, Written]],
+    *,
+    fence: int,
+    actor: Actor,
+    now: datetime,
+) -> list[WriteOutcome]:
+    """The recorded writes' audit events, in order, and their outcomes."""
     outcomes = []
     for action, operation, written in writes:
-        _audit_write(
-            "write.applied",
-            action,
-            operation,
-            actor=actor,
-            details={
-                "fence": fence,
-                "from_version": written.base_version,
-                "to_version": written.result_version,
-            },
-        )
-        outcomes.append(
-            WriteOutcome(
-                applied=True,
-                action_id=action.pk,
-                operation_id=operation.pk,
-                fence=fence,
-                resource_id=written.resource_id,
-                base_version=written.base_version,
-                result_version=written.result_version,
-                undo_deadline=deadlines[operation.pk],
-            )
-        )
+        audit_append(**_applied_event(action, operation, written, fence=fence, actor=actor))
+        outcomes.append(_applied(action, operation, written, fence=fence, now=now))
     return outcomes
+
+
+def _applied_event(
+    action: Action, operation: Operation, written: Written, *, fence: int, actor: Actor
+) -> EventSpec:
+    details = {
+        "fence": fence,
+        "from_version": written.base_version,
+        "to_version": written.result_version,
+    }
+    return _write_event("write.applied", action, operation, actor=actor, details=details)
+
+
+def _applied(
+    action: Action, operation: Operation, written: Written, *, fence: int, now: datetime
+) -> WriteOutcome:
+    return WriteOutcome(
+        applied=True,
+        action_id=action.pk,
+        operation_id=operation.pk,
+        fence=fence,
+        resource_id=written.resource_id,
+        base_version=written.base_version,
+        result_version=written.result_version,
+        undo_deadline=now + undo_window(action),
+    )
 
 
 def _per_row(model: type[Model], field_name: str, values: Mapping[Any, Any]) -> Any:
@@ -324,10 +329,19 @@ def _per_row(model: type[Model], field_name: str, values: Mapping[Any, Any]) -> 
 
 
 def _write_existing(
-    action: Action, *, fence: int, now: datetime, current: Any = NOT_READ
+    action: Action,
+    *,
+    fence: int,
+    now: datetime,
+    current: Any = NOT_READ,
+    landing: Operation | None = None,
+    actor: Actor | None = None,
 ) -> Written | _Refused:
     """Update or delete: the single conditional UPDATE, then classify a miss.
-    `current`: the resource's id and document when the caller's batch read them."""
+    `current`: the resource's id and document when the caller's batch read them.
+    `landing` (PostgreSQL): the write's operation — the UPDATE then also records the write
+    (history row, operation done, action applied) in the same statement and its audit
+    event by `actor` right after it, in the same round trip (land.py)."""
     observed = action.observed_version
     assert observed is not None  # a constraint: updates and deletes observe a version
     if current is NOT_READ:
@@ -341,15 +355,16 @@ def _write_existing(
             Refusal(MISSING, "the resource does not exist", expected_version=observed, fence=fence)
         )
     planned = planned_write(action, current)
-    if _conditional_update(
-        planned.document,
-        planned.deleted,
-        fence,
-        now,
-        pk=planned.resource_id,
-        version=observed,
-        deleted=False,
-    ):
+    if landing is not None:
+        assert actor is not None
+        event = _applied_event(action, landing, planned, fence=fence, actor=actor)
+        landed = land_write(
+            planned, fence=fence, now=now, action=action, operation_id=landing.pk, event=event
+        )
+    else:
+        expected = {"pk": planned.resource_id, "version": observed, "deleted": False}
+        landed = _conditional_update(planned.document, planned.deleted, fence, now, **expected)
+    if landed:
         return planned
     return _Refused(classify_miss(current["id"], expected=observed, fence=fence), current["id"])
 
@@ -513,7 +528,8 @@ def record_refusal(
         outcome=refusal.as_dict(),
         finished_at=timezone.now(),
     )
-    _audit_write("write.refused", action, operation, actor=actor, details=refusal.as_dict())
+    details = refusal.as_dict()
+    audit_append(**_write_event("write.refused", action, operation, actor=actor, details=details))
     return WriteOutcome(
         applied=False,
         action_id=action.pk,
@@ -529,11 +545,11 @@ def _write_actor(action: Action) -> Actor:
     return Actor.run(action.run)
 
 
-def _audit_write(
+def _write_event(
     event_type: str, action: Action, operation: Operation, *, actor: Actor, details: dict[str, Any]
-) -> None:
+) -> EventSpec:
     """The run's audit event for a write or its refusal, naming the executor."""
-    audit_action_event(
+    return action_event(
         action,
         event_type=event_type,
         actor=_write_actor(action),

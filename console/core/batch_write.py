@@ -25,13 +25,13 @@ from approvals.models import Action, Operation, OperationStatus, WriteOperation
 from audit.services import Actor
 from console.core.barrier import (
     WriteOutcome,
-    Written,
     apply_action,
     classify_miss,
     planned_write,
     record_applied,
     record_refusal,
 )
+from console.core.land import Written
 from console.core.operations import EXECUTABLE_STATUSES
 from console.core.write_rows import NOT_READ, LockedRows, run_end_status
 from ownership.models import Resource

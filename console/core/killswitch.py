@@ -36,6 +36,8 @@ def scope_is_valid(scope: str) -> bool:
 # for the engage to commit and then sees it (READ COMMITTED: a new statement
 # sees the latest commit). Lock order: this lock before any row lock.
 _SWITCH_LOCK = (7172, 1)
+# hold_switches_shared's statement, for a caller that sends it with others (write_rows.py).
+SWITCH_LOCK_SHARED = f"SELECT pg_advisory_xact_lock_shared{_SWITCH_LOCK}"
 
 
 def hold_switches_shared() -> None:
@@ -43,7 +45,7 @@ def hold_switches_shared() -> None:
     if connection.vendor != "postgresql":
         return  # SQLite serialises writers already.
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", list(_SWITCH_LOCK))
+        cursor.execute(SWITCH_LOCK_SHARED)
 
 
 def lock_switches_exclusive() -> None:

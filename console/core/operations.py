@@ -63,6 +63,12 @@ def open_operation(
     """
     now = timezone.now()
     lease_expires_at = now + timedelta(seconds=lease_seconds)
+    if undo_of_id is None and connection.vendor == "postgresql":
+        operation = _claim(action_id, fence, worker[:200], lease_expires_at, from_statuses, now)
+        if operation is None:
+            _refuse_claim(action_id)
+        assert operation is not None
+        return operation
     with transaction.atomic():
         if undo_of_id is not None:
             return _open_undo_operation(
@@ -77,13 +83,7 @@ def open_operation(
             status=ActionStatus.EXECUTING, revision=F("revision") + 1, updated_at=now
         )
         if not moved:
-            status = Action.objects.filter(pk=action_id).values_list("status", flat=True).first()
-            if status is None:
-                raise NotFound("no such action", extra={"action": str(action_id)})
-            raise InvalidTransition(
-                f"the action is {status}; it cannot be executed",
-                extra={"action": str(action_id), "status": status},
-            )
+            _refuse_claim(action_id)
         return Operation.objects.create(
             action_id=action_id,
             fence=fence,
@@ -91,6 +91,82 @@ def open_operation(
             lease_expires_at=lease_expires_at,
             status=OperationStatus.PENDING,
         )
+
+
+def _refuse_claim(action_id: uuid.UUID | str) -> None:
+    """The action did not move: say why (NotFound or InvalidTransition)."""
+    status = Action.objects.filter(pk=action_id).values_list("status", flat=True).first()
+    if status is None:
+        raise NotFound("no such action", extra={"action": str(action_id)})
+    raise InvalidTransition(
+        f"the action is {status}; it cannot be executed",
+        extra={"action": str(action_id), "status": status},
+    )
+
+
+# The claim as ONE statement: the action moves to `executing` and its pending operation is
+# inserted only if it moved. In autocommit it is its own transaction, and
+# `set_config(..., true)` — SET LOCAL as a function — lets that transaction commit without
+# waiting for the WAL flush (read at commit, before the setting is reset); inside a
+# caller's transaction the flag is false and the caller's commit is left alone.
+_CLAIM = """
+WITH moved AS (
+    UPDATE approvals_action SET status = %s, revision = revision + 1, updated_at = %s
+     WHERE id = %s AND status = ANY(%s)
+    RETURNING id
+), flush AS (
+    SELECT CASE WHEN %s THEN set_config('synchronous_commit', 'off', true) END AS done
+)
+INSERT INTO approvals_operation (action_id, undo_of_id, fence, status, base_version,
+    result_version, undo_deadline, outcome, worker, lease_expires_at, started_at, finished_at,
+    accepted_at, paused_reason, compensation, restore)
+SELECT moved.id, NULL, %s, %s, NULL, NULL, NULL, NULL, %s, %s, %s, NULL, NULL, '', false, NULL
+  FROM moved, flush
+RETURNING id
+"""
+
+
+def _claim(
+    action_id: uuid.UUID | str,
+    fence: int,
+    worker: str,
+    lease_expires_at: datetime,
+    from_statuses: tuple[str, ...],
+    now: datetime,
+) -> Operation | None:
+    """open_operation's claim on PostgreSQL (see _CLAIM); None when the action did not move."""
+    pk = Action._meta.pk
+    assert pk is not None
+    action_pk = pk.get_db_prep_value(action_id, connection)
+    params = [
+        ActionStatus.EXECUTING.value,
+        now,
+        action_pk,
+        [str(status) for status in from_statuses],
+        not connection.in_atomic_block,
+        fence,
+        OperationStatus.PENDING.value,
+        worker,
+        lease_expires_at,
+        now,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(_CLAIM, params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    operation = Operation(
+        id=row[0],
+        action_id=action_pk,
+        fence=fence,
+        status=OperationStatus.PENDING,
+        worker=worker,
+        lease_expires_at=lease_expires_at,
+        started_at=now,
+    )
+    operation._state.adding = False
+    operation._state.db = connection.alias
+    return operation
 
 
 def open_operations(

@@ -1,0 +1,142 @@
+"""A single update or delete landing in ONE statement (PostgreSQL).
+
+The barrier's conditional UPDATE (console/core/barrier.py: `WHERE id AND version =
+:observed AND last_fence < :fence AND NOT deleted`) and what records the write — the new
+ResourceVersion, the operation `done`, the action `applied` — as one statement of
+data-modifying CTEs: the three records are written only when the UPDATE returned the row,
+so a miss changes nothing and is classified afterwards, as before. The operation and
+action rows are already locked by this transaction (console/core/write_rows.py), so the
+statement takes no lock the one lock order does not already hold, except the resource
+row's, which the UPDATE takes first. The audit event stays a statement of its own, run
+after this one (it locks the audit head, always last), but is sent with it: one round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection
+
+from approvals.models import Action, ActionStatus, OperationStatus
+from audit.services import EventSpec, audit_append, audit_append_if
+from ownership.models import Resource
+
+_LAND = """
+WITH landed AS (
+    UPDATE ownership_resource
+       SET document = %s, deleted = %s, version = version + 1, last_fence = %s,
+           updated_at = %s
+     WHERE id = %s AND version = %s AND NOT deleted AND last_fence < %s
+    RETURNING id, version, document, deleted
+), history AS (
+    INSERT INTO ownership_resourceversion (resource_id, version, document, deleted, operation,
+        fence, run_id, action_id, person_id, created_at)
+    SELECT id, version, document, deleted, %s, %s, %s, %s, NULL, %s FROM landed
+), operation AS (
+    UPDATE approvals_operation
+       SET status = %s, fence = %s, base_version = %s, result_version = %s,
+           undo_deadline = %s, finished_at = %s, outcome = %s
+     WHERE id = %s AND EXISTS (SELECT 1 FROM landed)
+), action AS (
+    UPDATE approvals_action
+       SET status = %s, revision = revision + 1, resource_id = %s, error = NULL,
+           updated_at = %s
+     WHERE id = %s AND EXISTS (SELECT 1 FROM landed)
+)
+SELECT count(*) FROM landed
+"""
+
+
+def undo_window(action: Action) -> timedelta:
+    kind_window = action.kind.undo_window_seconds
+    seconds = kind_window if kind_window is not None else action.conflict_class.undo_window_seconds
+    return timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class Written:
+    """A write that landed: the resource row now holds `document` at `result_version`."""
+
+    resource_id: int
+    base_version: int | None
+    result_version: int
+    document: Any
+    deleted: bool
+
+
+def land_write(
+    planned: Written,
+    *,
+    fence: int,
+    now: datetime,
+    action: Action,
+    operation_id: int,
+    event: EventSpec,
+) -> bool:
+    """Write `planned` (an update's document or a delete's tombstone, at its base version
+    + 1), record it, and append `event` (`write.applied`); False — nothing written, nothing
+    appended — when the row is no longer at the base version, is a tombstone, or has seen
+    `fence`. The append is sent with the write (psycopg's pipeline: one round trip) and
+    made only if the operation is `done` when it runs — the row is locked by this
+    transaction and was pending, so only this write's statement can have made it so."""
+    with connection.cursor() as cursor:
+        appending = audit_append_if(_LANDED, [operation_id, OperationStatus.DONE.value], **event)
+        if appending is None:  # not one statement here (audit_deferred): append after
+            cursor.execute(_LAND, _land_params(planned, fence, now, action, operation_id))
+            landed = _landed(cursor.fetchone())
+            if landed:
+                audit_append(**event)
+            return landed
+        with connection.wrap_database_errors, connection.cursor() as append:
+            with connection.connection.pipeline():
+                cursor.execute(_LAND, _land_params(planned, fence, now, action, operation_id))
+                append.execute(appending.sql, appending.params)
+            landed = _landed(cursor.fetchone())
+            row = append.fetchone()
+    if landed and appending.appended(row) is None:  # the head row is missing
+        audit_append(**event)
+    return landed
+
+
+# The guard of the append: true once this write's statement has made its operation `done`.
+_LANDED = "EXISTS (SELECT 1 FROM approvals_operation WHERE id = %s AND status = %s)"
+
+
+def _landed(row: Any) -> bool:
+    return bool(row and row[0] == 1)
+
+
+def _land_params(
+    planned: Written, fence: int, now: datetime, action: Action, operation_id: int
+) -> list[Any]:
+    observed = planned.base_version
+    assert observed is not None  # an update or a delete: it observed a version
+    as_json = Resource._meta.get_field("document").get_db_prep_value
+    return [
+        as_json(planned.document, connection),
+        planned.deleted,
+        fence,
+        now,
+        planned.resource_id,
+        observed,
+        fence,
+        action.operation,
+        fence,
+        action.run_id,
+        action.pk,
+        now,
+        OperationStatus.DONE.value,
+        fence,
+        observed,
+        planned.result_version,
+        now + undo_window(action),
+        now,
+        as_json({"result": "applied"}, connection),
+        operation_id,
+        ActionStatus.APPLIED.value,
+        planned.resource_id,
+        now,
+        action.pk,
+    ]
