@@ -11,7 +11,7 @@ models' metadata:
   and returned with everything deciding and answering read: the run's agent, the action's
   conflict class, whether the person minted a live token of the agent (separation of
   duties), and the resource the answer's diff is taken against;
-- `record_vote`: the votes so far and this person's vote, one statement (after the lock:
+- `vote_cast`: the votes so far and this person's vote, one statement (after the lock:
   a vote that committed while we waited for the approval is seen);
 - `settle_call`: the approval decided and its action leaving `pending_approval` (the same
   conditional UPDATE as decisions.action_transition), one statement.
@@ -214,17 +214,35 @@ def lock_call_approval(
     return LockedCall(approval=approval, minted_live_token=bool(row[at]), resource=resource)
 
 
-def record_vote(
-    *, approval: Approval, person_id: int, decision: str, comment: str, now: datetime
+def vote_cast(
+    *,
+    approval: Approval,
+    person: Any,
+    decision: str,
+    comment: str,
+    now: datetime,
+    one_statement: bool,
 ) -> tuple[bool, int]:
     """This person's vote on the locked `approval`, unless they voted already: (already
-    voted, approving votes before this one). One statement; a person counts once."""
+    voted, approving votes before this one); a person counts once. No other vote can
+    land while the approval row is locked. `one_statement` (PostgreSQL): the votes so
+    far and the vote in one statement; else one read for both, then the vote."""
+    if not one_statement:
+        votes = list(
+            ApprovalDecision.objects.filter(approval=approval).values_list("person_id", "decision")
+        )
+        if any(voter == person.pk for voter, _ in votes):
+            return True, 0
+        ApprovalDecision.objects.create(
+            approval=approval, person=person, decision=decision, comment=comment
+        )
+        return False, [vote for _, vote in votes].count(Decision.APPROVE)
     with connection.cursor() as cursor:
         cursor.execute(
             _statements().vote_sql,
             {
                 "approval": approval.pk,
-                "person": person_id,
+                "person": person.pk,
                 "decision": decision,
                 "comment": comment,
                 "now": now,

@@ -24,7 +24,6 @@ from approvals.models import (
     Agent,
     AgentToken,
     Approval,
-    ApprovalDecision,
     ApprovalStatus,
     ApprovalSubject,
     Decision,
@@ -39,8 +38,8 @@ from approvals.services.approval_open import approval_details
 from approvals.services.decision_rows import (
     LockedCall,
     lock_call_approval,
-    record_vote,
     settle_call,
+    vote_cast,
 )
 from approvals.services.plan_state import plan_end_unapproved_locked, plan_touch
 from approvals.services.plans import (
@@ -101,8 +100,8 @@ def answers_for_agent(*, agent: Agent, actor: Actor, minted_live_token: bool | N
     agent, so a class that forbids owner approval keeps all of them out. A
     minter whose token was revoked or has expired no longer speaks for the
     agent and is no longer kept out (unless they are also its owner or creator).
-    `minted_live_token`: that last fact when the caller read it already (the call
-    decision's locking read, _LIVE_TOKEN_SQL — the same rule).
+    `minted_live_token`: that last fact when the caller read it already (a call
+    decision's locking statement, decision_rows.lock_call_approval — the same rule).
     """
     user_id = person_id(actor)
     if user_id is None:
@@ -179,7 +178,9 @@ def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
       4. the approval row (FOR UPDATE).
 
     `subject`, `run_id`, `action_id` and the run's write set never change, so
-    they are read without a lock first. Raises Approval.DoesNotExist.
+    they are read without a lock first. Raises Approval.DoesNotExist. A decision of
+    an action's approval takes the same locks in one statement on PostgreSQL
+    (decision_rows.lock_call_approval).
     """
     subject, run_id, action_id, plan_id = Approval.objects.values_list(
         "subject", "run_id", "action_id", "plan_id"
@@ -308,8 +309,13 @@ def approval_decide_tallied(
         else:
             # This person's earlier vote and the approvals so far (no other vote can
             # land while the approval row is locked), and the vote unless they voted.
-            voted, approves = _vote(
-                approval, person=person, decision=decision, comment=comment, now=now, call=call
+            voted, approves = vote_cast(
+                approval=approval,
+                person=person,
+                decision=decision,
+                comment=comment,
+                now=now,
+                one_statement=call is not None,
             )
             if voted:
                 raise InvalidTransition(
@@ -341,33 +347,6 @@ def approval_decide_tallied(
     if call is not None:
         return Decided(approval, approves, resource=call.resource, resource_read=True)
     return Decided(approval=approval, approvals_so_far=approves)
-
-
-def _vote(
-    approval: Approval,
-    *,
-    person: Any,
-    decision: str,
-    comment: str,
-    now: datetime,
-    call: LockedCall | None,
-) -> tuple[bool, int]:
-    """(this person voted already, approving votes before this one); records the vote
-    unless they did. One statement when the call was locked in one (PostgreSQL)."""
-    if call is not None:
-        return record_vote(
-            approval=approval, person_id=person.pk, decision=decision, comment=comment, now=now
-        )
-    # One read for both (a handful of rows: a person counts once).
-    votes = list(
-        ApprovalDecision.objects.filter(approval=approval).values_list("person_id", "decision")
-    )
-    if any(voter == person.pk for voter, _ in votes):
-        return True, 0
-    ApprovalDecision.objects.create(
-        approval=approval, person=person, decision=decision, comment=comment
-    )
-    return False, [vote for _, vote in votes].count(Decision.APPROVE)
 
 
 def _record_partial_vote(approval: Approval, *, now: datetime) -> None:
