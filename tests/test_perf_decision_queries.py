@@ -13,7 +13,10 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from approvals.api.serialize import approval_json
 from approvals.models import Approval
+from approvals.services.decisions import approval_decide_tallied
+from audit.services import Actor
 from ownership.models import ConflictClass
 from tests.fixtures.api import (
     AgentActor,
@@ -121,3 +124,26 @@ def test_a_run_decisions_answer_is_what_a_fresh_read_shows(
     answer = _decided(api, operator, approval, decision)
     assert answer["subject"] == "run"
     assert answer == _fresh(api, operator, approval)
+
+
+@pytest.mark.parametrize("decision", ["approve", "reject"])
+def test_the_orm_path_of_the_embedded_default_decides_a_call_the_same_way(
+    api: Any, agent: AgentActor, operator: Person, prod_alerts: Any, decision: str, monkeypatch: Any
+) -> None:
+    # SQLite (the embedded default) takes the ORM statements instead of decision_rows'; on
+    # PostgreSQL they must leave the same rows and the same answer.
+    approval = _propose_prod_alerts(api, agent)
+    monkeypatch.setattr(connection, "vendor", "sqlite")
+    decided = approval_decide_tallied(
+        approval_id=approval.pk, actor=Actor.person(operator.user), decision=decision
+    )
+    monkeypatch.undo()
+    assert not decided.resource_read
+    rendered = approval_json(decided.approval, approvals_so_far=decided.approvals_so_far)
+    answer = json.loads(json.dumps(rendered))
+    assert answer == _fresh(api, operator, approval)
+    approval.refresh_from_db()
+    assert approval.action is not None
+    expected = "queued" if decision == "approve" else "rejected"
+    assert (approval.status, approval.action.status) == (answer["status"], expected)
+    assert approval.decisions.count() == 1
