@@ -102,11 +102,18 @@ def _send(
         "failure_ttl": 24 * 3600,
         "job_timeout": 120,
     }
+    # One round trip for the job, its queue entry and the marker (RQ alone makes three:
+    # the queue set, the job, then our marker). RQ opens the pipeline's MULTI itself, so
+    # nothing may be queued on it before the enqueue.
+    pipe = conn.pipeline()
     if delay_seconds > 0:
-        queue.enqueue_in(timedelta(seconds=delay_seconds), job_path, str(object_id), **kwargs)
+        queue.enqueue_in(
+            timedelta(seconds=delay_seconds), job_path, str(object_id), pipeline=pipe, **kwargs
+        )
     else:
-        queue.enqueue(job_path, str(object_id), **kwargs)
-    conn.set(marker_key(kind, object_id), job_id, ex=MARKER_TTL_SECONDS)
+        queue.enqueue(job_path, str(object_id), pipeline=pipe, **kwargs)
+    pipe.set(marker_key(kind, object_id), job_id, ex=MARKER_TTL_SECONDS)
+    pipe.execute()
 
 
 def job_is_pending(

@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 import pytest
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from approvals.models import Action, Approval, ApprovalDecision, Run
@@ -315,3 +315,60 @@ def test_a_resolution_decided_after_its_run_ended_still_runs(world: Any, ended: 
         choice="take_proposed",
     )
     assert action_execute(action_id=resolved.resolution_action_id) == "applied"
+
+
+# -- issue 11: a call's decision locks run, action and approval in one statement ----------
+
+
+def _lockable_now(model: Any, pk: Any) -> bool:
+    """Can another session lock this row FOR UPDATE right now (NOWAIT)?"""
+    try:
+        with transaction.atomic():
+            list(model.objects.select_for_update(nowait=True).filter(pk=pk).values_list("pk"))
+    except DatabaseError:
+        return False
+    return True
+
+
+def test_a_decision_waiting_for_its_run_holds_neither_the_action_nor_the_approval(
+    world: Any, policy: Any
+) -> None:
+    action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
+    approval = Approval.objects.get(action=action)
+    # A revoke or a finish holds the run row first.
+    blocker = Holder(lambda: list(Run.objects.select_for_update().filter(pk=world.run.pk)))
+    blocker.hold()
+    decider = Worker(
+        lambda: approval_decide(
+            approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve"
+        )
+    )
+    decider.start()
+    wait_for_lock_waiters(1, threads=(decider,))
+    assert _lockable_now(Action, action.pk) and _lockable_now(Approval, approval.pk)
+    blocker.release()
+    assert decider.finish().status == "approved"
+    assert Action.objects.get(pk=action.pk).status == "queued"
+
+
+def test_a_decision_waiting_for_its_action_holds_the_run_but_not_the_approval(
+    world: Any, policy: Any
+) -> None:
+    action = world.propose(policy, "prod-alerts", payload={"severity": "low"}, observed_version=1)
+    approval = Approval.objects.get(action=action)
+    blocker = Holder(lambda: _lock_action_row(action))
+    blocker.hold()
+    decider = Worker(
+        lambda: approval_decide(
+            approval_id=approval.pk, actor=Actor.person(world.operator), decision="reject"
+        )
+    )
+    decider.start()
+    wait_for_lock_waiters(1, threads=(decider,))
+    # The run is held FOR SHARE by the decision already; the approval not yet.
+    assert not _lockable_now(Run, world.run.pk)
+    assert _lockable_now(Approval, approval.pk)
+    blocker.release()
+    assert decider.finish().status == "rejected"
+    action.refresh_from_db()
+    assert action.status == "rejected" and action.error["code"] == "rejected"

@@ -13,7 +13,10 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from approvals.api.serialize import approval_json
 from approvals.models import Approval
+from approvals.services.decisions import approval_decide_tallied
+from audit.services import Actor
 from ownership.models import ConflictClass
 from tests.fixtures.api import (
     AgentActor,
@@ -25,11 +28,12 @@ from tests.fixtures.api import (
 
 pytestmark = pytest.mark.django_db
 
-# Token lookup (with the decider's groups); the peek at the approval's subject; run
-# (share), action and approval locks; the agent's live tokens (separation of duties); the votes
-# so far; the vote; two audit appends; the approval's and the action's status; the
-# resource the answer's diff is taken against — and the test transaction's savepoint pair.
-PER_CALL_DECISION_STATEMENTS = 15
+# Token lookup (with the decider's groups); one statement that peeks at the approval's
+# subject, locks run (share), action and approval and reads the agent's live tokens
+# (separation of duties) and the resource the answer's diff is taken against; the votes so
+# far with the vote; two audit appends; the approval's and the action's status in one —
+# and the test transaction's savepoint pair.
+PER_CALL_DECISION_STATEMENTS = 8
 
 
 def _propose_prod_alerts(api: Any, agent: AgentActor, key: str = "key-decision-1") -> Approval:
@@ -73,11 +77,15 @@ def test_a_per_call_decision_costs_a_bounded_number_of_statements(
     assert json.loads(response.content)["status"] == "approved"
     queries = [q["sql"] for q in captured.captured_queries]
     assert len(queries) <= PER_CALL_DECISION_STATEMENTS, "\n".join(queries)
-    # The approval is read twice (its subject, then locked) and never again after commit.
+    # The approval is read by one statement (its subject peeked, then locked) and nothing
+    # is read after the transaction: the answer is rendered from what it read.
     approval_reads = [
-        q for q in queries if q.lstrip().startswith("SELECT") and 'FROM "approvals_approval"' in q
+        q
+        for q in queries
+        if not q.lstrip().startswith("UPDATE") and 'FROM "approvals_approval"' in q
     ]
-    assert len(approval_reads) == 2, approval_reads
+    assert len(approval_reads) == 1, approval_reads
+    assert queries[-1].startswith(("RELEASE SAVEPOINT", "COMMIT")), queries[-1]
 
 
 @pytest.mark.parametrize("decision", ["approve", "reject"])
@@ -116,3 +124,26 @@ def test_a_run_decisions_answer_is_what_a_fresh_read_shows(
     answer = _decided(api, operator, approval, decision)
     assert answer["subject"] == "run"
     assert answer == _fresh(api, operator, approval)
+
+
+@pytest.mark.parametrize("decision", ["approve", "reject"])
+def test_the_orm_path_of_the_embedded_default_decides_a_call_the_same_way(
+    api: Any, agent: AgentActor, operator: Person, prod_alerts: Any, decision: str, monkeypatch: Any
+) -> None:
+    # SQLite (the embedded default) takes the ORM statements instead of decision_rows'; on
+    # PostgreSQL they must leave the same rows and the same answer.
+    approval = _propose_prod_alerts(api, agent)
+    monkeypatch.setattr(connection, "vendor", "sqlite")
+    decided = approval_decide_tallied(
+        approval_id=approval.pk, actor=Actor.person(operator.user), decision=decision
+    )
+    monkeypatch.undo()
+    assert not decided.resource_read
+    rendered = approval_json(decided.approval, approvals_so_far=decided.approvals_so_far)
+    answer = json.loads(json.dumps(rendered))
+    assert answer == _fresh(api, operator, approval)
+    approval.refresh_from_db()
+    assert approval.action is not None
+    expected = "queued" if decision == "approve" else "rejected"
+    assert (approval.status, approval.action.status) == (answer["status"], expected)
+    assert approval.decisions.count() == 1

@@ -12,7 +12,7 @@ from django.http import HttpRequest, HttpResponse
 from ninja import Query, Router
 
 from approvals.api.schemas import ApprovalItem, ApprovalPage, DecisionIn
-from approvals.api.serialize import approval_json
+from approvals.api.serialize import UNREAD, approval_json
 from approvals.selectors import approval_get_for_person, approval_list_for_person
 from approvals.services.decisions import approval_decide_tallied
 from console.api_support import (
@@ -72,5 +72,12 @@ def approval_decision(
         decision=payload.decision,
         comment=payload.comment,
     )
-    # Rendered from the rows the decision locked: nothing else changes them meanwhile.
-    return json_response(approval_json(decided.approval, approvals_so_far=decided.approvals_so_far))
+    # Rendered from the rows the decision locked (and, for a call, the resource it read
+    # with them): nothing else changes them meanwhile.
+    return json_response(
+        approval_json(
+            decided.approval,
+            approvals_so_far=decided.approvals_so_far,
+            call_resource=decided.resource if decided.resource_read else UNREAD,
+        )
+    )

@@ -4,6 +4,7 @@ through these, so a member is added in one place."""
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import uuid
@@ -303,8 +304,23 @@ def _execution_info(operation: dict[str, Any] | None) -> dict[str, Any] | None:
 # --- Approvals -------------------------------------------------------------------------
 
 
-def approval_json(approval: Approval, *, approvals_so_far: int | None = None) -> dict[str, Any]:
-    """`approvals_so_far`: the approving votes, when the caller counted them already."""
+class _Unread(enum.Enum):
+    UNREAD = "unread"
+
+
+# approval_json's `call_resource` when the caller has not read the call's resource.
+UNREAD = _Unread.UNREAD
+
+
+def approval_json(
+    approval: Approval,
+    *,
+    approvals_so_far: int | None = None,
+    call_resource: Resource | _Unread | None = UNREAD,
+) -> dict[str, Any]:
+    """`approvals_so_far`: the approving votes, when the caller counted them already;
+    `call_resource`: the resource a call approval's action writes (None: no such row),
+    when the caller read it already."""
     if approvals_so_far is None:
         approvals_so_far = approval.decisions.filter(decision=Decision.APPROVE).count()
     run = approval.run
@@ -329,7 +345,7 @@ def approval_json(approval: Approval, *, approvals_so_far: int | None = None) ->
         "created_at": iso(approval.created_at),
     }
     if approval.action is not None:
-        item.update(_approval_call(approval, approval.action))
+        item.update(_approval_call(approval, approval.action, call_resource))
     item["plan"] = str(approval.plan_id) if approval.plan_id else None
     if approval.plan_id is not None:
         steps = list(PlanStep.objects.filter(plan_id=approval.plan_id).order_by("position"))
@@ -360,9 +376,15 @@ def _approval_plan_step(step: PlanStep, resource: Resource | None) -> dict[str, 
     }
 
 
-def _approval_call(approval: Approval, action: Action) -> dict[str, Any]:
+def _approval_call(
+    approval: Approval, action: Action, known: Resource | _Unread | None
+) -> dict[str, Any]:
     """What a call approval adds: the write, and its diff against the resource now."""
-    resource = Resource.objects.filter(kind_id=action.kind_id, name=action.name).first()
+    resource = (
+        Resource.objects.filter(kind_id=action.kind_id, name=action.name).first()
+        if known is UNREAD
+        else known
+    )
     live = resource is not None and not resource.deleted
     current = resource.document if resource is not None and live else {}
     proposed = proposed_document(action, current)

@@ -14,7 +14,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -24,7 +24,6 @@ from approvals.models import (
     Agent,
     AgentToken,
     Approval,
-    ApprovalDecision,
     ApprovalStatus,
     ApprovalSubject,
     Decision,
@@ -36,6 +35,12 @@ from approvals.models import (
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.approval_open import approval_details
+from approvals.services.decision_rows import (
+    LockedCall,
+    lock_call_approval,
+    settle_call,
+    vote_cast,
+)
 from approvals.services.plan_state import plan_end_unapproved_locked, plan_touch
 from approvals.services.plans import (
     plan_admit_locked,
@@ -57,7 +62,7 @@ from console.core.errors import (
 )
 from console.core.write_rows import lock_run_for_share
 from console.permissions import can_decide_approvals, person_of
-from ownership.models import OwnershipRecord
+from ownership.models import OwnershipRecord, Resource
 from ownership.reopen import conflict_reopen_for_resolution
 
 escalation_log = logging.getLogger("airlock.escalation")
@@ -86,7 +91,7 @@ def action_transition(
     return bool(updated)
 
 
-def answers_for_agent(*, agent: Agent, actor: Actor) -> bool:
+def answers_for_agent(*, agent: Agent, actor: Actor, minted_live_token: bool | None = None) -> bool:
     """Whether separation of duties treats `actor` as the agent's owner (only a
     person ever does).
 
@@ -95,12 +100,16 @@ def answers_for_agent(*, agent: Agent, actor: Actor) -> bool:
     agent, so a class that forbids owner approval keeps all of them out. A
     minter whose token was revoked or has expired no longer speaks for the
     agent and is no longer kept out (unless they are also its owner or creator).
+    `minted_live_token`: that last fact when the caller read it already (a call
+    decision's locking statement, decision_rows.lock_call_approval — the same rule).
     """
     user_id = person_id(actor)
     if user_id is None:
         return False
     if user_id in (agent.owner_id, agent.created_by_id):
         return True
+    if minted_live_token is not None:
+        return minted_live_token
     now = timezone.now()
     return (
         AgentToken.objects.filter(agent_id=agent.pk, created_by_id=user_id, revoked_at=None)
@@ -109,7 +118,9 @@ def answers_for_agent(*, agent: Agent, actor: Actor) -> bool:
     )
 
 
-def _check_separation_of_duties(*, approval: Approval, person: Any) -> None:
+def _check_separation_of_duties(
+    *, approval: Approval, person: Any, minted_live_token: bool | None = None
+) -> None:
     """Only people decide; the agent's owner (see answers_for_agent) may not where a
     class forbids it. `person` is None for anyone but an active person."""
     if person is None:
@@ -127,7 +138,9 @@ def _check_separation_of_duties(*, approval: Approval, person: Any) -> None:
         classes = classes_for_write_set(run.write_set or [])
         # No known class: stay on the safe side and keep the owner out.
         forbids = not classes or any(c.forbid_agent_owner_approval for c in classes)
-    if forbids and answers_for_agent(agent=run.agent, actor=Actor.person(person)):
+    if forbids and answers_for_agent(
+        agent=run.agent, actor=Actor.person(person), minted_live_token=minted_live_token
+    ):
         raise Forbidden(
             "You own, created or minted a live token for this agent; its conflict class "
             "requires someone else to approve.",
@@ -165,7 +178,9 @@ def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
       4. the approval row (FOR UPDATE).
 
     `subject`, `run_id`, `action_id` and the run's write set never change, so
-    they are read without a lock first. Raises Approval.DoesNotExist.
+    they are read without a lock first. Raises Approval.DoesNotExist. A decision of
+    an action's approval takes the same locks in one statement on PostgreSQL
+    (decision_rows.lock_call_approval).
     """
     subject, run_id, action_id, plan_id = Approval.objects.values_list(
         "subject", "run_id", "action_id", "plan_id"
@@ -191,14 +206,36 @@ def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
     )
 
 
+def _lock_for_decision(
+    approval_id: uuid.UUID, *, person: Any, now: datetime
+) -> tuple[Approval, LockedCall | None]:
+    """The approval locked as _lock_approval_subject locks it — an action's in one
+    statement on PostgreSQL (decision_rows.lock_call_approval, which also reads what
+    deciding and answering need: the LockedCall). Raises NotFound."""
+    if connection.vendor == "postgresql":
+        person_pk = person.pk if person is not None else None
+        locked = lock_call_approval(approval_id, person_id=person_pk, now=now)
+        if locked is None:
+            raise NotFound("No such approval.")
+        if isinstance(locked, LockedCall):
+            return locked.approval, locked
+    try:
+        return _lock_approval_subject(approval_id), None
+    except Approval.DoesNotExist as exc:
+        raise NotFound("No such approval.") from exc
+
+
 @dataclass(frozen=True)
 class Decided:
     """What a decision left: the approval as locked and changed (its status and
     decided_at set; nothing else moves while it is locked), and the approving votes
-    it now has. Enough to render the answer without reading the rows again."""
+    it now has. Enough to render the answer without reading the rows again — with
+    `resource`, the call's resource as read under the locks, when `resource_read`."""
 
     approval: Approval
     approvals_so_far: int
+    resource: Resource | None = None
+    resource_read: bool = False
 
 
 def _deciding_person(actor: Actor, person: Any) -> Any:
@@ -253,11 +290,12 @@ def approval_decide_tallied(
     expired = False
     approves = 0
     with transaction.atomic():
-        try:
-            approval = _lock_approval_subject(approval_uuid)
-        except Approval.DoesNotExist as exc:
-            raise NotFound("No such approval.") from exc
-        _check_separation_of_duties(approval=approval, person=person)
+        approval, call = _lock_for_decision(approval_uuid, person=person, now=timezone.now())
+        _check_separation_of_duties(
+            approval=approval,
+            person=person,
+            minted_live_token=call.minted_live_token if call is not None else None,
+        )
         if approval.status != ApprovalStatus.PENDING:
             raise InvalidTransition(
                 f"This approval is already {approval.status}.",
@@ -269,25 +307,22 @@ def approval_decide_tallied(
             _expire_locked(approval=approval, now=now)
             expired = True
         else:
-            # One read for both: this person's earlier vote, and the approvals so far
-            # (a handful of rows: a person counts once; no other vote can land while
-            # the approval row is locked).
-            votes = list(
-                ApprovalDecision.objects.filter(approval=approval).values_list(
-                    "person_id", "decision"
-                )
+            # This person's earlier vote and the approvals so far (no other vote can
+            # land while the approval row is locked), and the vote unless they voted.
+            voted, approves = vote_cast(
+                approval=approval,
+                person=person,
+                decision=decision,
+                comment=comment,
+                now=now,
+                one_statement=call is not None,
             )
-            if any(voter == person.pk for voter, _ in votes):
+            if voted:
                 raise InvalidTransition(
                     "You have already decided this approval; a person counts once.",
                     code="already_decided",
                 )
-            approves = [vote for _, vote in votes].count(Decision.APPROVE) + (
-                decision == Decision.APPROVE
-            )
-            ApprovalDecision.objects.create(
-                approval=approval, person=person, decision=decision, comment=comment
-            )
+            approves += decision == Decision.APPROVE
             audit_append(
                 event_type=f"approval.decision_{decision}",
                 actor=Actor.person(person),
@@ -309,6 +344,8 @@ def approval_decide_tallied(
                 _record_partial_vote(approval, now=now)
     if expired:
         raise InvalidTransition("This approval has expired.", code="approval_expired")
+    if call is not None:
+        return Decided(approval, approves, resource=call.resource, resource_read=True)
     return Decided(approval=approval, approvals_so_far=approves)
 
 
@@ -333,8 +370,9 @@ def _settle_locked(approval: Approval, status: str, *, now: datetime) -> None:
 
 
 def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
-    _settle_locked(approval, ApprovalStatus.APPROVED, now=now)
     actor = Actor.person(person)
+    if approval.subject != ApprovalSubject.ACTION:
+        _settle_locked(approval, ApprovalStatus.APPROVED, now=now)
     if approval.subject == ApprovalSubject.RUN:
         audit_append(
             event_type="approval.approved",
@@ -348,7 +386,7 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
         assert approval.plan_id is not None
         plan_admit_locked(plan_id=approval.plan_id, actor=actor, approval=approval)
         return
-    action, moved = _leave_approval(approval, ActionStatus.QUEUED)
+    action, moved = _settle_call(approval, ApprovalStatus.APPROVED, ActionStatus.QUEUED, now=now)
     audit_action_event(
         action,
         event_type="approval.approved",
@@ -362,22 +400,40 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
         transaction.on_commit(lambda: enqueue_action_execution(action_id))
 
 
-def _leave_approval(approval: Approval, to_status: str, **fields: Any) -> tuple[Action, bool]:
-    """The decided approval's action leaves `pending_approval` (False: someone else won)."""
+def _settle_call(
+    approval: Approval,
+    status: str,
+    to_status: str,
+    *,
+    now: datetime,
+    error: dict[str, Any] | None = None,
+) -> tuple[Action, bool]:
+    """The locked call approval is decided and its action leaves `pending_approval` for
+    `to_status` (False: someone else moved it first) — action_transition's conditional
+    UPDATE, in one statement with the approval's on PostgreSQL (settle_call)."""
     action = approval.action
     assert action is not None
-    moved = action_transition(
-        action_id=action.pk,
-        from_statuses=(ActionStatus.PENDING_APPROVAL,),
-        to_status=to_status,
-        **fields,
-    )
+    if connection.vendor != "postgresql":
+        _settle_locked(approval, status, now=now)
+        fields = {"error": error} if error is not None else {}
+        moved = action_transition(
+            action_id=action.pk,
+            from_statuses=(ActionStatus.PENDING_APPROVAL,),
+            to_status=to_status,
+            **fields,
+        )
+        return action, moved
+    moved = settle_call(approval=approval, status=status, to_status=to_status, now=now, error=error)
+    approval.status, approval.decided_at = status, now
+    if moved:
+        notify_action_on_commit(action.pk)
     return action, moved
 
 
 def _reject_locked(*, approval: Approval, person: Any, comment: str, now: datetime) -> None:
-    _settle_locked(approval, ApprovalStatus.REJECTED, now=now)
     actor = Actor.person(person)
+    if approval.subject != ApprovalSubject.ACTION:
+        _settle_locked(approval, ApprovalStatus.REJECTED, now=now)
     error = {"code": "rejected", "comment": comment, "by": person.get_username()}
     if approval.subject == ApprovalSubject.RUN:
         run_reject(run=approval.run, actor=actor, reason=comment or "rejected")
@@ -403,7 +459,9 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
             },
         )
         return
-    action, rejected = _leave_approval(approval, ActionStatus.REJECTED, error=error)
+    action, rejected = _settle_call(
+        approval, ApprovalStatus.REJECTED, ActionStatus.REJECTED, now=now, error=error
+    )
     audit_action_event(
         action,
         event_type="approval.rejected",
