@@ -84,12 +84,7 @@ def test_approving_a_run_while_another_run_of_the_kind_is_created_does_not_deadl
     creator = Worker(create)
     creator.start()
     assert gate.wait(WAIT)
-    decider = Worker(
-        lambda: approval_decide(
-            approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve"
-        )
-    )
-    decider.start()
+    decider = _deciding(world, approval, "approve")
     wait_for_lock_waiters(1, threads=(decider,))  # the decision waits for the kind lock
     release.set()
     second, _ = creator.finish()  # no OperationalError('deadlock detected') on either side
@@ -129,12 +124,7 @@ def test_approving_and_cancelling_one_action_at_once_does_not_deadlock(
     approval = Approval.objects.get(action=action)
     # action_cancel locks the action row first (its conditional UPDATE), then the approval.
     canceller, release = _cancel_holding_the_action_row(action, Actor.run(world.run))
-    decider = Worker(
-        lambda: approval_decide(
-            approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve"
-        )
-    )
-    decider.start()
+    decider = _deciding(world, approval, "approve")
     wait_for_lock_waiters(1, threads=(decider,))
     release.set()
     cancelled = canceller.finish()
@@ -330,6 +320,17 @@ def _lockable_now(model: Any, pk: Any) -> bool:
     return True
 
 
+def _deciding(world: Any, approval: Approval, decision: str) -> Worker:
+    """The operator's decision, started in a thread of its own (it will wait on a lock)."""
+    decider = Worker(
+        lambda: approval_decide(
+            approval_id=approval.pk, actor=Actor.person(world.operator), decision=decision
+        )
+    )
+    decider.start()
+    return decider
+
+
 def test_a_decision_waiting_for_its_run_holds_neither_the_action_nor_the_approval(
     world: Any, policy: Any
 ) -> None:
@@ -338,12 +339,7 @@ def test_a_decision_waiting_for_its_run_holds_neither_the_action_nor_the_approva
     # A revoke or a finish holds the run row first.
     blocker = Holder(lambda: list(Run.objects.select_for_update().filter(pk=world.run.pk)))
     blocker.hold()
-    decider = Worker(
-        lambda: approval_decide(
-            approval_id=approval.pk, actor=Actor.person(world.operator), decision="approve"
-        )
-    )
-    decider.start()
+    decider = _deciding(world, approval, "approve")
     wait_for_lock_waiters(1, threads=(decider,))
     assert _lockable_now(Action, action.pk) and _lockable_now(Approval, approval.pk)
     blocker.release()
@@ -358,12 +354,7 @@ def test_a_decision_waiting_for_its_action_holds_the_run_but_not_the_approval(
     approval = Approval.objects.get(action=action)
     blocker = Holder(lambda: _lock_action_row(action))
     blocker.hold()
-    decider = Worker(
-        lambda: approval_decide(
-            approval_id=approval.pk, actor=Actor.person(world.operator), decision="reject"
-        )
-    )
-    decider.start()
+    decider = _deciding(world, approval, "reject")
     wait_for_lock_waiters(1, threads=(decider,))
     # The run is held FOR SHARE by the decision already; the approval not yet.
     assert not _lockable_now(Run, world.run.pk)
