@@ -150,11 +150,9 @@ def _clean_details(details: dict[str, Any] | None) -> dict[str, Any]:
     cleaned: dict[str, Any]
     try:
         cleaned = _clean_plain(details or {})
-        return cleaned
     except _NotPlain:
-        pass
-    # Round-trip through JSON so the hash covers exactly what is stored.
-    cleaned = _storable(json.loads(json.dumps(_scrub(details or {}), default=str)))
+        # Round-trip through JSON so the hash covers exactly what is stored.
+        cleaned = _storable(json.loads(json.dumps(_scrub(details or {}), default=str)))
     return cleaned
 
 

@@ -275,17 +275,6 @@ def record_applied(
         error=None,
         updated_at=now,
     )
-    return _audit_applied(writes, fence=fence, actor=actor, now=now)
-
-
-def _audit_applied(
-    writes: Sequence[tuple[Action, Operation, Written]],
-    *,
-    fence: int,
-    actor: Actor,
-    now: datetime,
-) -> list[WriteOutcome]:
-    """The recorded writes' audit events, in order, and their outcomes."""
     outcomes = []
     for action, operation, written in writes:
         audit_append(**_applied_event(action, operation, written, fence=fence, actor=actor))

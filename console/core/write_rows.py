@@ -117,16 +117,11 @@ def _lock_write_rows_sql(action_id: uuid.UUID | str, operation_id: int) -> Locke
         raise Action.DoesNotExist("Action matching query does not exist.")
     action = _load(Action, row)
     offset = len(_fields(Action))
-    related: dict[str, Any] = {}
-    for name, model in _RELATED:
-        related[name] = _load(model, row, offset)
+    related: list[Any] = []
+    for model in _RELATED:
+        related.append(_load(model, row, offset))
         offset += len(_fields(model))
-    action.kind, action.conflict_class, action.run = (
-        related["kind"],
-        related["conflict_class"],
-        related["run"],
-    )
-    action.run.agent = related["agent"]
+    action.kind, action.conflict_class, action.run, action.run.agent = related
     resource_id, document = row[offset], row[offset + 1]
     resource = None if resource_id is None else {"id": resource_id, "document": _json(document)}
     return LockedRows(
@@ -138,13 +133,9 @@ def _lock_write_rows_sql(action_id: uuid.UUID | str, operation_id: int) -> Locke
     )
 
 
-# What the action statement reads beside the action, in its column order.
-_RELATED: tuple[tuple[str, type[Model]], ...] = (
-    ("kind", ResourceKind),
-    ("conflict_class", ConflictClass),
-    ("run", Run),
-    ("agent", Agent),
-)
+# What the action statement reads beside the action, in its column order: the action's
+# kind, conflict class and run, and the run's agent.
+_RELATED: tuple[type[Model], ...] = (ResourceKind, ConflictClass, Run, Agent)
 
 
 @dataclass(frozen=True)
