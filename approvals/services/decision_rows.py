@@ -26,10 +26,10 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connection
-from django.db.models import Field, Model
+from django.db import connection
+from django.db.models import Model
 
 from approvals.models import (
     Action,
@@ -42,34 +42,22 @@ from approvals.models import (
     Decision,
     Run,
 )
+from console.core.raw_rows import Column, from_row, model_columns, select_list
 from ownership.models import ConflictClass, Resource
-
-if TYPE_CHECKING:
-    Column = Field[Any, Any]
-else:
-    Column = Field
 
 # What deciding a call reads of the run: its agent (separation of duties, the answer), its
 # task (the answer). The rest of the row stays unread (deferred).
 _RUN_FIELDS = frozenset({"id", "agent_id", "task", "status"})
 
 
-def _columns(model: type[Model], only: frozenset[str] | None = None) -> list[Column]:
-    return [field for field in model._meta.concrete_fields if only is None or field.attname in only]
-
-
-def _select(fields: list[Column], alias: str) -> str:
-    return ", ".join(f'{alias}."{field.column}"' for field in fields)
-
-
 @dataclass(frozen=True)
 class _Statements:
-    approval: list[Column]
-    run: list[Column]
-    agent: list[Column]
-    action: list[Column]
-    conflict_class: list[Column]
-    resource: list[Column]
+    approval: tuple[Column, ...]
+    run: tuple[Column, ...]
+    agent: tuple[Column, ...]
+    action: tuple[Column, ...]
+    conflict_class: tuple[Column, ...]
+    resource: tuple[Column, ...]
     lock_sql: str
     vote_sql: str
     settle_sql: str
@@ -77,12 +65,12 @@ class _Statements:
 
 @cache
 def _statements() -> _Statements:
-    approval = _columns(Approval)
-    run = _columns(Run, _RUN_FIELDS)
-    agent = _columns(Agent)
-    action = _columns(Action)
-    conflict_class = _columns(ConflictClass)
-    resource = _columns(Resource)
+    approval = model_columns(Approval)
+    run = model_columns(Run, _RUN_FIELDS)
+    agent = model_columns(Agent)
+    action = model_columns(Action)
+    conflict_class = model_columns(ConflictClass)
+    resource = model_columns(Resource)
     approvals = Approval._meta.db_table
     token = AgentToken._meta
     # The same rule as decisions.answers_for_agent's token query: a live token (not
@@ -95,15 +83,16 @@ def _statements() -> _Statements:
     lock_sql = (
         f'WITH peek AS MATERIALIZED (SELECT subject, run_id, action_id FROM "{approvals}" '  # noqa: S608 - names from the models' metadata
         "WHERE id = %(approval)s), "
-        f'r AS MATERIALIZED (SELECT {_select(run, "x")} FROM "{Run._meta.db_table}" x '
+        f'r AS MATERIALIZED (SELECT {select_list(run, "x")} FROM "{Run._meta.db_table}" x '
         "WHERE x.id = (SELECT run_id FROM peek WHERE subject = %(subject)s) FOR SHARE), "
-        f'a AS MATERIALIZED (SELECT {_select(action, "x")} FROM "{Action._meta.db_table}" x '
+        f'a AS MATERIALIZED (SELECT {select_list(action, "x")} FROM "{Action._meta.db_table}" x '
         "WHERE x.id = (SELECT action_id FROM peek) AND EXISTS (SELECT FROM r) FOR UPDATE), "
-        f'ap AS MATERIALIZED (SELECT {_select(approval, "x")} FROM "{approvals}" x '
+        f'ap AS MATERIALIZED (SELECT {select_list(approval, "x")} FROM "{approvals}" x '
         "WHERE x.id = %(approval)s AND EXISTS (SELECT FROM a) FOR UPDATE) "
-        f"SELECT peek.subject, {_select(approval, 'ap')}, {_select(run, 'r')}, "
-        f"{_select(agent, 'g')}, {_select(action, 'a')}, {_select(conflict_class, 'c')}, "
-        f"{_select(resource, 'res')}, {live_token} "
+        f"SELECT peek.subject, {select_list(approval, 'ap')}, {select_list(run, 'r')}, "
+        f"{select_list(agent, 'g')}, {select_list(action, 'a')}, "
+        f"{select_list(conflict_class, 'c')}, "
+        f"{select_list(resource, 'res')}, {live_token} "
         "FROM peek LEFT JOIN ap ON TRUE LEFT JOIN r ON TRUE LEFT JOIN a ON TRUE "
         f'LEFT JOIN "{Agent._meta.db_table}" g ON g.id = r.agent_id '
         f'LEFT JOIN "{ConflictClass._meta.db_table}" c ON c.slug = a.conflict_class_id '
@@ -142,16 +131,6 @@ def _statements() -> _Statements:
         vote_sql,
         settle_sql,
     )
-
-
-def _instance(model: type[Model], fields: list[Column], values: tuple[Any, ...]) -> Any:
-    """A model instance from raw column values, converted as the ORM would (a JSON
-    column comes back as text from Django's psycopg setup)."""
-    converted = [
-        field.from_db_value(value, None, connection) if hasattr(field, "from_db_value") else value
-        for field, value in zip(fields, values, strict=True)
-    ]
-    return model.from_db(DEFAULT_DB_ALIAS, [field.attname for field in fields], converted)
 
 
 def _cache(model: type[Model], name: str, instance: Model, related: Model | None) -> None:
@@ -194,23 +173,27 @@ def lock_call_approval(
     if row is None:
         return None
     subject = str(row[0])
-    at = 1
-    parts: list[tuple[Any, ...]] = []
-    for fields in (sql.approval, sql.run, sql.agent, sql.action, sql.conflict_class, sql.resource):
-        parts.append(tuple(row[at : at + len(fields)]))
-        at += len(fields)
     if subject != ApprovalSubject.ACTION:
         return subject
-    if parts[0][0] is None:
+    if row[1] is None:
         return None  # gone between the peek and the lock
-    approval: Approval = _instance(Approval, sql.approval, parts[0])
-    run: Run = _instance(Run, sql.run, parts[1])
-    _cache(Run, "agent", run, _instance(Agent, sql.agent, parts[2]))
-    action: Action = _instance(Action, sql.action, parts[3])
-    _cache(Action, "conflict_class", action, _instance(ConflictClass, sql.conflict_class, parts[4]))
+    at = 1
+    loaded: list[Any] = []
+    for model, columns in (
+        (Approval, sql.approval),
+        (Run, sql.run),
+        (Agent, sql.agent),
+        (Action, sql.action),
+        (ConflictClass, sql.conflict_class),
+        (Resource, sql.resource),
+    ):
+        loaded.append(None if row[at] is None else from_row(model, columns, row, at))
+        at += len(columns)
+    approval, run, agent, action, conflict_class, resource = loaded
+    _cache(Run, "agent", run, agent)
+    _cache(Action, "conflict_class", action, conflict_class)
     _cache(Approval, "run", approval, run)
     _cache(Approval, "action", approval, action)
-    resource = None if parts[5][0] is None else _instance(Resource, sql.resource, parts[5])
     return LockedCall(approval=approval, minted_live_token=bool(row[at]), resource=resource)
 
 

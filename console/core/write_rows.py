@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
-from typing import Any, TypeVar
+from typing import Any
 
 from django.db import connection
-from django.db.models import F, Field, Model, Q
+from django.db.models import F, Model, Q
 
 from approvals.models import (
     Action,
@@ -33,6 +33,7 @@ from approvals.models import (
 )
 from console.core.errors import NotFound
 from console.core.killswitch import SWITCH_LOCK_SHARED, any_engaged, hold_switches_shared
+from console.core.raw_rows import from_row, model_columns, select_list
 from ownership.models import ConflictClass, Resource, ResourceKind, TargetType
 
 # `LockedRows.resource` when the resource was not read with the rows (the barrier reads it).
@@ -111,16 +112,16 @@ def _lock_write_rows_sql(action_id: uuid.UUID | str, operation_id: int) -> Locke
         row = action_cursor.fetchone()
     if found is None:
         raise NotFound("no such operation for this action", extra={"operation": operation_id})
-    operation, engaged = _load(Operation, found), found[-1]
+    operation, engaged = from_row(Operation, model_columns(Operation), found), found[-1]
     run_state = (str(run_row[0]), run_row[1]) if run_row else None
     if row is None:
         raise Action.DoesNotExist("Action matching query does not exist.")
-    action = _load(Action, row)
-    offset = len(_fields(Action))
+    action = from_row(Action, model_columns(Action), row)
+    offset = len(model_columns(Action))
     related: list[Any] = []
     for model in _RELATED:
-        related.append(_load(model, row, offset))
-        offset += len(_fields(model))
+        related.append(from_row(model, model_columns(model), row, offset))
+        offset += len(model_columns(model))
     action.kind, action.conflict_class, action.run, action.run.agent = related
     resource_id, document = row[offset], row[offset + 1]
     resource = None if resource_id is None else {"id": resource_id, "document": _json(document)}
@@ -151,7 +152,7 @@ def _sql() -> _Statements:
     """The statements' text, built once from the models' columns."""
 
     def cols(model: type[Model], alias: str) -> str:
-        return ", ".join(f'{alias}."{f.column}"' for f in _fields(model))
+        return select_list(model_columns(model), alias)
 
     operation = (
         f"SELECT {cols(Operation, 'o')}, "  # noqa: S608
@@ -177,11 +178,6 @@ def _sql() -> _Statements:
     return _Statements(SWITCH_LOCK_SHARED, operation, run, action)
 
 
-@cache
-def _fields(model: type[Model]) -> list[Field[Any, Any]]:
-    return [f for f in model._meta.concrete_fields if isinstance(f, Field)]
-
-
 def _pk(model: type[Model], value: Any) -> Any:
     pk = model._meta.pk
     assert pk is not None
@@ -197,32 +193,6 @@ def _pk_column(model: type[Model]) -> str:
 def _json(text: Any) -> Any:
     # Django reads jsonb as text (its JSONField decodes it); a raw row does the same.
     return None if text is None else json.loads(text) if isinstance(text, str) else text
-
-
-_M = TypeVar("_M", bound=Model)
-
-
-def _load(model: type[_M], row: Sequence[Any], offset: int = 0) -> _M:
-    """A model instance from `row[offset:]` in `_fields(model)` order, as the ORM
-    would build it (each field's from-database conversion applied)."""
-    names, conversions = _loader(model)
-    values = list(row[offset : offset + len(names)])
-    for index, field, convert in conversions:
-        values[index] = convert(values[index], field, connection)
-    return model.from_db(connection.alias, names, values)
-
-
-@cache
-def _loader(model: type[Model]) -> tuple[list[str], tuple[tuple[int, Field[Any, Any], Any], ...]]:
-    """The model's attribute names, and the (index, field, converter) of the fields whose
-    value the ORM converts after reading it (e.g. a JSONField decodes its text)."""
-    fields = _fields(model)
-    conversions = tuple(
-        (index, field, convert)
-        for index, field in enumerate(fields)
-        for convert in field.get_db_converters(connection)
-    )
-    return [field.attname for field in fields], conversions
 
 
 def lock_batch_rows(
