@@ -16,15 +16,7 @@ from approvals.models import (
     PlanStep,
     Run,
 )
-from console.admin import ReadOnlyAdmin
-
-
-# Agents (their owner is the basis of separation of duties) and auto-approve rules
-# change only through audited services (the Tokens and Rules pages), never here.
-@admin.register(Agent)
-class AgentAdmin(ReadOnlyAdmin):
-    list_display = ("name", "owner", "is_active", "created_at")
-    search_fields = ("name",)
+from console.admin import ReadOnlyAdmin, register_read_only
 
 
 def _token_columns(owner: str) -> tuple[str, ...]:
@@ -48,55 +40,49 @@ class PersonalTokenAdmin(TokenAdmin):
     list_display = _token_columns("user")
 
 
-@admin.register(Run)
-class RunAdmin(ReadOnlyAdmin):
-    list_display = ("id", "agent", "status", "created_at", "expires_at")
-    list_filter = ("status",)
-    exclude = ("token_hash",)
-
-
-@admin.register(Action)
-class ActionAdmin(ReadOnlyAdmin):
-    list_display = ("id", "run", "kind", "name", "operation", "status", "created_at")
-    list_filter = ("status", "operation")
-
-
-@admin.register(Approval)
-class ApprovalAdmin(ReadOnlyAdmin):
-    list_display = ("id", "subject", "status", "quorum", "expires_at")
-    list_filter = ("status", "subject")
-
-
-@admin.register(ApprovalDecision)
-class ApprovalDecisionAdmin(ReadOnlyAdmin):
-    list_display = ("approval", "person", "decision", "created_at")
-
-
-@admin.register(AutoApproveRule)
-class AutoApproveRuleAdmin(ReadOnlyAdmin):
-    list_display = ("kind", "name_prefix", "agent", "enabled", "description")
-
-
-@admin.register(Operation)
-class OperationAdmin(ReadOnlyAdmin):
-    list_display = ("id", "action", "fence", "status", "result_version", "undo_deadline")
-    list_filter = ("status",)
-
-
-@admin.register(IdempotencyRecord)
-class IdempotencyRecordAdmin(ReadOnlyAdmin):
-    list_display = ("agent", "person", "key", "status", "response_status", "expires_at")
-    exclude = ("response_body",)
-
-
-# Plans move only through their services (proposal, approval, the engine): looked at here.
-@admin.register(Plan)
-class PlanAdmin(ReadOnlyAdmin):
-    list_display = ("id", "run", "agent", "status", "created_at", "ended_at")
-    list_filter = ("status",)
-
-
-@admin.register(PlanStep)
-class PlanStepAdmin(ReadOnlyAdmin):
-    list_display = ("plan", "position", "kind", "name", "operation", "status")
-    list_filter = ("status", "compensation_status")
+register_read_only(
+    {
+        # Agents (their owner is the basis of separation of duties) and auto-approve rules
+        # change only through audited services (the Tokens and Rules pages), never here.
+        Agent: {
+            "list_display": ("name", "owner", "is_active", "created_at"),
+            "search_fields": ("name",),
+        },
+        AutoApproveRule: {
+            "list_display": ("kind", "name_prefix", "agent", "enabled", "description"),
+        },
+        Run: {
+            "list_display": ("id", "agent", "status", "created_at", "expires_at"),
+            "list_filter": ("status",),
+            "exclude": ("token_hash",),
+        },
+        Action: {
+            "list_display": ("id", "run", "kind", "name", "operation", "status", "created_at"),
+            "list_filter": ("status", "operation"),
+        },
+        Approval: {
+            "list_display": ("id", "subject", "status", "quorum", "expires_at"),
+            "list_filter": ("status", "subject"),
+        },
+        ApprovalDecision: {
+            "list_display": ("approval", "person", "decision", "created_at"),
+        },
+        Operation: {
+            "list_display": ("id", "action", "fence", "status", "result_version", "undo_deadline"),
+            "list_filter": ("status",),
+        },
+        IdempotencyRecord: {
+            "list_display": ("agent", "person", "key", "status", "response_status", "expires_at"),
+            "exclude": ("response_body",),
+        },
+        # Plans move only through their services (proposal, approval, the engine).
+        Plan: {
+            "list_display": ("id", "run", "agent", "status", "created_at", "ended_at"),
+            "list_filter": ("status",),
+        },
+        PlanStep: {
+            "list_display": ("plan", "position", "kind", "name", "operation", "status"),
+            "list_filter": ("status", "compensation_status"),
+        },
+    }
+)

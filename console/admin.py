@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.contrib import admin
 from django.contrib.auth.admin import GroupAdmin, UserAdmin
 from django.contrib.auth.models import Group, User
+from django.db.models import Model
 from django.http import HttpRequest
 
 from console.models import FenceCounter, KillSwitch
@@ -25,6 +27,13 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+def register_read_only(options: Mapping[type[Model], Mapping[str, Any]]) -> None:
+    """Each model in the admin read-only, with its ModelAdmin options (list_display, …):
+    Django builds the `<Model>Admin` subclass of ReadOnlyAdmin from them."""
+    for model, model_options in options.items():
+        admin.site.register(model, ReadOnlyAdmin, **model_options)
 
 
 @admin.register(KillSwitch)
