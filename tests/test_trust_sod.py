@@ -120,6 +120,28 @@ def test_a_minter_may_approve_again_once_their_token_is_revoked_or_expired(
     assert _decide(api, admin, second).status_code == 200
 
 
+@pytest.mark.parametrize("ended", ["revoked", "expired"])
+def test_a_minter_may_approve_a_call_once_their_token_is_no_longer_live(
+    api: Any, agent: AgentActor, admin: Person, admin2: Person, prod_alerts: Any, ended: str
+) -> None:
+    # A call decision reads "minted a live token" in its locking statement's SQL
+    # (decision_rows); a run decision through tokens.live_token (the test above): one rule.
+    run = make_active_run(agent.agent)
+    token = _mint(admin, agent.agent)
+    if ended == "revoked":
+        revoked = _console(admin2).post(f"/tokens/agent-tokens/{token.pk}/revoke/")
+        assert revoked.status_code in (200, 302), revoked.content
+    else:
+        AgentToken.objects.filter(pk=token.pk).update(expires_at=timezone.now() - timedelta(1))
+    action = api.accepted_write(
+        run.token, "put", PROD_ALERTS, {"severity": "critical"}, if_match='"41"'
+    )
+    approval = Approval.objects.get(action_id=action["id"])
+
+    accepted = _decide(api, admin, approval)
+    assert accepted.status_code == 200, accepted.content
+
+
 def test_the_admin_who_created_the_agent_stays_out_even_after_revoking_its_tokens(
     api: Any, admin: Person, admin2: Person
 ) -> None:

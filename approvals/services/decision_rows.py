@@ -73,8 +73,8 @@ def _statements() -> _Statements:
     resource = model_columns(Resource)
     approvals = Approval._meta.db_table
     token = AgentToken._meta
-    # The same rule as decisions.answers_for_agent's token query: a live token (not
-    # revoked, not expired) this person minted for the agent.
+    # tokens.live_token in SQL (not revoked, not expired), for a token this person minted
+    # for the agent; tests/test_trust_sod.py runs both against the same tokens.
     live_token = (
         f'EXISTS (SELECT FROM "{token.db_table}" t WHERE t.agent_id = g.id '
         "AND t.created_by_id = %(person)s AND t.revoked_at IS NULL "

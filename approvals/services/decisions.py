@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import F, Q
+from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import (
@@ -49,6 +49,7 @@ from approvals.services.plans import (
 )
 from approvals.services.run_policy import classes_for_write_set
 from approvals.services.runs import run_activate, run_reject
+from approvals.services.tokens import live_token
 from approvals.services.write_sets import entries_of, lock_kinds
 from audit.services import Actor, audit_append
 from console.core.action_audit import audit_action_event
@@ -110,12 +111,8 @@ def answers_for_agent(*, agent: Agent, actor: Actor, minted_live_token: bool | N
         return True
     if minted_live_token is not None:
         return minted_live_token
-    now = timezone.now()
-    return (
-        AgentToken.objects.filter(agent_id=agent.pk, created_by_id=user_id, revoked_at=None)
-        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
-        .exists()
-    )
+    live = live_token(timezone.now())
+    return AgentToken.objects.filter(live, agent_id=agent.pk, created_by_id=user_id).exists()
 
 
 def _check_separation_of_duties(

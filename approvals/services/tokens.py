@@ -81,7 +81,11 @@ _PERSONAL_TOKEN_USER = '"{}"."{}"'.format(
 )
 
 
-def _live(now: datetime) -> Q:
+def live_token(now: datetime) -> Q:
+    """A token (agent or personal) neither revoked nor expired at `now`: the one rule for
+    authentication and for separation of duties (decisions.answers_for_agent). A call
+    decision's locking statement spells it in SQL (decision_rows; tests/test_trust_sod.py
+    runs both against the same tokens)."""
     return Q(revoked_at__isnull=True) & (Q(expires_at__isnull=True) | Q(expires_at__gt=now))
 
 
@@ -108,7 +112,7 @@ def principal_for_token(raw: str) -> Principal | None:
     if raw.startswith(AGENT_PREFIX):
         tokens = list(
             AgentToken.objects.select_related("agent")
-            .filter(_live(now), prefix=prefix, agent__is_active=True)
+            .filter(live_token(now), prefix=prefix, agent__is_active=True)
             .only("id", "token_hash", "last_used_at", "agent")
         )
         token = _matching(tokens, digest)
@@ -147,12 +151,12 @@ def _personal_candidates(prefix: str, now: datetime) -> list[_PersonalCandidate]
     """The live personal tokens with `prefix` whose user is active, each with its user and
     the user's group names. On PostgreSQL one raw statement (the queryset below cost more
     to build than to run: a person's every API call pays it, a decision included); the
-    same rule as `_live` and the queryset."""
+    same rule as `live_token` and the queryset."""
     if connection.vendor != "postgresql":
         return [
             _PersonalCandidate(t.pk, t.token_hash, t.last_used_at, t.user, t.group_names)
             for t in PersonalToken.objects.select_related("user")
-            .filter(_live(now), prefix=prefix, user__is_active=True)
+            .filter(live_token(now), prefix=prefix, user__is_active=True)
             .annotate(group_names=group_names_of(_PERSONAL_TOKEN_USER))
         ]
     user_fields = _user_fields()
