@@ -34,6 +34,7 @@ from typing import Any
 
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Case, F, Field, Model, Value, When
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from approvals.models import (
@@ -309,12 +310,26 @@ def _applied(
 
 
 def _per_row(model: type[Model], field_name: str, values: Mapping[Any, Any]) -> Any:
-    """A column's value row by row (by primary key), for an UPDATE of several rows."""
+    """A column's value row by row (by primary key), for an UPDATE of several rows.
+
+    On PostgreSQL a plain `CASE pk WHEN … THEN … END` cast to the column's type: Django's
+    Case/When resolves and copies every When's expressions, about 1.5 ms of Python a row
+    for the drain's batch of 32 (three columns: a third of the batch's time)."""
     if len(values) == 1:
         return next(iter(values.values()))
     field = model._meta.get_field(field_name)
     assert isinstance(field, Field)
-    return Case(*(When(pk=pk, then=Value(v, output_field=field)) for pk, v in values.items()))
+    if connection.vendor != "postgresql":
+        return Case(*(When(pk=pk, then=Value(v, output_field=field)) for pk, v in values.items()))
+    pk = model._meta.pk
+    assert pk is not None
+    params: list[Any] = []
+    for key, value in values.items():
+        params.append(pk.get_db_prep_value(key, connection))
+        params.append(field.get_db_prep_value(value, connection))
+    whens = " ".join(["WHEN %s THEN %s"] * len(values))
+    sql = f'CAST(CASE "{pk.column}" {whens} END AS {field.db_type(connection)})'
+    return RawSQL(sql, params, output_field=field)  # noqa: S611 - names from the model's metadata
 
 
 def _write_existing(

@@ -242,11 +242,31 @@ def _read_resources(actions: list[Action]) -> dict[tuple[str, str], dict[str, An
     """The id and document of the resources of several updates/deletes, in one query."""
     if not actions:
         return {}
+    if connection.vendor == "postgresql":
+        return _read_resources_joined(actions)
     which = Q()
     for action in actions:
         which |= Q(kind_id=action.kind_id, name=action.name)
     rows = Resource.objects.filter(which).values("id", "kind_id", "name", "document")
     return {(r["kind_id"], r["name"]): {"id": r["id"], "document": r["document"]} for r in rows}
+
+
+# The keys as two arrays joined to the (kind, name) index: one plan whatever the batch's
+# size, where an OR of 32 key pairs cost ~10 ms to compile and plan.
+_RESOURCES_BY_KEY = (
+    "SELECT r.id, r.kind_id, r.name, r.document FROM ownership_resource r "
+    "JOIN unnest(%s::text[], %s::text[]) AS k(kind_id, name) "
+    "ON r.kind_id = k.kind_id AND r.name = k.name"
+)
+
+
+def _read_resources_joined(actions: list[Action]) -> dict[tuple[str, str], dict[str, Any]]:
+    assert Resource._meta.db_table == "ownership_resource"
+    kinds = [action.kind_id for action in actions]
+    names = [action.name for action in actions]
+    with connection.cursor() as cursor:
+        cursor.execute(_RESOURCES_BY_KEY, [kinds, names])
+        return {(row[1], row[2]): {"id": row[0], "document": _json(row[3])} for row in cursor}
 
 
 def _lock_runs_for_share(run_ids: list[Any]) -> dict[Any, tuple[str, datetime]]:
