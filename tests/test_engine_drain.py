@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -20,8 +20,10 @@ from approvals.services.reconcile import reconcile
 from audit.models import AuditEvent
 from audit.services import audit_chain_verify
 from console.core import barrier, batch_write
+from console.core.fence import next_fence
 from console.core.lock import FencedLockGroup
 from console.core.operations import open_operations
+from console.core.write_rows import lock_batch_rows
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.engine import wait_for
 from tests.races import WAIT, Worker
@@ -108,6 +110,55 @@ def test_a_batch_of_plain_writes_costs_the_same_statements_whatever_its_size(
         statements.append(len(queries.captured_queries))
     assert statements[0] == statements[1]
     assert audit_chain_verify().ok
+
+
+def test_a_batch_locks_its_rows_in_one_pipeline_that_fails_as_a_database_error(
+    engine_world: Any,
+) -> None:
+    """A batch's rows are locked by the single write's four statements over the whole batch,
+    pipelined (write_rows.py): one that times out behind another holder (here an action row)
+    surfaces as Django's DatabaseError with the connection usable; once free, every write's
+    rows come back, its resource with it, and a write whose operation is not its own is
+    left out."""
+    actions = _queued_updates(engine_world, 3, prefix="pl")
+    operations = open_operations(
+        action_ids=[a.pk for a in actions], fence=next_fence(), worker="w", lease_seconds=60
+    )
+    writes = [(a.pk, operations[a.pk].pk) for a in actions]
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_an_action_row() -> None:
+        try:
+            with transaction.atomic():
+                Action.objects.select_for_update().get(pk=actions[1].pk)
+                holding.set()
+                release.wait(timeout=30)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_an_action_row)
+    holder.start()
+    try:
+        assert holding.wait(timeout=10)
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '200ms'")
+        with pytest.raises(DatabaseError), transaction.atomic():
+            lock_batch_rows(writes)
+    finally:
+        release.set()
+        holder.join(timeout=30)
+        with connection.cursor() as cursor:
+            cursor.execute("RESET lock_timeout")
+    with transaction.atomic():
+        rows = lock_batch_rows([*writes[:2], (actions[2].pk, operations[actions[0].pk].pk)])
+    assert set(rows) == {actions[0].pk, actions[1].pk}
+    for action in actions[:2]:
+        locked = rows[action.pk]
+        assert locked.operation.pk == operations[action.pk].pk
+        assert locked.action.kind_id == "cfg" and locked.action.run.agent_id is not None
+        assert locked.run_state is not None and locked.run_state[0] == "active"
+        assert locked.switches_clear
+        assert locked.resource["document"] == {"n": 0}
 
 
 def test_a_mixed_batch_keeps_proposal_order_across_creates_and_misses(
