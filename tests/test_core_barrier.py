@@ -20,6 +20,7 @@ from console.models import KillSwitch
 from ownership.diff import apply_merge_patch, proposed_document
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.core import execute, make_action, make_resource, make_run, prod_alerts_action
+from tests.races import Holder
 
 PROD_ALERTS = "notification-policy/prod-alerts"
 # The barrier is SQL: all but the merge-patch table test reach the database.
@@ -487,21 +488,8 @@ def test_a_lock_wait_that_fails_inside_the_pipelined_locks_is_a_database_error_a
     action = prod_alerts_action(run, payload={"severity": "page"})
     fence = next_fence()
     operation = open_operation(action_id=action.pk, fence=fence, worker="w", lease_seconds=60)
-    holding, release = threading.Event(), threading.Event()
-
-    def hold_the_operation_row() -> None:
-        try:
-            with transaction.atomic():
-                Operation.objects.select_for_update().get(pk=operation.pk)
-                holding.set()
-                release.wait(timeout=30)
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=hold_the_operation_row)
-    holder.start()
+    holder = Holder(lambda: Operation.objects.select_for_update().get(pk=operation.pk)).hold()
     try:
-        assert holding.wait(timeout=10)
         with connection.cursor() as cursor:
             cursor.execute("SET lock_timeout = '200ms'")
         with pytest.raises(DatabaseError):
@@ -512,8 +500,7 @@ def test_a_lock_wait_that_fails_inside_the_pipelined_locks_is_a_database_error_a
         assert Operation.objects.get(pk=operation.pk).status == OperationStatus.PENDING
         assert not AuditEvent.objects.filter(event_type__startswith="write.").exists()
     finally:
-        release.set()
-        holder.join(timeout=30)
+        holder.release()
         with connection.cursor() as cursor:
             cursor.execute("RESET lock_timeout")
     outcome = apply_action(

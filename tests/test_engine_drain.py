@@ -26,7 +26,7 @@ from console.core.operations import open_operations
 from console.core.write_rows import lock_batch_rows
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.engine import wait_for
-from tests.races import WAIT, Worker
+from tests.races import WAIT, Holder, Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -125,28 +125,14 @@ def test_a_batch_locks_its_rows_in_one_pipeline_that_fails_as_a_database_error(
         action_ids=[a.pk for a in actions], fence=next_fence(), worker="w", lease_seconds=60
     )
     writes = [(a.pk, operations[a.pk].pk) for a in actions]
-    holding, release = threading.Event(), threading.Event()
-
-    def hold_an_action_row() -> None:
-        try:
-            with transaction.atomic():
-                Action.objects.select_for_update().get(pk=actions[1].pk)
-                holding.set()
-                release.wait(timeout=30)
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=hold_an_action_row)
-    holder.start()
+    holder = Holder(lambda: Action.objects.select_for_update().get(pk=actions[1].pk)).hold()
     try:
-        assert holding.wait(timeout=10)
         with connection.cursor() as cursor:
             cursor.execute("SET lock_timeout = '200ms'")
         with pytest.raises(DatabaseError), transaction.atomic():
             lock_batch_rows(writes)
     finally:
-        release.set()
-        holder.join(timeout=30)
+        holder.release()
         with connection.cursor() as cursor:
             cursor.execute("RESET lock_timeout")
     with transaction.atomic():

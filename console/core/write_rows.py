@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -95,21 +96,15 @@ def _lock_write_rows_sql(action_id: uuid.UUID | str, operation_id: int) -> Locke
     document (not locked, as in a batch: the conditional UPDATE refuses it if it moved)."""
     action_pk = _pk(Action, action_id)
     statements = _sql()
-    with (
-        connection.wrap_database_errors,
-        connection.cursor() as switch,
-        connection.cursor() as op_cursor,
-        connection.cursor() as run_cursor,
-        connection.cursor() as action_cursor,
-    ):
-        with connection.connection.pipeline():
-            switch.execute(statements.switch_lock)
-            op_cursor.execute(statements.operation, [operation_id, action_pk])
-            run_cursor.execute(statements.run, [action_pk])
-            action_cursor.execute(statements.action, [action_pk])
-        found = op_cursor.fetchone()
-        run_row = run_cursor.fetchone()
-        row = action_cursor.fetchone()
+    _, operation_rows, run_rows, action_rows = _pipelined(
+        (statements.switch_lock, None),
+        (statements.operation, [operation_id, action_pk]),
+        (statements.run, [action_pk]),
+        (statements.action, [action_pk]),
+    )
+    found = operation_rows[0] if operation_rows else None
+    run_row = run_rows[0] if run_rows else None
+    row = action_rows[0] if action_rows else None
     if found is None:
         raise NotFound("no such operation for this action", extra={"operation": operation_id})
     operation, engaged = from_row(Operation, model_columns(Operation), found), found[-1]
@@ -124,6 +119,18 @@ def _lock_write_rows_sql(action_id: uuid.UUID | str, operation_id: int) -> Locke
         switches_clear=not engaged,
         resource=NOT_READ if action.operation == WriteOperation.CREATE else resource,
     )
+
+
+def _pipelined(*statements: tuple[str, list[Any] | None]) -> list[list[Any]]:
+    """Each statement's rows. Sent together (psycopg's pipeline mode: one round trip), run
+    one after the other by the server; a failure is Django's DatabaseError, as an ORM
+    statement's would be (the caller's transaction then rolls back)."""
+    with connection.wrap_database_errors, ExitStack() as stack:
+        cursors = [stack.enter_context(connection.cursor()) for _ in statements]
+        with connection.connection.pipeline():
+            for cursor, (sql, params) in zip(cursors, statements, strict=True):
+                cursor.execute(sql, params)
+        return [cursor.fetchall() for cursor in cursors]
 
 
 # What the action statement reads beside the action, in its column order: the action's
@@ -278,21 +285,13 @@ def _lock_batch_rows_sql(writes: Sequence[tuple[uuid.UUID, int]]) -> dict[uuid.U
     expected = dict(writes)
     statements = _sql()
     operation_ids = sorted(expected.values())
-    with (
-        connection.wrap_database_errors,
-        connection.cursor() as switch,
-        connection.cursor() as op_cursor,
-        connection.cursor() as run_cursor,
-        connection.cursor() as action_cursor,
-    ):
-        with connection.connection.pipeline():
-            switch.execute(statements.switch_lock)
-            op_cursor.execute(statements.operations, [operation_ids])
-            run_cursor.execute(statements.runs, [operation_ids])
-            action_cursor.execute(statements.actions, [operation_ids])
-        operation_rows = op_cursor.fetchall()
-        runs = {row[0]: (str(row[1]), row[2]) for row in run_cursor.fetchall()}
-        action_rows = action_cursor.fetchall()
+    _, operation_rows, run_rows, action_rows = _pipelined(
+        (statements.switch_lock, None),
+        (statements.operations, [operation_ids]),
+        (statements.runs, [operation_ids]),
+        (statements.actions, [operation_ids]),
+    )
+    runs = {row[0]: (str(row[1]), row[2]) for row in run_rows}
     engaged = any(row[-1] for row in operation_rows)
     operations = {
         operation.action_id: operation
