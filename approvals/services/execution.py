@@ -205,7 +205,9 @@ def _companions(lead: Action, connection: redis.Redis, *, limit: int) -> list[Fe
         .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
         .exclude(pk=lead.pk)
         .exclude(kind__target=TargetType.HTTP)
-        .select_related("kind", "conflict_class", "run")
+        # What a companion is used for before lock_batch_rows loads it whole: its lock
+        # (kind and name), its place in proposal order, its id.
+        .only("id", "kind_id", "name", "created_at")
         .order_by("created_at")[: limit * 2]
     )
     locks: list[FencedLock] = []
