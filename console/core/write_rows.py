@@ -172,9 +172,13 @@ def _sql() -> _Statements:
     def cols(model: type[Model], alias: str) -> str:
         return select_list(model_columns(model), alias)
 
+    # Read with the operation rows, after the shared switch lock: an engage committed
+    # before it is seen.
+    any_engaged_sql = "EXISTS (SELECT 1 FROM console_killswitch s WHERE s.engaged)"
+
     operation = (
         f"SELECT {cols(Operation, 'o')}, "  # noqa: S608
-        "EXISTS (SELECT 1 FROM console_killswitch s WHERE s.engaged) "
+        f"{any_engaged_sql} "
         "FROM approvals_operation o "
         "WHERE o.id = %s AND o.action_id = %s AND o.undo_of_id IS NULL FOR UPDATE OF o"
     )
@@ -201,7 +205,7 @@ def _sql() -> _Statements:
         f"{action_rows}WHERE a.id = %s FOR UPDATE OF a",
         operations=(
             f"SELECT {cols(Operation, 'o')}, "  # noqa: S608
-            "EXISTS (SELECT 1 FROM console_killswitch s WHERE s.engaged) "
+            f"{any_engaged_sql} "
             "FROM approvals_operation o WHERE o.id = ANY(%s) AND o.undo_of_id IS NULL "
             "ORDER BY o.id FOR UPDATE OF o"
         ),
