@@ -281,6 +281,15 @@ async def run_longpoll(spec: dict[str, Any]) -> dict[str, Any]:
         "wake_p50_ms": _ms(percentile(wakes, 0.50)),
         "wake_p99_ms": _ms(percentile(wakes, 0.99)),
         "change_seconds": round(change_seconds, 3),
+        # Where the tail comes from: [wake-up ms, decided at ms into the change phase].
+        "slowest_wakes": sorted(
+            (
+                [_ms(answered[i] - changed_at[i]), _ms(changed_at[i] - t_change)]
+                for i in changed_at
+                if i in answered and answered[i] >= t_change
+            ),
+            reverse=True,
+        )[:8],
         "change_statuses": change_statuses,
         **waiters.summary(),
     }

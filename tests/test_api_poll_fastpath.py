@@ -280,6 +280,17 @@ def test_a_poll_without_a_request_id_gets_a_fresh_one_from_the_front(
     assert len(ids) == 2 and all(len(i) == 32 for i in ids)
 
 
+def test_a_web_process_hides_its_loaded_code_from_the_garbage_collector() -> None:
+    """console.asgi freezes what it loaded (gc.freeze), so a full collection in a web process
+    does not walk Django's modules and the API's schemas while requests wait."""
+    probe = "import gc, console.asgi; print(gc.get_freeze_count())"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=subprocess_env(), capture_output=True, check=True
+    )
+    # A bare interpreter freezes nothing; the loaded product is well over 50,000 objects.
+    assert int(result.stdout.decode().split()[-1]) > 50_000, result.stderr.decode()[-800:]
+
+
 def test_the_product_application_is_the_front_over_django() -> None:
     assert isinstance(asgi.application, PollFront)
     assert asgi.application.app is asgi.django_application
@@ -344,6 +355,52 @@ def test_a_fresh_front_holds_its_first_held_poll_and_learns_the_answer_from_djan
             assert front.status_code == 304
             assert _comparable(front) == _comparable(django)
             assert ("x-test-served-by" not in front.headers) is by_front
+    finally:
+        fresh.process.terminate()
+        fresh.process.wait(timeout=10)
+
+
+def test_polls_woken_together_in_a_fresh_front_ask_django_once_and_answer_alike(
+    servers: dict[str, Server], world: World
+) -> None:
+    """Held polls woken at the same moment, before the front has learned a held answer's
+    headers: one asks Django (and the front learns from it), the others wait for that and
+    answer in front — not each queueing for Django behind whatever woke them."""
+    robot = make_agent_with_token("burst-bot")
+    run = make_active_run(robot.agent, _writes("burst"))
+    actions = [_pending(run.run, f"burst-{number}") for number in range(6)]
+    fresh = _start("tests.fastpoll_app:application")
+    try:
+        answers: dict[int, httpx.Response] = {}
+
+        def poll(number: int) -> None:
+            path = f"/api/v1/actions/{actions[number].pk}"
+            held = {"Prefer": "wait=20", "If-None-Match": ETAG}
+            answers[number] = _get(fresh, path, run.token, **held)
+
+        waiters = [threading.Thread(target=poll, args=(n,)) for n in range(len(actions))]
+        for waiter in waiters:
+            waiter.start()
+        time.sleep(1.0)  # all held by now
+        Action.objects.filter(pk__in=[a.pk for a in actions]).update(
+            status=ActionStatus.CANCELLED, revision=F("revision") + 1
+        )
+        for action in actions:
+            notify_action_changed(action.pk)
+        for waiter in waiters:
+            waiter.join(timeout=30)
+        assert sorted(answers) == list(range(len(actions)))
+        assert {a.status_code for a in answers.values()} == {200}
+        assert {a.json()["status"] for a in answers.values()} == {"cancelled"}
+        by_django = [n for n, a in answers.items() if "x-test-served-by" in a.headers]
+        assert len(by_django) == 1, by_django
+        # Each answer in front is the one Django gives for the same poll.
+        for number, front in answers.items():
+            path = f"/api/v1/actions/{actions[number].pk}"
+            held = {"Prefer": "wait=20", "If-None-Match": ETAG}
+            assert _comparable(front) == _comparable(
+                _get(servers["django"], path, run.token, **held)
+            )
     finally:
         fresh.process.terminate()
         fresh.process.wait(timeout=10)

@@ -226,6 +226,8 @@ class PollFront:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.templates: dict[tuple[int, str, bool], list[tuple[bytes, bytes]]] = {}
+        # Templates being learned now: set once Django's answer has gone out.
+        self._learning_now: dict[tuple[int, str, bool], asyncio.Event] = {}
         self._connections: _Connections | None = None
         # The embedded default (SQLite) has no async driver here: Django answers every poll.
         self.enabled = connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
@@ -246,10 +248,11 @@ class PollFront:
             await self.app(scope, receive, self._learning(poll, send))
             return
         status, etag, body = answer
-        if poll.template(status) not in self.templates:
+        key = poll.template(status)
+        if not await self._template_ready(key):
             # The first held answer of its kind: the wait is over, so Django answers it at
             # once (wait=0) and the front learns its headers (Preference-Applied restored).
-            await self.app(_waiting_no_more(scope), receive, self._learning(poll, send))
+            await self._learn_from_django(key, poll, scope, receive, send)
             return
         await send(
             {
@@ -430,6 +433,27 @@ class PollFront:
         return action
 
     # --- the headers, as Django sent them ----------------------------------------------------
+
+    async def _template_ready(self, key: tuple[int, str, bool]) -> bool:
+        """Whether the headers of answers like `key` are known, after waiting for a poll that
+        is learning them now: when many held polls wake at once in a fresh process, one asks
+        Django and the rest wait the few milliseconds that takes, instead of all queueing for
+        Django behind the decisions that woke them (seen: 120-600 ms wake-ups)."""
+        learning = self._learning_now.get(key)
+        if learning is not None:
+            await learning.wait()
+        return key in self.templates
+
+    async def _learn_from_django(
+        self, key: tuple[int, str, bool], poll: Poll, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        learning = self._learning_now.setdefault(key, asyncio.Event())
+        try:
+            await self.app(_waiting_no_more(scope), receive, self._learning(poll, send))
+        finally:
+            learning.set()
+            if self._learning_now.get(key) is learning:
+                del self._learning_now[key]
 
     def _learning(self, poll: Poll, send: Send) -> Send:
         """`send` that keeps the headers of Django's 200 and 304 answers to such polls (and
