@@ -1,21 +1,31 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from asgiref.sync import (
+    ThreadSensitiveContext,
+    iscoroutinefunction,
+    markcoroutinefunction,
+    sync_to_async,
+)
 from csp import middleware as csp_middleware
 from django.conf import settings
 from django.contrib.auth import middleware as auth_middleware
 from django.contrib.messages import middleware as messages_middleware
 from django.contrib.sessions import middleware as sessions_middleware
 from django.core.handlers.asgi import ASGIHandler
+from django.db import connections
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.middleware import clickjacking, common, csrf, security
 from django.utils.deprecation import MiddlewareMixin
 
 from console.problems import transient_database_response
 from console.requestctx import clean_request_id, reset_request_id, set_request_id
+
+# Idle request threads a web process keeps for the next requests (RequestThreads).
+REQUEST_THREADS_KEPT = 64
 
 
 class RequestIdMiddleware:
@@ -204,9 +214,69 @@ def asgi_middleware(names: list[str]) -> list[str]:
     ]
 
 
+class RequestThreads:
+    """One-thread executors lent to requests one at a time, kept for the next request.
+
+    Django's ASGIHandler gives each request a ThreadSensitiveContext with a new one-thread
+    executor: its thread is started from the event loop (Thread.start waits until the thread
+    runs) and, at the end, joined by yet another new thread — two thread starts a request,
+    about half of the event loop's own time for an API call here, while every poll held by
+    the process waits behind them. Reusing a thread for the next request is what a WSGI
+    server does; the request's database connection is closed at its end either way
+    (request_finished), so nothing of one request's is left for the next. Used from the
+    event loop's thread only."""
+
+    def __init__(self, keep: int) -> None:
+        self._idle: list[ThreadPoolExecutor] = []
+        self.keep = keep  # idle executors kept at the most; a burst's extra ones are ended
+
+    def borrow(self) -> ThreadPoolExecutor:
+        if self._idle:
+            return self._idle.pop()
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="request")
+
+    def give_back(self, executor: ThreadPoolExecutor) -> None:
+        if len(self._idle) < self.keep:
+            self._idle.append(executor)
+        else:
+            executor.shutdown(wait=False)
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+
+def requests_threads_to_keep() -> int:
+    """REQUEST_THREADS_KEPT when every database connection is closed at the end of its
+    request (CONN_MAX_AGE 0; a pooled one then goes back to the pool), as in the web
+    processes; else none: a kept thread would keep its persistent connection open too, one
+    per kept thread, instead of one per request in flight."""
+    closes = all(db.get("CONN_MAX_AGE", 0) == 0 for db in connections.settings.values())
+    return REQUEST_THREADS_KEPT if closes else 0
+
+
 class AirlockASGIHandler(ASGIHandler):
     """Django's ASGI handler (console.asgi's), loading the ASGI_INLINE subclasses in place
-    of the middlewares settings.MIDDLEWARE names (which keeps Django's names for its checks)."""
+    of the middlewares settings.MIDDLEWARE names (which keeps Django's names for its checks),
+    and running each request's sync work on a thread lent by RequestThreads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads = RequestThreads(keep=requests_threads_to_keep())
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.threads.keep:
+            # Django's own way (a thread a request), and its refusal of what is not HTTP.
+            await super().__call__(scope, receive, send)
+            return
+        executor = self.threads.borrow()
+        try:
+            # The executor stays this request's until the context exits (a sync call the
+            # request left running in it finishes before the next borrower's starts).
+            async with ThreadSensitiveContext(executor=executor):
+                await self.handle(scope, receive, send)
+        finally:
+            self.threads.give_back(executor)
 
     def load_middleware(self, is_async: bool = False) -> None:
         declared = settings.MIDDLEWARE

@@ -154,12 +154,14 @@ TEMPLATES = [
 # --- Database -------------------------------------------------------------
 # PostgreSQL in production and tests; a SQLite file is the embedded default.
 #
-# Connections. Django under ASGI runs each request's database work in a thread of its own,
-# so persistent per-thread connections (CONN_MAX_AGE) grow with the number of concurrent
-# requests until PostgreSQL's max_connections is exhausted. The web processes (those that
-# load console.asgi, as the Procfile's `web` line does) therefore use psycopg's pool by
-# default: at most AIRLOCK_DB_POOL_MAX connections per process, whatever the load; a request
-# waits for a free one (up to AIRLOCK_DB_POOL_TIMEOUT seconds, then 503 + Retry-After).
+# Connections. Django under ASGI runs each request's database work in a thread of its own
+# (a kept one lent for the request when connections close at its end:
+# console.middleware.RequestThreads), so persistent per-thread connections (CONN_MAX_AGE)
+# grow with the number of concurrent requests until PostgreSQL's max_connections is
+# exhausted. The web processes (those that load console.asgi, as the Procfile's `web` line
+# does) therefore use psycopg's pool by default: at most AIRLOCK_DB_POOL_MAX connections per
+# process, whatever the load; a request waits for a free one (up to AIRLOCK_DB_POOL_TIMEOUT
+# seconds, then 503 + Retry-After).
 # Workers and cron run one job at a time and keep one persistent connection (CONN_MAX_AGE),
 # checked before each job (approvals.jobs); AIRLOCK_DB_POOL=true/false forces either way.
 SERVES_ASGI = "console.asgi" in sys.modules  # being imported by the ASGI entry point

@@ -6,14 +6,18 @@ thread hand-offs, not twenty; answers and their headers are unchanged, and what 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from asgiref.sync import SyncToAsync, async_to_sync
+from django.core.signals import request_started
+from django.db import connections
 
 from bench.asgi_get import asgi_get
+from console.middleware import AirlockASGIHandler, RequestThreads
 from tests.fixtures.console import PASSWORD, make_person
 from tests.fixtures.core import make_action
 
@@ -104,3 +108,71 @@ def test_a_console_login_over_uvicorn_still_saves_its_session(api_server: Any) -
         home = client.get("/")
         assert home.status_code == 200
         assert "asgi-login" in home.text
+
+
+def _request_threads(handler: AirlockASGIHandler, path: str, token: str) -> list[int]:
+    """The thread each of four requests' sync work ran on (its request_started receiver's),
+    sent one after another to `handler`."""
+    seen: list[int] = []
+
+    def note(**kwargs: Any) -> None:
+        seen.append(threading.get_ident())
+
+    request_started.connect(note)
+    try:
+        for _ in range(4):
+            headers = {"Authorization": f"Bearer {token}"}
+            messages = async_to_sync(asgi_get)(handler, path, host="testserver", headers=headers)
+            assert messages[0]["status"] == 200
+    finally:
+        request_started.disconnect(note)
+    return seen
+
+
+@pytest.mark.django_db(transaction=True)
+def test_requests_one_after_another_reuse_one_kept_thread(run: Any, monkeypatch: Any) -> None:
+    """Django's handler started a thread for every request (and another to join it); the
+    web process's handler lends a kept one, as a WSGI server reuses its threads — where
+    each request's connection is closed at its end, as in a web process (pooled)."""
+    action = make_action(
+        run=run.run, identifier="dns-record/app-1", operation="create", payload={"n": 1}
+    )
+    path = f"/api/v1/actions/{action.pk}"
+    monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
+    handler = AirlockASGIHandler()
+    threads = _request_threads(handler, path, run.token)
+    assert len(threads) == 4 and len(set(threads)) == 1, threads
+    assert threads[0] != threading.get_ident()  # a request thread, not the caller's
+    # Nothing of the last request's is left open on the kept thread.
+    (kept,) = handler.threads._idle
+    assert kept.submit(lambda: connections["default"].connection is None).result()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_persistent_connections_each_request_has_a_thread_of_its_own(run: Any) -> None:
+    """CONN_MAX_AGE > 0 (this test process's setting): a kept thread would keep its
+    connection open, so no thread is kept — Django's behaviour."""
+    action = make_action(
+        run=run.run, identifier="dns-record/app-1", operation="create", payload={"n": 1}
+    )
+    assert connections.settings["default"]["CONN_MAX_AGE"] > 0
+    handler = AirlockASGIHandler()
+    threads = _request_threads(handler, f"/api/v1/actions/{action.pk}", run.token)
+    assert len(threads) == 4 and handler.threads.idle == 0
+
+
+def test_concurrent_requests_each_get_their_own_thread_and_the_pool_keeps_a_few() -> None:
+    kept = RequestThreads(keep=1)
+    first, second = kept.borrow(), kept.borrow()
+    assert first is not second
+    idents = {
+        first.submit(threading.get_ident).result(),
+        second.submit(threading.get_ident).result(),
+    }
+    assert len(idents) == 2
+    kept.give_back(first)
+    kept.give_back(second)  # over the one kept: ended
+    assert kept.idle == 1
+    assert kept.borrow() is first
+    with pytest.raises(RuntimeError):
+        second.submit(threading.get_ident)
