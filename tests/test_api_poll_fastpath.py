@@ -6,6 +6,8 @@ front itself; every other one is handed to Django."""
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +39,7 @@ from console import asgi
 from tests.conftest import free_port, subprocess_env
 from tests.fixtures.api import make_active_run, make_agent_with_token
 from tests.fixtures.core import make_action
+from tests.fixtures.engine import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -401,6 +404,35 @@ def test_polls_woken_together_in_a_fresh_front_ask_django_once_and_answer_alike(
             assert _comparable(front) == _comparable(
                 _get(servers["django"], path, run.token, **held)
             )
+    finally:
+        fresh.process.terminate()
+        fresh.process.wait(timeout=10)
+
+
+def _held_now(server: Server) -> int:
+    """The server's airlock_longpoll_held gauge (polls past their first read, waiting)."""
+    metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+    found = re.search(r"^airlock_longpoll_held (\d+)$", metrics, re.M)
+    assert found is not None, metrics[:500]
+    return int(found.group(1))
+
+
+def test_a_held_poll_whose_client_leaves_is_let_go_at_once(world: World) -> None:
+    """A client that closes its connection while its poll is held in front: the front stops
+    holding it, as Django's handler stops a view whose client left, instead of keeping a
+    waiter (and its re-reads) to the end of the 30-s wait."""
+    fresh = _start("tests.fastpoll_app:application")
+    try:
+        host, port = fresh.url.removeprefix("http://").split(":")
+        request = (
+            f"GET /api/v1/actions/{world.action.pk} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Authorization: Bearer {world.token}\r\nPrefer: wait=30\r\n"
+            f"If-None-Match: {ETAG}\r\n\r\n"
+        ).encode()
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(request)
+            wait_for(lambda: _held_now(fresh) == 1, timeout=10)
+        wait_for(lambda: _held_now(fresh) == 0, timeout=5)
     finally:
         fresh.process.terminate()
         fresh.process.wait(timeout=10)

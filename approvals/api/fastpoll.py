@@ -36,10 +36,10 @@ import hmac
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.core.exceptions import SynchronousOnlyOperation
@@ -60,6 +60,8 @@ from console.problems import ApiError
 from console.requestctx import clean_request_id
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 Scope = dict[str, Any]
 Message = Mapping[str, Any]
@@ -101,6 +103,51 @@ class Poll:
 
 class _HandOff(Exception):
     """A read of a held poll that the fast path cannot answer."""
+
+
+class _ClientGone(Exception):
+    """The client of a held poll went away before its answer."""
+
+
+class _DisconnectWatch:
+    """Reads a held poll's request messages while it waits, so that a client gone away ends
+    the hold — as Django's handler cancels a view whose client left — instead of the poll
+    being held, and re-read, to the end of its wait. What it read of the request is replayed
+    to whoever reads it next (Django, when the front hands the poll over)."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._read: list[Message] = []
+
+    async def _gone(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                return
+            self._read.append(message)
+
+    async def unless_gone(self, work: Coroutine[Any, Any, _T]) -> _T:
+        """`work`'s result, or _ClientGone (`work` cancelled) if the client leaves first."""
+        answering = asyncio.ensure_future(work)
+        watching = asyncio.ensure_future(self._gone())
+        try:
+            await asyncio.wait({answering, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (answering, watching):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(answering, watching, return_exceptions=True)
+        if answering.cancelled():
+            raise _ClientGone
+        return answering.result()
+
+    def replaying(self) -> Receive:
+        read = self._read
+
+        async def receive() -> Message:
+            return read.pop(0) if read else await self._receive()
+
+        return receive
 
 
 def _fields(
@@ -240,10 +287,18 @@ class PollFront:
         answer: tuple[int, str, bytes] | None = None
         # A held poll waits in front even before its answer's headers are learned.
         if poll.wait or self._learned(poll):
+            watch = _DisconnectWatch(receive) if poll.wait else None
             try:
-                answer = await self._answer(poll)
+                if watch is None:
+                    answer = await self._answer(poll)
+                else:
+                    answer = await watch.unless_gone(self._answer(poll))
+            except _ClientGone:
+                return
             except Exception:  # Django answers any doubt itself
                 logger.debug("fast poll handed to Django", exc_info=True)
+            if watch is not None:
+                receive = watch.replaying()
         if answer is None:
             await self.app(scope, receive, self._learning(poll, send))
             return
