@@ -16,12 +16,19 @@ from approvals.services.actions import Proposal, action_propose
 from approvals.services.decisions import approval_decide
 from approvals.services.execution import action_execute
 from approvals.services.preconditions import parse_write_if_match
+from approvals.services.queued_writes import lock_resource_for_proposal
 from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import DomainError
 from ownership.models import Resource, ResourceKind
 from tests.fixtures.core import make_action, make_resource
-from tests.races import WAIT, Worker, wait_until_blocked_or_finished
+from tests.races import (
+    WAIT,
+    Holder,
+    Worker,
+    wait_for_lock_waiters,
+    wait_until_blocked_or_finished,
+)
 
 DNS = "/api/v1/resources/dns-record/app-hot"
 PROD = "/api/v1/resources/notification-policy/prod-alerts"
@@ -138,14 +145,14 @@ def test_writes_pending_approval_on_one_version_are_accepted_and_collide_at_exec
     assert third.status_code == 412 and "queued_action" not in body(third)
 
 
-def _proposal(kind: ResourceKind, key: str) -> Proposal:
+def _proposal(kind: ResourceKind, key: str, if_match: str = '"3"') -> Proposal:
     return Proposal(
         kind=kind,
         name="app-race",
         operation="update",
         payload_format="merge_patch",
         payload={"counter": 1},
-        if_match=parse_write_if_match('"3"'),
+        if_match=parse_write_if_match(if_match),
         create_if_absent=False,
         idempotency_key=key,
         reason="",
@@ -181,6 +188,41 @@ def test_two_proposals_on_one_version_racing_record_exactly_one(run: Any) -> Non
     assert refused.value.code == "stale_version"
     assert refused.value.extra["queued_action"]["id"] == str(winner.pk)
     assert list(Action.objects.filter(name="app-race").values_list("pk", flat=True)) == [winner.pk]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(90)
+def test_a_stale_proposal_is_refused_at_once_while_another_holds_the_resources_lock(
+    run: Any,
+) -> None:
+    """The losers on a hot resource learn they lost without queueing for its proposal lock
+    (where each refusal took a commit and the next winner waited behind them all); a
+    proposal on the current version still waits its turn."""
+    make_resource("dns-record/app-race", {"counter": 0}, version=3)
+    kind = ResourceKind.objects.get(slug="dns-record")
+    holder = Holder(lambda: lock_resource_for_proposal("dns-record", "app-race")).hold()
+    try:
+        stale = Worker(
+            lambda: action_propose(
+                run=run.run, proposal=_proposal(kind, "key-stale", if_match='"2"')
+            )
+        )
+        stale.start()
+        stale.join(WAIT)
+        assert not stale.is_alive(), "the stale proposal waited for the resource's lock"
+        with pytest.raises(DomainError) as refused:
+            stale.finish()
+        assert refused.value.code == "stale_version"
+        assert refused.value.extra["current_etag"] == '"3"'
+        audited = AuditEvent.objects.filter(event_type="action.refused_stale")
+        assert [e.details["idempotency_key"] for e in audited] == ["key-stale"]
+        current = Worker(lambda: action_propose(run=run.run, proposal=_proposal(kind, "key-now")))
+        current.start()
+        wait_for_lock_waiters(1, threads=(current,))
+    finally:
+        holder.release()
+    assert current.finish().observed_version == 3
+    assert Action.objects.filter(name="app-race").count() == 1
 
 
 @pytest.mark.django_db

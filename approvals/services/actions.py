@@ -36,6 +36,7 @@ from approvals.services.queued_writes import (
     QueuedWrite,
     lock_resource_for_proposal,
     superseding_write,
+    try_lock_resource_for_proposal,
     writes_in_flight,
 )
 from approvals.services.runs import (
@@ -158,22 +159,6 @@ def action_check_writable(*, run: Run, kind: str, name: str, operation: str) -> 
     return resource_kind
 
 
-def _recheck_authority_locked(run: Run, kind: str, name: str, operation: str) -> None:
-    """Inside action_propose's transaction: FOR SHARE on the run row, then re-check.
-
-    A revoke, finish or expiry UPDATEs the run row, so it either committed
-    before this lock (seen here: refused) or waits for the action to commit
-    (and then cancels it with the run's other open actions). Never a `queued`
-    action of an ended run.
-    """
-    # Shared per-kind lock first: a lease grant over this kind (exclusive) either
-    # committed before (its lease is seen below: 423) or waits for this action to
-    # commit (and then refuses the lease while the action is in flight).
-    lock_kind_for_proposal(kind)
-    lock_resource_for_proposal(kind, name)  # proposals on one resource serialise
-    _check_authority(run, run_status_for_share(run.pk), kind, name, operation)
-
-
 # --- Proposal -------------------------------------------------------------
 
 
@@ -272,19 +257,27 @@ def action_propose(
     with transaction.atomic():
         # Lock order: kind (shared advisory) -> resource (advisory) -> run (FOR SHARE)
         # -> action insert -> audit head.
-        _recheck_authority_locked(run, kind.slug, proposal.name, proposal.operation)
-        # Read before the resource: a queued write that applies in between then shows
-        # as the newer version (a plain 412) instead of slipping past both reads.
-        in_flight = writes_in_flight(kind.slug, proposal.name)
-        resource = Resource.objects.filter(kind=kind, name=proposal.name).first()
-        observed_version, refused = precondition_check(proposal, resource, conflict_class)
+        refused = _refused_at_once_or_locked(run, proposal, conflict_class)
         if refused is None:
-            refused = superseded_by_queued(proposal, observed_version, in_flight, conflict_class)
-        if refused is None:
-            action = _record(run, proposal, resource, observed_version, conflict_class)
-            if on_recorded is not None:
-                on_recorded(action)
-            return action
+            # The run FOR SHARE: a revoke, finish or expiry UPDATEs the run row, so it either
+            # committed before (seen here: refused) or waits for the action to commit (and
+            # then cancels it with the run's other open actions). Never a `queued` action of
+            # an ended run. (The shared kind lock before it: a lease grant over this kind
+            # either committed before, or waits and then refuses while this is in flight.)
+            _check_authority(
+                run, run_status_for_share(run.pk), kind.slug, proposal.name, proposal.operation
+            )
+            in_flight, resource = _write_state(kind, proposal.name)
+            observed_version, refused = precondition_check(proposal, resource, conflict_class)
+            if refused is None:
+                refused = superseded_by_queued(
+                    proposal, observed_version, in_flight, conflict_class
+                )
+            if refused is None:
+                action = _record(run, proposal, resource, observed_version, conflict_class)
+                if on_recorded is not None:
+                    on_recorded(action)
+                return action
         audit_append(
             event_type="action.refused_stale",
             actor=Actor.run(run),
@@ -303,6 +296,43 @@ def action_propose(
         if on_refused is not None:
             on_refused(refused)
     raise refused
+
+
+def _write_state(kind: ResourceKind, name: str) -> tuple[list[QueuedWrite], Resource | None]:
+    """The approved writes in flight on the resource, then the resource. In that order: a
+    queued write that applies in between then shows as the newer version (a plain 412)
+    instead of slipping past both reads."""
+    in_flight = writes_in_flight(kind.slug, name)
+    return in_flight, Resource.objects.filter(kind=kind, name=name).first()
+
+
+def _refused_at_once_or_locked(
+    run: Run, proposal: Proposal, conflict_class: ConflictClass
+) -> DomainError | None:
+    """Takes the kind and resource proposal locks — unless another proposal on the resource
+    holds its lock and the committed rows already refuse this one (a stale tag, or a version
+    a queued write will replace): then that 412, at once. On a hot resource the losers'
+    refusals otherwise waited in line for the lock, one commit each, and the next winner's
+    proposal behind them. A refusal read without the lock is the locked check's: versions
+    only grow, and what the lock guards is the recording of a write, which this is not.
+    Anything else (a proposal that may be recorded, a 409/403/423/404 to raise in the locked
+    check's order) waits for the lock as before."""
+    kind, name = proposal.kind, proposal.name
+    lock_kind_for_proposal(kind.slug)
+    if try_lock_resource_for_proposal(kind.slug, name):
+        return None
+    try:
+        _check_authority(run, run_effective_status(run), kind.slug, name, proposal.operation)
+        in_flight, resource = _write_state(kind, name)
+        observed_version, refused = precondition_check(proposal, resource, conflict_class)
+    except DomainError:
+        refused = None
+    else:
+        if refused is None:
+            refused = superseded_by_queued(proposal, observed_version, in_flight, conflict_class)
+    if refused is None:
+        lock_resource_for_proposal(kind.slug, name)
+    return refused
 
 
 def precondition_check(

@@ -39,9 +39,22 @@ def lock_resource_for_proposal(kind: str, name: str) -> None:
     collision merely serialises two resources' proposals."""
     if connection.vendor != "postgresql":
         return  # SQLite serialises writers already.
-    key = zlib.crc32(f"airlock.proposal:{kind}/{name}".encode()) - 2**31
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_PROPOSAL_LOCK, key])
+        cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", _proposal_lock(kind, name))
+
+
+def try_lock_resource_for_proposal(kind: str, name: str) -> bool:
+    """lock_resource_for_proposal without waiting: False while another proposal on the
+    resource holds the lock."""
+    if connection.vendor != "postgresql":
+        return True
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", _proposal_lock(kind, name))
+        return bool(cursor.fetchone()[0])
+
+
+def _proposal_lock(kind: str, name: str) -> list[int]:
+    return [_PROPOSAL_LOCK, zlib.crc32(f"airlock.proposal:{kind}/{name}".encode()) - 2**31]
 
 
 def writes_in_flight(kind: str, name: str) -> list[QueuedWrite]:
