@@ -44,7 +44,7 @@ _TABLE: dict[str, tuple[Any, Any, Any]] = {
     "audit_writers": ((1, 2), (1, 8), (1, 8)),
     "audit_seconds": (0.5, 1.0, 3.0),
     "hot_writers": (4, 32, 32),
-    "hot_seconds": (1.0, 3.0, 5.0),
+    "hot_seconds": (1.0, 3.0, 15.0),
     "scale_small": ((200, 200), (1_000, 1_000), (1_000, 1_000)),
     "scale_big": ((400, 400), (20_000, 10_000), (10_000_000, 1_000_000)),
     "scale_note": (
