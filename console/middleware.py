@@ -246,7 +246,7 @@ class RequestThreads:
         return len(self._idle)
 
 
-def requests_threads_to_keep() -> int:
+def request_threads_to_keep() -> int:
     """REQUEST_THREADS_KEPT when every database connection is closed at the end of its
     request (CONN_MAX_AGE 0; a pooled one then goes back to the pool), as in the web
     processes; else none: a kept thread would keep its persistent connection open too, one
@@ -262,7 +262,7 @@ class AirlockASGIHandler(ASGIHandler):
 
     def __init__(self) -> None:
         super().__init__()
-        self.threads = RequestThreads(keep=requests_threads_to_keep())
+        self.threads = RequestThreads(keep=request_threads_to_keep())
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.threads.keep:

@@ -144,7 +144,8 @@ def test_requests_one_after_another_reuse_one_kept_thread(run: Any, monkeypatch:
     assert len(threads) == 4 and len(set(threads)) == 1, threads
     assert threads[0] != threading.get_ident()  # a request thread, not the caller's
     # Nothing of the last request's is left open on the kept thread.
-    (kept,) = handler.threads._idle
+    assert handler.threads.idle == 1
+    kept = handler.threads.borrow()
     assert kept.submit(lambda: connections["default"].connection is None).result()
 
 
@@ -161,7 +162,7 @@ def test_with_persistent_connections_each_request_has_a_thread_of_its_own(run: A
     assert len(threads) == 4 and handler.threads.idle == 0
 
 
-def test_concurrent_requests_each_get_their_own_thread_and_the_pool_keeps_a_few() -> None:
+def test_the_pool_lends_each_borrower_its_own_thread_and_keeps_at_most_keep() -> None:
     kept = RequestThreads(keep=1)
     first, second = kept.borrow(), kept.borrow()
     assert first is not second

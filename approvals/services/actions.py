@@ -264,15 +264,9 @@ def action_propose(
             # then cancels it with the run's other open actions). Never a `queued` action of
             # an ended run. (The shared kind lock before it: a lease grant over this kind
             # either committed before, or waits and then refuses while this is in flight.)
-            _check_authority(
-                run, run_status_for_share(run.pk), kind.slug, proposal.name, proposal.operation
+            resource, observed_version, refused = _checked(
+                run, run_status_for_share(run.pk), proposal, conflict_class
             )
-            in_flight, resource = _write_state(kind, proposal.name)
-            observed_version, refused = precondition_check(proposal, resource, conflict_class)
-            if refused is None:
-                refused = superseded_by_queued(
-                    proposal, observed_version, in_flight, conflict_class
-                )
             if refused is None:
                 action = _record(run, proposal, resource, observed_version, conflict_class)
                 if on_recorded is not None:
@@ -298,12 +292,22 @@ def action_propose(
     raise refused
 
 
-def _write_state(kind: ResourceKind, name: str) -> tuple[list[QueuedWrite], Resource | None]:
-    """The approved writes in flight on the resource, then the resource. In that order: a
-    queued write that applies in between then shows as the newer version (a plain 412)
-    instead of slipping past both reads."""
+def _checked(
+    run: Run, run_status: str, proposal: Proposal, conflict_class: ConflictClass
+) -> tuple[Resource | None, int | None, DomainError | None]:
+    """The proposal checked against what is committed: the run's authority (raises 409 /
+    403 / 423), then the resource (raises 404), its precondition and any write already queued
+    over it. Returns the resource, the version the tag matched and the 412, if refused."""
+    kind, name = proposal.kind, proposal.name
+    _check_authority(run, run_status, kind.slug, name, proposal.operation)
+    # The writes in flight before the resource: a queued write that applies in between then
+    # shows as the newer version (a plain 412) instead of slipping past both reads.
     in_flight = writes_in_flight(kind.slug, name)
-    return in_flight, Resource.objects.filter(kind=kind, name=name).first()
+    resource = Resource.objects.filter(kind=kind, name=name).first()
+    observed_version, refused = precondition_check(proposal, resource, conflict_class)
+    if refused is None:
+        refused = superseded_by_queued(proposal, observed_version, in_flight, conflict_class)
+    return resource, observed_version, refused
 
 
 def _refused_at_once_or_locked(
@@ -322,14 +326,9 @@ def _refused_at_once_or_locked(
     if try_lock_resource_for_proposal(kind.slug, name):
         return None
     try:
-        _check_authority(run, run_effective_status(run), kind.slug, name, proposal.operation)
-        in_flight, resource = _write_state(kind, name)
-        observed_version, refused = precondition_check(proposal, resource, conflict_class)
+        _, _, refused = _checked(run, run_effective_status(run), proposal, conflict_class)
     except DomainError:
         refused = None
-    else:
-        if refused is None:
-            refused = superseded_by_queued(proposal, observed_version, in_flight, conflict_class)
     if refused is None:
         lock_resource_for_proposal(kind.slug, name)
     return refused
