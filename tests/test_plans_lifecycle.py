@@ -38,7 +38,7 @@ def _applied_at_most_once(run_id: Any) -> None:
     "point", ["after_barrier_commit", "plan_advance_before_commit", "after_undo_job"]
 )
 def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_twice(
-    api: Any, run: Any, operator: Any, plan_world: Any, rq_worker: Any, point: str
+    api: Any, run: Any, operator: Any, plan_world: Any, rq_worker: Any, settings: Any, point: str
 ) -> None:
     """Three steps apply, the fourth is stale (the agent's to retry): the plan
     compensates three steps. A worker that SIGKILLs itself at `point` is started
@@ -47,6 +47,9 @@ def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_tw
     `compensated` with every resource back where it was."""
     from approvals.services.reconcile import reconcile
 
+    # The reconciler below runs in this process: one deployment, one lock TTL (rq_worker's),
+    # so that it judges the workers' leases by the TTL they were taken with.
+    settings.AIRLOCK_LOCK_TTL_MS = 1500
     make_resource("dns-record/app-c", {"ip": "c"}, version=5)
     steps = [
         plan_fx.patch_step("dns-record/app-a", '"3"', {"ip": "2"}),
@@ -66,7 +69,9 @@ def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_tw
                 lambda worker=worker: (
                     not worker.alive() or plan_fx.plan_status(plan_id) == "compensated"
                 ),
-                timeout=20,
+                # Once it has crashed, a worker that goes on for several lock TTLs without
+                # reaching the point is waiting for the reconciler below (a lease to expire).
+                timeout=20 if crashes == 0 else 8,
             )
         except AssertionError:
             break  # this worker no longer reaches the point
