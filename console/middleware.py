@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import (
     ThreadSensitiveContext,
@@ -214,6 +215,36 @@ def asgi_middleware(names: list[str]) -> list[str]:
     ]
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class RequestExecutor(ThreadPoolExecutor):
+    """A one-thread executor that knows whether work handed to it is still unfinished."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="request")
+        self._unfinished = 0
+        self._counting = threading.Lock()
+
+    def submit(self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
+        with self._counting:
+            self._unfinished += 1
+        future = super().submit(fn, *args, **kwargs)
+        # Added before the event loop's own callback (run_in_executor wraps the future
+        # after submit returns): the count is down before an awaiting request resumes.
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, future: Future[Any]) -> None:
+        with self._counting:
+            self._unfinished -= 1
+
+    @property
+    def busy(self) -> bool:
+        return self._unfinished > 0
+
+
 class RequestThreads:
     """One-thread executors lent to requests one at a time, kept for the next request.
 
@@ -223,20 +254,23 @@ class RequestThreads:
     about half of the event loop's own time for an API call here, while every poll held by
     the process waits behind them. Reusing a thread for the next request is what a WSGI
     server does; the request's database connection is closed at its end either way
-    (request_finished), so nothing of one request's is left for the next. Used from the
+    (request_finished), so nothing of one request's is left for the next. A request that
+    ended while its sync work still runs (its client went away, the task was cancelled)
+    gives back a busy thread: that one is not kept, so that the next request does not queue
+    behind work that is no longer anybody's; it ends when that work does. Used from the
     event loop's thread only."""
 
     def __init__(self, keep: int) -> None:
-        self._idle: list[ThreadPoolExecutor] = []
+        self._idle: list[RequestExecutor] = []
         self.keep = keep  # idle executors kept at the most; a burst's extra ones are ended
 
-    def borrow(self) -> ThreadPoolExecutor:
+    def borrow(self) -> RequestExecutor:
         if self._idle:
             return self._idle.pop()
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="request")
+        return RequestExecutor()
 
-    def give_back(self, executor: ThreadPoolExecutor) -> None:
-        if len(self._idle) < self.keep:
+    def give_back(self, executor: RequestExecutor) -> None:
+        if len(self._idle) < self.keep and not executor.busy:
             self._idle.append(executor)
         else:
             executor.shutdown(wait=False)
@@ -271,8 +305,8 @@ class AirlockASGIHandler(ASGIHandler):
             return
         executor = self.threads.borrow()
         try:
-            # The executor stays this request's until the context exits (a sync call the
-            # request left running in it finishes before the next borrower's starts).
+            # The executor is this request's until the context exits; one still running
+            # a sync call the request left behind is not lent again (give_back).
             async with ThreadSensitiveContext(executor=executor):
                 await self.handle(scope, receive, send)
         finally:

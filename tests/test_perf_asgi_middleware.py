@@ -177,3 +177,24 @@ def test_the_pool_lends_each_borrower_its_own_thread_and_keeps_at_most_keep() ->
     assert kept.borrow() is first
     with pytest.raises(RuntimeError):
         second.submit(threading.get_ident)
+
+
+def test_a_thread_still_running_a_left_request_s_work_is_not_lent_again() -> None:
+    """A request whose client went away leaves its sync work running on its thread: the
+    next request gets a thread of its own instead of queueing behind that work, and the
+    busy one ends when its work does."""
+    kept = RequestThreads(keep=4)
+    left = kept.borrow()
+    release = threading.Event()
+    still_running = left.submit(release.wait, 10)
+    kept.give_back(left)
+    assert kept.idle == 0
+    nxt = kept.borrow()
+    assert nxt is not left
+    assert nxt.submit(lambda: "answered at once").result(timeout=2) == "answered at once"
+    release.set()
+    assert still_running.result(timeout=5) is True
+    with pytest.raises(RuntimeError):  # ended, not kept
+        left.submit(threading.get_ident)
+    kept.give_back(nxt)  # idle: kept
+    assert kept.idle == 1 and kept.borrow() is nxt
