@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -331,6 +332,32 @@ def test_a_batch_append_chains_in_order_between_single_appends() -> None:
     assert audit_append_many([]) == []
     result = verify_chain()
     assert result.ok and result.events == 8
+
+
+@pytest.mark.django_db
+def test_a_batch_longer_than_one_statement_s_chunk_chains_across_its_chunks() -> None:
+    """A batch goes to PostgreSQL in chunks, each one statement chained after the head the
+    chunk before it moved: every event, with the odd fields (no run, a null action,
+    non-ASCII details), hashes as a single append would."""
+    _append(1)
+    batch = audit_append_many(
+        [
+            {
+                "event_type": "action.expired",
+                "actor": Actor.person(SimpleNamespace(pk=7, get_username=lambda: "zoë")),
+                "resource": f"dns-record/r{index}",
+                "details": {"index": index, "note": "ünïcode ✓", "nested": {"n": [index]}},
+            }
+            for index in range(150)
+        ]
+    )
+    assert [e.seq for e in batch] == list(range(2, 152))
+    for before, after in itertools.pairwise(batch):
+        assert after.prev_hash == before.hash
+    stored = {e.seq: e.hash for e in AuditEvent.objects.filter(seq__gte=2)}
+    assert stored == {e.seq: e.hash for e in batch}
+    result = verify_chain()
+    assert result.ok and result.events == 151
 
 
 @pytest.mark.django_db

@@ -31,9 +31,10 @@ pytestmark = pytest.mark.django_db
 # Token lookup (with the decider's groups); one statement that peeks at the approval's
 # subject, locks run (share), action and approval and reads the agent's live tokens
 # (separation of duties) and the resource the answer's diff is taken against; the votes so
-# far with the vote; two audit appends; the approval's and the action's status in one —
-# and the test transaction's savepoint pair.
-PER_CALL_DECISION_STATEMENTS = 8
+# far with the vote; the approval's and the action's status in one; the two audit events
+# chained by one last statement (the head locked for the commit only) — and the test
+# transaction's savepoint pair.
+PER_CALL_DECISION_STATEMENTS = 7
 
 
 def _propose_prod_alerts(api: Any, agent: AgentActor, key: str = "key-decision-1") -> Approval:
@@ -86,6 +87,10 @@ def test_a_per_call_decision_costs_a_bounded_number_of_statements(
     ]
     assert len(approval_reads) == 1, approval_reads
     assert queries[-1].startswith(("RELEASE SAVEPOINT", "COMMIT")), queries[-1]
+    # The audit head is locked by the transaction's last statement, after every row lock.
+    assert "audit_audithead" in queries[-2] and all(
+        "audit_audithead" not in query for query in queries[:-2]
+    ), queries
 
 
 @pytest.mark.parametrize("decision", ["approve", "reject"])

@@ -51,7 +51,7 @@ from approvals.services.run_policy import classes_for_write_set
 from approvals.services.runs import run_activate, run_reject
 from approvals.services.tokens import live_token
 from approvals.services.write_sets import entries_of, lock_kinds
-from audit.services import Actor, audit_append
+from audit.services import Actor, audit_append, audit_deferred
 from console.core.action_audit import audit_action_event
 from console.core.actors import person_id
 from console.core.errors import (
@@ -286,7 +286,10 @@ def approval_decide_tallied(
     person = _deciding_person(actor, person)
     expired = False
     approves = 0
-    with transaction.atomic():
+    # The decision's events (the vote, then what quorum did) are chained together by the
+    # transaction's last statement: the audit head is locked after every row lock, for
+    # the commit only, not from the vote on.
+    with transaction.atomic(), audit_deferred():
         approval, call = _lock_for_decision(approval_uuid, person=person, now=timezone.now())
         _check_separation_of_duties(
             approval=approval,
