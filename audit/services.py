@@ -7,8 +7,8 @@ writers never fork the chain and seq stays contiguous in commit order (a
 rolled-back append rolls back the head too).
 
 On PostgreSQL an append is ONE statement (see _APPEND) and opens no transaction
-or savepoint of its own. `audit_append_many` appends a batch with one head lock,
-one multi-row INSERT and one head update.
+or savepoint of its own. `audit_append_many` (and the end of an `audit_deferred`
+block) appends a batch in order as one statement a chunk (see _APPEND_MANY).
 """
 
 from __future__ import annotations
@@ -397,7 +397,7 @@ def _append_params(prepared: _Prepared) -> list[Any]:
 
 def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:
     """Append several events (each audit_append's keyword arguments), in order,
-    with one head lock and one multi-row INSERT. Same locking rule as audit_append.
+    with one head lock (one statement a chunk). Same locking rule as audit_append.
     """
     return _append_batch([_prepare(event) for event in events])
 
