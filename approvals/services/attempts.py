@@ -2,7 +2,7 @@
 
 Shared by the write job (approvals.services.execution, .http_writes), the undo
 job and the reconciler. Every state change goes through
-decisions.action_transition (a conditional UPDATE) inside a short transaction
+action_status.action_transition (a conditional UPDATE) inside a short transaction
 with its audit event; a stale attempt (abandoned by the reconciler, or
 superseded by a newer one) records nothing.
 """
@@ -27,7 +27,7 @@ from django.utils import timezone
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
-from approvals.services.decisions import action_transition
+from approvals.services.action_status import action_transition
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from console.core.errors import DomainError

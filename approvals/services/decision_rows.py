@@ -14,7 +14,7 @@ models' metadata:
 - `vote_cast`: the votes so far and this person's vote, one statement (after the lock:
   a vote that committed while we waited for the approval is seen);
 - `settle_call`: the approval decided and its action leaving `pending_approval` (the same
-  conditional UPDATE as decisions.action_transition), one statement.
+  conditional UPDATE as action_status.action_transition), one statement.
 
 PostgreSQL only; on SQLite (the embedded default) decisions.py takes the ORM path.
 """

@@ -1,8 +1,7 @@
 """Deciding approvals: one person's vote, quorum, rejection, expiry and escalation.
 
 Approvals are opened by approvals.services.approval_open (inside the transaction
-that creates the run or the action). `action_transition` is the one way the
-engine moves an action's status.
+that creates the run or the action).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from approvals.models import (
 )
 from approvals.notify import notify_run_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
+from approvals.services.action_status import action_transition
 from approvals.services.approval_open import approval_details
 from approvals.services.decision_rows import (
     LockedCall,
@@ -70,26 +70,6 @@ escalation_log = logging.getLogger("airlock.escalation")
 
 # A person's comment on a decision (an approval's vote, a conflict's resolution).
 MAX_COMMENT_LENGTH = 2000
-
-
-def action_transition(
-    *,
-    action_id: uuid.UUID,
-    from_statuses: tuple[str, ...],
-    to_status: str,
-    **fields: Any,
-) -> bool:
-    """Conditional UPDATE of an action's status (the only way the engine moves one).
-
-    Returns False when the action was not in `from_statuses` (someone else won).
-    Bumps the revision (the action's ETag) and schedules the long-poll wake-up.
-    """
-    updated = Action.objects.filter(pk=action_id, status__in=from_statuses).update(
-        status=to_status, revision=F("revision") + 1, updated_at=timezone.now(), **fields
-    )
-    if updated:
-        notify_action_on_commit(action_id)
-    return bool(updated)
 
 
 def answers_for_agent(*, agent: Agent, actor: Actor, minted_live_token: bool | None = None) -> bool:
@@ -307,46 +287,64 @@ def approval_decide_tallied(
             _expire_locked(approval=approval, now=now)
             expired = True
         else:
-            # This person's earlier vote and the approvals so far (no other vote can
-            # land while the approval row is locked), and the vote unless they voted.
-            voted, approves = vote_cast(
-                approval=approval,
-                person=person,
-                decision=decision,
-                comment=comment,
-                now=now,
-                one_statement=call is not None,
+            approves = _vote_locked(
+                approval, person, decision, comment, now=now, one_statement=call is not None
             )
-            if voted:
-                raise InvalidTransition(
-                    "You have already decided this approval; a person counts once.",
-                    code="already_decided",
-                )
-            approves += decision == Decision.APPROVE
-            audit_append(
-                event_type=f"approval.decision_{decision}",
-                actor=Actor.person(person),
-                resource=_subject_identifier(approval),
-                run_id=approval.run_id,
-                action_id=approval.action_id,
-                details={
-                    "approval": str(approval.pk),
-                    "subject": approval.subject,
-                    **({"plan": str(approval.plan_id)} if approval.plan_id else {}),
-                    "comment": comment,
-                },
-            )
-            if decision == Decision.REJECT:
-                _reject_locked(approval=approval, person=person, comment=comment, now=now)
-            elif approves >= approval.quorum:
-                _approve_locked(approval=approval, person=person, now=now)
-            else:
-                _record_partial_vote(approval, now=now)
     if expired:
         raise InvalidTransition("This approval has expired.", code="approval_expired")
     if call is not None:
         return Decided(approval, approves, resource=call.resource, resource_read=True)
     return Decided(approval=approval, approvals_so_far=approves)
+
+
+def _vote_locked(
+    approval: Approval,
+    person: Any,
+    decision: str,
+    comment: str,
+    *,
+    now: datetime,
+    one_statement: bool,
+) -> int:
+    """The person's vote on the locked, pending approval (audited), then what it does: a
+    rejection rejects, the vote that reaches quorum approves, any other is recorded.
+    Returns the approving votes so far, this one counted."""
+    # This person's earlier vote and the approvals so far (no other vote can land while
+    # the approval row is locked), and the vote unless they voted.
+    voted, approves = vote_cast(
+        approval=approval,
+        person=person,
+        decision=decision,
+        comment=comment,
+        now=now,
+        one_statement=one_statement,
+    )
+    if voted:
+        raise InvalidTransition(
+            "You have already decided this approval; a person counts once.",
+            code="already_decided",
+        )
+    approves += decision == Decision.APPROVE
+    audit_append(
+        event_type=f"approval.decision_{decision}",
+        actor=Actor.person(person),
+        resource=_subject_identifier(approval),
+        run_id=approval.run_id,
+        action_id=approval.action_id,
+        details={
+            "approval": str(approval.pk),
+            "subject": approval.subject,
+            **({"plan": str(approval.plan_id)} if approval.plan_id else {}),
+            "comment": comment,
+        },
+    )
+    if decision == Decision.REJECT:
+        _reject_locked(approval=approval, person=person, comment=comment, now=now)
+    elif approves >= approval.quorum:
+        _approve_locked(approval=approval, person=person, now=now)
+    else:
+        _record_partial_vote(approval, now=now)
+    return approves
 
 
 def _record_partial_vote(approval: Approval, *, now: datetime) -> None:

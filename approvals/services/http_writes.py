@@ -17,6 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from approvals.services.action_status import action_transition
 from approvals.services.attempts import (
     WORKER_ACTOR,
     action_fail,
@@ -29,7 +30,6 @@ from approvals.services.attempts import (
     renew_operation_lease,
     route_refusal,
 )
-from approvals.services.decisions import action_transition
 from console.core import targets
 from console.core.barrier import refuse_if_run_ended
 from console.core.errors import LockLost

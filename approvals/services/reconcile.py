@@ -30,8 +30,8 @@ from approvals.outbox import (
     enqueue_undo_execution,
     job_is_pending,
 )
+from approvals.services.action_status import action_transition
 from approvals.services.attempts import enqueue_on_commit, max_attempts, operation_lease_seconds
-from approvals.services.decisions import action_transition
 from approvals.services.plan_engine import plans_resume
 from audit.services import Actor
 from console.core.action_audit import audit_action_event

@@ -25,7 +25,7 @@ from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation
 from approvals.outbox import notify_action_on_commit
-from approvals.services.decisions import action_transition
+from approvals.services.action_status import action_transition
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from console.permissions import resolver_group
