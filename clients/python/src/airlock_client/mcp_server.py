@@ -265,6 +265,18 @@ async def _asked(call: Awaitable[T], *, resource: str = "", operation: str = "")
 def build_server(tools: AirlockTools) -> MCPServer[Any]:
     server: MCPServer[Any] = MCPServer("airlock", instructions=INSTRUCTIONS, log_level="WARNING")
 
+    _add_run_start_tools(server, tools)
+    _add_write_tools(server, tools)
+    _add_action_tools(server, tools)
+    _add_plan_tools(server, tools)
+    _add_run_end_tools(server, tools)
+    _add_resources(server, tools)
+    return server
+
+
+def _add_run_start_tools(server: MCPServer[Any], tools: AirlockTools) -> None:
+    """Starting a run and reading it."""
+
     @server.tool(
         description="Start a run: declare your task and the write set (the resources you "
         "will change and how: create/update/delete; 'kind/prefix*' covers names with that "
@@ -304,6 +316,10 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
                 await session.wait_for_approval(_clamp(wait_seconds))
 
         return await tools.run_answer(session, refreshed())
+
+
+def _add_write_tools(server: MCPServer[Any], tools: AirlockTools) -> None:
+    """Reading a resource and proposing a write."""
 
     @server.tool(
         description="Read a resource 'kind/name': its JSON document, version and ETag. "
@@ -370,6 +386,10 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
             raise ToolError(str(exc)) from exc
         return action_view(action)
 
+
+def _add_action_tools(server: MCPServer[Any], tools: AirlockTools) -> None:
+    """Waiting for a proposed write and undoing it."""
+
     @server.tool(
         description="Wait for an action's outcome: a person's decision and the worker's "
         "execution. Waits at most wait_seconds (at most 110) and answers 'still pending' "
@@ -389,6 +409,10 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
     async def undo_action(action_id: str, wait_seconds: int = 60) -> dict[str, Any]:
         session = await tools.current_run()
         return action_view(await _asked(session.undo(action_id, wait=_clamp(wait_seconds))))
+
+
+def _add_plan_tools(server: MCPServer[Any], tools: AirlockTools) -> None:
+    """Proposing a plan and waiting for it."""
 
     @server.tool(
         description="Propose one change across several resources of your run's write set as "
@@ -424,6 +448,10 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
         session = await tools.current_run()
         return plan_view(await _asked(session.wait_for_plan(plan_id, timeout=_clamp(wait_seconds))))
 
+
+def _add_run_end_tools(server: MCPServer[Any], tools: AirlockTools) -> None:
+    """Listing the run's actions and finishing it."""
+
     @server.tool(description="List the current run's actions (newest first) with their status.")
     async def list_actions() -> dict[str, Any]:
         session = await tools.current_run()
@@ -439,6 +467,10 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
         await session.stop_heartbeat()
         return run_view(await _asked(session.finish()))
 
+
+def _add_resources(server: MCPServer[Any], tools: AirlockTools) -> None:
+    """Resources as MCP resources."""
+
     @server.resource(
         "airlock://resources/{kind}/{name}",
         description="An Airlock resource: its JSON document with version and ETag.",
@@ -450,8 +482,6 @@ def build_server(tools: AirlockTools) -> MCPServer[Any]:
         except AirlockError as exc:
             raise ResourceError(str(exc)) from exc
         return json.dumps(resource_view(found))
-
-    return server
 
 
 def main(argv: list[str] | None = None) -> None:
