@@ -15,12 +15,74 @@ from __future__ import annotations
 import json
 import threading
 import time
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
 # RFC 7396, as the product applies it (its own tests check it against the RFC's examples).
 from ownership.diff import apply_merge_patch
+
+# What a request gets: status, headers, body, and seconds to wait before answering.
+Answer = tuple[int, dict[str, str], bytes, float]
+
+
+def _json_answer(status: int, body: Any, headers: dict[str, str] | None = None) -> Answer:
+    return (
+        status,
+        {**(headers or {}), "Content-Type": "application/json"},
+        json.dumps(body).encode(),
+        0.0,
+    )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, headers: dict[str, str], payload: bytes) -> None:
+        try:
+            self.send_response(status)
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the caller gave up (a timed-out write)
+
+    def do_GET(self) -> None:
+        target = self.server.target
+        with target.lock:
+            entry = target.documents.get(unquote(self.path.lstrip("/")))
+        if entry is None or entry["deleted"]:
+            status, headers, payload, _ = _json_answer(404, {"error": "not found"})
+        else:
+            etag = {"ETag": f'"{entry["version"]}"'}
+            status, headers, payload, _ = _json_answer(200, entry["document"], etag)
+        self._send(status, headers, payload)
+
+    def _write(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        target = self.server.target
+        with target.lock:
+            status, headers, payload, hang = target.write(
+                self.command, unquote(self.path.lstrip("/")), self.headers, raw
+            )
+        if hang:
+            time.sleep(hang)
+        self._send(status, headers, payload)
+
+    do_PUT = _write
+    do_PATCH = _write
+    do_DELETE = _write
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    target: TargetServer
 
 
 class TargetServer:
@@ -33,122 +95,59 @@ class TargetServer:
         self.scripted_failures: list[int] = []
         self.hang_seconds = 0.0
         self.lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _reply(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-                payload = b"" if body is None else json.dumps(body).encode()
-                self.send_response(status)
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def do_GET(self) -> None:
-                name = unquote(self.path.lstrip("/"))
-                with server.lock:
-                    entry = server.documents.get(name)
-                if entry is None or entry["deleted"]:
-                    self._reply(404, {"error": "not found"})
-                    return
-                self._reply(200, entry["document"], {"ETag": f'"{entry["version"]}"'})
-
-            def _write(self) -> None:
-                name = unquote(self.path.lstrip("/"))
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                key = self.headers.get("Idempotency-Key", "")
-                fence = int(self.headers.get("Fencing-Token") or 0)
-                hang = 0.0
-                with server.lock:
-                    server.requests.append(
-                        {
-                            "method": self.command,
-                            "name": name,
-                            "key": key,
-                            "fence": fence,
-                            "if_match": self.headers.get("If-Match"),
-                        }
-                    )
-                    if server.scripted_failures:
-                        status = server.scripted_failures.pop(0)
-                        self._reply(status, {"error": "scripted"}, {"Retry-After": "0"})
-                        return
-                    if not key:
-                        self._reply(400, {"error": "Idempotency-Key required"})
-                        return
-                    if key in server.replies:
-                        status, headers, body = server.replies[key]
-                        self.send_response(status)
-                        for h, v in {**headers, "Idempotent-Replayed": "true"}.items():
-                            self.send_header(h, v)
-                        self.send_header("Content-Length", str(len(body)))
-                        self.end_headers()
-                        self.wfile.write(body)
-                        return
-                    if fence < server.last_fence.get(name, 0):
-                        self._reply(409, {"error": "stale fence"})
-                        return
-                    entry = server.documents.get(name)
-                    exists = entry is not None and not entry["deleted"]
-                    if self.headers.get("If-None-Match") == "*":
-                        if exists:
-                            self._reply(412, {"error": "exists"})
-                            return
-                    else:
-                        if_match = self.headers.get("If-Match")
-                        if if_match is None:
-                            self._reply(428, {"error": "If-Match required"})
-                            return
-                        if not exists or if_match != f'"{entry["version"]}"':  # type: ignore[index]
-                            self._reply(412, {"error": "stale"})
-                            return
-                    body = json.loads(raw) if raw else None
-                    version = (entry["version"] if entry else 0) + 1
-                    if self.command == "DELETE":
-                        document, deleted = {}, True
-                    elif self.command == "PATCH":
-                        document, deleted = (
-                            apply_merge_patch(entry["document"] if entry else {}, body),
-                            False,
-                        )
-                    else:
-                        document, deleted = body, False
-                    server.documents[name] = {
-                        "version": version,
-                        "document": document,
-                        "deleted": deleted,
-                    }
-                    server.last_fence[name] = fence
-                    server.effects += 1
-                    headers = {"ETag": f'"{version}"', "Content-Type": "application/json"}
-                    payload = json.dumps(document).encode()
-                    server.replies[key] = (200, headers, payload)
-                    hang, server.hang_seconds = server.hang_seconds, 0.0
-                if hang:
-                    time.sleep(hang)
-                try:
-                    self.send_response(200)
-                    for h, v in headers.items():
-                        self.send_header(h, v)
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-            do_PUT = _write
-            do_PATCH = _write
-            do_DELETE = _write
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _HTTPServer(("127.0.0.1", 0), _Handler)
+        self.httpd.target = self
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def write(self, method: str, name: str, headers: Message, raw: bytes) -> Answer:
+        """A PUT, PATCH or DELETE of `name` (called with the lock held)."""
+        key = headers.get("Idempotency-Key", "")
+        fence = int(headers.get("Fencing-Token") or 0)
+        self.requests.append(
+            {
+                "method": method,
+                "name": name,
+                "key": key,
+                "fence": fence,
+                "if_match": headers.get("If-Match"),
+            }
+        )
+        if self.scripted_failures:
+            return _json_answer(
+                self.scripted_failures.pop(0), {"error": "scripted"}, {"Retry-After": "0"}
+            )
+        if not key:
+            return _json_answer(400, {"error": "Idempotency-Key required"})
+        if key in self.replies:
+            status, stored, body = self.replies[key]
+            return status, {**stored, "Idempotent-Replayed": "true"}, body, 0.0
+        if fence < self.last_fence.get(name, 0):
+            return _json_answer(409, {"error": "stale fence"})
+        entry = self.documents.get(name)
+        refused = _precondition_refused(entry, headers)
+        if refused is not None:
+            return refused
+        return self._apply(method, name, entry, json.loads(raw) if raw else None, key, fence)
+
+    def _apply(
+        self, method: str, name: str, entry: dict[str, Any] | None, body: Any, key: str, fence: int
+    ) -> Answer:
+        version = (entry["version"] if entry else 0) + 1
+        if method == "DELETE":
+            document, deleted = {}, True
+        elif method == "PATCH":
+            document, deleted = apply_merge_patch(entry["document"] if entry else {}, body), False
+        else:
+            document, deleted = body, False
+        self.documents[name] = {"version": version, "document": document, "deleted": deleted}
+        self.last_fence[name] = fence
+        self.effects += 1
+        headers = {"ETag": f'"{version}"', "Content-Type": "application/json"}
+        payload = json.dumps(document).encode()
+        self.replies[key] = (200, headers, payload)
+        hang, self.hang_seconds = self.hang_seconds, 0.0
+        return 200, headers, payload, hang
 
     @property
     def url(self) -> str:
@@ -174,3 +173,15 @@ class TargetServer:
     def hang_after_apply(self, seconds: float) -> None:
         with self.lock:
             self.hang_seconds = seconds
+
+
+def _precondition_refused(entry: dict[str, Any] | None, headers: Message) -> Answer | None:
+    exists = entry is not None and not entry["deleted"]
+    if headers.get("If-None-Match") == "*":
+        return _json_answer(412, {"error": "exists"}) if exists else None
+    if_match = headers.get("If-Match")
+    if if_match is None:
+        return _json_answer(428, {"error": "If-Match required"})
+    if entry is None or not exists or if_match != f'"{entry["version"]}"':
+        return _json_answer(412, {"error": "stale"})
+    return None
