@@ -26,45 +26,47 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 MAX_EXAMPLES = 12
 
 
+def _operation_block(
+    name_regex: str,
+    token: str,
+    extra_statuses: tuple[int, ...] = (),
+    missing_header_statuses: tuple[int, ...] = (),
+    negative_statuses: tuple[int, ...] = (),
+) -> str:
+    """One [[operations]] entry: its token, and the statuses its business rules add."""
+    lines = [
+        "[[operations]]",
+        f'include-name-regex = "{name_regex}"',
+        f'headers = {{ Authorization = "Bearer {token}" }}',
+    ]
+    if extra_statuses:
+        statuses = ["2xx", "3xx", "401", "403", "404", "409", "429", *map(str, extra_statuses)]
+        quoted = ", ".join(f'"{status}"' for status in statuses)
+        lines.append(f"checks.positive_data_acceptance.expected-statuses = [{quoted}]")
+    if missing_header_statuses:
+        statuses = [
+            "400",
+            "401",
+            "403",
+            "406",
+            "415",
+            "422",
+            *map(str, missing_header_statuses),
+        ]
+        quoted = ", ".join(f'"{status}"' for status in statuses)
+        lines.append(f"checks.missing_required_header.expected-statuses = [{quoted}]")
+    if negative_statuses:
+        # schemathesis' default rejection statuses, plus the given ones.
+        default = (400, 401, 403, 404, 405, 406, 409, 415, 422, 428, 429)
+        quoted = ", ".join(f'"{status}"' for status in (*default, *negative_statuses))
+        lines.append(f'checks.negative_data_rejection.expected-statuses = [{quoted}, "5xx"]')
+    return "\n".join(lines) + "\n"
+
+
 def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token: str) -> str:
     """Per-operation tokens. Besides the defaults, a schema-valid request may
     legitimately meet a business precondition: 412/428 (If-Match), 422 (a kind
     that does not exist: the contract's answer), 423 (lease)."""
-
-    def block(
-        name_regex: str,
-        token: str,
-        extra_statuses: tuple[int, ...] = (),
-        missing_header_statuses: tuple[int, ...] = (),
-        negative_statuses: tuple[int, ...] = (),
-    ) -> str:
-        lines = [
-            "[[operations]]",
-            f'include-name-regex = "{name_regex}"',
-            f'headers = {{ Authorization = "Bearer {token}" }}',
-        ]
-        if extra_statuses:
-            statuses = ["2xx", "3xx", "401", "403", "404", "409", "429", *map(str, extra_statuses)]
-            quoted = ", ".join(f'"{status}"' for status in statuses)
-            lines.append(f"checks.positive_data_acceptance.expected-statuses = [{quoted}]")
-        if missing_header_statuses:
-            statuses = [
-                "400",
-                "401",
-                "403",
-                "406",
-                "415",
-                "422",
-                *map(str, missing_header_statuses),
-            ]
-            quoted = ", ".join(f'"{status}"' for status in statuses)
-            lines.append(f"checks.missing_required_header.expected-statuses = [{quoted}]")
-        if negative_statuses:
-            # schemathesis' default rejection statuses, plus the given ones.
-            default = (400, 401, 403, 404, 405, 406, 409, 415, 422, 428, 429)
-            quoted = ", ".join(f'"{status}"' for status in (*default, *negative_statuses))
-            lines.append(f'checks.negative_data_rejection.expected-statuses = [{quoted}, "5xx"]')
-        return "\n".join(lines) + "\n"
 
     people = (
         "approvals|conflicts|audit|kill-switch|conflict-classes|resource-kinds|auto-approve-rules"
@@ -77,18 +79,18 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             # Idempotency-Key, so a missing key may meet 409/423 first; so may a
             # malformed header or body (the fuzzer grants leases through POST /runs
             # and approvals).
-            block(
+            _operation_block(
                 "^(PUT|PATCH|DELETE) /api/v1/resources/",
                 run_token,
                 (400, 412, 422, 423, 428),
                 missing_header_statuses=(409, 423),
                 negative_statuses=(423,),
             ),
-            block("^POST /api/v1/runs$", agent_token, (422,)),
+            _operation_block("^POST /api/v1/runs$", agent_token, (422,)),
             # A plan is checked step by step like single writes (write set, lease, If-Match
             # syntax and freshness) and refused whole; the fuzzer's run ids are not the
             # token's run (404).
-            block(
+            _operation_block(
                 "^POST /api/v1/runs/[^/]+/plans$",
                 run_token,
                 (400, 412, 422, 423, 428),
@@ -98,23 +100,25 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             # JSON safety (console/core/jsonsafe.py, issue 9) refuses U+0000 and lone
             # surrogates in any key or string with a 422: stricter than JSON Schema can say,
             # so a schema-valid body carrying them is a legitimate 422 wherever text is taken.
-            block("^POST /api/v1/runs/[^/]+/revoke$", admin_token, (422,)),
+            _operation_block("^POST /api/v1/runs/[^/]+/revoke$", admin_token, (422,)),
             # Heartbeat/finish (and the run listing that feeds the stateful phase
             # their ids) use a second run, so finishing it never stops the run
             # the writes are made with.
-            block("^POST /api/v1/runs/", lifecycle_token),
-            block("^GET /api/v1/runs", lifecycle_token),
-            block("^POST /api/v1/actions/", run_token),
+            _operation_block("^POST /api/v1/runs/", lifecycle_token),
+            _operation_block("^GET /api/v1/runs", lifecycle_token),
+            _operation_block("^POST /api/v1/actions/", run_token),
             # A kind naming conflict classes that do not exist is a 422.
-            block("^PUT /api/v1/resource-kinds/", admin_token, (422,)),
+            _operation_block("^PUT /api/v1/resource-kinds/", admin_token, (422,)),
             # Read-only members (slug, retryable_by_agent) that contradict the path or
             # the resolver are a 422 naming them (GET -> edit -> PUT, issue 9).
-            block("^PUT /api/v1/conflict-classes/", admin_token, (422,)),
+            _operation_block("^PUT /api/v1/conflict-classes/", admin_token, (422,)),
             # A rule naming a kind or an agent that does not exist is a 422.
-            block("^(POST|PUT) /api/v1/auto-approve-rules", admin_token, (422,)),
-            block("^POST /api/v1/(conflicts|approvals|kill-switch)", admin_token, (422,)),
-            block(f"^(GET|POST|PUT|DELETE) /api/v1/({people})", admin_token),
-            block("^GET /api/v1/(runs|resources|whoami|actions|plans)", run_token),
+            _operation_block("^(POST|PUT) /api/v1/auto-approve-rules", admin_token, (422,)),
+            _operation_block(
+                "^POST /api/v1/(conflicts|approvals|kill-switch)", admin_token, (422,)
+            ),
+            _operation_block(f"^(GET|POST|PUT|DELETE) /api/v1/({people})", admin_token),
+            _operation_block("^GET /api/v1/(runs|resources|whoami|actions|plans)", run_token),
         ]
     )
 
