@@ -287,9 +287,23 @@ def approval_decide_tallied(
             _expire_locked(approval=approval, now=now)
             expired = True
         else:
-            approves = _vote_locked(
-                approval, person, decision, comment, now=now, one_statement=call is not None
+            # This person's earlier vote and the approvals so far (no other vote can
+            # land while the approval row is locked), and the vote unless they voted.
+            voted, approves = vote_cast(
+                approval=approval,
+                person=person,
+                decision=decision,
+                comment=comment,
+                now=now,
+                one_statement=call is not None,
             )
+            if voted:
+                raise InvalidTransition(
+                    "You have already decided this approval; a person counts once.",
+                    code="already_decided",
+                )
+            approves += decision == Decision.APPROVE
+            _act_on_vote(approval, person, (decision, comment), approves=approves, now=now)
     if expired:
         raise InvalidTransition("This approval has expired.", code="approval_expired")
     if call is not None:
@@ -297,34 +311,13 @@ def approval_decide_tallied(
     return Decided(approval=approval, approvals_so_far=approves)
 
 
-def _vote_locked(
-    approval: Approval,
-    person: Any,
-    decision: str,
-    comment: str,
-    *,
-    now: datetime,
-    one_statement: bool,
-) -> int:
-    """The person's vote on the locked, pending approval (audited), then what it does: a
-    rejection rejects, the vote that reaches quorum approves, any other is recorded.
-    Returns the approving votes so far, this one counted."""
-    # This person's earlier vote and the approvals so far (no other vote can land while
-    # the approval row is locked), and the vote unless they voted.
-    voted, approves = vote_cast(
-        approval=approval,
-        person=person,
-        decision=decision,
-        comment=comment,
-        now=now,
-        one_statement=one_statement,
-    )
-    if voted:
-        raise InvalidTransition(
-            "You have already decided this approval; a person counts once.",
-            code="already_decided",
-        )
-    approves += decision == Decision.APPROVE
+def _act_on_vote(
+    approval: Approval, person: Any, vote: tuple[str, str], *, approves: int, now: datetime
+) -> None:
+    """The person's `vote` (decision, comment) on the locked approval is audited, then
+    does what it does: a rejection rejects, the vote that reaches quorum (`approves`, this
+    one counted) approves, any other is recorded."""
+    decision, comment = vote
     audit_append(
         event_type=f"approval.decision_{decision}",
         actor=Actor.person(person),
@@ -344,7 +337,6 @@ def _vote_locked(
         _approve_locked(approval=approval, person=person, now=now)
     else:
         _record_partial_vote(approval, now=now)
-    return approves
 
 
 def _record_partial_vote(approval: Approval, *, now: datetime) -> None:
