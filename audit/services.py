@@ -48,13 +48,20 @@ _TOKEN_VALUE_PATTERN = re.compile(r"\b(ak|rt|pt)_[A-Za-z0-9_-]{8,}")
 # with everything but `seq` and `prev_hash` (which come last in sorted-key order,
 # so the text is `<prefix><seq>},"prev_hash":"<prev>"}` — the very bytes
 # `audit.chain.event_hash` hashes), then the event is inserted and the head moved.
+
+
+def _digest_sql(prefix: str, seq: str, prev: str) -> str:
+    """SQL for an event's hash: sha256 of `<prefix><seq>},"prev_hash":"<prev>"}`."""
+    text = f"""{prefix} || {seq}::text || '}},"prev_hash":"' || {prev} || '"}}'"""
+    return f"encode(sha256(convert_to({text}, 'UTF8')), 'hex')"
+
+
 _APPEND_HEAD = """
 WITH head AS (
     SELECT seq + 1 AS seq, hash AS prev FROM audit_audithead WHERE id = 1"""
-_APPEND_REST = """ FOR UPDATE
+_APPEND_REST = f""" FOR UPDATE
 ), h AS (
-    SELECT seq, prev, encode(sha256(convert_to(
-        %s || seq::text || '},"prev_hash":"' || prev || '"}', 'UTF8')), 'hex') AS digest
+    SELECT seq, prev, {_digest_sql("%s", "seq", "prev")} AS digest
     FROM head
 ), event AS (
     INSERT INTO audit_auditevent (seq, created_at, actor_type, actor_id, actor_label,
@@ -64,14 +71,14 @@ _APPEND_REST = """ FOR UPDATE
 UPDATE audit_audithead SET seq = h.seq, hash = h.digest FROM h
 WHERE audit_audithead.id = 1
 RETURNING h.seq, h.prev, h.digest
-"""
+"""  # noqa: S608 - constant fragments only (_digest_sql)
 _APPEND = _APPEND_HEAD + _APPEND_REST
 _HASH_SUFFIX = '0},"prev_hash":""}'
 # Several events in ONE statement, chained in order after the head: the recursive `chain`
 # hashes each event over the one before it, exactly as _APPEND hashes one over the head.
 # Its join finds the next event by its ordinal, a scan of the batch per event: batches
 # go in chunks of _APPEND_MANY_CHUNK.
-_APPEND_MANY = """
+_APPEND_MANY = f"""
 WITH RECURSIVE head AS (
     SELECT seq, hash FROM audit_audithead WHERE id = 1 FOR UPDATE
 ), item AS MATERIALIZED (
@@ -81,14 +88,12 @@ WITH RECURSIVE head AS (
     WITH ORDINALITY AS t(prefix, created_at, actor_type, actor_id, actor_label, request_id,
         event_type, resource, run_id, action_id, details, n)
 ), chain AS (
-    SELECT item.n, head.seq + 1 AS seq, head.hash::text AS prev, encode(sha256(convert_to(
-        item.prefix || (head.seq + 1)::text || '},"prev_hash":"' || head.hash || '"}',
-        'UTF8')), 'hex') AS digest
+    SELECT item.n, head.seq + 1 AS seq, head.hash::text AS prev,
+        {_digest_sql("item.prefix", "(head.seq + 1)", "head.hash")} AS digest
     FROM head JOIN item ON item.n = 1
     UNION ALL
-    SELECT item.n, chain.seq + 1, chain.digest, encode(sha256(convert_to(
-        item.prefix || (chain.seq + 1)::text || '},"prev_hash":"' || chain.digest || '"}',
-        'UTF8')), 'hex')
+    SELECT item.n, chain.seq + 1, chain.digest,
+        {_digest_sql("item.prefix", "(chain.seq + 1)", "chain.digest")}
     FROM chain JOIN item ON item.n = chain.n + 1
 ), event AS (
     INSERT INTO audit_auditevent (seq, created_at, actor_type, actor_id, actor_label,
@@ -103,7 +108,7 @@ WITH RECURSIVE head AS (
     WHERE audit_audithead.id = 1
 )
 SELECT seq, prev, digest FROM chain ORDER BY n
-"""
+"""  # noqa: S608 - constant fragments only (_digest_sql)
 _APPEND_MANY_CHUNK = 64
 
 

@@ -17,7 +17,7 @@ from audit.services import Actor
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures import plans as plan_fx
 from tests.fixtures.core import make_resource
-from tests.fixtures.engine import wait_for
+from tests.fixtures.engine import WORKER_LOCK_TTL_MS, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -49,7 +49,7 @@ def test_a_worker_killed_at_each_point_of_a_compensating_plan_applies_nothing_tw
 
     # The reconciler below runs in this process: one deployment, one lock TTL (rq_worker's),
     # so that it judges the workers' leases by the TTL they were taken with.
-    settings.AIRLOCK_LOCK_TTL_MS = 1500
+    settings.AIRLOCK_LOCK_TTL_MS = WORKER_LOCK_TTL_MS
     make_resource("dns-record/app-c", {"ip": "c"}, version=5)
     steps = [
         plan_fx.patch_step("dns-record/app-a", '"3"', {"ip": "2"}),
