@@ -14,7 +14,7 @@ logger = logging.getLogger("airlock.checks")
 
 @register(Tags.security, deploy=True)
 def secret_key_from_environment(app_configs: Any, **kwargs: Any) -> list[CheckMessage]:
-    if getattr(settings, "SECRET_KEY_FROM_ENV", True):
+    if settings.SECRET_KEY_FROM_ENV:
         return []
     return [
         Warning(
@@ -30,7 +30,7 @@ def secret_key_from_environment(app_configs: Any, **kwargs: Any) -> list[CheckMe
 def metrics_token_set(app_configs: Any, **kwargs: Any) -> list[CheckMessage]:
     """/metrics is open without METRICS_TOKEN: anyone who reaches the site reads
     the deployment's activity (actions, conflicts, latencies, request routes)."""
-    if getattr(settings, "METRICS_TOKEN", ""):
+    if settings.METRICS_TOKEN:
         return []
     return [
         Warning(

@@ -31,10 +31,10 @@ def _address(value: str) -> str | None:
 def client_ip(request: HttpRequest) -> str:
     """django-axes' AXES_CLIENT_IP_CALLABLE: the address lockouts are counted against."""
     remote = str(request.META.get("REMOTE_ADDR") or "")
-    proxies = int(getattr(settings, "AIRLOCK_PROXY_COUNT", 0))
+    proxies = settings.AIRLOCK_PROXY_COUNT
     if proxies <= 0:
         return remote
-    header = str(getattr(settings, "AIRLOCK_CLIENT_IP_HEADER", "HTTP_X_FORWARDED_FOR"))
+    header = settings.AIRLOCK_CLIENT_IP_HEADER
     hops = [hop for hop in str(request.META.get(header, "")).split(",") if hop.strip()]
     if len(hops) < proxies:
         # The request did not pass every proxy the deployment declares: the

@@ -358,6 +358,9 @@ AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS = env_int(
 AIRLOCK_WRITE_RATE_PER_MINUTE = env_int("AIRLOCK_WRITE_RATE_PER_MINUTE", 600, minimum=1)
 AIRLOCK_RUN_MAX_TTL_SECONDS = env_int("AIRLOCK_RUN_MAX_TTL_SECONDS", 24 * 3600, minimum=60)
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
+# Fault injection for the crash tests only: a worker started with this set SIGKILLs
+# itself at the named point (approvals/services/attempts.py crash_point). Empty: never.
+AIRLOCK_TEST_CRASH_AT = os.environ.get("AIRLOCK_TEST_CRASH_AT", "")
 
 LOGGING = {
     "version": 1,

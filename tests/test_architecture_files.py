@@ -1,6 +1,7 @@
 """The shape of the code file by file (issue 10; tests/test_architecture.py holds the import
-graph's rules): every import inside a function says why, and no first-party module is over
-600 lines. Change a table only with the architecture (and ARCHITECTURE.md).
+graph's rules): every import inside a function says why, no first-party module is over
+600 lines, and every knob is read in settings.py. Change a table only with the architecture
+(and ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -98,6 +99,58 @@ def test_every_import_inside_a_function_says_why() -> None:
         "Move the import to the top of the file. If it must stay (a cycle you cannot break, "
         "a heavy optional module, code that runs before django.setup()), say why in a "
         "one-line `# reason` comment on the line above or at the end of the line.",
+    )
+
+
+# -- knobs ---------------------------------------------------------------------------------
+
+# The product's modules that may read the environment themselves: settings.py (where every
+# knob is read, once, with its default), the ASGI/WSGI entry points (they name the settings
+# module), and the embedded Redis CLI (`make run` starts it before Django is set up).
+ENVIRONMENT_READERS = frozenset(
+    {"console.settings", "console.asgi", "console.wsgi", "console.embedded_redis"}
+)
+# bench/ is not the product: its own knobs (BENCH_DATABASE_URL, ...) are the harness's.
+PRODUCT_PACKAGES = ("approvals", "audit", "console", "ownership")
+
+
+def _knob_reads(module: Module) -> list[str]:
+    """`getattr(settings, ...)` (a second default beside settings.py's) and reads of
+    os.environ / os.getenv outside the modules allowed to."""
+    found = []
+    for node in ast.walk(module.tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in {"getattr", "hasattr"}
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id == "settings"
+        ):
+            found.append(f"{module.rel}:{node.lineno}  {node.func.id}(settings, ...)")
+        elif (
+            module.name not in ENVIRONMENT_READERS
+            and isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+            and node.attr in {"environ", "getenv"}
+        ):
+            found.append(f"{module.rel}:{node.lineno}  os.{node.attr}")
+    return found
+
+
+def test_every_knob_is_read_in_settings() -> None:
+    offenders = [
+        o
+        for m in server_modules().values()
+        if m.name.split(".")[0] in PRODUCT_PACKAGES
+        for o in _knob_reads(m)
+    ]
+    assert not offenders, report(
+        "Knobs read outside console/settings.py",
+        offenders,
+        "Read the environment variable once in console/settings.py (with its default and a "
+        "comment) and use settings.NAME; never a second default through getattr (issue 10).",
     )
 
 
