@@ -11,14 +11,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from django.conf import settings
+from django.core.management.color import Style
 from django.db import connection
+from django.db.backends.base.operations import BaseDatabaseOperations
+from django.db.backends.postgresql.operations import DatabaseOperations as PostgresOperations
 from django.db.backends.signals import connection_created
 
 pytest_plugins = [
@@ -42,6 +45,34 @@ def _allow_audit_maintenance(sender: Any, connection: Any, **kwargs: Any) -> Non
 
 
 connection_created.connect(_allow_audit_maintenance)
+
+
+def _flush_by_delete(
+    self: BaseDatabaseOperations,
+    style: Style,
+    tables: Sequence[str],
+    *,
+    reset_sequences: bool = False,
+    allow_cascade: bool = False,
+) -> list[str]:
+    """The flush after each transactional test: DELETE instead of TRUNCATE. A TRUNCATE of
+    the 35 tables gives each table and index a new file, 0.25-0.3 s a time here, where
+    deleting the few rows a test leaves takes about 0.01 s. Same outcome: every row gone in
+    one transaction (Django's foreign keys are checked at its commit, deferred), sequences
+    not reset, and the audit's append-only triggers decide as they do for TRUNCATE (the
+    maintenance setting above lets both pass) — except the content types and permissions,
+    which the flush's post_migrate would write back as they were (kept: 0.05 s less)."""
+    if reset_sequences or allow_cascade or not tables:
+        return _truncate_flush(
+            self, style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade
+        )
+    kept = {"django_content_type", "auth_permission"}
+    names = (style.SQL_FIELD(self.quote_name(table)) for table in tables if table not in kept)
+    return [f"DELETE FROM {name}" for name in names]  # noqa: S608 - quoted table names
+
+
+_truncate_flush = PostgresOperations.sql_flush
+PostgresOperations.sql_flush = _flush_by_delete  # type: ignore[method-assign]
 
 
 def pytest_configure(config: pytest.Config) -> None:

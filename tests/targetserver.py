@@ -98,7 +98,8 @@ class TargetServer:
         self.httpd = _HTTPServer(("127.0.0.1", 0), _Handler)
         self.httpd.target = self
         self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # serve_forever's poll interval is how long stop() waits for it (0.5 s by default).
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
 
     def write(self, method: str, name: str, headers: Message, raw: bytes) -> Answer:
         """A PUT, PATCH or DELETE of `name` (called with the lock held)."""
