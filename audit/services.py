@@ -77,16 +77,30 @@ _HASH_SUFFIX = '0},"prev_hash":""}'
 # Several events in ONE statement, chained in order after the head: the recursive `chain`
 # hashes each event over the one before it, exactly as _APPEND hashes one over the head.
 # Its join finds the next event by its ordinal, a scan of the batch per event: batches
-# go in chunks of _APPEND_MANY_CHUNK.
+# go in chunks of _APPEND_MANY_CHUNK. The batch is ONE jsonb parameter (an array of
+# objects, _APPEND_MANY_COLUMNS and `n`): eleven array parameters cost psycopg more to
+# dump than the statement took to run (a 64-event chunk: 12 ms -> 7 ms).
+_APPEND_MANY_COLUMNS = (
+    "prefix",
+    "created_at",
+    "actor_type",
+    "actor_id",
+    "actor_label",
+    "request_id",
+    "event_type",
+    "resource",
+    "run_id",
+    "action_id",
+    "details",
+)
 _APPEND_MANY = f"""
 WITH RECURSIVE head AS (
     SELECT seq, hash FROM audit_audithead WHERE id = 1 FOR UPDATE
 ), item AS MATERIALIZED (
-    SELECT * FROM unnest(%s::text[], %s::timestamptz[], %s::varchar[], %s::varchar[],
-        %s::varchar[], %s::varchar[], %s::varchar[], %s::varchar[], %s::uuid[], %s::uuid[],
-        %s::jsonb[])
-    WITH ORDINALITY AS t(prefix, created_at, actor_type, actor_id, actor_label, request_id,
-        event_type, resource, run_id, action_id, details, n)
+    SELECT * FROM jsonb_to_recordset(%s::jsonb) AS t(prefix text, created_at timestamptz,
+        actor_type varchar, actor_id varchar, actor_label varchar, request_id varchar,
+        event_type varchar, resource varchar, run_id uuid, action_id uuid, details jsonb,
+        n int)
 ), chain AS (
     SELECT item.n, head.seq + 1 AS seq, head.hash::text AS prev,
         {_digest_sql("item.prefix", "(head.seq + 1)", "head.hash")} AS digest
@@ -379,25 +393,34 @@ def audit_append_if(
     return GuardedAppend(sql, [*guard_params, *_append_params(prepared)], prepared)
 
 
-def _append_params(prepared: _Prepared) -> list[Any]:
-    """_APPEND's parameters: the hashed text up to seq, then the stored columns."""
+def _hash_prefix(prepared: _Prepared) -> str:
+    """The hashed text up to seq (see _APPEND)."""
     template = canonical_json({"event": prepared.fields, "prev_hash": ""})
     if not template.endswith(_HASH_SUFFIX):  # the field set changed: fix _APPEND
         raise RuntimeError("audit hash layout is not <prefix><seq>},prev_hash")
+    return template[: -len(_HASH_SUFFIX)]
+
+
+def _append_params(prepared: _Prepared) -> list[Any]:
+    """_APPEND's parameters: the hashed text up to seq, then the stored columns."""
     columns = prepared.columns
     return [
-        template[: -len(_HASH_SUFFIX)],
-        columns["created_at"],
-        columns["actor_type"],
-        columns["actor_id"],
-        columns["actor_label"],
-        columns["request_id"],
-        columns["event_type"],
-        columns["resource"],
-        columns["run_id"],
-        columns["action_id"],
+        _hash_prefix(prepared),
+        *(columns[name] for name in _APPEND_MANY_COLUMNS[1:-1]),
         json.dumps(columns["details"], ensure_ascii=False),
     ]
+
+
+def _append_many_param(items: list[tuple[_Prepared, AuditEvent]]) -> str:
+    """_APPEND_MANY's one parameter: the chunk as a JSON array, in order (`n` from 1)."""
+    rows = []
+    for n, (prepared, _) in enumerate(items, start=1):
+        row = {name: prepared.columns[name] for name in _APPEND_MANY_COLUMNS[1:]}
+        row["created_at"] = row["created_at"].isoformat()
+        for name in ("run_id", "action_id"):
+            row[name] = None if row[name] is None else str(row[name])
+        rows.append({**row, "prefix": _hash_prefix(prepared), "n": n})
+    return json.dumps(rows, ensure_ascii=False)
 
 
 def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:
@@ -438,8 +461,7 @@ def _chain_and_insert(items: list[tuple[_Prepared, AuditEvent]]) -> None:
 
 
 def _append_chunk(items: list[tuple[_Prepared, AuditEvent]]) -> None:
-    columns = list(zip(*(_append_params(prepared) for prepared, _ in items), strict=True))
-    params = [list(column) for column in columns]
+    params = [_append_many_param(items)]
     with connection.cursor() as cursor:
         cursor.execute(_APPEND_MANY, params)
         rows = cursor.fetchall()
