@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _allow_audit_maintenance(sender: Any, connection: Any, **kwargs: Any) -> None:
-    # Django's test teardown TRUNCATEs every table; the append-only trigger
-    # allows that only when this session setting is on. Tests of the trigger
+    # Django's test teardown empties every table (_flush_by_delete); the append-only
+    # triggers allow that only when this session setting is on. Tests of the trigger
     # turn it off again with SET LOCAL.
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
