@@ -13,17 +13,14 @@ block) appends a batch in order as one statement a chunk (see _APPEND_MANY).
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import re
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
 from typing import Any, TypedDict, Unpack
 
 from django.core.cache import cache
@@ -32,15 +29,13 @@ from django.utils import timezone
 from redis.exceptions import RedisError
 
 from audit.chain import GENESIS_HASH, VerifyResult, canonical_json, event_hash, hashed_fields
+from audit.details import clean_details, storable
 from audit.models import ActorType, AuditEvent, AuditHead
 from audit.verify import audit_head, verify_chain
 from console.requestctx import current_request_id
 
 logger = logging.getLogger(__name__)
 
-# Keys whose values must never reach the audit trail.
-_SECRET_KEY_PATTERN = re.compile(r"(token|secret|password|authorization|api[_-]?key)", re.I)
-_TOKEN_VALUE_PATTERN = re.compile(r"\b(ak|rt|pt)_[A-Za-z0-9_-]{8,}")
 
 # One round trip per append. The head row is locked (FOR UPDATE re-reads the
 # latest committed head after waiting, so the chain cannot fork), the event's
@@ -166,87 +161,6 @@ class EventSpec(_EventRequired, total=False):
     request_id: str | None
 
 
-def _scrub(value: Any) -> Any:
-    """Drop secret-looking keys and token-looking strings from audit details."""
-    if isinstance(value, dict):
-        return {
-            key: ("[redacted]" if _SECRET_KEY_PATTERN.search(str(key)) else _scrub(item))
-            for key, item in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return [_scrub(item) for item in value]
-    if isinstance(value, str):
-        return _TOKEN_VALUE_PATTERN.sub("[redacted]", value)
-    return value
-
-
-def _storable(value: Any) -> Any:
-    """Make a JSON value read back from PostgreSQL jsonb exactly as hashed.
-
-    jsonb has no NaN/Infinity and no NUL characters, rejects lone surrogates, and
-    prints an integral number given in exponent form (1e+16) as an integer — each
-    of those would make the stored row hash differently from the appended one.
-    """
-    if isinstance(value, dict):
-        return {_storable(key): _storable(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_storable(item) for item in value]
-    if isinstance(value, str):
-        if value.isascii() and "\x00" not in value:  # the usual string: nothing to change
-            return value
-        return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            return str(value)
-        if value.is_integer() and "e" in repr(value):
-            return int(Decimal(repr(value)))
-    return value
-
-
-def _clean_details(details: dict[str, Any] | None) -> dict[str, Any]:
-    cleaned: dict[str, Any]
-    try:
-        cleaned = _clean_plain(details or {})
-    except _NotPlain:
-        # Round-trip through JSON so the hash covers exactly what is stored.
-        cleaned = _storable(json.loads(json.dumps(_scrub(details or {}), default=str)))
-    return cleaned
-
-
-class _NotPlain(Exception):
-    """A value the JSON round trip could change (a tuple, a float, a non-str key, ...)."""
-
-
-_PLAIN_SCALARS = (int, bool, type(None))
-
-
-def _clean_plain(value: Any) -> Any:
-    """`_clean_details` in one pass for details made only of dicts with str keys, lists,
-    strs, ints, bools and None — what nearly every event carries, and what the JSON round
-    trip leaves as it is: the same scrub, then the same `_storable`, without the round trip.
-    Anything else raises _NotPlain (the caller then takes the round trip)."""
-    kind = type(value)
-    if kind is dict:
-        cleaned = {}
-        for key, item in value.items():
-            if type(key) is not str:
-                raise _NotPlain
-            cleaned[_storable(key)] = "[redacted]" if _secret_key(key) else _clean_plain(item)
-        return cleaned
-    if kind is list:
-        return [_clean_plain(item) for item in value]
-    if kind is str:
-        return _storable(_TOKEN_VALUE_PATTERN.sub("[redacted]", value) if "_" in value else value)
-    if kind in _PLAIN_SCALARS:
-        return value
-    raise _NotPlain
-
-
-@functools.lru_cache(maxsize=1024)
-def _secret_key(key: str) -> bool:
-    return _SECRET_KEY_PATTERN.search(key) is not None
-
-
 def _as_uuid(value: uuid.UUID | str | None) -> uuid.UUID | None:
     if value is None or value == "":
         return None
@@ -276,14 +190,14 @@ def _prepare(event: EventSpec) -> _Prepared:
     columns: dict[str, Any] = {
         "created_at": timezone.now(),
         "actor_type": actor.type,
-        "actor_id": _storable(actor.id)[:64],
-        "actor_label": _storable(actor.label)[:200],
-        "request_id": _storable(rid)[:128],
-        "event_type": _storable(event["event_type"])[:64],
-        "resource": _storable(event.get("resource", ""))[:320],
+        "actor_id": storable(actor.id)[:64],
+        "actor_label": storable(actor.label)[:200],
+        "request_id": storable(rid)[:128],
+        "event_type": storable(event["event_type"])[:64],
+        "resource": storable(event.get("resource", ""))[:320],
         "run_id": _as_uuid(event.get("run_id")),
         "action_id": _as_uuid(event.get("action_id")),
-        "details": _clean_details(event.get("details")),
+        "details": clean_details(event.get("details")),
     }
     return _Prepared(columns, hashed_fields(seq=0, **columns))
 

@@ -46,6 +46,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.core.jsonsafe", BASE),
     ("console.requestctx", BASE),
     ("audit.chain", BASE),
+    ("audit.details", BASE),  # what may enter an event's details (redaction, jsonb-safe)
     ("audit.serialize", BASE),  # the one JSON shape of an event (API items, export)
     ("ownership.seed_data", BASE),
     # floor — what console.core itself calls: the audit append (the barrier writes its
