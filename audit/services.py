@@ -28,7 +28,14 @@ from django.db import connection, transaction
 from django.utils import timezone
 from redis.exceptions import RedisError
 
-from audit.chain import GENESIS_HASH, VerifyResult, canonical_json, event_hash, hashed_fields
+from audit.chain import (
+    GENESIS_HASH,
+    HASHED_COLUMNS,
+    VerifyResult,
+    canonical_json,
+    event_hash,
+    hashed_fields,
+)
 from audit.details import clean_details, storable
 from audit.models import ActorType, AuditEvent, AuditHead
 from audit.verify import audit_head, verify_chain
@@ -68,26 +75,16 @@ WHERE audit_audithead.id = 1
 RETURNING h.seq, h.prev, h.digest
 """  # noqa: S608 - constant fragments only (_digest_sql)
 _APPEND = _APPEND_HEAD + _APPEND_REST
+# What an append stores from the prepared event, in both statements' order: the columns the
+# hash covers but seq (and prev_hash), which the statement itself gives.
+_APPENDED_COLUMNS = HASHED_COLUMNS[1:]
 _HASH_SUFFIX = '0},"prev_hash":""}'
 # Several events in ONE statement, chained in order after the head: the recursive `chain`
 # hashes each event over the one before it, exactly as _APPEND hashes one over the head.
 # Its join finds the next event by its ordinal, a scan of the batch per event: batches
 # go in chunks of _APPEND_MANY_CHUNK. The batch is ONE jsonb parameter (an array of
-# objects, _APPEND_MANY_COLUMNS and `n`): eleven array parameters cost psycopg more to
-# dump than the statement took to run (a 64-event chunk: 12 ms -> 7 ms).
-_APPEND_MANY_COLUMNS = (
-    "prefix",
-    "created_at",
-    "actor_type",
-    "actor_id",
-    "actor_label",
-    "request_id",
-    "event_type",
-    "resource",
-    "run_id",
-    "action_id",
-    "details",
-)
+# objects: `prefix`, the _APPENDED_COLUMNS and `n`): eleven array parameters cost psycopg
+# more to dump than the statement took to run (a 64-event chunk: 12 ms -> 7 ms).
 _APPEND_MANY = f"""
 WITH RECURSIVE head AS (
     SELECT seq, hash FROM audit_audithead WHERE id = 1 FOR UPDATE
@@ -320,7 +317,7 @@ def _append_params(prepared: _Prepared) -> list[Any]:
     columns = prepared.columns
     return [
         _hash_prefix(prepared),
-        *(columns[name] for name in _APPEND_MANY_COLUMNS[1:-1]),
+        *(columns[name] for name in _APPENDED_COLUMNS if name != "details"),
         json.dumps(columns["details"], ensure_ascii=False),
     ]
 
@@ -329,7 +326,7 @@ def _append_many_param(items: list[tuple[_Prepared, AuditEvent]]) -> str:
     """_APPEND_MANY's one parameter: the chunk as a JSON array, in order (`n` from 1)."""
     rows = []
     for n, (prepared, _) in enumerate(items, start=1):
-        row = {name: prepared.columns[name] for name in _APPEND_MANY_COLUMNS[1:]}
+        row = {name: prepared.columns[name] for name in _APPENDED_COLUMNS}
         row["created_at"] = row["created_at"].isoformat()
         for name in ("run_id", "action_id"):
             row[name] = None if row[name] is None else str(row[name])
