@@ -324,14 +324,18 @@ def _append_params(prepared: _Prepared) -> list[Any]:
 
 def _append_many_param(items: list[tuple[_Prepared, AuditEvent]]) -> str:
     """_APPEND_MANY's one parameter: the chunk as a JSON array, in order (`n` from 1)."""
-    rows = []
-    for n, (prepared, _) in enumerate(items, start=1):
-        row = {name: prepared.columns[name] for name in _APPENDED_COLUMNS}
-        row["created_at"] = row["created_at"].isoformat()
-        for name in ("run_id", "action_id"):
-            row[name] = None if row[name] is None else str(row[name])
-        rows.append({**row, "prefix": _hash_prefix(prepared), "n": n})
-    return json.dumps(rows, ensure_ascii=False)
+    rows = [
+        {
+            **{name: prepared.columns[name] for name in _APPENDED_COLUMNS},
+            "prefix": _hash_prefix(prepared),
+            "n": n,
+        }
+        for n, (prepared, _) in enumerate(items, start=1)
+    ]
+    # str() of the two non-JSON column types is text PostgreSQL reads back as the same
+    # value: the timestamp ("2026-12-02 10:31:00.123456+00:00") and the UUIDs. The details
+    # are plain JSON already (clean_details).
+    return json.dumps(rows, ensure_ascii=False, default=str)
 
 
 def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:

@@ -47,6 +47,10 @@ def _allow_audit_maintenance(sender: Any, connection: Any, **kwargs: Any) -> Non
 connection_created.connect(_allow_audit_maintenance)
 
 
+# What post_migrate writes back after every flush, unchanged: left in place.
+_KEPT_BY_FLUSH = frozenset({"django_content_type", "auth_permission"})
+
+
 def _flush_by_delete(
     self: BaseDatabaseOperations,
     style: Style,
@@ -66,8 +70,9 @@ def _flush_by_delete(
         return _truncate_flush(
             self, style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade
         )
-    kept = {"django_content_type", "auth_permission"}
-    names = (style.SQL_FIELD(self.quote_name(table)) for table in tables if table not in kept)
+    names = (
+        style.SQL_FIELD(self.quote_name(table)) for table in tables if table not in _KEPT_BY_FLUSH
+    )
     return [f"DELETE FROM {name}" for name in names]  # noqa: S608 - quoted table names
 
 

@@ -42,7 +42,7 @@ WORKER_ACTOR = Actor.system("worker")
 
 def crash_point(name: str) -> None:
     """TEST HOOK: SIGKILL this process at a named point when settings.AIRLOCK_TEST_CRASH_AT
-    names it. A no-op unless that environment variable is set (never in production)."""
+    names it. A no-op while that setting is empty (never set in production)."""
     if name == settings.AIRLOCK_TEST_CRASH_AT:
         log.warning("AIRLOCK_TEST_CRASH_AT=%s: killing worker process %s", name, os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
