@@ -389,14 +389,16 @@ def audit(b: Bench) -> dict[str, Any]:
             f"{run['bare_commit_floor_per_s']}/s, behind one shared row "
             f"{run['serialised_commit_floor_per_s']}/s"
         )
+        log(f"audit CPU at {writers} writers: {run['cpu']}")
     low, high = min(rates), max(rates)
-    note = "" if high == 8 else f"size {b.size.name}: {high} writers, not 8"
+    size_note = "" if high == 8 else f"size {b.size.name}: {high} writers, not 8; "
     return {
         "audit_appends_per_s_1": figure(
             "audit_appends_per_s_1",
             rates[low],
             errors=int(not verified.ok),
             chain=verify,
+            note=_limits_note(runs[low]),
             detail=runs[low],
         ),
         "audit_appends_per_s_8": figure(
@@ -405,10 +407,23 @@ def audit(b: Bench) -> dict[str, Any]:
             errors=int(not verified.ok),
             writers=high,
             chain=verify,
-            note=note,
+            note=size_note + _limits_note(runs[high]),
             detail=runs[high],
         ),
     }
+
+
+def _limits_note(run: dict[str, Any]) -> str:
+    """What bounds the figure on this machine: the bare commit floor of the same writers, and
+    the rate all CPUs would reach at an append's measured CPU cost with no waiting."""
+    cpu = run["cpu"]["append"]
+    note = f"bare INSERT+COMMIT {run['bare_commit_floor_per_s']:,.0f}/s"
+    if cpu["cpu_ceiling_per_s"] is not None:
+        note += (
+            f"; CPU ceiling {cpu['cpu_ceiling_per_s']:,}/s (an append: "
+            f"{cpu['writer_cpu_us']} µs Python + {cpu['backend_cpu_us']} µs PostgreSQL)"
+        )
+    return note
 
 
 # --- hot resource --------------------------------------------------------------------------

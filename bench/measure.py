@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import django
@@ -147,12 +149,34 @@ def _floor_tables() -> None:
         cursor.execute("INSERT INTO bench_commit_floor_head VALUES (1, 0) ON CONFLICT DO NOTHING")
 
 
+def _backend_cpu_seconds() -> float | None:
+    """CPU time of this connection's PostgreSQL backend so far (user + system), read from
+    /proc: None where the server is not a local process this user may read."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        row = cursor.fetchone()
+    try:
+        with open(f"/proc/{row[0]}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, TypeError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _append_for(kind: str, seconds: float, start: Any, results: Any) -> None:
     """One writer (a forked process with its own connection, autocommit: one event, one
-    commit): append, or run the floor's statement, until time is up."""
+    commit): append, or run the floor's statement, until time is up. Reports its count, its
+    time, and the CPU it and its backend used meanwhile."""
     actor = Actor.system("bench")
+    backend_cpu0 = _backend_cpu_seconds()
     start.wait()
     count = 0
+    own_cpu0 = _own_cpu_seconds()
     t0 = time.perf_counter()
     if kind == "append":
         while time.perf_counter() - t0 < seconds:
@@ -163,10 +187,23 @@ def _append_for(kind: str, seconds: float, start: Any, results: Any) -> None:
             while time.perf_counter() - t0 < seconds:
                 cursor.execute(_FLOOR_SQL[kind], [count, json.dumps({"n": count})])
                 count += 1
-    results.put((count, time.perf_counter() - t0))
+    elapsed, own_cpu = time.perf_counter() - t0, _own_cpu_seconds() - own_cpu0
+    backend_cpu1 = _backend_cpu_seconds()
+    backend_cpu = None
+    if backend_cpu0 is not None and backend_cpu1 is not None:
+        backend_cpu = backend_cpu1 - backend_cpu0
+    results.put((count, elapsed, own_cpu, backend_cpu))
 
 
-def _writers_round(kind: str, writers: int, seconds: float) -> float:
+@dataclass(frozen=True)
+class _Round:
+    per_s: float
+    events: int
+    writer_cpu: float  # seconds, all writers
+    backend_cpu: float | None  # seconds, their backends (None: not readable here)
+
+
+def _writers_round(kind: str, writers: int, seconds: float) -> _Round:
     context = multiprocessing.get_context("fork")
     start, results = context.Barrier(writers), context.Queue()
     connections.close_all()  # each child opens its own connection
@@ -179,7 +216,29 @@ def _writers_round(kind: str, writers: int, seconds: float) -> float:
     done = [results.get(timeout=seconds + 120) for _ in children]
     for child in children:
         child.join(timeout=30)
-    return float(sum(count for count, _ in done) / max(elapsed for _, elapsed in done))
+    events = sum(count for count, *_ in done)
+    backends = [backend for *_, backend in done if backend is not None]
+    return _Round(
+        per_s=float(events / max(elapsed for _, elapsed, *_ in done)),
+        events=events,
+        writer_cpu=sum(own for _, _, own, _ in done),
+        backend_cpu=sum(backends) if len(backends) == len(done) else None,
+    )
+
+
+def _cpu_per_event(rounds: list[_Round]) -> dict[str, Any]:
+    """CPU an event costs (µs, writer's Python and its PostgreSQL backend, over every round)
+    and the rate this machine's CPUs could reach at that cost with no waiting at all."""
+    events = sum(r.events for r in rounds) or 1
+    writer = sum(r.writer_cpu for r in rounds) / events
+    backends = [r.backend_cpu for r in rounds if r.backend_cpu is not None]
+    backend = sum(backends) / events if len(backends) == len(rounds) else None
+    cpus = os.cpu_count() or 1
+    return {
+        "writer_cpu_us": round(writer * 1e6),
+        "backend_cpu_us": None if backend is None else round(backend * 1e6),
+        "cpu_ceiling_per_s": None if backend is None else round(cpus / (writer + backend)),
+    }
 
 
 def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
@@ -192,13 +251,16 @@ def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
     kinds = ["append", *(_FLOOR_SQL if spec.get("floor") else [])]
     if len(kinds) > 1:
         _floor_tables()
-    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+    done: dict[str, list[_Round]] = {kind: [] for kind in kinds}
     for _ in range(int(spec.get("rounds", 1))):
         for kind in kinds:
-            rates[kind].append(_writers_round(kind, writers, seconds))
+            done[kind].append(_writers_round(kind, writers, seconds))
+    rates = {kind: [r.per_s for r in rounds] for kind, rounds in done.items()}
     median = {kind: statistics.median(values) for kind, values in rates.items()}
     result: dict[str, Any] = {"writers": writers, "per_s": round(median["append"], 1)}
     result["rounds"] = {kind: [round(rate) for rate in values] for kind, values in rates.items()}
+    # Where the ceiling is: with every CPU busy, no rate exceeds CPUs ÷ CPU per event.
+    result["cpu"] = {kind: _cpu_per_event(rounds) for kind, rounds in done.items()}
     for kind in kinds[1:]:
         result[f"{kind}_commit_floor_per_s"] = round(median[kind], 1)
         result[f"vs_{kind}_floor"] = round(median["append"] / median[kind], 2)

@@ -69,6 +69,12 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
     # Correctness is not speed: the hot resource never loses an update, the chain verifies.
     assert figures["hot_resource_lost_updates"]["value"] == 0
     assert figures["audit_appends_per_s_1"]["chain"]["chain_ok"] is True
+    # What bounds the audit figure is measured beside it: the CPU an append costs.
+    cpu = figures["audit_appends_per_s_1"]["detail"]["cpu"]["append"]
+    assert cpu["writer_cpu_us"] > 0, cpu
+    if cpu["backend_cpu_us"] is not None:  # None where PostgreSQL is not a local process
+        assert cpu["backend_cpu_us"] > 0 and cpu["cpu_ceiling_per_s"] > 0, cpu
+        assert "CPU ceiling" in figures["audit_appends_per_s_1"]["note"]
 
 
 @pytest.mark.slow
