@@ -261,7 +261,15 @@ class Approval(models.Model):
 
     class Meta:
         ordering = ["created_at"]
-        indexes = [models.Index(fields=["status", "created_at"])]
+        indexes = [
+            models.Index(fields=["status", "created_at"]),
+            # A run's own approval, newest first: every action poll's body names it (the
+            # run's per-call approvals would otherwise be read one by one, as many as the
+            # run has proposed).
+            models.Index(
+                fields=["run", "-created_at"], condition=Q(subject="run"), name="approval_of_run"
+            ),
+        ]
         constraints = [
             models.CheckConstraint(
                 condition=Q(subject="run", action__isnull=True, plan__isnull=True)

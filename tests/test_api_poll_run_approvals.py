@@ -1,0 +1,74 @@
+"""An action poll's body names its run's approval (`run_approval`). A run that has proposed
+thousands of per-call actions has thousands of approvals: the lookup must find the run's own
+approval by an index (`approval_of_run`), not read the run's call approvals one by one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from approvals.api.fastpoll import _Statements
+from approvals.models import ActionStatus
+from tests.fixtures.api import make_active_run, make_agent_with_token
+from tests.fixtures.core import make_action
+
+pytestmark = pytest.mark.django_db
+
+CALL_APPROVALS = 3000
+
+
+def _call_approvals(run: Any, template: Any, count: int) -> None:
+    """`count` decided per-call actions of `run`, each with its approval (INSERT … SELECT)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "WITH made AS (INSERT INTO approvals_action (id, run_id, agent_id, kind_id, name, "
+            "operation, payload_format, payload, conflict_class_id, status, revision, reason, "
+            "idempotency_key, request_id, paused_reason, attempts, created_at, updated_at) "
+            "SELECT gen_random_uuid(), %(run)s, %(agent)s, %(kind)s, 'call-' || g, 'create', "
+            "'merge_patch', '{}'::jsonb, %(cls)s, 'applied', 1, '', '', '', '', 1, now(), now() "
+            "FROM generate_series(1, %(count)s) g RETURNING id, created_at) "
+            "INSERT INTO approvals_approval (id, subject, run_id, action_id, status, quorum, "
+            "expires_at, created_at) SELECT gen_random_uuid(), 'action', %(run)s, made.id, "
+            "'approved', 1, now() + interval '1 day', made.created_at FROM made",
+            {
+                "run": run.pk,
+                "agent": run.agent_id,
+                "kind": template.kind_id,
+                "cls": template.conflict_class_id,
+                "count": count,
+            },
+        )
+        cursor.execute("ANALYZE approvals_approval")
+
+
+def test_the_poll_body_finds_the_run_approval_by_index_among_thousands_of_call_approvals() -> None:
+    robot = make_agent_with_token("busy-bot")
+    run = make_active_run(
+        robot.agent, [{"resource": "dns-record/busy-*", "operations": ["create"]}]
+    )
+    polled = make_action(
+        run=run.run,
+        identifier="dns-record/busy-1",
+        operation="create",
+        payload={"n": 1},
+        status=ActionStatus.QUEUED,
+    )
+    _call_approvals(run.run, polled, CALL_APPROVALS)
+    statements = _Statements()
+    params = (*statements.fact_params, polled.pk, run.run.token_prefix)
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {statements.body_sql}", params)
+        plan = cursor.fetchone()[0]
+    nodes = list(_nodes(plan[0]["Plan"]))
+    assert any(node.get("Index Name") == "approval_of_run" for node in nodes), nodes
+    # Nothing in the statement reads the run's call approvals to throw them away.
+    removed = max(node.get("Rows Removed by Filter", 0) for node in nodes)
+    assert removed < CALL_APPROVALS / 10, removed
+
+
+def _nodes(node: dict[str, Any]) -> Any:
+    yield node
+    for child in node.get("Plans", []):
+        yield from _nodes(child)
