@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import django
 
@@ -168,6 +168,16 @@ def _own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class _Writer(NamedTuple):
+    """What one writer reports: its events, its time, and the CPU seconds it and its
+    backend used meanwhile (None where the backend cannot be read)."""
+
+    events: int
+    elapsed: float
+    cpu: float
+    backend_cpu: float | None
+
+
 def _append_for(kind: str, seconds: float, start: Any, results: Any) -> None:
     """One writer (a forked process with its own connection, autocommit: one event, one
     commit): append, or run the floor's statement, until time is up. Reports its count, its
@@ -192,7 +202,7 @@ def _append_for(kind: str, seconds: float, start: Any, results: Any) -> None:
     backend_cpu = None
     if backend_cpu0 is not None and backend_cpu1 is not None:
         backend_cpu = backend_cpu1 - backend_cpu0
-    results.put((count, elapsed, own_cpu, backend_cpu))
+    results.put(_Writer(count, elapsed, own_cpu, backend_cpu))
 
 
 @dataclass(frozen=True)
@@ -213,15 +223,15 @@ def _writers_round(kind: str, writers: int, seconds: float) -> _Round:
     ]
     for child in children:
         child.start()
-    done = [results.get(timeout=seconds + 120) for _ in children]
+    done: list[_Writer] = [results.get(timeout=seconds + 120) for _ in children]
     for child in children:
         child.join(timeout=30)
-    events = sum(count for count, *_ in done)
-    backends = [backend for *_, backend in done if backend is not None]
+    events = sum(writer.events for writer in done)
+    backends = [writer.backend_cpu for writer in done if writer.backend_cpu is not None]
     return _Round(
-        per_s=float(events / max(elapsed for _, elapsed, *_ in done)),
+        per_s=float(events / max(writer.elapsed for writer in done)),
         events=events,
-        writer_cpu=sum(own for _, _, own, _ in done),
+        writer_cpu=sum(writer.cpu for writer in done),
         backend_cpu=sum(backends) if len(backends) == len(done) else None,
     )
 

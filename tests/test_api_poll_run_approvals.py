@@ -11,7 +11,6 @@ from django.db import connection
 
 from approvals.api.fastpoll import _Statements
 from approvals.models import ActionStatus
-from tests.fixtures.api import make_active_run, make_agent_with_token
 from tests.fixtures.core import make_action
 
 pytestmark = pytest.mark.django_db
@@ -43,14 +42,12 @@ def _call_approvals(run: Any, template: Any, count: int) -> None:
         cursor.execute("ANALYZE approvals_approval")
 
 
-def test_the_poll_body_finds_the_run_approval_by_index_among_thousands_of_call_approvals() -> None:
-    robot = make_agent_with_token("busy-bot")
-    run = make_active_run(
-        robot.agent, [{"resource": "dns-record/busy-*", "operations": ["create"]}]
-    )
+def test_the_poll_body_finds_the_run_approval_by_index_among_thousands_of_call_approvals(
+    run: Any,
+) -> None:
     polled = make_action(
         run=run.run,
-        identifier="dns-record/busy-1",
+        identifier="dns-record/app-1",
         operation="create",
         payload={"n": 1},
         status=ActionStatus.QUEUED,
