@@ -305,6 +305,7 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
     conn = Connection(waiters.host, waiters.port)
     trips: list[float] = []
     decisions: list[float] = []
+    pairs: list[tuple[float, float]] = []  # (round trip, its decision request)
     decision_statuses: dict[str, int] = {}
     missed = 0
     try:
@@ -320,6 +321,7 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
             status = waiters.answer_status.get(item["id"], "")
             if status and status != "pending_approval":
                 trips.append(waiters.answered_at[item["id"]] - t_sent)
+                pairs.append((trips[-1], decisions[-1]))
             else:
                 missed += 1
     finally:
@@ -333,6 +335,10 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
         "p50_ms": _ms(percentile(trips, 0.50)),
         "p99_ms": _ms(percentile(trips, 0.99)),
         "decision_request_p50_ms": _ms(percentile(decisions, 0.50)),
+        "decision_request_p99_ms": _ms(percentile(decisions, 0.99)),
+        # Where the tail comes from: [round trip ms, its decision request's ms]. A trip much
+        # longer than its request waited on the waiter's side (wake-up, its process busy).
+        "slowest_trips": [[_ms(trip), _ms(sent)] for trip, sent in sorted(pairs, reverse=True)[:8]],
         "decision_statuses": decision_statuses,
         **waiters.summary(),
     }

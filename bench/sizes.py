@@ -37,7 +37,7 @@ _TABLE: dict[str, tuple[Any, Any, Any]] = {
     "longpoll": (20, 500, 2000),
     "longpoll_wakes": (10, 100, 300),
     "roundtrip_waiting": (10, 200, 200),
-    "roundtrip_samples": (5, 30, 200),
+    "roundtrip_samples": (5, 30, 500),
     "noop_jobs": (50, 300, 1000),
     "approved": (10, 100, 1000),
     "core_n": (10, 50, 300),
