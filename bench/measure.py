@@ -280,8 +280,9 @@ def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
 def seed_scale(spec: dict[str, Any]) -> dict[str, Any]:
     """Bring the database up to the given totals (bench/seed.py); keep the audit chain valid."""
     t0 = time.perf_counter()
-    seed.seed_scale(spec)
+    checkpointed = seed.seed_scale(spec)
     return {
+        "checkpointed": checkpointed,
         "audit_events": AuditEvent.objects.count(),
         "resources": Resource.objects.count(),
         "actions": Action.objects.count(),
