@@ -165,7 +165,7 @@ TEMPLATES = [
 # Workers and cron run one job at a time and keep one persistent connection (CONN_MAX_AGE),
 # checked before each job (approvals.jobs); AIRLOCK_DB_POOL=true/false forces either way.
 SERVES_ASGI = "console.asgi" in sys.modules  # being imported by the ASGI entry point
-# uvicorn's --workers in the Procfile (`${WEB_CONCURRENCY:-2}`): keep the two defaults equal.
+# The Procfile web line's --workers (`${WEB_CONCURRENCY:-2}`): keep the two defaults equal.
 WEB_CONCURRENCY = env_int("WEB_CONCURRENCY", 2, minimum=1)
 # The web processes share about 40 connections by default, 4 to 20 each; the rest of
 # PostgreSQL's default 100 is left to workers, cron and maintenance sessions.

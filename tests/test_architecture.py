@@ -88,6 +88,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.urls_*", WIRING),
     ("bench.urls", WIRING),
     ("console.asgi", WIRING),
+    ("console.serve", WIRING),  # the web processes' launcher (the Procfile's `web` line)
     ("console.wsgi", WIRING),
     ("console.checks", WIRING),
     ("console.embedded_redis", WIRING),
