@@ -88,6 +88,12 @@ def config_from(argv: list[str]) -> uvicorn.Config:
 
 def main(argv: list[str]) -> None:
     config = config_from(argv)
+    # uvicorn says where it listens when it binds the shared socket itself; say it here.
+    logger.info(
+        "Uvicorn running on http://%s:%d, a listening socket per process (Press CTRL+C to quit)",
+        config.host,
+        config.port,
+    )
     if config.workers == 1:
         OwnSocketServer(config).run()
         return
