@@ -303,9 +303,8 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
     waiters = Waiters(spec, items)
     held = await waiters.settle(float(spec.get("open_timeout", 60)), float(spec["settle"]))
     conn = Connection(waiters.host, waiters.port)
-    trips: list[float] = []
     decisions: list[float] = []
-    pairs: list[tuple[float, float]] = []  # (round trip, its decision request)
+    pairs: list[tuple[float, float]] = []  # (round trip, its decision request) per answered trip
     decision_statuses: dict[str, int] = {}
     missed = 0
     try:
@@ -320,13 +319,13 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
                 continue
             status = waiters.answer_status.get(item["id"], "")
             if status and status != "pending_approval":
-                trips.append(waiters.answered_at[item["id"]] - t_sent)
-                pairs.append((trips[-1], decisions[-1]))
+                pairs.append((waiters.answered_at[item["id"]] - t_sent, decisions[-1]))
             else:
                 missed += 1
     finally:
         await conn.close()
     await waiters.finish(0.1)
+    trips = [trip for trip, _ in pairs]
     return {
         "waiting": len(items),
         "held": held,

@@ -56,17 +56,17 @@ _COPY_EVENTS = (
 
 def seed_scale(spec: dict[str, Any]) -> bool:
     """Bring the database up to the spec's totals, keeping the audit chain valid; then
-    checkpoint (whether it could: `checkpoint`)."""
+    checkpoint (whether it could: `_checkpoint`)."""
     with transaction.atomic():
         _seed_audit(int(spec["audit_events"]))
     with transaction.atomic():
         _seed_rows(spec)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
-    return checkpoint()
+    return _checkpoint()
 
 
-def checkpoint() -> bool:
+def _checkpoint() -> bool:
     """Flush the load's dirty pages now (CHECKPOINT), so that the writes timed next do not
     share the disk with the background writing-out of a multi-gigabyte COPY — a database
     that grew to this size over months has no such load in flight. Needs a superuser or

@@ -17,7 +17,7 @@ import pytest
 from django.conf import settings
 
 from console.serve import listening_socket
-from tests.conftest import free_port, test_database_url
+from tests.conftest import ROOT, free_port, test_database_url
 from tests.deployload import ProcfileProcess, default_environment, start_procfile_web
 
 pytestmark = [pytest.mark.slow]
@@ -122,7 +122,7 @@ def test_a_port_held_without_reuseport_stops_the_launcher_instead_of_looping(
         env["AIRLOCK_DATA_DIR"] = str(tmp_path / "data")
         done = subprocess.run(
             ["python", "-m", "console.serve", "--port", str(port), "--workers", "2"],
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=ROOT,
             env=env,
             capture_output=True,
             text=True,
