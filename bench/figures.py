@@ -200,8 +200,10 @@ def longpoll(b: Bench) -> dict[str, Any]:
 
 def round_trip(b: Bench) -> dict[str, Any]:
     """A person's decision sent → the waiting agent's long-poll answered with the new status,
-    while `roundtrip_waiting` other agents keep waiting."""
-    total = b.size.roundtrip_waiting + b.size.roundtrip_samples
+    while `roundtrip_waiting` other agents keep waiting; each decision once the previous
+    one's write is applied (bench/loadgen.py `run_roundtrip`), then as many back to back."""
+    samples = b.size.roundtrip_samples
+    total = b.size.roundtrip_waiting + 2 * samples
     names = [f"rt-{_tag()}-{i}" for i in range(total)]
     items = b.decision_items(fixtures.pending(b.main, "bench-wait", names))
     result = b.loadgen(
@@ -210,24 +212,35 @@ def round_trip(b: Bench) -> dict[str, Any]:
             "port": b.stack.web_port,
             "token": b.main.token,
             "items": items,
-            "samples": b.size.roundtrip_samples,
+            "samples": samples,
+            "back_to_back": samples,
             "wait": 60,
             "settle": 1.0,
         }
     )
-    log(f"round trip: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms")
+    rushed = result["back_to_back"]
+    log(
+        f"round trip: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms "
+        f"(back to back: {rushed['p50_ms']} / {rushed['p99_ms']} ms)"
+    )
     detail = {"waiting": b.size.roundtrip_waiting, "samples": result["samples"]}
+    errors = result["missed"] + result["not_applied"]
     return {
         "approval_round_trip_p50_ms": figure(
             "approval_round_trip_p50_ms",
             result["p50_ms"],
-            errors=result["missed"],
+            errors=errors,
             decision_request_p50_ms=result["decision_request_p50_ms"],
+            note=f"back to back {rushed['p50_ms']}",
             **detail,
             detail=result,
         ),
         "approval_round_trip_p99_ms": figure(
-            "approval_round_trip_p99_ms", result["p99_ms"], errors=result["missed"], **detail
+            "approval_round_trip_p99_ms",
+            result["p99_ms"],
+            errors=errors,
+            note=f"back to back {rushed['p99_ms']}",
+            **detail,
         ),
     }
 

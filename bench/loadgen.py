@@ -10,7 +10,9 @@ Modes:
   polls takes to answer after its decision was acknowledged.
 - `roundtrip`: hold `waiting` polls, then decide `samples` of them one at a time; each sample
   runs from the moment the decision request is sent to the moment the agent's poll answers
-  with the new status.
+  with the new status. Each decision is sent once the previous sample's write is applied
+  (its agent waits for the result, as airlock-client does); `back_to_back` more samples are
+  then decided each as soon as the trip before it ends, for comparison.
 - `hot`: K writers on one resource (GET → PATCH with If-Match → long-poll the action),
   each the well-behaved agent of airlock-client's `RunSession.update` (see the section).
 - `approve`: decide a list of approvals with C concurrent clients (the drain's set-up).
@@ -28,7 +30,7 @@ import resource
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +179,7 @@ class Waiters:
         self.sent = 0
         self.answered_at: dict[str, float] = {}
         self.answer_status: dict[str, str] = {}
+        self.answer_etag: dict[str, str] = {}
         self.http_statuses: dict[str, int] = {}
         self.errors: list[str] = []
         self.events = {item["id"]: asyncio.Event() for item in items}
@@ -202,6 +205,7 @@ class Waiters:
             _count(self.http_statuses, response.status)
             if response.status == 200:
                 self.answer_status[item["id"]] = str(response.json().get("status", ""))
+                self.answer_etag[item["id"]] = response.headers.get("etag", "")
         except Exception as exc:  # a refused or reset connection counts as not held
             self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
         finally:
@@ -295,50 +299,84 @@ async def run_longpoll(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@dataclass
+class Trips:
+    """One pass of round trips: (round trip, its decision request) per answered trip."""
+
+    pairs: list[tuple[float, float]] = field(default_factory=list)
+    decisions: list[float] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)
+    missed: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        trips = [trip for trip, _ in self.pairs]
+        return {
+            "samples": len(trips),
+            "missed": self.missed,
+            "p50_ms": _ms(percentile(trips, 0.50)),
+            "p99_ms": _ms(percentile(trips, 0.99)),
+            "decision_request_p50_ms": _ms(percentile(self.decisions, 0.50)),
+            "decision_request_p99_ms": _ms(percentile(self.decisions, 0.99)),
+            "decision_statuses": self.statuses,
+        }
+
+
+async def _trip(conn: Connection, waiters: Waiters, item: dict[str, str], trips: Trips) -> None:
+    """Approve `item` and wait for its held poll to answer with the new status."""
+    t_sent = time.perf_counter()
+    _count(trips.statuses, await decide(conn, item, "approve"))
+    trips.decisions.append(time.perf_counter() - t_sent)
+    try:
+        await asyncio.wait_for(waiters.events[item["id"]].wait(), timeout=10)
+    except TimeoutError:
+        trips.missed += 1
+        return
+    status = waiters.answer_status.get(item["id"], "")
+    if status and status != "pending_approval":
+        trips.pairs.append((waiters.answered_at[item["id"]] - t_sent, trips.decisions[-1]))
+    else:
+        trips.missed += 1
+
+
 async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
     """Decision sent → the waiting agent's poll answered with the new status, one at a time
-    while the others keep waiting."""
+    while the others keep waiting. A trip times one decision: the next is sent once the
+    agent has seen this one's write applied, not while the worker is still applying it
+    (the back-to-back pass, reported beside, times decisions that share the machine with
+    the previous one's write)."""
     items: list[dict[str, str]] = spec["items"]
+    samples, back_to_back = int(spec["samples"]), int(spec.get("back_to_back", 0))
     raise_fd_limit(len(items) + 256)
     waiters = Waiters(spec, items)
     held = await waiters.settle(float(spec.get("open_timeout", 60)), float(spec["settle"]))
-    conn = Connection(waiters.host, waiters.port)
-    decisions: list[float] = []
-    pairs: list[tuple[float, float]] = []  # (round trip, its decision request) per answered trip
-    decision_statuses: dict[str, int] = {}
-    missed = 0
+    person = Connection(waiters.host, waiters.port)
+    agent = Connection(waiters.host, waiters.port)
+    auth = {"Authorization": f"Bearer {spec['token']}"}
+    paced, rushed = Trips(), Trips()
+    unapplied = 0
     try:
-        for item in items[: int(spec["samples"])]:
-            t_sent = time.perf_counter()
-            _count(decision_statuses, await decide(conn, item, "approve"))
-            decisions.append(time.perf_counter() - t_sent)
-            try:
-                await asyncio.wait_for(waiters.events[item["id"]].wait(), timeout=10)
-            except TimeoutError:
-                missed += 1
-                continue
-            status = waiters.answer_status.get(item["id"], "")
-            if status and status != "pending_approval":
-                pairs.append((waiters.answered_at[item["id"]] - t_sent, decisions[-1]))
-            else:
-                missed += 1
+        for item in items[:samples]:
+            await _trip(person, waiters, item, paced)
+            etag = waiters.answer_etag.get(item["id"], "")
+            final = await _await_final(agent, auth, item["id"], etag, time.perf_counter() + 10)
+            unapplied += final != "applied"
+        for item in items[samples : samples + back_to_back]:
+            await _trip(person, waiters, item, rushed)
     finally:
-        await conn.close()
+        await person.close()
+        await agent.close()
     await waiters.finish(0.1)
-    trips = [trip for trip, _ in pairs]
     return {
         "waiting": len(items),
         "held": held,
-        "samples": len(trips),
-        "missed": missed,
-        "p50_ms": _ms(percentile(trips, 0.50)),
-        "p99_ms": _ms(percentile(trips, 0.99)),
-        "decision_request_p50_ms": _ms(percentile(decisions, 0.50)),
-        "decision_request_p99_ms": _ms(percentile(decisions, 0.99)),
+        **paced.summary(),
+        "not_applied": unapplied,
         # Where the tail comes from: [round trip ms, its decision request's ms]. A trip much
         # longer than its request waited on the waiter's side (wake-up, its process busy).
-        "slowest_trips": [[_ms(trip), _ms(sent)] for trip, sent in sorted(pairs, reverse=True)[:8]],
-        "decision_statuses": decision_statuses,
+        "slowest_trips": [
+            [_ms(trip), _ms(sent)] for trip, sent in sorted(paced.pairs, reverse=True)[:8]
+        ],
+        "back_to_back": rushed.summary(),
         **waiters.summary(),
     }
 
