@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from approvals.api.fastpoll import _Statements
+from approvals.api.fastpoll_sql import Statements
 from approvals.models import ActionStatus
 from tests.fixtures.core import make_action
 
@@ -53,7 +53,7 @@ def test_the_poll_body_finds_the_run_approval_by_index_among_thousands_of_call_a
         status=ActionStatus.QUEUED,
     )
     _call_approvals(run.run, polled, CALL_APPROVALS)
-    statements = _Statements()
+    statements = Statements()
     params = (*statements.fact_params, polled.pk, run.run.token_prefix)
     with connection.cursor() as cursor:
         cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {statements.body_sql}", params)

@@ -46,13 +46,12 @@ from typing import Any, TypeVar
 from django.conf import settings
 from django.core.exceptions import SynchronousOnlyOperation
 from django.db import DEFAULT_DB_ALIAS, connections
-from django.db.models import Model
 from django.http.request import split_domain_port, validate_host
-from psycopg import AsyncConnection, AsyncCursor
 
 from approvals.api.actions import ActionState, action_should_hold
+from approvals.api.fastpoll_sql import Connections, Statements, connection_kwargs, model_from_row
 from approvals.api.longpoll import hold, parse_prefer_wait
-from approvals.api.serialize import action_body, body_facts
+from approvals.api.serialize import action_body
 from approvals.models import Action, Agent, Run
 from approvals.selectors import run_token_action_scope
 from approvals.services.preconditions import TagCondition, read_condition
@@ -152,123 +151,6 @@ class _DisconnectWatch:
         return receive
 
 
-def _fields(
-    model: type[Model],
-    alias: str,
-    *,
-    only: frozenset[str] | None = None,
-    exclude: frozenset[str] = frozenset(),
-) -> list[tuple[str, str]]:
-    """(attname, SQL column) of `model`'s concrete fields in their order (Model.from_db's);
-    a field left out is deferred: reading it would be a query, which hands the poll over."""
-    return [
-        (field.attname, f'{alias}."{field.column}"')
-        for field in model._meta.concrete_fields
-        if (only is None or field.attname in only) and field.attname not in exclude
-    ]
-
-
-class _Statements:
-    """The two statements of a fast poll, built once from the models' metadata."""
-
-    def __init__(self) -> None:
-        run_table = Run._meta.db_table
-        agent_table = Agent._meta.db_table
-        action_table = Action._meta.db_table
-        # The token's run: what the token check and run_token_action_scope read.
-        self.token_fields = _fields(
-            Run, "t", only=frozenset({"id", "agent_id", "token_hash", "status", "expires_at"})
-        )
-        # A run token whose agent is inactive is no credential (principal_for_token).
-        token_from = (
-            f'FROM "{run_table}" t JOIN "{agent_table}" g ON g.id = t.agent_id AND g.is_active '
-        )
-        where = "WHERE t.token_prefix = %s"
-        # The 304 check: the action's revision and who may read it.
-        self.state_fields = _fields(
-            Action, "a", only=frozenset({"id", "run_id", "agent_id", "status", "revision"})
-        )
-        self.state_sql = (
-            f"SELECT {', '.join(c for _, c in self.token_fields + self.state_fields)} "
-            f'{token_from}LEFT JOIN "{action_table}" a ON a.id = %s {where}'
-        )
-        # The 200: the row and its run's (for the body) plus the body's facts. The facts'
-        # SQL names the action table itself, so the action is not aliased here.
-        quoted = f'"{action_table}"'
-        self.action_fields = _fields(Action, quoted, exclude=frozenset({"payload"}))
-        self.run_fields = _fields(Run, "ar", exclude=frozenset({"write_set", "task", "token_hash"}))
-        self.agent_fields = [("id", "ag.id"), ("name", "ag.name")]
-        facts = body_facts("postgresql")
-        self.fact_names = [name for name, _, _ in facts]
-        self.fact_params = tuple(p for _, _, params in facts for p in params)
-        columns = (
-            [c for _, c in self.token_fields + self.action_fields + self.run_fields]
-            + [c for _, c in self.agent_fields]
-            + [sql for _, sql, _ in facts]
-        )
-        self.body_sql = (
-            f"SELECT {', '.join(columns)} {token_from}"
-            f"LEFT JOIN {quoted} ON {quoted}.id = %s "
-            f'LEFT JOIN "{run_table}" ar ON ar.id = {quoted}.run_id '
-            f'LEFT JOIN "{agent_table}" ag ON ag.id = ar.agent_id {where}'
-        )
-
-
-def _connection_kwargs() -> dict[str, Any]:
-    """psycopg's connection arguments from Django's settings (the same database and
-    credentials), autocommit, timestamps in UTC as Django's connections read them."""
-    params = connections[DEFAULT_DB_ALIAS].get_connection_params()
-    kwargs = {
-        key: value
-        for key, value in params.items()
-        if key not in ("cursor_factory", "context", "prepare_threshold")
-    }
-    kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
-    kwargs["autocommit"] = True
-    # An unreachable server costs a poll no longer than Django's pool would make it wait.
-    kwargs.setdefault("connect_timeout", settings.AIRLOCK_DB_POOL_TIMEOUT)
-    return kwargs
-
-
-class _Connections:
-    """At most `size` connections of this process, each with its cursor, handed out with
-    no more than a list pop while one is idle (psycopg_pool's checkout cost as much as the
-    304's own statement). A connection whose statement failed is closed, not reused: after
-    a PostgreSQL restart the polls in flight go to Django, the next ones reconnect."""
-
-    def __init__(self, kwargs: dict[str, Any], size: int) -> None:
-        self.kwargs = kwargs
-        self.idle: list[AsyncCursor[Any]] = []
-        self.free = asyncio.Semaphore(size)
-        self.timeout = float(settings.AIRLOCK_DB_POOL_TIMEOUT)
-
-    async def rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        if self.free.locked():
-            await asyncio.wait_for(self.free.acquire(), self.timeout)
-        else:
-            await self.free.acquire()
-        try:
-            cursor = self.idle.pop() if self.idle else await self._connect()
-            try:
-                await cursor.execute(sql, params, prepare=True)
-                rows = await cursor.fetchall()
-            except BaseException:
-                await cursor.connection.close()
-                raise
-            self.idle.append(cursor)
-            return rows
-        finally:
-            self.free.release()
-
-    async def _connect(self) -> AsyncCursor[Any]:
-        connection = await AsyncConnection.connect(**self.kwargs)
-        return connection.cursor()
-
-
-def _model(model: type[Model], fields: list[tuple[str, str]], values: Any) -> Any:
-    return model.from_db(DEFAULT_DB_ALIAS, [name for name, _ in fields], list(values))
-
-
 class PollFront:
     """ASGI middleware: fast short polls, everything else to `app` (see the module doc)."""
 
@@ -278,7 +160,7 @@ class PollFront:
         # Templates being learned now: set once Django's answer has gone out.
         self._learning_now: dict[tuple[int, str, bool], asyncio.Event] = {}
         self._learning_tasks: set[asyncio.Future[None]] = set()
-        self._connections: _Connections | None = None
+        self._connections: Connections | None = None
         # The embedded default (SQLite) has no async driver here: Django answers every poll.
         self.enabled = connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
 
@@ -370,13 +252,13 @@ class PollFront:
     # --- the answer -----------------------------------------------------------------------
 
     @cached_property
-    def _sql(self) -> _Statements:
-        return _Statements()
+    def _sql(self) -> Statements:
+        return Statements()
 
     async def _rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         if self._connections is None:
             size = settings.AIRLOCK_FAST_POLL_CONNECTIONS
-            self._connections = _Connections(_connection_kwargs(), size)
+            self._connections = Connections(connection_kwargs(), size)
         return await self._connections.rows(sql, params)
 
     def _token_run(self, rows: list[tuple[Any, ...]], token: str) -> tuple[Run, int] | None:
@@ -388,7 +270,7 @@ class PollFront:
         found: tuple[Run, int] | None = None
         for index, row in enumerate(rows):
             if hmac.compare_digest(row[hash_at], digest):
-                found = (_model(Run, fields, row[: len(fields)]), index)
+                found = (model_from_row(Run, fields, row[: len(fields)]), index)
         return found
 
     async def _answer(self, poll: Poll, scope: Scope) -> tuple[int, str, bytes] | None:
@@ -452,7 +334,7 @@ class PollFront:
         if found is None:
             return None
         run, index = found
-        action = _model(Action, sql.state_fields, rows[index][len(sql.token_fields) :])
+        action = model_from_row(Action, sql.state_fields, rows[index][len(sql.token_fields) :])
         if not _visible(action, run):
             return None
         return ActionState(action.etag, action.is_final, b"")
@@ -481,10 +363,10 @@ class PollFront:
             at += len(fields)
         if parts[0][0] is None:
             return None  # no such action
-        action: Action = _model(Action, sql.action_fields, parts[0])
-        action_run = _model(Run, sql.run_fields, parts[1])
+        action: Action = model_from_row(Action, sql.action_fields, parts[0])
+        action_run = model_from_row(Run, sql.run_fields, parts[1])
         Run._meta.get_field("agent").set_cached_value(
-            action_run, _model(Agent, sql.agent_fields, parts[2])
+            action_run, model_from_row(Agent, sql.agent_fields, parts[2])
         )
         Action._meta.get_field("run").set_cached_value(action, action_run)
         for name, value in zip(sql.fact_names, row[at:], strict=True):
@@ -581,11 +463,11 @@ def _waiting_no_more(scope: Scope) -> Scope:
 
 
 def _stand_in(scope: Scope) -> Scope:
-    """A copy of a held poll's scope that asks Django for the action's answer now and in
-    full: no wait (`Prefer: wait=0`), no If-None-Match (a 200, not a 304), and no
-    X-Request-Id (Django gives the stand-in an id of its own, not the agent's)."""
+    """A copy of a held poll's scope that asks Django for the action's answer in full: no
+    If-None-Match (a 200, not a 304) and no X-Request-Id (Django gives the stand-in an id of
+    its own, not the agent's). `_learn_from_django` asks it without a wait."""
     headers = [
-        (name, b"wait=0" if name.lower() == b"prefer" else value)
+        (name, value)
         for name, value in scope["headers"]
         if name.lower() not in (b"if-none-match", b"x-request-id")
     ]
