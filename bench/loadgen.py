@@ -353,13 +353,13 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
     agent = Connection(waiters.host, waiters.port)
     auth = {"Authorization": f"Bearer {spec['token']}"}
     paced, rushed = Trips(), Trips()
-    unapplied = 0
+    finals: dict[str, int] = {}  # what each paced sample's write ended as ("" if not final)
     try:
         for item in items[:samples]:
             await _trip(person, waiters, item, paced)
             etag = waiters.answer_etag.get(item["id"], "")
             final = await _await_final(agent, auth, item["id"], etag, time.perf_counter() + 10)
-            unapplied += final != "applied"
+            _count(finals, final)
         for item in items[samples : samples + back_to_back]:
             await _trip(person, waiters, item, rushed)
     finally:
@@ -370,7 +370,7 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
         "waiting": len(items),
         "held": held,
         **paced.summary(),
-        "not_applied": unapplied,
+        "paced_on": finals,
         # Where the tail comes from: [round trip ms, its decision request's ms]. A trip much
         # longer than its request waited on the waiter's side (wake-up, its process busy).
         "slowest_trips": [
