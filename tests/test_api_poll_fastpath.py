@@ -385,7 +385,7 @@ def test_a_fresh_front_learns_the_woken_answer_while_its_polls_wait(
         waiters = [threading.Thread(target=poll, args=(n,)) for n in range(len(actions))]
         for waiter in waiters:
             waiter.start()
-        time.sleep(2.0)  # all held by now, the stand-in answered
+        time.sleep(2.0)  # all held by now (a wake-up during the stand-in waits for it)
         Action.objects.filter(pk__in=[a.pk for a in actions]).update(
             status=ActionStatus.CANCELLED, revision=F("revision") + 1
         )

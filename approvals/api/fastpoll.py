@@ -385,17 +385,15 @@ class PollFront:
         key = poll.template(200)
         if key in self.templates or key in self._learning_now:
             return
-        task = asyncio.ensure_future(
-            self._learn_quietly(key, poll, _stand_in(scope), _empty_request(), _discard)
-        )
+        task = asyncio.ensure_future(self._learn_from_stand_in(key, poll, scope))
         self._learning_tasks.add(task)  # the loop keeps only a weak reference
         task.add_done_callback(self._learning_tasks.discard)
 
-    async def _learn_quietly(
-        self, key: tuple[int, str, bool], poll: Poll, scope: Scope, receive: Receive, send: Send
+    async def _learn_from_stand_in(
+        self, key: tuple[int, str, bool], poll: Poll, scope: Scope
     ) -> None:
         try:
-            await self._learn_from_django(key, poll, scope, receive, send)
+            await self._learn_from_django(key, poll, _stand_in(scope), _empty_request(), _discard)
         except Exception:  # nothing learned: the first woken poll asks Django itself
             logger.debug("held answer's headers not learned ahead", exc_info=True)
 
@@ -484,8 +482,8 @@ def _empty_request() -> Receive:
         if not body_sent:
             body_sent = True
             return {"type": "http.request", "body": b"", "more_body": False}
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
+        never: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        return await never
 
     return receive
 
