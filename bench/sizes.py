@@ -22,7 +22,8 @@ class Size:
     audit_writers: tuple[int, ...]
     audit_seconds: float
     hot_writers: int
-    hot_seconds: float
+    hot_seconds: float  # per window
+    hot_rounds: int  # solo / contended windows interleaved; the figure is the median ratio
     scale_small: tuple[int, int]  # (audit events, actions) at the reference point
     scale_big: tuple[int, int]
     scale_note: str = ""
@@ -45,6 +46,7 @@ _TABLE: dict[str, tuple[Any, Any, Any]] = {
     "audit_seconds": (0.5, 1.0, 3.0),
     "hot_writers": (4, 32, 32),
     "hot_seconds": (1.0, 3.0, 15.0),
+    "hot_rounds": (1, 1, 3),
     "scale_small": ((200, 200), (1_000, 1_000), (1_000, 1_000)),
     "scale_big": ((400, 400), (20_000, 10_000), (10_000_000, 1_000_000)),
     "scale_note": (
