@@ -323,7 +323,7 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = AIRLOCK_MAX_BODY_BYTES
 AIRLOCK_LOCK_TTL_MS = env_int("AIRLOCK_LOCK_TTL_MS", 30_000, minimum=100)
 # How many approved writes (on distinct resources) one worker job drains in one
 # transaction (approvals/services/execution.py): its own and the next due ones. 1 = one each.
-AIRLOCK_DRAIN_BATCH = env_int("AIRLOCK_DRAIN_BATCH", 32, minimum=1)
+AIRLOCK_DRAIN_BATCH = env_int("AIRLOCK_DRAIN_BATCH", 64, minimum=1)
 
 
 def _env_seconds(name: str, default: float) -> float:
