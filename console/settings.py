@@ -323,6 +323,8 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = AIRLOCK_MAX_BODY_BYTES
 AIRLOCK_LOCK_TTL_MS = env_int("AIRLOCK_LOCK_TTL_MS", 30_000, minimum=100)
 # How many approved writes (on distinct resources) one worker job drains in one
 # transaction (approvals/services/execution.py): its own and the next due ones. 1 = one each.
+# A batch's statements do not grow with it, so a bigger batch costs less a write; 64 rather
+# than more because a batch holds its locks until it ends and a failing write redoes it all.
 AIRLOCK_DRAIN_BATCH = env_int("AIRLOCK_DRAIN_BATCH", 64, minimum=1)
 
 
