@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import uuid
 
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
+
+from console.redis_clients import shared_redis
 
 logger = logging.getLogger("airlock.notify")
 
@@ -26,10 +27,6 @@ CHANNEL_PREFIX = "airlock:action:"
 CHANNEL_PATTERN = CHANNEL_PREFIX + "*"
 RUN_CHANNEL_PREFIX = "airlock:run:"
 RUN_CHANNEL_PATTERN = RUN_CHANNEL_PREFIX + "*"
-
-_client: redis.Redis | None = None
-_client_url = ""
-_client_lock = threading.Lock()
 
 
 def action_channel(action_id: uuid.UUID | str) -> str:
@@ -41,13 +38,7 @@ def run_channel(run_id: uuid.UUID | str) -> str:
 
 
 def _redis() -> redis.Redis:
-    global _client, _client_url
-    url = settings.REDIS_URL
-    with _client_lock:
-        if _client is None or _client_url != url:
-            _client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-            _client_url = url
-        return _client
+    return shared_redis(settings.REDIS_URL, timeout=2)
 
 
 def notify_action_changed(action_id: uuid.UUID | str) -> None:

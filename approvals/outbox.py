@@ -13,7 +13,6 @@ services re-check state with conditional UPDATEs.
 
 from __future__ import annotations
 
-import functools
 import logging
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -27,6 +26,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
 from approvals.notify import action_channel, notify_action_changed
+from console.redis_clients import shared_redis
 
 log = logging.getLogger("airlock.outbox")
 
@@ -49,12 +49,7 @@ def engine_redis() -> redis.Redis:
     """The Redis the engine's queue and locks live in (the URL is read at call time, so
     tests can point a process at a private server; one pooled client per URL, so a job
     does not open a new connection for every lock, publish and enqueue)."""
-    return _redis_for(settings.REDIS_URL)
-
-
-@functools.lru_cache(maxsize=8)
-def _redis_for(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url)
+    return shared_redis(settings.REDIS_URL)
 
 
 def engine_queue(connection: redis.Redis | None = None) -> Queue:

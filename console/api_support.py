@@ -30,6 +30,7 @@ from console.auth import PERSON, Bearer, principal_of
 from console.core import jsonsafe
 from console.core.errors import DomainError, Forbidden
 from console.problems import ApiError, problem_from_error
+from console.redis_clients import shared_redis
 
 logger = logging.getLogger("airlock.api")
 
@@ -376,19 +377,6 @@ def cursor_decode(cursor: str | None, *, size: int) -> list[Any] | None:
 
 # --- Write rate limiting -----------------------------------------------------
 
-_rate_client: redis.Redis | None = None
-_rate_client_url = ""
-
-
-def _rate_redis() -> redis.Redis:
-    global _rate_client, _rate_client_url
-    if _rate_client is None or _rate_client_url != settings.REDIS_URL:
-        _rate_client = redis.Redis.from_url(
-            settings.REDIS_URL, socket_timeout=1, socket_connect_timeout=1
-        )
-        _rate_client_url = settings.REDIS_URL
-    return _rate_client
-
 
 def rate_limit_writes(principal: Principal) -> None:
     """A fixed one-minute window per token in Redis; 429 with Retry-After when full.
@@ -401,7 +389,7 @@ def rate_limit_writes(principal: Principal) -> None:
     window = int(now // 60)
     key = f"airlock:ratelimit:{principal.token_prefix}:{window}"
     try:
-        pipe = _rate_redis().pipeline()
+        pipe = shared_redis(settings.REDIS_URL, timeout=1).pipeline()
         pipe.incr(key)
         pipe.expire(key, 61)
         count = int(pipe.execute()[0])
