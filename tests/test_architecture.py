@@ -63,6 +63,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # the conflict reopen, the reference rows every database must have.
     ("approvals.outbox", LEAF),
     ("approvals.notify", LEAF),
+    ("console.redis_clients", LEAF),  # the process's pooled Redis clients, one per URL
     ("ownership.reopen", LEAF),
     ("console.reference", LEAF),
     ("console.permissions", LEAF),  # role predicates over a user's groups and an Actor
