@@ -513,10 +513,10 @@ def hot_resource(b: Bench) -> dict[str, Any]:
 
 # --- scale -------------------------------------------------------------------------------------
 
-# Rounds at each scale point, a core write then a wrk run each; the point's figures are their
-# medians. One core write window's p50 moved by half between repeats at one point (3.28 and
-# 4.49 ms at 10⁷, 4.43 and 5.49 at 10³, a bare UPDATE timed one for one with it moving
-# alike), as one wrk run's did (4.45 and 7.12 ms at 10³).
+# Rounds at each scale point, a core write then a wrk run each; the point's figures are
+# their medians. One core write window's p50 moved by up to a third between repeats at one
+# point (3.28 and 4.49 ms at 10⁷, 4.43 and 5.49 at 10³, a bare UPDATE timed one for one
+# with it moving alike), as one wrk run's did (4.45 and 7.12 ms at 10³).
 SCALE_ROUNDS = 3
 
 
