@@ -400,7 +400,8 @@ def audit(b: Bench) -> dict[str, Any]:
         log(
             f"audit floor at {writers} writers: bare INSERT+COMMIT "
             f"{run['bare_commit_floor_per_s']}/s, behind one shared row "
-            f"{run['serialised_commit_floor_per_s']}/s"
+            f"{run['serialised_commit_floor_per_s']}/s, one round trip writing nothing "
+            f"{run['round_trip_floor_per_s']}/s"
         )
         log(f"audit CPU at {writers} writers: {run['cpu']}")
     low, high = min(rates), max(rates)
@@ -427,10 +428,15 @@ def audit(b: Bench) -> dict[str, Any]:
 
 
 def _limits_note(run: dict[str, Any]) -> str:
-    """What bounds the figure on this machine: the bare commit floor of the same writers, and
-    the rate all CPUs would reach at an append's measured CPU cost with no waiting."""
+    """What bounds the figure on this machine: the bare commit floor of the same writers, the
+    rate of a round trip that writes nothing (no WAL flush: above it no design that sends a
+    statement an event can go), and the rate all CPUs would reach at an append's measured CPU
+    cost with no waiting."""
     cpu = run["cpu"]["append"]
-    note = f"bare INSERT+COMMIT {run['bare_commit_floor_per_s']:,.0f}/s"
+    note = (
+        f"bare INSERT+COMMIT {run['bare_commit_floor_per_s']:,.0f}/s; "
+        f"SELECT round trip {run['round_trip_floor_per_s']:,.0f}/s"
+    )
     if cpu["cpu_ceiling_per_s"] is not None:
         note += (
             f"; CPU ceiling {cpu['cpu_ceiling_per_s']:,}/s (an append: "

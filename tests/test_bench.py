@@ -75,6 +75,10 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
     if cpu["backend_cpu_us"] is not None:  # None where PostgreSQL is not a local process
         assert cpu["backend_cpu_us"] > 0 and cpu["cpu_ceiling_per_s"] > 0, cpu
         assert "CPU ceiling" in figures["audit_appends_per_s_1"]["note"]
+    # ... and the floors: a bare commit, and a round trip that commits nothing.
+    detail = figures["audit_appends_per_s_1"]["detail"]
+    assert detail["bare_commit_floor_per_s"] > 0 and detail["round_trip_floor_per_s"] > 0
+    assert "SELECT round trip" in figures["audit_appends_per_s_1"]["note"]
 
 
 @pytest.mark.slow
