@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,8 +23,8 @@ import redis
 from django.conf import settings
 from django.db import transaction
 from rq import Queue
-from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
+from rq.utils import str_to_date
 
 from approvals.notify import action_channel, notify_action_changed
 from console.redis_clients import shared_redis
@@ -43,6 +44,7 @@ PENDING_JOB_STATUSES = {
     JobStatus.STARTED,
     JobStatus.DEFERRED,
 }
+_PENDING_STATUS_TEXTS = frozenset(status.value for status in PENDING_JOB_STATUSES)
 
 
 def engine_redis() -> redis.Redis:
@@ -111,35 +113,63 @@ def _send(
     pipe.execute()
 
 
-def job_is_pending(
-    kind: str, object_id: Any, *, connection: redis.Redis | None = None, overdue: bool = False
-) -> bool:
-    """Does RQ still hold a queued/scheduled/running job for this object?
+def jobs_pending(
+    kind: str,
+    object_ids: Sequence[Any],
+    *,
+    overdue: Collection[Any] = (),
+    connection: redis.Redis | None = None,
+) -> set[Any]:
+    """Those of `object_ids` whose job RQ still holds queued, scheduled or running: two
+    round trips whatever their number (the markers in one MGET, then each job's status,
+    start and timeout in one pipeline), not three an object — the reconciler asks this of
+    every due action of a backlog, from a worker the backlog is waiting for.
 
-    `overdue`: the work was due a while ago, so a job still merely *scheduled*
-    is stuck (no worker runs RQ's scheduler) and counts as missing.
+    A job is read in ONE command (HMGET), so one that finishes (and, with result_ttl 0, is
+    deleted) while it is read is seen whole or not at all. `overdue`: their work was due a
+    while ago, so a job still merely *scheduled* is stuck (no worker runs RQ's scheduler)
+    and counts as missing.
     """
+    if not object_ids:
+        return set()
     conn = connection or engine_redis()
-    raw: Any = conn.get(marker_key(kind, object_id))
-    if raw is None:
+    keys = [marker_key(kind, oid) for oid in object_ids]
+    markers: list[Any] = list(conn.mget(keys))  # type: ignore[arg-type]  # sync client
+    named = [(oid, _text(raw)) for oid, raw in zip(object_ids, markers, strict=True) if raw]
+    if not named:
+        return set()
+    pipe = conn.pipeline(transaction=False)
+    for _, job_id in named:
+        pipe.hmget(Job.key_for(job_id), ["status", "started_at", "timeout"])
+    now = datetime.now(UTC)
+    return {
+        oid
+        for (oid, _), fields in zip(named, pipe.execute(), strict=True)
+        if _still_due(*(_text(value) for value in fields), overdue=oid in overdue, now=now)
+    }
+
+
+def _text(value: Any) -> str:
+    return bytes(value).decode() if value else ""
+
+
+def _still_due(status: str, started_at: str, timeout: str, *, overdue: bool, now: datetime) -> bool:
+    """Is a job with these stored fields still going to run (or running)? A job missing
+    from RQ has no status."""
+    if status not in _PENDING_STATUS_TEXTS:
         return False
-    try:
-        job = Job.fetch(bytes(raw).decode(), connection=conn)
-    except NoSuchJobError:
-        return False
-    status = job.get_status(refresh=True)
     if overdue and status == JobStatus.SCHEDULED:
         return False
-    if status == JobStatus.STARTED and job.started_at is not None:
+    if status == JobStatus.STARTED and started_at:
         # A job "started" by a worker that died (SIGKILL, OOM) stays so until RQ's
         # maintenance runs; past its timeout it is certainly not running any more.
-        started = job.started_at
+        started = str_to_date(started_at)
         if started.tzinfo is None:
             started = started.replace(tzinfo=UTC)
-        timeout = job.timeout if isinstance(job.timeout, int | float) else 120
-        if datetime.now(UTC) - started > timedelta(seconds=timeout + 5):
+        limit = int(timeout) if timeout.isdigit() else 120
+        if now - started > timedelta(seconds=limit + 5):
             return False
-    return status in PENDING_JOB_STATUSES
+    return True
 
 
 def enqueue_action_execution(

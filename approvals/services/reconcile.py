@@ -16,7 +16,9 @@ is a conditional UPDATE in its own short transaction):
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 import redis
 from django.db import transaction
@@ -28,7 +30,7 @@ from approvals.outbox import (
     engine_redis,
     enqueue_action_execution,
     enqueue_undo_execution,
-    job_is_pending,
+    jobs_pending,
 )
 from approvals.services.action_status import action_transition
 from approvals.services.attempts import enqueue_on_commit, max_attempts, operation_lease_seconds
@@ -45,6 +47,10 @@ OUTBOX_GRACE_SECONDS = 2.0
 # A retry still only *scheduled* this long after it was due is stuck (no worker
 # runs RQ's scheduler): the reconciler enqueues it directly.
 SCHEDULED_OVERDUE_SECONDS = 30.0
+# Due work asked of RQ at once (jobs_pending): a backlog of N costs 2N/500 round trips.
+PENDING_CHECK_CHUNK = 500
+
+T = TypeVar("T")
 
 
 def reconcile(
@@ -176,8 +182,8 @@ def _resume_paused_actions() -> int:
 
 
 def _requeue_missing_jobs(now: datetime, conn: redis.Redis) -> int:
-    """Queued actions (due) whose job RQ does not hold: enqueued again."""
-    count = 0
+    """Queued actions (due) whose job RQ does not hold: enqueued again. A backlog is asked
+    of RQ a chunk at a time (jobs_pending: two round trips a chunk)."""
     due = (
         Action.objects.filter(
             status=ActionStatus.QUEUED,
@@ -188,12 +194,28 @@ def _requeue_missing_jobs(now: datetime, conn: redis.Redis) -> int:
         .values_list("pk", "not_before")
     )
     overdue_before = now - timedelta(seconds=SCHEDULED_OVERDUE_SECONDS)
-    for action_id, not_before in due:
-        overdue = not_before is not None and not_before < overdue_before
-        if not job_is_pending("action", action_id, connection=conn, overdue=overdue):
-            enqueue_action_execution(action_id, connection=conn)
-            count += 1
+    count = 0
+    for chunk in _chunks(due.iterator(chunk_size=PENDING_CHECK_CHUNK)):
+        overdue = {pk for pk, not_before in chunk if not_before and not_before < overdue_before}
+        ids = [pk for pk, _ in chunk]
+        pending = jobs_pending("action", ids, overdue=overdue, connection=conn)
+        for action_id in ids:
+            if action_id not in pending:
+                enqueue_action_execution(action_id, connection=conn)
+                count += 1
     return count
+
+
+def _chunks(rows: Iterator[T]) -> Iterator[list[T]]:
+    """The rows in lists of PENDING_CHECK_CHUNK."""
+    chunk: list[T] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == PENDING_CHECK_CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _resume_paused_undos(pending_undos: QuerySet[Operation]) -> int:
@@ -221,8 +243,10 @@ def _requeue_missing_undos(pending_undos: QuerySet[Operation], conn: redis.Redis
     """Pending undos whose job Redis lost (FLUSHALL, restart) are sent again."""
     count = 0
     undo_due = pending_undos.filter(paused_reason="").order_by("accepted_at", "started_at")
-    for operation_id in undo_due.values_list("pk", flat=True):
-        if not job_is_pending("undo", operation_id, connection=conn):
-            enqueue_undo_execution(operation_id, connection=conn)
-            count += 1
+    for ids in _chunks(undo_due.values_list("pk", flat=True).iterator(PENDING_CHECK_CHUNK)):
+        pending = jobs_pending("undo", ids, connection=conn)
+        for operation_id in ids:
+            if operation_id not in pending:
+                enqueue_undo_execution(operation_id, connection=conn)
+                count += 1
     return count
