@@ -37,14 +37,12 @@ EXECUTE_ACTION_JOB = "approvals.jobs.execute_action_job"
 EXECUTE_UNDO_JOB = "approvals.jobs.execute_undo_job"
 ADVANCE_PLAN_JOB = "approvals.jobs.advance_plan_job"
 PLAN_AFTER_ACTION_JOB = "approvals.jobs.plan_after_action_job"
-# A job that is still due in RQ's eyes: the outbox does not need to resend it.
-PENDING_JOB_STATUSES = {
-    JobStatus.QUEUED,
-    JobStatus.SCHEDULED,
-    JobStatus.STARTED,
-    JobStatus.DEFERRED,
-}
-_PENDING_STATUS_TEXTS = frozenset(status.value for status in PENDING_JOB_STATUSES)
+# A job that is still due in RQ's eyes: the outbox does not need to resend it. The stored
+# texts, as a job's hash holds them (jobs_pending reads them raw).
+PENDING_JOB_STATUSES = frozenset(
+    status.value
+    for status in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.STARTED, JobStatus.DEFERRED)
+)
 
 
 def engine_redis() -> redis.Redis:
@@ -156,7 +154,7 @@ def _text(value: Any) -> str:
 def _still_due(status: str, started_at: str, timeout: str, *, overdue: bool, now: datetime) -> bool:
     """Is a job with these stored fields still going to run (or running)? A job missing
     from RQ has no status."""
-    if status not in _PENDING_STATUS_TEXTS:
+    if status not in PENDING_JOB_STATUSES:
         return False
     if overdue and status == JobStatus.SCHEDULED:
         return False

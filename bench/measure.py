@@ -125,19 +125,34 @@ def core_write(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class _Floor(NamedTuple):
+    """A loop measured beside the appends: its statement, the result key of its median rate,
+    and the share of the append window it runs."""
+
+    sql: str
+    result_key: str
+    window_share: float = 1.0
+
+
 # The commit floor: what one commit per event costs on this machine without any chain. `bare`
 # inserts a row per commit (independent writers: PostgreSQL's group commit shares fsyncs);
 # `serialised` also moves one shared row (like the head), so its lock is held through each
 # commit's flush and writers queue one behind the other, as appends do.
-_FLOOR_SQL = {
-    "bare": "INSERT INTO bench_commit_floor (n, details) VALUES (%s, %s::jsonb)",
-    "serialised": (
+_FLOORS = {
+    "bare": _Floor(
+        "INSERT INTO bench_commit_floor (n, details) VALUES (%s, %s::jsonb)",
+        "bare_commit_floor_per_s",
+    ),
+    "serialised": _Floor(
         "WITH head AS (UPDATE bench_commit_floor_head SET n = n + 1 WHERE id = 1 RETURNING n) "
-        "INSERT INTO bench_commit_floor (n, details) SELECT head.n + 0 * %s, %s::jsonb FROM head"
+        "INSERT INTO bench_commit_floor (n, details) SELECT head.n + 0 * %s, %s::jsonb FROM head",
+        "serialised_commit_floor_per_s",
     ),
     # One round trip that writes nothing and so flushes no WAL: what a writer that sends one
-    # statement an event and waits for its answer cannot exceed, whatever the statement.
-    "round_trip": "SELECT %s::bigint, %s::jsonb",
+    # statement an event and waits for its answer cannot exceed, whatever the statement. It
+    # barely moves between windows: a third of the time is enough, and keeps the default
+    # bench under its 15 minutes.
+    "round_trip": _Floor("SELECT %s::bigint, %s::jsonb", "round_trip_floor_per_s", 1 / 3),
 }
 
 
@@ -199,7 +214,7 @@ def _append_for(kind: str, seconds: float, start: Any, results: Any) -> None:
     else:
         with connection.cursor() as cursor:
             while time.perf_counter() - t0 < seconds:
-                cursor.execute(_FLOOR_SQL[kind], [count, json.dumps({"n": count})])
+                cursor.execute(_FLOORS[kind].sql, [count, json.dumps({"n": count})])
                 count += 1
     elapsed, own_cpu = time.perf_counter() - t0, _own_cpu_seconds() - own_cpu0
     backend_cpu1 = _backend_cpu_seconds()
@@ -259,19 +274,17 @@ def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
     """`writers` processes appending at once, forked from this one (one Django start-up) and
     released together by a barrier. Each append is its own transaction (autocommit), as a
     service's change and its event are one transaction. With `floor`, the same writers also
-    run the commit floor's two loops, interleaved round by round with the appends; the figure
+    run each of _FLOORS' loops, interleaved round by round with the appends; the figure
     is the median round, each floor beside it."""
     writers, seconds = int(spec["writers"]), float(spec["seconds"])
-    kinds = ["append", *(_FLOOR_SQL if spec.get("floor") else [])]
+    kinds = ["append", *(_FLOORS if spec.get("floor") else [])]
     if len(kinds) > 1:
         _floor_tables()
     done: dict[str, list[_Round]] = {kind: [] for kind in kinds}
     for _ in range(int(spec.get("rounds", 1))):
         for kind in kinds:
-            # A round trip commits nothing and so barely moves between windows: a third of
-            # the time is enough, and keeps the default bench under its 15 minutes.
-            window = seconds / 3 if kind == "round_trip" else seconds
-            done[kind].append(_writers_round(kind, writers, window))
+            share = _FLOORS[kind].window_share if kind in _FLOORS else 1.0
+            done[kind].append(_writers_round(kind, writers, seconds * share))
     rates = {kind: [r.per_s for r in rounds] for kind, rounds in done.items()}
     median = {kind: statistics.median(values) for kind, values in rates.items()}
     result: dict[str, Any] = {"writers": writers, "per_s": round(median["append"], 1)}
@@ -279,8 +292,7 @@ def audit_writers(spec: dict[str, Any]) -> dict[str, Any]:
     # Where the ceiling is: with every CPU busy, no rate exceeds CPUs ÷ CPU per event.
     result["cpu"] = {kind: _cpu_per_event(rounds) for kind, rounds in done.items()}
     for kind in kinds[1:]:
-        name = f"{kind}_floor_per_s" if kind == "round_trip" else f"{kind}_commit_floor_per_s"
-        result[name] = round(median[kind], 1)
+        result[_FLOORS[kind].result_key] = round(median[kind], 1)
         result[f"vs_{kind}_floor"] = round(median["append"] / median[kind], 2)
     return result
 
