@@ -58,6 +58,10 @@ class AuditHead(models.Model):
     id = models.PositiveSmallIntegerField(primary_key=True, default=1)
     seq = models.BigIntegerField(default=0)
     hash = models.CharField(max_length=64, default="0" * 64)
+    # The hash the last one-event append replaced: that append's UPDATE sets it so that its
+    # RETURNING (which sees only the new row) can give the event its prev_hash. Other
+    # writers of the head (a batch append) leave it behind; nothing else reads it.
+    prev_hash = models.CharField(max_length=64, default="", editable=False)
 
     def __str__(self) -> str:
         return f"audit head #{self.seq}"
