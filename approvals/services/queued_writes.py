@@ -22,7 +22,8 @@ from approvals.models import Action, ActionStatus
 # Approved writes that will run: not pending_approval (it may never be approved).
 _WRITING = (ActionStatus.QUEUED, ActionStatus.EXECUTING)
 
-# Advisory lock namespace (the kind locks use 7171, the kill switch 7172).
+# Advisory lock namespace (the kind locks use 7171, the kill switch 7172, the audit head's
+# queue 7174).
 _PROPOSAL_LOCK = 7173
 
 
