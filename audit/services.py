@@ -39,6 +39,7 @@ from audit.chain import (
 from audit.details import clean_details, storable
 from audit.models import ActorType, AuditEvent, AuditHead
 from audit.verify import audit_head, verify_chain
+from console.advisory_locks import AUDIT_HEAD_QUEUE
 from console.requestctx import current_request_id
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 # 630 to 675 -> 415 to 495 µs). Every statement that locks the head takes it first (the batch
 # append too), so the lock order is unchanged: the queue, then the head, last in a
 # transaction.
-HEAD_QUEUE_LOCK = (7174, 1)  # advisory namespaces: 7171 kinds, 7172 kill switch, 7173 proposals
+HEAD_QUEUE_LOCK = (AUDIT_HEAD_QUEUE, 1)
 _QUEUE = f"pg_advisory_xact_lock{HEAD_QUEUE_LOCK}"
 
 

@@ -36,6 +36,7 @@ from approvals.models import Action, ActionStatus, PayloadFormat, Run  # noqa: E
 from audit.models import AuditEvent  # noqa: E402
 from audit.services import Actor, audit_append  # noqa: E402
 from bench import seed  # noqa: E402
+from console.advisory_locks import AUDIT_HEAD_QUEUE  # noqa: E402
 from console.core.barrier import apply_action  # noqa: E402
 from console.core.lock import FencedLock  # noqa: E402
 from console.core.operations import open_operation  # noqa: E402
@@ -136,15 +137,19 @@ class _Floor(NamedTuple):
 
 # The commit floor: what one commit per event costs on this machine without any chain. `bare`
 # inserts a row per commit (independent writers: PostgreSQL's group commit shares fsyncs);
-# `serialised` also moves one shared row (like the head), so its lock is held through each
-# commit's flush and writers queue one behind the other, as appends do.
+# `serialised` also moves one shared row as the head is moved (queued on an advisory lock
+# first, then the row), so its lock is held through each commit's flush and writers go one
+# behind the other, as appends do.
+_FLOOR_QUEUE = (AUDIT_HEAD_QUEUE, 2)  # the head's namespace; key 1 is the real head's queue
 _FLOORS = {
     "bare": _Floor(
         "INSERT INTO bench_commit_floor (n, details) VALUES (%s, %s::jsonb)",
         "bare_commit_floor_per_s",
     ),
     "serialised": _Floor(
-        "WITH head AS (UPDATE bench_commit_floor_head SET n = n + 1 WHERE id = 1 RETURNING n) "
+        f"WITH queued AS MATERIALIZED (SELECT pg_advisory_xact_lock{_FLOOR_QUEUE}), "  # noqa: S608
+        "head AS (UPDATE bench_commit_floor_head SET n = n + 1 "
+        "WHERE id = 1 AND EXISTS (SELECT FROM queued) RETURNING n) "
         "INSERT INTO bench_commit_floor (n, details) SELECT head.n + 0 * %s, %s::jsonb FROM head",
         "serialised_commit_floor_per_s",
     ),

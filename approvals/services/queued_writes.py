@@ -18,13 +18,10 @@ from dataclasses import dataclass
 from django.db import connection
 
 from approvals.models import Action, ActionStatus
+from console.advisory_locks import PROPOSALS
 
 # Approved writes that will run: not pending_approval (it may never be approved).
 _WRITING = (ActionStatus.QUEUED, ActionStatus.EXECUTING)
-
-# Advisory lock namespace (the kind locks use 7171, the kill switch 7172, the audit head's
-# queue 7174).
-_PROPOSAL_LOCK = 7173
 
 
 @dataclass(frozen=True)
@@ -55,7 +52,7 @@ def try_lock_resource_for_proposal(kind: str, name: str) -> bool:
 
 
 def _proposal_lock(kind: str, name: str) -> list[int]:
-    return [_PROPOSAL_LOCK, zlib.crc32(f"airlock.proposal:{kind}/{name}".encode()) - 2**31]
+    return [PROPOSALS, zlib.crc32(f"airlock.proposal:{kind}/{name}".encode()) - 2**31]
 
 
 def writes_in_flight(kind: str, name: str) -> list[QueuedWrite]:

@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Agent, AutoApproveRule, Run, RunStatus
 from approvals.services.run_policy import classes_for_write_set, run_quorum
+from console.advisory_locks import KIND_LOCKS
 from console.core.errors import DomainError, ValidationFailed
 from console.core.fence import next_fence
 from ownership.models import OwnershipRecord, ResourceKind
@@ -164,7 +165,7 @@ def lock_kinds(kinds: set[str], *, shared: bool = False) -> None:
     with connection.cursor() as cursor:
         for kind in sorted(kinds):
             key = zlib.crc32(f"airlock.ownership:{kind}".encode())
-            cursor.execute(f"SELECT {function}(%s, %s)", [7171, key - 2**31])
+            cursor.execute(f"SELECT {function}(%s, %s)", [KIND_LOCKS, key - 2**31])
 
 
 def lock_kind_for_proposal(kind: str) -> None:

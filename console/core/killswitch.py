@@ -12,6 +12,7 @@ import re
 
 from django.db import connection
 
+from console.advisory_locks import KILL_SWITCH
 from console.core.errors import KillSwitchEngaged
 from console.models import KillSwitch
 
@@ -35,7 +36,7 @@ def scope_is_valid(scope: str) -> bool:
 # their check, and a write that starts its check after an engage began waits
 # for the engage to commit and then sees it (READ COMMITTED: a new statement
 # sees the latest commit). Lock order: this lock before any row lock.
-_SWITCH_LOCK = (7172, 1)
+_SWITCH_LOCK = (KILL_SWITCH, 1)
 # hold_switches_shared's statement, for a caller that sends it with others (write_rows.py).
 SWITCH_LOCK_SHARED = f"SELECT pg_advisory_xact_lock_shared{_SWITCH_LOCK}"
 
