@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.core.errors", BASE),  # the one DomainError hierarchy: every layer raises it
     ("console.core.jsonsafe", BASE),
     ("console.requestctx", BASE),
+    ("console.advisory_locks", BASE),  # the advisory-lock namespaces, one place
     ("audit.chain", BASE),
     ("audit.details", BASE),  # what may enter an event's details (redaction, jsonb-safe)
     ("audit.serialize", BASE),  # the one JSON shape of an event (API items, export)
