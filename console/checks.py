@@ -52,7 +52,7 @@ def web_connections_fit_the_database(app_configs: Any, **kwargs: Any) -> list[Ch
     server's max_connections, or requests past it fail to connect (503) under load.
     Silent when the database is not PostgreSQL or cannot be reached (nothing to judge)."""
     database = settings.DATABASES["default"]
-    if database.get("ENGINE") != "django.db.backends.postgresql":
+    if database.get("ENGINE") != settings.POSTGRES_ENGINE:
         return []
     processes = int(settings.WEB_CONCURRENCY)
     if not settings.AIRLOCK_DB_POOL_WEB:

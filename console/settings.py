@@ -182,10 +182,13 @@ AIRLOCK_FAST_POLL_CONNECTIONS = env_int("AIRLOCK_FAST_POLL_CONNECTIONS", 4, mini
 AIRLOCK_DB_POOL_WEB = env_bool("AIRLOCK_DB_POOL", True)
 AIRLOCK_DB_POOL = env_bool("AIRLOCK_DB_POOL", SERVES_ASGI)
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
+# Django's PostgreSQL backend, with a pool check that costs no round trip (its module).
+POSTGRES_ENGINE = "console.pgbackend"
 if DATABASE_URL:
     _db: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL))
     if _db.get("ENGINE") != "django.db.backends.postgresql":
         raise ImproperlyConfigured("DATABASE_URL must be a postgres:// URL")
+    _db["ENGINE"] = POSTGRES_ENGINE
     # Server-side binding, so that psycopg prepares a statement on a connection once it ran
     # there `prepare_threshold` times (psycopg's default; Django's, None, never prepares).
     # Client-side binding sent every statement as new text to plan: planning was about a
@@ -198,9 +201,10 @@ if DATABASE_URL:
             "min_size": AIRLOCK_DB_POOL_MIN,
             "max_size": AIRLOCK_DB_POOL_MAX,
             "timeout": AIRLOCK_DB_POOL_TIMEOUT,
-            # Django adds check=ConnectionPool.check_connection (CONN_HEALTH_CHECKS
-            # below): a connection that died with a PostgreSQL restart is replaced
-            # before a request gets it, instead of failing that request.
+            # A connection that died with a PostgreSQL restart is replaced before a
+            # request gets it, instead of failing that request: POSTGRES_ENGINE checks
+            # each loan, without a round trip while the server has said nothing
+            # (CONN_HEALTH_CHECKS, below, would have the pool send one every time).
         }
     else:
         _db["CONN_MAX_AGE"] = env_int("CONN_MAX_AGE", 60, minimum=0)
@@ -212,7 +216,9 @@ else:
         "NAME": str(DATA_DIR / "airlock.sqlite3"),
         "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
     }
-_db["CONN_HEALTH_CHECKS"] = True
+# Persistent connections (workers, cron) are checked before reuse; the pool's loans are
+# checked by POSTGRES_ENGINE instead (Django's check would cost a round trip each).
+_db["CONN_HEALTH_CHECKS"] = not AIRLOCK_DB_POOL
 DATABASES = {"default": _db}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

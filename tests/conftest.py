@@ -81,7 +81,7 @@ PostgresOperations.sql_flush = _flush_by_delete  # type: ignore[method-assign]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if settings.DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
+    if settings.DATABASES["default"]["ENGINE"] != settings.POSTGRES_ENGINE:
         raise pytest.UsageError(
             "The suite runs against real PostgreSQL: set DATABASE_URL (make test does)."
         )

@@ -94,6 +94,8 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.wsgi", WIRING),
     ("console.checks", WIRING),
     ("console.embedded_redis", WIRING),
+    ("console.pgbackend", WIRING),  # the DATABASES ENGINE: Django's, with a quiet pool check
+    ("console.pgbackend.*", WIRING),
     ("*.apps", WIRING),
     # interfaces — parse, call one service or selector, render.
     ("*.api", INTERFACE),
