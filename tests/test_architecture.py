@@ -107,6 +107,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.forms", INTERFACE),
     ("*.admin", INTERFACE),
     ("*.jobs", INTERFACE),
+    ("approvals.worker", INTERFACE),  # the Procfile's worker class (loads the jobs up front)
     ("*.cron", INTERFACE),
     ("*.management", INTERFACE),
     ("*.management.commands", INTERFACE),

@@ -1,0 +1,41 @@
+"""The Procfile's worker loads the engine's jobs before its first job (approvals/worker.py):
+the first approved write after a worker starts does not wait for the engine's import. A real
+`rqworker` subprocess on a private Redis runs a probe job that imports nothing of the product
+and reports what the worker had loaded before it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+
+from tests.conftest import ROOT
+from tests.fixtures.engine import PROCFILE_WORKER_ARGS
+
+ENGINE_MODULES = ["approvals.jobs", "approvals.services.execution", "console.core.barrier"]
+
+
+def test_the_test_workers_run_the_procfiles_worker_line() -> None:
+    lines = (Path(ROOT) / "Procfile").read_text().splitlines()
+    line = next(line for line in lines if line.startswith("worker:"))
+    assert line.split()[1:] == ["python", "manage.py", *PROCFILE_WORKER_ARGS]
+
+
+def test_a_started_worker_has_the_engine_loaded_before_its_first_job(
+    engine_redis: Any, rq_worker: Any
+) -> None:
+    queue = Queue("default", connection=redis.Redis.from_url(engine_redis.url))
+    probe = queue.enqueue("tests.probe_jobs.modules_loaded", ENGINE_MODULES, result_ttl=300)
+    worker = rq_worker()
+    deadline = time.monotonic() + 60
+    job = Job.fetch(probe.id, connection=queue.connection)
+    while job.get_status(refresh=True) not in (JobStatus.FINISHED, JobStatus.FAILED):
+        assert worker.alive(), worker.output()
+        assert time.monotonic() < deadline, worker.output()
+        time.sleep(0.05)
+    assert job.get_status() == JobStatus.FINISHED, worker.output()
+    assert job.return_value() == dict.fromkeys(ENGINE_MODULES, True)
