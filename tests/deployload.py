@@ -55,6 +55,21 @@ def default_environment(**values: str) -> dict[str, str]:
     return env
 
 
+def script_json(code: str, *args: str, environment: dict[str, str]) -> dict[str, Any]:
+    """Run `code` (`python -c`, with `args`) in a fresh process with `environment` and the
+    project's settings; the JSON object its last line of output prints."""
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env={**environment, "PYTHONPATH": str(ROOT), "DJANGO_SETTINGS_MODULE": "console.settings"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 @dataclass
 class ProcfileProcess:
     name: str

@@ -6,17 +6,14 @@ loads console.asgi, as a web process does."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
 import psycopg
 import pytest
 
 from console.pgbackend.base import answered_nothing
-from tests.conftest import ROOT, test_database_url
-from tests.deployload import default_environment
+from tests.conftest import test_database_url
+from tests.deployload import default_environment, script_json
 
 # Runs in a web-like process with a pool of ONE connection, so every loan is that one.
 _LOANS = """
@@ -72,16 +69,7 @@ def test_a_quiet_pooled_connection_is_lent_without_a_round_trip_and_a_dead_one_i
     environment = default_environment(
         DATABASE_URL=url, AIRLOCK_DB_POOL_MAX="1", AIRLOCK_DB_POOL_MIN="1"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", _LOANS, url],
-        cwd=ROOT,
-        env={**environment, "PYTHONPATH": str(ROOT), "DJANGO_SETTINGS_MODULE": "console.settings"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = script_json(_LOANS, url, environment=environment)
     assert seen["engine"] == "console.pgbackend" and seen["max_size"] == 1
     assert seen["same_connection_lent"]
     # Django's check would have sent an empty query on the loan: the server's record of

@@ -6,23 +6,20 @@ and reports what the worker had loaded before it."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
 from rq import Queue
 from rq.job import Job, JobStatus
 
-from tests.conftest import ROOT
+from tests.deployload import procfile_command
 from tests.fixtures.engine import PROCFILE_WORKER_ARGS
 
 ENGINE_MODULES = ["approvals.jobs", "approvals.services.execution", "console.core.barrier"]
 
 
 def test_the_test_workers_run_the_procfiles_worker_line() -> None:
-    lines = (Path(ROOT) / "Procfile").read_text().splitlines()
-    line = next(line for line in lines if line.startswith("worker:"))
-    assert line.split()[1:] == ["python", "manage.py", *PROCFILE_WORKER_ARGS]
+    assert procfile_command("worker").split() == ["python", "manage.py", *PROCFILE_WORKER_ARGS]
 
 
 def test_a_started_worker_has_the_engine_loaded_before_its_first_job(

@@ -5,7 +5,6 @@ waits past the pool timeout is a clear retryable 503."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -19,7 +18,12 @@ import pytest
 
 from approvals.services.tokens import LOOKUP_PREFIX_LENGTH
 from tests.conftest import ROOT, free_port, subprocess_env, test_database_url
-from tests.deployload import default_environment, seed_poll_target, start_procfile_web
+from tests.deployload import (
+    default_environment,
+    script_json,
+    seed_poll_target,
+    start_procfile_web,
+)
 
 DATABASE_SETTINGS = (
     "from django.conf import settings as s; d = s.DATABASES['default']; "
@@ -30,16 +34,7 @@ DATABASE_SETTINGS = (
 def _database_settings(*, asgi: bool, **env: str) -> dict[str, Any]:
     loader = "import console.asgi" if asgi else "import django; django.setup()"
     environment = default_environment(DATABASE_URL=test_database_url(), **env)
-    done = subprocess.run(
-        [sys.executable, "-c", f"import json; {loader}; {DATABASE_SETTINGS}"],
-        cwd=ROOT,
-        env={**environment, "PYTHONPATH": str(ROOT), "DJANGO_SETTINGS_MODULE": "console.settings"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return script_json(f"import json; {loader}; {DATABASE_SETTINGS}", environment=environment)
 
 
 @pytest.mark.django_db
