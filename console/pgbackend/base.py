@@ -30,6 +30,17 @@ def answered_nothing(connection: psycopg.Connection[Any]) -> bool:
     return not readable
 
 
+def alive(connection: psycopg.Connection[Any]) -> bool:
+    """Quiet, or else answering psycopg_pool's own check (one round trip)."""
+    if answered_nothing(connection):
+        return True
+    try:
+        ConnectionPool.check_connection(connection)
+    except psycopg.Error:
+        return False
+    return True
+
+
 class DatabaseWrapper(base.DatabaseWrapper):
     def get_new_connection(self, conn_params: dict[str, Any]) -> Any:
         connection = super().get_new_connection(conn_params)
@@ -38,14 +49,9 @@ class DatabaseWrapper(base.DatabaseWrapper):
             return connection
         # Every connection the pool holds may have died with the server: try each once.
         for _ in range(pool.max_size):
-            if answered_nothing(connection):
+            if alive(connection):
                 return connection
-            try:
-                ConnectionPool.check_connection(connection)
-            except psycopg.Error:
-                pool.putconn(connection)  # broken: the pool drops it and opens another
-                connection = super().get_new_connection(conn_params)
-            else:
-                return connection
+            pool.putconn(connection)  # broken: the pool drops it and opens another
+            connection = super().get_new_connection(conn_params)
         ConnectionPool.check_connection(connection)  # the last one: its error is the answer
         return connection
