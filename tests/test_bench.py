@@ -75,6 +75,13 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
     if cpu["backend_cpu_us"] is not None:  # None where PostgreSQL is not a local process
         assert cpu["backend_cpu_us"] > 0 and cpu["cpu_ceiling_per_s"] > 0, cpu
         assert "CPU ceiling" in figures["audit_appends_per_s_1"]["note"]
+    # The scale figures read each round against its baseline, the raw ratio beside them.
+    for key in ("scale_poll_p50_ratio", "scale_core_write_p50_ratio"):
+        assert figures[key]["raw_p50_ratio"] is not None, figures[key]
+    for point in ("small", "big"):
+        measured = figures["scale_poll_p50_ratio"][point]
+        assert measured["bare_view_p50s_ms"] and measured["poll_vs_bare_view"] > 0, measured
+        assert measured["core_vs_bare"] > 0, measured
     # ... and the floors: a bare commit, and a round trip that commits nothing.
     detail = figures["audit_appends_per_s_1"]["detail"]
     assert detail["bare_commit_floor_per_s"] > 0 and detail["round_trip_floor_per_s"] > 0
