@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import operator
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,11 +93,49 @@ def _note(fig: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _median_of(values: list[Any]) -> float | None:
+    numbers = [float(v) for v in values if isinstance(v, int | float)]
+    return statistics.median(numbers) if numbers else None
+
+
+def instance_speed(figures: dict[str, dict[str, Any]]) -> str:
+    """What this instance does with no product code in the way, measured in the same run:
+    the figures that sit near their goal move with it (instances of one machine kind differ
+    by 2x, and one instance's speed drifts within a run), so the table carries it."""
+    bare_rounds = figures.get("poll_vs_bare_8", {}).get("rounds", [])
+    parts = [
+        ("the bare token view", _median_of([r["bare"]["rps"] for r in bare_rounds]), "{:,.0f}/s"),
+        (
+            "RQ's no-op jobs",
+            figures.get("approved_writes_vs_noop_jobs", {}).get("noop_jobs_per_s"),
+            "{:,.0f}/s",
+        ),
+        (
+            "a bare INSERT + COMMIT, 1 writer",
+            figures.get("audit_appends_per_s_1", {})
+            .get("detail", {})
+            .get("bare_commit_floor_per_s"),
+            "{:,.0f}/s",
+        ),
+        (
+            "a bare conditional UPDATE p50",
+            figures.get("core_write_vs_bare_update", {})
+            .get("detail", {})
+            .get("bare_update_p50_ms"),
+            "{:.2f} ms",
+        ),
+    ]
+    known = [f"{name} {form.format(value)}" for name, value, form in parts if value is not None]
+    return f"This instance in the same run: {'; '.join(known)}." if known else ""
+
+
 def render(doc: dict[str, Any]) -> str:
     figures: dict[str, dict[str, Any]] = doc["figures"]
     lines = [
         f"`make bench BENCH_SIZE={doc['size']}`, {doc['started_at']}, "
         f"{doc['machine']['cpus']} CPUs, {doc.get('seconds', '?')} s. {doc.get('load_note', '')}",
+        "",
+        instance_speed(figures),
         "",
         "| figure | value | goal | met | note |",
         "| --- | --- | --- | --- | --- |",

@@ -57,6 +57,10 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
     doc = json.loads(out.read_text())
     assert "stack_error" not in doc
     assert "| figure | value | goal |" in stdout  # the one renderer's table
+    # ... headed by what the instance itself did in the same run, every baseline found.
+    speed = next(line for line in stdout.splitlines() if line.startswith("This instance"))
+    for baseline in ("bare token view", "no-op jobs", "INSERT + COMMIT", "conditional UPDATE"):
+        assert baseline in speed, speed
     figures = doc["figures"]
     assert set(figures) == set(GOALS)
     for key, fig in figures.items():
