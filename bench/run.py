@@ -77,10 +77,12 @@ def _start(stack: Stack, size: Size) -> Bench:
 
 
 def _measure(bench: Bench, only: set[str]) -> dict[str, Any]:
-    from bench.figures import FIGURES  # here: it imports models (Django set up in _start)
+    # Here: they import models (Django set up in _start).
+    from bench.figures import FIGURES
+    from bench.scale import KEYS, scale
 
     out: dict[str, Any] = {}
-    for name, (measure, keys) in FIGURES.items():
+    for name, (measure, keys) in {**FIGURES, "scale": (scale, KEYS)}.items():
         if only and name not in only:
             continue
         log(f"measuring {name}")
