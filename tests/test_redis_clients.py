@@ -78,3 +78,19 @@ def test_engine_client_is_kept_whatever_other_urls_the_process_looks_up(settings
     assert engine_redis() is first
     assert shared_redis(settings.REDIS_URL, timeout=1) is not first  # its own timeouts
     assert first.ping()
+
+
+def test_the_engine_client_packs_and_parses_in_c() -> None:
+    # hiredis (pyproject): every enqueue, publish, lock and rate-limit check packs its
+    # commands and parses its answers in C; without it redis-py silently falls back to Python.
+    from redis._parsers import _HiredisParser
+    from redis.connection import HiredisRespSerializer
+
+    client = engine_redis()
+    assert client.ping()
+    connection = client.connection_pool.get_connection()
+    try:
+        assert isinstance(connection._parser, _HiredisParser)
+        assert isinstance(connection._command_packer, HiredisRespSerializer)
+    finally:
+        client.connection_pool.release(connection)
