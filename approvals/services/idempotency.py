@@ -15,22 +15,30 @@ request's transaction back: exactly one action per key, whichever commits.
 Only answers that are the decision about the write are stored (202 accepted,
 412 refused stale); anything else releases the key. 409/429/503 are never
 stored.
+
+A request that fails because the database went away (a restart, a failover) cannot
+release its key either: the release is then noted in Redis (ABANDONED_KEY), and the
+retry that finds the record still in flight frees it at once instead of answering 409
+until the in-flight window ends — a minute of 409s after every outage otherwise.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from approvals.models import IdempotencyRecord, IdempotencyStatus
+from approvals.outbox import engine_redis
 from audit.models import ActorType
 from audit.services import Actor
 from console.core import jsonsafe
@@ -42,6 +50,12 @@ KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{8,255}$")
 IN_FLIGHT_ABANDONED_AFTER = timedelta(seconds=60)
 IN_FLIGHT_RETRY_AFTER_SECONDS = 1
 NEVER_STORED = frozenset({409, 429, 503})
+# In-flight records whose request ended without being able to release them (the database
+# was unreachable), by id; kept past the in-flight window, after which the window frees them.
+ABANDONED_KEY = "airlock:idempotency:abandoned"
+ABANDONED_TTL_SECONDS = int(IN_FLIGHT_ABANDONED_AFTER.total_seconds()) * 2
+
+log = logging.getLogger("airlock.idempotency")
 
 
 class IdempotencyKeyError(DomainError):
@@ -159,7 +173,7 @@ def idempotency_begin(
                     body=bytes(existing.response_body or b""),
                 ),
             )
-        if existing.created_at < now - IN_FLIGHT_ABANDONED_AFTER:
+        if existing.created_at < now - IN_FLIGHT_ABANDONED_AFTER or _abandoned(existing.pk):
             IdempotencyRecord.objects.filter(
                 pk=existing.pk, status=IdempotencyStatus.IN_FLIGHT, created_at=existing.created_at
             ).delete()
@@ -214,8 +228,35 @@ def idempotency_complete(
 
 
 def idempotency_release(*, record_id: int) -> None:
-    """Free the key: the request ended without a decision worth replaying."""
-    IdempotencyRecord.objects.filter(pk=record_id, status=IdempotencyStatus.IN_FLIGHT).delete()
+    """Free the key: the request ended without a decision worth replaying. Where the
+    database cannot be reached, the release is noted for the key's next request instead
+    (ABANDONED_KEY) and the caller's own error stays the answer."""
+    try:
+        IdempotencyRecord.objects.filter(pk=record_id, status=IdempotencyStatus.IN_FLIGHT).delete()
+    except DatabaseError:
+        log.warning("could not release idempotency record %s; noting it", record_id)
+        _note_abandoned(record_id)
+
+
+def _note_abandoned(record_id: int) -> None:
+    try:
+        pipe = engine_redis().pipeline()
+        pipe.sadd(ABANDONED_KEY, str(record_id))
+        pipe.expire(ABANDONED_KEY, ABANDONED_TTL_SECONDS)
+        pipe.execute()
+    except RedisError:
+        log.warning(
+            "could not note idempotency record %s; the in-flight window frees it", record_id
+        )
+
+
+def _abandoned(record_id: int) -> bool:
+    """Did the request that holds this in-flight record end without releasing it? Only a
+    record still in flight is ever deleted for it: one its request completed stays."""
+    try:
+        return bool(engine_redis().sismember(ABANDONED_KEY, str(record_id)))
+    except RedisError:
+        return False
 
 
 def idempotency_prune(*, now: datetime | None = None) -> int:
