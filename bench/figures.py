@@ -514,6 +514,7 @@ def hot_resource(b: Bench) -> dict[str, Any]:
     }
 
 
+# Every group but the last, scale: bench/scale.py imports this module, so bench.run appends it.
 FIGURES = {
     "poll": (poll, ["poll_vs_bare_8", "poll_vs_bare_32", "poll_vs_bare_128", "poll_304_vs_200"]),
     "longpoll": (longpoll, ["longpoll_held", "longpoll_wake_p99_ms"]),
