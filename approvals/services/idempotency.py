@@ -19,7 +19,9 @@ stored.
 A request that fails because the database went away (a restart, a failover) cannot
 release its key either: the release is then noted in Redis (ABANDONED_KEY), and the
 retry that finds the record still in flight frees it at once instead of answering 409
-until the in-flight window ends — a minute of 409s after every outage otherwise.
+until the in-flight window ends — a minute of 409s after every outage otherwise. A claim
+whose COMMIT lost its answer (it may or may not have committed) is noted the same way,
+by its key and creation stamp, since its id never came back.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -137,20 +139,28 @@ def idempotency_begin(
     # never under the configured retention.
     retention = timedelta(seconds=settings.AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS + 1)
     for _attempt in range(3):
+        record = IdempotencyRecord(
+            **scope,
+            key=key,
+            fingerprint=fingerprint,
+            method=method.upper(),
+            path=path[:1024],
+            status=IdempotencyStatus.IN_FLIGHT,
+            expires_at=now + retention,
+        )
         try:
             with transaction.atomic():
-                record = IdempotencyRecord.objects.create(
-                    **scope,
-                    key=key,
-                    fingerprint=fingerprint,
-                    method=method.upper(),
-                    path=path[:1024],
-                    status=IdempotencyStatus.IN_FLIGHT,
-                    expires_at=now + retention,
-                )
+                record.save(force_insert=True)
             return Begin(record_id=record.pk, replay=None)
         except IntegrityError:
             pass
+        except DatabaseError:
+            # The claim may have committed with its answer lost (the connection dropped
+            # during COMMIT): this request goes no further, so its record, if any, is
+            # noted as abandoned — by what it was stamped with, its id being unknown.
+            if record.created_at is not None:
+                _note_abandoned_claim(scope, key, record.created_at)
+            raise
         existing = IdempotencyRecord.objects.filter(**scope, key=key).first()
         if existing is None:
             continue  # released or pruned between our insert and read: try again
@@ -173,7 +183,7 @@ def idempotency_begin(
                     body=bytes(existing.response_body or b""),
                 ),
             )
-        if existing.created_at < now - IN_FLIGHT_ABANDONED_AFTER or _abandoned(existing.pk):
+        if existing.created_at < now - IN_FLIGHT_ABANDONED_AFTER or _abandoned(scope, existing):
             IdempotencyRecord.objects.filter(
                 pk=existing.pk, status=IdempotencyStatus.IN_FLIGHT, created_at=existing.created_at
             ).delete()
@@ -239,22 +249,41 @@ def idempotency_release(*, record_id: int) -> None:
 
 
 def _note_abandoned(record_id: int) -> None:
+    _note(f"record:{record_id}")
+
+
+def _note_abandoned_claim(scope: dict[str, Any], key: str, created_at: datetime) -> None:
+    _note(_claim_member(scope, key, created_at))
+
+
+def _claim_member(scope: dict[str, Any], key: str, created_at: datetime) -> str:
+    """A claim's name before its id is known: whose key, which key, stamped when (a key
+    claimed again later is stamped later, so a note never names its successor)."""
+    ((owner, owner_id),) = scope.items()
+    stamp = created_at.astimezone(UTC).isoformat()
+    material = f"{owner}={owner_id}\n{key}\n{stamp}"
+    return "claim:" + hashlib.sha256(material.encode("utf-8")).hexdigest()
+
+
+def _note(member: str) -> None:
     try:
         pipe = engine_redis().pipeline()
-        pipe.sadd(ABANDONED_KEY, str(record_id))
+        pipe.sadd(ABANDONED_KEY, member)
         pipe.expire(ABANDONED_KEY, ABANDONED_TTL_SECONDS)
         pipe.execute()
     except RedisError:
-        log.warning(
-            "could not note idempotency record %s; the in-flight window frees it", record_id
-        )
+        log.warning("could not note an abandoned idempotency claim; the in-flight window frees it")
 
 
-def _abandoned(record_id: int) -> bool:
-    """Did the request that holds this in-flight record end without releasing it? Only a
-    record still in flight is ever deleted for it: one its request completed stays."""
+def _abandoned(scope: dict[str, Any], record: IdempotencyRecord) -> bool:
+    """Did the request that holds this in-flight record end without releasing it (noted by
+    its id), or without learning it had claimed it (noted by its claim)? Only a record
+    still in flight is ever deleted for it: one its request completed stays."""
     try:
-        return bool(engine_redis().sismember(ABANDONED_KEY, str(record_id)))
+        pipe = engine_redis().pipeline(transaction=False)
+        pipe.sismember(ABANDONED_KEY, f"record:{record.pk}")
+        pipe.sismember(ABANDONED_KEY, _claim_member(scope, record.key, record.created_at))
+        return any(pipe.execute())
     except RedisError:
         return False
 
