@@ -45,6 +45,16 @@ def _claim(actor: Actor) -> idempotency.Begin:
     )
 
 
+def _assert_the_retry_frees(actor: Actor, held: IdempotencyRecord) -> None:
+    """`held` is still in flight; the retry deletes it and gets a claim of its own."""
+    assert held.status == IdempotencyStatus.IN_FLIGHT
+
+    retry = _claim(actor)
+
+    assert retry.replay is None and retry.record_id not in (None, held.pk)
+    assert not IdempotencyRecord.objects.filter(pk=held.pk).exists()
+
+
 def _lose_the_database() -> None:
     """End this connection's session on the server, as a PostgreSQL restart does."""
     with pytest.raises(DatabaseError), connection.cursor() as cursor:
@@ -59,13 +69,8 @@ def test_a_key_whose_request_lost_the_database_is_free_for_its_retry_at_once(
     _lose_the_database()
     idempotency.idempotency_release(record_id=first.record_id)  # no database: noted instead
     connection.close()  # the retry comes on a new connection
-    held = IdempotencyRecord.objects.get(pk=first.record_id)
-    assert held.status == IdempotencyStatus.IN_FLIGHT  # the release never reached PostgreSQL
-
-    retry = _claim(actor)
-
-    assert retry.replay is None and retry.record_id not in (None, first.record_id)
-    assert not IdempotencyRecord.objects.filter(pk=first.record_id).exists()
+    # The release never reached PostgreSQL, yet the retry claims the key at once.
+    _assert_the_retry_frees(actor, IdempotencyRecord.objects.get(pk=first.record_id))
 
 
 def test_a_noted_record_that_its_request_completed_is_replayed_not_freed(actor: Actor) -> None:
@@ -168,13 +173,8 @@ def test_a_claim_whose_commit_answer_was_lost_is_free_for_its_retry_at_once(
     assert through_the_eater.ate.is_set()
     through_the_eater.armed.clear()
     connection.close()
-    held = IdempotencyRecord.objects.get(agent_id=actor.id, key=KEY)
-    assert held.status == IdempotencyStatus.IN_FLIGHT  # it did commit
-
-    retry = _claim(actor)
-
-    assert retry.replay is None and retry.record_id not in (None, held.pk)
-    assert not IdempotencyRecord.objects.filter(pk=held.pk).exists()
+    # It did commit, yet the retry claims the key at once.
+    _assert_the_retry_frees(actor, IdempotencyRecord.objects.get(agent_id=actor.id, key=KEY))
 
 
 def test_a_note_names_only_its_own_claim(actor: Actor) -> None:

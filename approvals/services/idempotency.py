@@ -53,7 +53,8 @@ IN_FLIGHT_ABANDONED_AFTER = timedelta(seconds=60)
 IN_FLIGHT_RETRY_AFTER_SECONDS = 1
 NEVER_STORED = frozenset({409, 429, 503})
 # In-flight records whose request ended without being able to release them (the database
-# was unreachable), by id; kept past the in-flight window, after which the window frees them.
+# was unreachable): by id ("record:<id>"), or, for a claim whose COMMIT lost its answer, by
+# its claim (_claim_member). Kept past the in-flight window, after which the window frees them.
 ABANDONED_KEY = "airlock:idempotency:abandoned"
 ABANDONED_TTL_SECONDS = int(IN_FLIGHT_ABANDONED_AFTER.total_seconds()) * 2
 
