@@ -344,7 +344,7 @@ class PollFront:
         read (an undo's state) raises SynchronousOnlyOperation: Django answers."""
         sql = self._sql
         prefix = poll.token[:LOOKUP_PREFIX_LENGTH]
-        rows = await self._rows(sql.body_sql, (*sql.fact_params, poll.action_id, prefix))
+        rows = await self._rows(sql.body_sql, (poll.action_id, prefix))
         found = self._token_run(rows, poll.token)
         if found is None:
             return None

@@ -62,12 +62,11 @@ class Statements:
         self.run_fields = _fields(Run, "ar", exclude=frozenset({"write_set", "task", "token_hash"}))
         self.agent_fields = [("id", "ag.id"), ("name", "ag.name")]
         facts = body_facts("postgresql")
-        self.fact_names = [name for name, _, _ in facts]
-        self.fact_params = tuple(p for _, _, params in facts for p in params)
+        self.fact_names = [name for name, _ in facts]
         columns = (
             [c for _, c in self.token_fields + self.action_fields + self.run_fields]
             + [c for _, c in self.agent_fields]
-            + [sql for _, sql, _ in facts]
+            + [sql for _, sql in facts]
         )
         self.body_sql = (
             f"SELECT {', '.join(columns)} {token_from}"
