@@ -15,6 +15,7 @@ from django.db import connection
 from approvals.api.fastpoll_sql import Statements
 from approvals.models import ActionStatus
 from tests.fixtures.core import make_action
+from tests.fixtures.query_plans import index_names, plan_nodes, rows_removed_by_filter
 
 pytestmark = pytest.mark.django_db
 
@@ -57,28 +58,10 @@ def test_the_poll_body_finds_the_run_approval_by_index_among_thousands_of_call_a
         status=ActionStatus.QUEUED,
     )
     _call_approvals(run.run, polled, CALL_APPROVALS)
-    body_sql = Statements().body_sql
-    params = (polled.pk, run.run.token_prefix)
-    with connection.cursor() as cursor:
-        if plan == "custom":
-            cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {body_sql}", params)
-        else:
-            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            numbered = body_sql.replace("%s", "$1", 1).replace("%s", "$2", 1)
-            cursor.execute(f"PREPARE poll_body (uuid, text) AS {numbered}")
-            literals = ", ".join(f"'{value}'" for value in params)  # a uuid and a prefix
-            cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE poll_body ({literals})")
-        found = cursor.fetchone()[0]
-        if plan == "generic":
-            cursor.execute("DEALLOCATE poll_body")
-    nodes = list(_nodes(found[0]["Plan"]))
-    assert any(node.get("Index Name") == "approval_of_run" for node in nodes), nodes
+    nodes = plan_nodes(
+        Statements().body_sql, (polled.pk, run.run.token_prefix), generic=plan == "generic"
+    )
+    assert "approval_of_run" in index_names(nodes), nodes
     # Nothing in the statement reads the run's call approvals to throw them away.
-    removed = max(node.get("Rows Removed by Filter", 0) for node in nodes)
+    removed = rows_removed_by_filter(nodes)
     assert removed < CALL_APPROVALS / 10, removed
-
-
-def _nodes(node: dict[str, Any]) -> Any:
-    yield node
-    for child in node.get("Plans", []):
-        yield from _nodes(child)

@@ -16,12 +16,23 @@ import zlib
 from dataclasses import dataclass
 
 from django.db import connection
+from django.db.models import BooleanField, QuerySet
+from django.db.models.expressions import RawSQL
 
-from approvals.models import Action, ActionStatus
+from approvals.models import IN_FLIGHT_STATUSES, Action
 from console.advisory_locks import PROPOSALS
 
-# Approved writes that will run: not pending_approval (it may never be approved).
-_WRITING = (ActionStatus.QUEUED, ActionStatus.EXECUTING)
+# The index's own predicate, with the statuses as literals, not parameters: the statement
+# is prepared (Django's server-side binding, after five runs), and its generic plan can use
+# the partial index action_in_flight only if it names that predicate. With `status IN (%s,
+# %s)` that plan could not, and read the resource's actions or every action in flight.
+# Code constants and a table name, so nothing to escape.
+_STATUS = f'"{Action._meta.db_table}"."status"'
+_IN_FLIGHT = RawSQL(  # noqa: S611
+    "(" + " OR ".join(f"{_STATUS} = '{status.value}'" for status in IN_FLIGHT_STATUSES) + ")",
+    (),
+    BooleanField(),
+)
 
 
 @dataclass(frozen=True)
@@ -55,13 +66,13 @@ def _proposal_lock(kind: str, name: str) -> list[int]:
     return [PROPOSALS, zlib.crc32(f"airlock.proposal:{kind}/{name}".encode()) - 2**31]
 
 
-def writes_in_flight(kind: str, name: str) -> list[QueuedWrite]:
+def in_flight_on(kind: str, name: str) -> QuerySet[Action]:
     """The approved writes (queued or executing) on kind/name, oldest first."""
-    rows = (
-        Action.objects.filter(kind_id=kind, name=name, status__in=_WRITING)
-        .order_by("created_at", "id")
-        .values_list("id", "operation", "observed_version")
-    )
+    return Action.objects.filter(_IN_FLIGHT, kind_id=kind, name=name).order_by("created_at", "id")
+
+
+def writes_in_flight(kind: str, name: str) -> list[QueuedWrite]:
+    rows = in_flight_on(kind, name).values_list("id", "operation", "observed_version")
     return [QueuedWrite(*row) for row in rows]
 
 
