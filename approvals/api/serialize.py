@@ -129,7 +129,8 @@ def _facts_sql(vendor: str) -> dict[str, str]:
         # 'run') only if the statement names that literal. With a parameter, once a run had
         # thousands of call approvals the generic plan read them one by one and PostgreSQL
         # planned every poll afresh instead: ~0.74 ms a statement against 0.18 at 5,000
-        # (tests/test_api_poll_run_approvals.py). A code constant, so nothing to escape.
+        # (tests/test_api_poll_run_approvals.py checks both plans use the index). A code
+        # constant, so nothing to escape.
         "run_subject": f"'{ApprovalSubject.RUN.value}'",
     }
     names["votes"] = _VOTES_SQL["postgresql" if vendor == "postgresql" else "sqlite"].format(

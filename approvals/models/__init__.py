@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import uuid
 from typing import TYPE_CHECKING
 
@@ -207,7 +209,9 @@ class Action(ConditionalWrite, Revisioned):
             # another form, which bench/seed.py's index rebuild would flag as changed.
             models.Index(
                 fields=["kind", "name", "created_at", "id"],
-                condition=Q(status=ActionStatus.QUEUED) | Q(status=ActionStatus.EXECUTING),
+                condition=functools.reduce(
+                    operator.or_, (Q(status=status) for status in IN_FLIGHT_STATUSES)
+                ),
                 name="action_in_flight",
             ),
         ]
