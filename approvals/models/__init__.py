@@ -157,8 +157,9 @@ FINAL_ACTION_STATUSES = frozenset(
         ActionStatus.UNDONE,
     }
 )
-# Approved writes that will run (a pending_approval one may never be approved): the
-# predicate of the partial index action_in_flight, in its order.
+# Approved writes in flight: they will run (a pending_approval one may never be approved).
+# The states an execution's outcome moves a write from, and the predicate of the partial
+# index action_in_flight.
 IN_FLIGHT_STATUSES = (ActionStatus.QUEUED, ActionStatus.EXECUTING)
 
 

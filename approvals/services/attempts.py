@@ -24,7 +24,13 @@ from django.db import connection as db_connection
 from django.db import transaction
 from django.utils import timezone
 
-from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from approvals.models import (
+    IN_FLIGHT_STATUSES,
+    Action,
+    ActionStatus,
+    Operation,
+    OperationStatus,
+)
 from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.action_status import action_transition
@@ -154,7 +160,7 @@ def action_pause(*, action_id: uuid.UUID, reason: str, scope: str = "") -> bool:
     with transaction.atomic():
         moved = action_transition(
             action_id=action_id,
-            from_statuses=(ActionStatus.QUEUED, ActionStatus.EXECUTING),
+            from_statuses=IN_FLIGHT_STATUSES,
             to_status=ActionStatus.PAUSED,
             paused_reason=reason,
         )
@@ -168,7 +174,7 @@ def action_retry_later(
     *,
     action_id: uuid.UUID,
     reason: str,
-    from_statuses: tuple[str, ...] = (ActionStatus.QUEUED, ActionStatus.EXECUTING),
+    from_statuses: tuple[str, ...] = IN_FLIGHT_STATUSES,
     count_attempt: bool = True,
     operation_id: int | None = None,
 ) -> str:
@@ -230,7 +236,7 @@ def action_fail(
             operation_fail_pending(operation_id, {"error": code, "reason": reason})
         moved = action_transition(
             action_id=action_id,
-            from_statuses=(ActionStatus.QUEUED, ActionStatus.EXECUTING),
+            from_statuses=IN_FLIGHT_STATUSES,
             to_status=ActionStatus.FAILED,
             error={"code": code, "reason": reason},
         )

@@ -23,7 +23,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from approvals.models import Action, ActionStatus, Operation
+from approvals.models import IN_FLIGHT_STATUSES, Action, ActionStatus, Operation
 from approvals.outbox import notify_action_on_commit
 from approvals.services.action_status import action_transition
 from audit.services import Actor
@@ -127,7 +127,7 @@ def conflict_open_for_action(
         action = (
             Action.objects.select_for_update(of=("self",))
             .select_related("conflict_class", "kind")
-            .filter(pk=action_id, status__in=(ActionStatus.QUEUED, ActionStatus.EXECUTING))
+            .filter(pk=action_id, status__in=IN_FLIGHT_STATUSES)
             .first()
         )
         if action is None:
@@ -140,7 +140,7 @@ def conflict_open_for_action(
             # diff against; the agent must re-read.
             action_transition(
                 action_id=action.pk,
-                from_statuses=(ActionStatus.QUEUED, ActionStatus.EXECUTING),
+                from_statuses=IN_FLIGHT_STATUSES,
                 to_status=ActionStatus.FAILED,
                 error={"code": "not_found", "resource": action.resource_identifier},
             )
@@ -155,7 +155,7 @@ def conflict_open_for_action(
             payload["lease_covered"] = _run_holds_lease(action=action, now=now)
         action_transition(
             action_id=action.pk,
-            from_statuses=(ActionStatus.QUEUED, ActionStatus.EXECUTING),
+            from_statuses=IN_FLIGHT_STATUSES,
             to_status=ActionStatus.CONFLICT,
             error=payload,
             resource=resource,
