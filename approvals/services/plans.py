@@ -47,7 +47,7 @@ from approvals.services.preconditions import PreconditionRequired
 from approvals.services.queued_writes import lock_resource_for_proposal, writes_in_flight
 from approvals.services.runs import run_status_for_share
 from approvals.services.write_sets import lock_kinds
-from audit.services import Actor, audit_append
+from audit.services import Actor, audit_append, audit_deferred
 from console.core.errors import DomainError, ValidationFailed
 from ownership.models import ApprovalMode, ConflictClass, Resource, TargetType
 
@@ -321,7 +321,9 @@ def plan_propose(
     recorded on a refusal. On success `on_recorded` runs inside the transaction.
     """
     _check_shape(steps)
-    with transaction.atomic():
+    # As action_propose: the events are appended together last, so the audit head is
+    # locked for the commit only, not while the answer is rendered and stored for replay.
+    with transaction.atomic(), audit_deferred():
         _lock_and_check_authority(run, steps)
         observed = _observed_versions(steps)
         if not isinstance(observed, DomainError):
