@@ -1,4 +1,4 @@
-"""A write proposal (`PUT`/`PATCH`/`DELETE /api/v1/resources/…`, or a plan) locks the audit
+"""A write proposal (`PUT`/`PATCH`/`DELETE /api/v1/resources/…`, a plan, an undo) locks the audit
 head only for its commit: its events are appended together by the transaction's last
 statement, after the answer is rendered and stored for replay. Every writer in the system
 queues for that head, so a proposal that held it from its first event to its commit
@@ -18,7 +18,7 @@ from django.test.utils import CaptureQueriesContext
 from audit.chain import verify_rows
 from audit.models import AuditEvent
 from tests.fixtures.api import AgentActor, make_active_run
-from tests.fixtures.core import make_resource
+from tests.fixtures.core import applied_prod_alerts_action, make_resource
 from tests.fixtures.plans import patch_step, propose_plan, three_steps
 
 pytestmark = pytest.mark.django_db
@@ -110,3 +110,12 @@ def test_a_refused_stale_plan_appends_its_event_last(api: Any, run: Any, plan_wo
     assert response.status_code == 412, response.content
     _assert_head_locked_last(queries, events=1)
     assert AuditEvent.objects.order_by("-seq").first().event_type == "plan.refused_stale"
+
+
+def test_an_undo_request_appends_its_event_last(api: Any, run: Any, prod_alerts: Any) -> None:
+    action = applied_prod_alerts_action(run.run)
+    with CaptureQueriesContext(connection) as captured:
+        response = api.undo(action.pk, token=run.token, key="undo-head-1")
+    assert response.status_code == 202, response.content
+    _assert_head_locked_last([q["sql"].strip() for q in captured.captured_queries], events=1)
+    assert AuditEvent.objects.order_by("-seq").first().event_type == "undo.requested"

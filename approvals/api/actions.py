@@ -39,7 +39,7 @@ from approvals.services import idempotency
 from approvals.services.preconditions import TagCondition, read_condition
 from approvals.services.tokens import Principal
 from approvals.services.undo import action_undo_authorise, action_undo_request
-from audit.services import Actor
+from audit.services import Actor, audit_deferred
 from console.api_support import (
     NEWEST_FIRST,
     TIME_CURSOR_PATTERN,
@@ -273,8 +273,9 @@ def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     if isinstance(record_id, HttpResponse):
         return record_id  # the replayed answer
     try:
-        # The undo request and its stored answer commit together (or neither).
-        with transaction.atomic():
+        # The undo request and its stored answer commit together (or neither); its event
+        # is appended last, so the audit head is locked for the commit only.
+        with transaction.atomic(), audit_deferred():
             action_undo_request(action_id=action_id, actor=actor, idempotency_key=key)
             action = action_load(action_id)
             response = action_response(action, status=202)
