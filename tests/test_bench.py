@@ -105,3 +105,18 @@ def test_the_in_process_poll_cost_compares_both_asgi_handlers_on_every_poll() ->
         assert figures["statuses"] == {"200": 32}  # every poll answered, nothing else
         assert figures["cpu_ms_per_poll"] > 0
         assert figures["polls_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_in_process_proposal_cost_measures_both_kinds_of_write() -> None:
+    stdout = run_bench_module(
+        ["bench.proposal_cpu", "--rounds", "2", "--writes", "8"],
+        database=f"airlock_bench_p{os.getpid()}",
+        extra_env={},
+    )
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert set(result) == {"per_call", "queued"}
+    for figures in result.values():
+        assert figures["statuses"] == {"202": 16}  # every proposal accepted, nothing else
+        assert figures["cpu_ms_per_proposal"] > 0
+        assert figures["proposals_per_s"] > 0
