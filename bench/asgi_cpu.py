@@ -16,20 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.handlers.asgi import ASGIHandler
 
 from bench.asgi_get import App, asgi_get
-from bench.run import DEFAULT_DATABASE, _setup_django
-from bench.stack import Stack, free_port, log
+from bench.in_process import status_totals, web_process_django
+from bench.stack import log
 
 CONCURRENT = 8
 
@@ -96,18 +93,10 @@ async def _measure(
         name: {
             "cpu_ms_per_poll": round(statistics.median(r["cpu_ms"] for r in runs), 2),
             "polls_per_s": round(statistics.median(r["per_s"] for r in runs), 1),
-            "statuses": _statuses(runs),
+            "statuses": status_totals(runs),
         }
         for name, runs in results.items()
     }
-
-
-def _statuses(runs: list[dict[str, Any]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for run in runs:
-        for status, count in run["statuses"].items():
-            total[str(status)] = total.get(str(status), 0) + count
-    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,19 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also the Django application behind the poll's front, and the 304s",
     )
     args = parser.parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="airlock-asgi-cpu-"))
-    stack = Stack(
-        database_url=os.environ.get("BENCH_DATABASE_URL", DEFAULT_DATABASE),
-        redis_port=free_port(),
-        workdir=workdir,
-    )
-    try:
-        stack.create_database()
-        stack.start_redis()
-        stack.migrate()
-        # As in a web process: pooled connections (console.settings, SERVES_ASGI).
-        os.environ["AIRLOCK_DB_POOL"] = "true"
-        _setup_django(stack)
+    with web_process_django("airlock-asgi-cpu-"):
         from bench import fixtures  # here: it imports models (Django set up above)
 
         world = fixtures.bootstrap()
@@ -144,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
                 path, run.token, action.etag, args.rounds, args.polls, everything=args.everything
             )
         )
-    finally:
-        stack.stop_all()
     print(json.dumps(result))
     return 0
 

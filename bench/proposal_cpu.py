@@ -18,18 +18,15 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from bench.asgi_get import App, asgi_request
-from bench.run import DEFAULT_DATABASE, _setup_django
-from bench.stack import Stack, free_port, log
+from bench.in_process import status_totals, web_process_django
+from bench.stack import log
 
 # kind (bench/fixtures.py KINDS) → what its create is: per-call (waits for a person) or
 # per-run (auto-approved, queued at once).
@@ -87,18 +84,10 @@ async def _measure(token: str, rounds: int, writes: int) -> dict[str, Any]:
         name: {
             "cpu_ms_per_proposal": round(statistics.median(r["cpu_ms"] for r in runs), 2),
             "proposals_per_s": round(statistics.median(r["per_s"] for r in runs), 1),
-            "statuses": _statuses(runs),
+            "statuses": status_totals(runs),
         }
         for name, runs in results.items()
     }
-
-
-def _statuses(runs: list[dict[str, Any]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for run in runs:
-        for status, count in run["statuses"].items():
-            total[str(status)] = total.get(str(status), 0) + count
-    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,29 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--writes", type=int, default=200)
     args = parser.parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="airlock-proposal-cpu-"))
-    stack = Stack(
-        database_url=os.environ.get("BENCH_DATABASE_URL", DEFAULT_DATABASE),
-        redis_port=free_port(),
-        workdir=workdir,
-    )
-    try:
-        stack.create_database()
-        stack.start_redis()
-        stack.migrate()
-        # As in a web process: pooled connections (console.settings, SERVES_ASGI), and no
-        # write rate limit in the way of one token's many proposals.
-        os.environ["AIRLOCK_DB_POOL"] = "true"
-        os.environ["AIRLOCK_WRITE_RATE_PER_MINUTE"] = "1000000"
-        _setup_django(stack)
+    # No write rate limit in the way of one token's many proposals.
+    with web_process_django("airlock-proposal-cpu-", {"AIRLOCK_WRITE_RATE_PER_MINUTE": "1000000"}):
         from bench import fixtures  # here: it imports models (Django set up above)
 
         world = fixtures.bootstrap()
         patterns = [f"{kind}/pc-*" for kind in KINDS.values()]
         run = fixtures.run_for(world, patterns, task="bench: proposal cpu")
         result = asyncio.run(_measure(run.token, args.rounds, args.writes))
-    finally:
-        stack.stop_all()
     print(json.dumps(result))
     return 0
 
