@@ -255,10 +255,24 @@ def audit_deferred() -> Iterator[DeferredAppends]:
     The head is then locked once, after every row lock of the batch (the lock order:
     the audit head last), instead of from the first change to the commit. The events
     returned inside the block get their seq and hashes when it ends. A savepoint that
-    rolls back inside the block must drop its events (`mark` / `discard_after`).
+    rolls back inside the block must drop its events (`mark` / `discard_after`). A block
+    inside another joins it: the outer block's end appends both's events, in call order.
     """
     if not connection.in_atomic_block:
         raise RuntimeError("audit_deferred() needs the caller's transaction")
+    outer = _DEFERRED.get()
+    if outer is not None:
+        # Inside another block (a service that defers, called by one that defers too): its
+        # events join the outer block's, so the chain keeps call order and the head is still
+        # locked once, at the outer end. A block that fails drops its own events, as ending
+        # it would have.
+        mark = outer.mark()
+        try:
+            yield outer
+        except BaseException:
+            outer.discard_after(mark)
+            raise
+        return
     held = DeferredAppends()
     token = _DEFERRED.set(held)
     try:

@@ -161,3 +161,24 @@ def test_a_deferred_batch_takes_the_queue_at_its_end_only() -> None:
         assert _own_queue_locks() == 1
     assert AuditEvent.objects.count() == 2
     assert verify_chain().ok
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deferred_block_inside_another_joins_it_and_a_failed_one_drops_its_events() -> None:
+    with transaction.atomic(), audit_deferred():
+        audit_append(event_type="test.outer.first", actor=ACTOR)
+        with audit_deferred():
+            audit_append(event_type="test.inner", actor=ACTOR)
+        assert _own_queue_locks() == 0  # the inner block's end appended nothing yet
+        with pytest.raises(RuntimeError), transaction.atomic(), audit_deferred():
+            audit_append(event_type="test.rolled_back", actor=ACTOR)
+            raise RuntimeError("its savepoint rolls back, and its event with it")
+        audit_append(event_type="test.outer.last", actor=ACTOR)
+        assert _own_queue_locks() == 0
+    appended = AuditEvent.objects.filter(event_type__startswith="test.").order_by("seq")
+    assert list(appended.values_list("event_type", flat=True)) == [
+        "test.outer.first",
+        "test.inner",
+        "test.outer.last",
+    ]
+    assert verify_chain().ok
