@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.handlers.asgi import ASGIHandler
 
 from bench.asgi_get import App, asgi_get
-from bench.in_process import status_totals, web_process_django
-from bench.stack import log
+from bench.in_process import alternated_rounds, web_process_django
 
 CONCURRENT = 8
 
@@ -82,21 +81,12 @@ async def _measure(
         runs.update({f"{name} 304": (apps[name], etag) for name in list(apps)[:2]})
     for app, tag in runs.values():  # warm: connections, prepared statements, imports
         await _round(app, path, token, tag, CONCURRENT * 10)
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
-    for number in range(rounds):
-        order = list(runs) if number % 2 == 0 else list(reversed(runs))
-        for name in order:
-            app, tag = runs[name]
-            results[name].append(await _round(app, path, token, tag, polls))
-            log(f"asgi_cpu round {number} {name}: {results[name][-1]}")
-    return {
-        name: {
-            "cpu_ms_per_poll": round(statistics.median(r["cpu_ms"] for r in runs), 2),
-            "polls_per_s": round(statistics.median(r["per_s"] for r in runs), 1),
-            "statuses": status_totals(runs),
-        }
-        for name, runs in results.items()
-    }
+
+    def measure(app: App, tag: str) -> Callable[[], Awaitable[dict[str, Any]]]:
+        return lambda: _round(app, path, token, tag, polls)
+
+    measures = {name: measure(app, tag) for name, (app, tag) in runs.items()}
+    return await alternated_rounds("asgi_cpu", measures, rounds, "poll")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,15 +18,14 @@ import argparse
 import asyncio
 import itertools
 import json
-import statistics
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bench.asgi_get import App, asgi_request
-from bench.in_process import status_totals, web_process_django
-from bench.stack import log
+from bench.in_process import alternated_rounds, web_process_django
 
 # kind (bench/fixtures.py KINDS) → what its create is: per-call (waits for a person) or
 # per-run (auto-approved, queued at once).
@@ -74,20 +73,12 @@ async def _measure(token: str, rounds: int, writes: int) -> dict[str, Any]:
     app = PollFront(ASGIStaticFilesHandler(AirlockASGIHandler()))
     for kind in KINDS.values():  # warm: connections, imports, the first request's setup
         await _round(app, kind, token, 10)
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in KINDS}
-    for number in range(rounds):
-        order = list(KINDS) if number % 2 == 0 else list(reversed(KINDS))
-        for name in order:
-            results[name].append(await _round(app, KINDS[name], token, writes))
-            log(f"proposal_cpu round {number} {name}: {results[name][-1]}")
-    return {
-        name: {
-            "cpu_ms_per_proposal": round(statistics.median(r["cpu_ms"] for r in runs), 2),
-            "proposals_per_s": round(statistics.median(r["per_s"] for r in runs), 1),
-            "statuses": status_totals(runs),
-        }
-        for name, runs in results.items()
-    }
+
+    def measure(kind: str) -> Callable[[], Awaitable[dict[str, Any]]]:
+        return lambda: _round(app, kind, token, writes)
+
+    measures = {name: measure(kind) for name, kind in KINDS.items()}
+    return await alternated_rounds("proposal_cpu", measures, rounds, "proposal")
 
 
 def main(argv: list[str] | None = None) -> int:

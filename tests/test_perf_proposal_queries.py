@@ -9,10 +9,13 @@ speed."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from django.db import connection
+from django.db.models import Max
 from django.test.utils import CaptureQueriesContext
 
 from audit.chain import verify_rows
@@ -24,98 +27,96 @@ from tests.fixtures.plans import patch_step, propose_plan, three_steps
 pytestmark = pytest.mark.django_db
 
 _SAVEPOINT_END = ("RELEASE SAVEPOINT", "COMMIT")
+PROD_ALERTS = "/api/v1/resources/notification-policy/prod-alerts"
 
 
-def _head_statements(queries: list[str]) -> list[int]:
-    return [n for n, sql in enumerate(queries) if "audit_audithead" in sql]
+@dataclass(frozen=True)
+class Captured:
+    response: Any
+    queries: list[str]
+    events: list[str]  # the types of the events the call appended, in chain order
 
 
-def _proposed(api: Any, agent: AgentActor, path: str, etag: str, key: str) -> tuple[Any, list]:
-    run = make_active_run(agent.agent)
+def _captured(call: Callable[[], Any]) -> Captured:
+    before = AuditEvent.objects.aggregate(seq=Max("seq"))["seq"] or 0
     with CaptureQueriesContext(connection) as captured:
-        response = api.put(
+        response = call()
+    appended = AuditEvent.objects.filter(seq__gt=before).order_by("seq")
+    return Captured(
+        response,
+        [q["sql"].strip() for q in captured.captured_queries],
+        list(appended.values_list("event_type", flat=True)),
+    )
+
+
+def _put(api: Any, agent: AgentActor, path: str, etag: str, key: str) -> Captured:
+    run = make_active_run(agent.agent)
+    return _captured(
+        lambda: api.put(
             path,
             token=run.token,
             body={"severity": "critical", "ttl": 60},
             headers={"If-Match": etag, "Idempotency-Key": key},
         )
-    return response, [q["sql"].strip() for q in captured.captured_queries]
+    )
 
 
-def _assert_head_locked_last(queries: list[str], events: int) -> None:
-    at = _head_statements(queries)
-    assert len(at) == 1, "one statement appends the proposal's events:\n" + "\n".join(queries)
+def _assert_appended_last(captured: Captured, events: list[str]) -> None:
+    """Exactly `events` appended, by one statement that only the savepoint's end follows."""
+    queries = captured.queries
+    at = [n for n, sql in enumerate(queries) if "audit_audithead" in sql]
+    assert len(at) == 1, "one statement appends the call's events:\n" + "\n".join(queries)
     after = queries[at[0] + 1 :]
     assert all(sql.startswith(_SAVEPOINT_END) for sql in after), "\n".join(after)
-    appended = list(AuditEvent.objects.order_by("-seq")[:events])
-    assert len(appended) == events
+    assert captured.events == events
     assert verify_rows(AuditEvent.objects.order_by("seq")).ok
 
 
 def test_a_per_call_proposal_appends_both_events_last(
     api: Any, agent: AgentActor, prod_alerts: Any
 ) -> None:
-    response, queries = _proposed(
-        api, agent, "/api/v1/resources/notification-policy/prod-alerts", '"41"', "key-head-1"
-    )
-    assert response.status_code == 202, response.content
-    assert json.loads(response.content)["status"] == "pending_approval"
-    _assert_head_locked_last(queries, events=2)
-    newest = list(AuditEvent.objects.order_by("-seq").values_list("event_type", flat=True)[:2])
-    assert newest == ["approval.requested", "action.proposed"]
+    captured = _put(api, agent, PROD_ALERTS, '"41"', "key-head-1")
+    assert captured.response.status_code == 202, captured.response.content
+    assert json.loads(captured.response.content)["status"] == "pending_approval"
+    _assert_appended_last(captured, ["action.proposed", "approval.requested"])
 
 
 def test_a_queued_proposal_appends_its_event_last(api: Any, agent: AgentActor) -> None:
     make_resource("dns-record/app-head", {"ttl": 30}, version=3)
-    response, queries = _proposed(
-        api, agent, "/api/v1/resources/dns-record/app-head", '"3"', "key-head-2"
-    )
-    assert response.status_code == 202, response.content
-    assert json.loads(response.content)["status"] == "queued"
-    _assert_head_locked_last(queries, events=1)
+    captured = _put(api, agent, "/api/v1/resources/dns-record/app-head", '"3"', "key-head-2")
+    assert captured.response.status_code == 202, captured.response.content
+    assert json.loads(captured.response.content)["status"] == "queued"
+    _assert_appended_last(captured, ["action.proposed"])
     # The write-set and lease check reads ownership in one statement, and runs twice:
     # before the key is claimed (the contract's order of errors), then under the locks.
-    ownership = [sql for sql in queries if "ownership_ownershiprecord" in sql]
+    ownership = [sql for sql in captured.queries if "ownership_ownershiprecord" in sql]
     assert len(ownership) == 2, "\n".join(ownership)
 
 
 def test_a_refused_stale_proposal_appends_its_event_last(
     api: Any, agent: AgentActor, prod_alerts: Any
 ) -> None:
-    response, queries = _proposed(
-        api, agent, "/api/v1/resources/notification-policy/prod-alerts", '"40"', "key-head-3"
-    )
-    assert response.status_code == 412, response.content
-    _assert_head_locked_last(queries, events=1)
-    assert AuditEvent.objects.order_by("-seq").first().event_type == "action.refused_stale"
-
-
-def _plan_proposed(api: Any, run: Any, steps: list[dict[str, Any]]) -> tuple[Any, list]:
-    with CaptureQueriesContext(connection) as captured:
-        response = propose_plan(api, run, steps)
-    return response, [q["sql"].strip() for q in captured.captured_queries]
+    captured = _put(api, agent, PROD_ALERTS, '"40"', "key-head-3")
+    assert captured.response.status_code == 412, captured.response.content
+    _assert_appended_last(captured, ["action.refused_stale"])
 
 
 def test_a_plan_proposal_appends_both_events_last(api: Any, run: Any, plan_world: Any) -> None:
-    response, queries = _plan_proposed(api, run, three_steps())
-    assert response.status_code == 202, response.content
-    assert response.json()["status"] == "pending_approval"
-    _assert_head_locked_last(queries, events=2)
-    newest = list(AuditEvent.objects.order_by("-seq").values_list("event_type", flat=True)[:2])
-    assert newest == ["approval.requested", "plan.proposed"]
+    captured = _captured(lambda: propose_plan(api, run, three_steps()))
+    assert captured.response.status_code == 202, captured.response.content
+    assert captured.response.json()["status"] == "pending_approval"
+    _assert_appended_last(captured, ["plan.proposed", "approval.requested"])
 
 
 def test_a_refused_stale_plan_appends_its_event_last(api: Any, run: Any, plan_world: Any) -> None:
-    response, queries = _plan_proposed(api, run, [patch_step("dns-record/app-a", '"2"', {})])
-    assert response.status_code == 412, response.content
-    _assert_head_locked_last(queries, events=1)
-    assert AuditEvent.objects.order_by("-seq").first().event_type == "plan.refused_stale"
+    stale = [patch_step("dns-record/app-a", '"2"', {})]
+    captured = _captured(lambda: propose_plan(api, run, stale))
+    assert captured.response.status_code == 412, captured.response.content
+    _assert_appended_last(captured, ["plan.refused_stale"])
 
 
 def test_an_undo_request_appends_its_event_last(api: Any, run: Any, prod_alerts: Any) -> None:
     action = applied_prod_alerts_action(run.run)
-    with CaptureQueriesContext(connection) as captured:
-        response = api.undo(action.pk, token=run.token, key="undo-head-1")
-    assert response.status_code == 202, response.content
-    _assert_head_locked_last([q["sql"].strip() for q in captured.captured_queries], events=1)
-    assert AuditEvent.objects.order_by("-seq").first().event_type == "undo.requested"
+    captured = _captured(lambda: api.undo(action.pk, token=run.token, key="undo-head-1"))
+    assert captured.response.status_code == 202, captured.response.content
+    _assert_appended_last(captured, ["undo.requested"])

@@ -45,7 +45,7 @@ from approvals.services.runs import (
     run_require_own_active,
     run_status_for_share,
 )
-from approvals.services.write_sets import lock_kind_for_proposal
+from approvals.services.write_sets import lock_kind_for_proposal, names_overlap
 from audit.models import ActorType
 from audit.services import Actor, audit_append, audit_deferred
 from console.core.action_audit import audit_action_event
@@ -99,8 +99,8 @@ def _authority_records(
     return own, leases
 
 
-def _names(record: OwnershipRecord, name: str) -> bool:
-    return name.startswith(record.name) if record.is_prefix else name == record.name
+def _covers(record: OwnershipRecord, name: str) -> bool:
+    return names_overlap(record.name, record.is_prefix, name, False)
 
 
 def _check_authority(run: Run, status: str, kind: str, name: str, operation: str) -> None:
@@ -111,13 +111,13 @@ def _check_authority(run: Run, status: str, kind: str, name: str, operation: str
             extra={"run": str(run.pk), "run_status": status},
         )
     own, leases = _authority_records(run.pk, kind)
-    if not any(_names(record, name) and operation in (record.operations or []) for record in own):
+    if not any(_covers(record, name) and operation in (record.operations or []) for record in own):
         raise Forbidden(
             f"The run's write set does not cover {operation} on {kind}/{name}.",
             code="not_in_write_set",
             extra={"resource": f"{kind}/{name}", "operation": operation},
         )
-    lease = next((lease for lease in leases if _names(lease, name)), None)
+    lease = next((lease for lease in leases if _covers(lease, name)), None)
     if lease is not None:
         raise Leased(
             f"Run {lease.run_id} holds an exclusive lease on {lease.pattern}.",
