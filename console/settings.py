@@ -7,6 +7,7 @@ changing behaviour silently.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import sys
@@ -370,11 +371,30 @@ METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
 # itself at the named point (approvals/services/attempts.py crash_point). Empty: never.
 AIRLOCK_TEST_CRASH_AT = os.environ.get("AIRLOCK_TEST_CRASH_AT", "")
 
+# RQ's own lines (four a job, and the cron's every-5-seconds reconciler is a job) pass only
+# from this level up: the engine's `airlock.*` loggers say what work did. INFO shows them all.
+AIRLOCK_RQ_LOG_LEVEL = env_str("AIRLOCK_RQ_LOG_LEVEL", "WARNING").upper()
+if not isinstance(logging.getLevelName(AIRLOCK_RQ_LOG_LEVEL), int):
+    raise ImproperlyConfigured(f"AIRLOCK_RQ_LOG_LEVEL: unknown level {AIRLOCK_RQ_LOG_LEVEL!r}")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {
+        "quiet_rq": {
+            "()": "console.logging_filters.BelowLevelFromLoggers",
+            "prefixes": "rq",
+            "level": AIRLOCK_RQ_LOG_LEVEL,
+        }
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "filters": ["quiet_rq"],
+        }
+    },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }

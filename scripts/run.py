@@ -4,7 +4,9 @@
    socket under the data folder; without DATABASE_URL, settings use a SQLite file there.
 2. Migrate; create the admin login once (printed once, kept in DATA_DIR/admin-login.txt).
 3. On a fresh database, `manage.py demo` drives the real API to leave something to look at.
-4. Start every process in the Procfile (web + worker), print the URL and the login.
+4. Start every process in the Procfile (web + worker + cron), print the URL and the login last,
+   once the processes' start-up lines have settled, and again whenever Enter is pressed
+   (`make url` prints them from another terminal).
 5. Ctrl-C (or SIGTERM) stops everything this script started, the embedded Redis last. If one
    process dies, the others are stopped too and the exit status is non-zero.
 
@@ -143,6 +145,7 @@ class Runner:
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.stopping = threading.Event()
         self.lock = threading.Lock()
+        self.last_output = time.monotonic()
 
     def spawn(self, name: str, command: str, env: dict[str, str]) -> None:
         # Each process in its own session: the terminal's Ctrl-C reaches only this runner,
@@ -168,6 +171,16 @@ class Runner:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             with self.lock:
                 print(f"{name:<{max(width, 7)}} | {line}", flush=True)
+                self.last_output = time.monotonic()
+
+    def wait_until_quiet(self, *, quiet: float, limit: float) -> None:
+        """Until no process has printed for `quiet` seconds (at most `limit`): the banner
+        printed after the start-up lines stays on screen instead of scrolling away."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if time.monotonic() - self.last_output >= quiet:
+                return
+            time.sleep(0.1)
 
     def first_exit(self) -> tuple[str, int] | None:
         for name, process in self.children:
@@ -193,7 +206,46 @@ class Runner:
                 process.wait()
 
 
+def print_banner(runner: Runner, lines: list[str]) -> None:
+    with runner.lock:
+        for line in lines:
+            say(line)
+
+
+def start_banner_on_enter(runner: Runner, lines: list[str]) -> None:
+    """Enter in the terminal prints the URL and login again (only on a terminal: under a
+    supervisor or a test, stdin is not one and nothing reads it)."""
+    if not sys.stdin.isatty():
+        return
+
+    def read_lines() -> None:
+        for _line in sys.stdin:
+            print_banner(runner, lines)
+
+    threading.Thread(target=read_lines, daemon=True, name="banner-on-enter").start()
+
+
+def where() -> int:
+    """`make url`: the URL and the admin login of a `make run` (from its data folder)."""
+    data_dir = Path(os.environ.get("AIRLOCK_DATA_DIR", str(ROOT / "data"))).resolve()
+    host = os.environ.get("HOST", "127.0.0.1")
+    port = os.environ.get("PORT", "8000")
+    state = "running" if not port_is_free(host, int(port)) else "not running"
+    print(f"Airlock at http://{host}:{port}/ ({state})")
+    login_file = data_dir / "admin-login.txt"
+    if login_file.exists():
+        values = dict(
+            line.split(": ", 1) for line in login_file.read_text().splitlines() if ": " in line
+        )
+        print(f"login: {values.get('username', '?')} / {values.get('password', '?')}")
+    else:
+        print(f"no admin login recorded in {login_file} (make run creates it)")
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--where"]:
+        return where()
     data_dir = Path(os.environ.get("AIRLOCK_DATA_DIR", str(ROOT / "data"))).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     os.environ["AIRLOCK_DATA_DIR"] = str(data_dir)
@@ -246,11 +298,17 @@ def main() -> int:
         for name, command in read_procfile(ROOT / "Procfile"):
             runner.spawn(name, command, env)
         if wait_for_port(host, port, timeout=30):
-            say("")
-            say(f"Airlock is running at http://{host}:{port}/")
-            say(login_line)
-            say("API docs: " + f"http://{host}:{port}/api/v1/docs   (Ctrl-C stops everything)")
-            say("")
+            runner.wait_until_quiet(quiet=1.5, limit=15)
+            banner = [
+                "",
+                f"Airlock is running at http://{host}:{port}/",
+                login_line,
+                f"API docs: http://{host}:{port}/api/v1/docs   (Ctrl-C stops everything;"
+                " Enter prints this again)",
+                "",
+            ]
+            print_banner(runner, banner)
+            start_banner_on_enter(runner, banner)
         else:
             say(f"the web process did not open {host}:{port} within 30s")
         while not runner.stopping.wait(0.5):

@@ -94,6 +94,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.wsgi", WIRING),
     ("console.checks", WIRING),
     ("console.embedded_redis", WIRING),
+    ("console.logging_filters", WIRING),  # the filters LOGGING names (settings read them)
     ("console.pgbackend", WIRING),  # the DATABASES ENGINE: Django's, with a quiet pool check
     ("console.pgbackend.*", WIRING),
     ("*.apps", WIRING),

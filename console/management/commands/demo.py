@@ -17,6 +17,7 @@ The story (the design's collision, seeds/003):
 5. `release-bot` proposes two candidates for release-pointer/prod-eu, both based on version 7;
    the first is approved and applied, the second meets version 8 at execution → an open
    conflict for the release owners.
+notification-policy/staging-alerts is left to no run: the README's quick-start writes there.
 """
 
 from __future__ import annotations
@@ -88,6 +89,15 @@ RESOURCES: list[dict[str, Any]] = [
         "version": 3,
         "document": {"release": "2026.11.2", "notes": "steady"},
         "owner_group": "release-owners",
+    },
+    # Held by no demo run: the README's agent quick-start writes here, so that it works as
+    # written on a fresh `make run` (every other resource is in an active demo run's write set).
+    {
+        "kind": "notification-policy",
+        "name": "staging-alerts",
+        "version": 1,
+        "document": {"destinations": ["oncall@example.test"], "severity": "low"},
+        "owner_group": "platform",
     },
     {
         "kind": "notification-policy",

@@ -1,0 +1,29 @@
+"""Logging filters the settings' LOGGING wires in (no Django imports: read at configure time)."""
+
+from __future__ import annotations
+
+import logging
+
+
+class BelowLevelFromLoggers(logging.Filter):
+    """Drops records below `level` from the named loggers (and their children).
+
+    RQ logs four INFO lines for every job it runs, and the cron process enqueues the
+    reconciler every 5 s and housekeeping every 30 s: about 140 lines a minute on an idle
+    `make run`, in which the URL and login scroll away. Those lines say only that routine
+    work ran; what the engine did is logged by `airlock.*` loggers, and RQ's warnings and
+    errors (a failed job, a lost worker) still pass.
+    """
+
+    def __init__(self, prefixes: str = "", level: str = "WARNING") -> None:
+        super().__init__()
+        self.prefixes = tuple(p.strip() for p in prefixes.split(",") if p.strip())
+        self.level = logging.getLevelName(level.upper())
+        if not isinstance(self.level, int):
+            raise ValueError(f"unknown log level {level!r}")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= self.level:
+            return True
+        name = record.name
+        return not any(name == p or name.startswith(p + ".") for p in self.prefixes)
