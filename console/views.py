@@ -24,7 +24,13 @@ from console import permissions
 from console.core.errors import DomainError
 from console.forms import KillSwitchForm
 from console.models import KillSwitch
-from console.pages import after_post, console_page, error_status, render_fragment_or_page
+from console.pages import (
+    after_post,
+    console_page,
+    error_status,
+    is_htmx,
+    render_fragment_or_page,
+)
 from console.services import kill_switch_set
 from ownership.models import ConflictStatus
 from ownership.selectors import conflict_list_for_person, open_conflict_count
@@ -166,11 +172,17 @@ def killswitch_set(request: HttpRequest) -> HttpResponse:
             status=error_status(error),
         )
     verb = "engaged" if engaged else "released"
-    messages.success(request, f"Kill switch {verb} for {data['scope']}.")
+    notice = f"Kill switch {verb} for {data['scope']}."
+    if not is_htmx(request):
+        # The redirect's page shows it; an htmx swap shows it in the card it replaced
+        # (a flash message there would wait for whatever page is visited next).
+        messages.success(request, notice)
     return after_post(
         request,
         redirect_to=reverse("dashboard"),
         fragment=lambda: render(
-            request, "console/dashboard.html#killswitch", dashboard_context(request)
+            request,
+            "console/dashboard.html#killswitch",
+            {**dashboard_context(request), "page_notice": notice},
         ),
     )

@@ -141,3 +141,27 @@ def test_pauses_are_grouped_by_reason(people: People, world: World) -> None:
     html = client_for(people.operator).get("/").content.decode()
     assert '<td>incident 7</td><td class="num">1</td>' in html
     assert _count(html, "count-paused") == "1"
+
+
+def test_the_kill_switch_notice_shows_where_it_was_used_not_on_the_next_page(
+    people: People, world: World
+) -> None:
+    client = client_for(people.operator)
+    swapped = client.post(
+        "/kill-switch/",
+        {"action": "engage", "scope": "dns-record/*", "reason": "r", "confirm": "on"},
+        HTTP_HX_REQUEST="true",
+    ).content.decode()
+    assert "Kill switch engaged for dns-record/*." in swapped
+    # Nothing was left behind for the next page (it used to show there; the banner that
+    # every page shows while a switch is engaged words it differently).
+    for path in ["/runs/", "/"]:
+        assert "Kill switch engaged for dns-record/*." not in client.get(path).content.decode()
+
+    # A plain form (no JavaScript) redirects: the dashboard it lands on shows it, once.
+    client.post(
+        "/kill-switch/",
+        {"action": "release", "scope": "dns-record/*", "reason": "", "confirm": "on"},
+    )
+    assert "Kill switch released for dns-record/*." in client.get("/").content.decode()
+    assert "Kill switch released for" not in client.get("/runs/").content.decode()
