@@ -83,10 +83,10 @@ class WatchedPages:
     def unexpected_problems(self) -> list[str]:
         return [p for p in self.problems if not any(a in p for a in self.allowed)]
 
-    def new(self, *, javascript: bool = True) -> Any:
+    def new(self, *, javascript: bool = True, width: int = 1280, height: int = 900) -> Any:
         context = self.browser.new_context(
             base_url=self.base_url,
-            viewport={"width": 1280, "height": 900},
+            viewport={"width": width, "height": height},
             java_script_enabled=javascript,
         )
         self.contexts.append(context)
