@@ -4,6 +4,7 @@ seq of a tampered or gapped one; with anchors it also catches a history rewritte
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -55,6 +56,21 @@ def airlock_audit(*args: str, cwd: Path, env: dict[str, str] | None = None) -> A
         text=True,
         timeout=120,
     )
+
+
+def _load_verifier() -> Any:
+    """The client's module itself, loaded from this checkout by path (the shared virtualenv
+    has airlock-client installed from another one)."""
+    path = Path(CLIENT_SRC) / "airlock_client" / "audit_verify.py"
+    spec = importlib.util.spec_from_file_location("airlock_audit_verify_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+verifier = _load_verifier()
 
 
 def _seed() -> None:
@@ -124,6 +140,9 @@ def test_a_tampered_export_fails_naming_the_first_bad_seq(
     done = airlock_audit("verify", "--file", str(tampered), cwd=tmp_path)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert message in done.stderr, done.stderr
+    # Newest first, as the API serves them: the same first bad seq, the same problem.
+    report = verifier.verify_events(reversed(items))
+    assert f"first bad seq {report.first_bad_seq} ({report.problem})" == message
 
 
 @pytest.mark.django_db
