@@ -106,6 +106,16 @@ def test_a_real_export_verifies_and_the_verifier_imports_nothing_from_the_server
     done = airlock_audit("verify", "--file", str(export), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == f"ok: 7 events, head #7 {head_hash}"
+    as_module = subprocess.run(
+        [sys.executable, "-m", "airlock_client.audit_verify", "verify", "--file", "-"],
+        input=export.read_text(encoding="utf-8"),
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": CLIENT_SRC},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert as_module.returncode == 0 and as_module.stdout == done.stdout, as_module.stderr
 
 
 @pytest.mark.django_db

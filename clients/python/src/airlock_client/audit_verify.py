@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import sys
@@ -315,7 +316,8 @@ def _events(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             raise Unreadable("--url needs --token or AIRLOCK_TOKEN")
         yield from events_from_api(args.url, args.token, timeout=args.timeout)
     elif args.file == "-":
-        yield from events_from_jsonl(sys.stdin, name="standard input")
+        stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8")  # whatever the locale
+        yield from events_from_jsonl(stdin, name="standard input")
     else:
         try:
             with open(args.file, encoding="utf-8") as stream:
