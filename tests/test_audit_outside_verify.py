@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 import tomllib
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.core.management import call_command
 from django.db import connection
+from django.utils import timezone
 
 from audit.services import Actor, audit_append, audit_append_many
 from audit.verify import audit_head
@@ -202,9 +204,14 @@ def _sql(statement: str, params: list[Any]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_every_page_of_the_live_api_is_verified_and_a_tamper_is_named(tmp_path: Path) -> None:
+def test_every_page_of_the_live_api_is_verified_and_a_tamper_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     auditor = make_person_with_token("aude", "auditors")
     _seed()
+    with monkeypatch.context() as patched:  # an event on a whole second (see test_audit_serialize)
+        patched.setattr(timezone, "now", lambda: datetime(2026, 12, 6, 3, 0, 0, tzinfo=UTC))
+        audit_append(event_type="test.whole_second", actor=Actor.system("tests"))
     audit_append_many([{"event_type": "test.more", "actor": Actor.system("t")}] * 450)
     head_seq, head_hash = audit_head()
     assert head_seq > 400  # three pages of 200 at least
