@@ -25,8 +25,14 @@ router = Router(auth=person_token, tags=["audit"])
 
 
 class AuditEventOut(Schema):
+    """Every value is the hashed one (docs/audit-chain.md): `run` and `action` are hashed as
+    `run_id` and `action_id`; keys added later are not hashed."""
+
     seq: int
-    created_at: datetime
+    created_at: datetime = Field(
+        description="UTC, always with six microsecond digits "
+        "(`2026-12-06T03:00:00.000000+00:00`): the very text hashed"
+    )
     actor_type: str
     actor_id: str
     actor_label: str
@@ -36,8 +42,11 @@ class AuditEventOut(Schema):
     run: uuid.UUID | None
     action: uuid.UUID | None
     details: dict[str, Any]
-    prev_hash: str
-    hash: str
+    prev_hash: str = Field(description="The previous event's hash; 64 zeros for seq 1")
+    hash: str = Field(
+        description='SHA-256 (hex) of the canonical JSON of {"event": <the hashed fields>, '
+        '"prev_hash": …} (docs/audit-chain.md)'
+    )
 
 
 class AuditPageOut(Schema):

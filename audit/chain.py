@@ -31,7 +31,10 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
-def _normalise_time(moment: datetime) -> str:
+def hashed_time(moment: datetime) -> str:
+    """An event's time as hashed, and as the API and the export show it: UTC, always six
+    digits of microseconds (`2026-12-06T03:54:24.000000+00:00`; `isoformat()` alone drops
+    them when they are zero)."""
     return moment.astimezone(UTC).isoformat(timespec="microseconds")
 
 
@@ -57,7 +60,7 @@ def hashed_fields(
 ) -> dict[str, Any]:
     return {
         "seq": seq,
-        "created_at": _normalise_time(created_at),
+        "created_at": hashed_time(created_at),
         "actor_type": actor_type,
         "actor_id": actor_id,
         "actor_label": actor_label,

@@ -6,7 +6,8 @@ append and the verification import nothing above them.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from django.db import transaction
 from django.db.models import Max
@@ -69,3 +70,33 @@ def _nothing_beyond_the_head(result: VerifyResult) -> VerifyResult:
         first_bad_seq=head_seq + 1,
         problem=f"event #{highest} stands beyond the head row (#{head_seq})",
     )
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A head kept outside the database (`manage.py audit_anchor`): `where` names it."""
+
+    seq: int
+    hash: str
+    time: str = ""
+    where: str = ""
+
+
+def anchor_missing(anchors: Sequence[Anchor]) -> tuple[Anchor, str] | None:
+    """The first anchor (in the order given) the chain no longer holds, and why: no event
+    at its seq, or one with another hash. A history rewritten together with the head row
+    walks whole; only an anchor kept elsewhere shows it."""
+    stored: dict[int, str] = {}
+    seqs = sorted({anchor.seq for anchor in anchors})
+    for start in range(0, len(seqs), 1000):
+        chunk = seqs[start : start + 1000]
+        stored.update(AuditEvent.objects.filter(seq__in=chunk).values_list("seq", "hash"))
+    for anchor in anchors:
+        if anchor.seq == 0 and anchor.hash == GENESIS_HASH:
+            continue  # anchored while the chain was empty
+        found = stored.get(anchor.seq)
+        if found is None:
+            return anchor, f"the chain has no event #{anchor.seq} (its head is #{audit_head()[0]})"
+        if found != anchor.hash:
+            return anchor, f"event #{anchor.seq} now has hash {found}"
+    return None

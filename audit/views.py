@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +11,7 @@ from django.views.decorators.http import require_GET
 
 from audit import selectors
 from audit.forms import AuditFilterForm
-from audit.serialize import event_json
+from audit.serialize import event_jsonl
 from audit.services import audit_chain_status
 from console.pages import (
     console_page,
@@ -78,7 +77,7 @@ def audit_export(request: HttpRequest) -> StreamingHttpResponse:
 
     def lines() -> Iterator[str]:
         for event in events.iterator(chunk_size=2000):
-            yield json.dumps(event_json(event), ensure_ascii=False, sort_keys=True) + "\n"
+            yield event_jsonl(event)
 
     response = StreamingHttpResponse(lines(), content_type="application/jsonl; charset=utf-8")
     response["Content-Disposition"] = 'attachment; filename="airlock-audit.jsonl"'
