@@ -12,6 +12,7 @@ In production set METRICS_TOKEN (`check --deploy` warns, airlock.W010).
 from __future__ import annotations
 
 import hmac
+import json
 import threading
 import time
 from collections import defaultdict
@@ -27,6 +28,7 @@ from django.views.decorators.http import require_GET
 
 from approvals.models import Action, ActionStatus, Approval, Operation
 from approvals.notify import action_waiters
+from console.health import readiness
 from console.problems import problem_response
 from ownership.models import Conflict, ConflictStatus
 
@@ -90,6 +92,32 @@ def healthz(request: HttpRequest) -> HttpResponse:
         f'{{"database": "{status["database"]}", "redis": "{status["redis"]}"}}',
         content_type="application/json",
     )
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@require_GET
+def readyz(request: HttpRequest) -> HttpResponse:
+    """Readiness, for a load balancer or an orchestrator's probe: 200 when the database and
+    Redis answer, every migration is applied, a worker listens on the queue and the cron
+    process beats; else 503 problem+json naming each part that is not ready. /healthz stays
+    the liveness answer (this process and its two services)."""
+    state = readiness()
+    body = {
+        **state.parts,
+        "workers_listening": state.workers,
+        "cron_schedulers": state.cron_schedulers,
+    }
+    headers = {"Cache-Control": "no-store"}
+    if not state.ready:
+        not_ready = [name for name, value in state.parts.items() if value != "ok"]
+        return problem_response(
+            code="unavailable",
+            detail=f"Not ready: {', '.join(not_ready)}.",
+            extra=body,
+            headers={**headers, "Retry-After": "5"},
+        )
+    response = HttpResponse(json.dumps(body), content_type="application/json")
     response["Cache-Control"] = "no-store"
     return response
 

@@ -130,6 +130,7 @@ _wrapped = _wrapped_api_patterns(_api_patterns)
 
 urlpatterns: list[URLPattern | URLResolver] = [
     path("healthz", ops.healthz, name="healthz"),
+    path("readyz", ops.readyz, name="readyz"),
     path("metrics", ops.metrics, name="metrics"),
     path("api/v1/docs/assets/<str:name>", docs_asset, name="api-docs-asset"),
     path("api/v1/", (_wrapped, _api_app, _api_namespace)),

@@ -206,6 +206,25 @@ class Runner:
                 process.wait()
 
 
+def run_doctor(env: dict[str, str]) -> None:
+    """`manage.py doctor --warn-only`: what it finds is printed above the banner (a dev
+    machine is told about the settings a production deployment must set, once)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "manage.py", "doctor", "--warn-only"],
+            cwd=ROOT,
+            env={**env, "LOG_LEVEL": "WARNING"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        say("doctor did not answer within 60 s")
+        return
+    for line in done.stdout.splitlines():
+        print(f"doctor  | {line}", flush=True)
+
+
 def print_banner(runner: Runner, lines: list[str]) -> None:
     with runner.lock:
         for line in lines:
@@ -299,6 +318,7 @@ def main() -> int:
             runner.spawn(name, command, env)
         if wait_for_port(host, port, timeout=30):
             runner.wait_until_quiet(quiet=1.5, limit=15)
+            run_doctor(env)
             banner = [
                 "",
                 f"Airlock is running at http://{host}:{port}/",

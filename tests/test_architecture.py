@@ -105,6 +105,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.views.*", INTERFACE),
     ("console.people_views", INTERFACE),
     ("console.ops", INTERFACE),  # /healthz and /metrics
+    ("console.health", INTERFACE),  # readiness (RQ's workers and cron): /readyz and doctor
     ("*.forms", INTERFACE),
     ("*.admin", INTERFACE),
     ("*.jobs", INTERFACE),
