@@ -7,6 +7,9 @@ from django.contrib import admin
 from django.urls import include, path
 
 urlpatterns = [
+    # django-rq's queue dashboard (queues, workers, failed and scheduled jobs): its views
+    # require a staff login (the console's session), as the admin does.
+    path("admin/rq/", include("django_rq.urls")),
     path("admin/", admin.site.urls),
     path("", include("console.urls_api")),
     path("", include("console.urls_pages")),
