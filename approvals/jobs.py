@@ -22,6 +22,7 @@ from approvals.services.housekeeping import housekeeping_run
 from approvals.services.plan_engine import plan_advance, plan_after_action
 from approvals.services.reconcile import reconcile
 from approvals.services.undo import undo_execute
+from console.ops_gauges import record_reconcile_counts
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -78,7 +79,9 @@ def plan_after_action_job(action_id: str) -> str:
 
 @_fresh_database
 def reconcile_job() -> dict[str, int]:
-    return reconcile()
+    counts = reconcile()
+    record_reconcile_counts(counts)  # /metrics' airlock_reconciler_repairs_total
+    return counts
 
 
 @_fresh_database

@@ -562,3 +562,12 @@ def audit_chain_verify(*, chunk_size: int = 2000) -> ChainStatus:
     if known is not None and not (found_later and _in_this_chain(known)):
         _forget(BROKEN_KEY)
     return status
+
+
+def audit_chain_last_known() -> ChainStatus | None:
+    """The chain's last recorded answer (a break, else the checkpoint) without walking any
+    event: for /metrics, whose scrape must stay cheap whatever the chain's length. None
+    when nothing is recorded (Redis lost it; the next badge, API call or hourly walk
+    records one)."""
+    broken = _load(BROKEN_KEY)
+    return broken if broken is not None else _load(CHECKPOINT_KEY)

@@ -29,6 +29,7 @@ from django.views.decorators.http import require_GET
 from approvals.models import Action, ActionStatus, Approval, Operation
 from approvals.notify import action_waiters
 from console.health import readiness
+from console.ops_gauges import operational_metrics
 from console.problems import problem_response
 from ownership.models import Conflict, ConflictStatus
 
@@ -284,6 +285,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
             )
     lines = [
         *_domain_metrics(),
+        *operational_metrics(),
         *_request_metrics(),
         "# HELP airlock_longpoll_waiters Long-poll requests held by this process.",
         "# TYPE airlock_longpoll_waiters gauge",

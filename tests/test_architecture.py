@@ -105,7 +105,8 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.views.*", INTERFACE),
     ("console.people_views", INTERFACE),
     ("console.ops", INTERFACE),  # /healthz and /metrics
-    ("console.health", INTERFACE),  # readiness (RQ's workers and cron): /readyz and doctor
+    ("console.health", INTERFACE),
+    ("console.ops_gauges", INTERFACE),  # /metrics' operational gauges (dashboards, alerts)  # readiness (RQ's workers and cron): /readyz and doctor
     ("*.forms", INTERFACE),
     ("*.admin", INTERFACE),
     ("*.jobs", INTERFACE),

@@ -125,12 +125,14 @@ def test_metrics_carry_no_kill_switch_reason_and_scrape_only_live_rows(
     assert "airlock_paused_actions 1\n" in first
     assert 'airlock_actions{status="paused"} 1\n' in first
 
-    # Within the cache window a scrape runs only the live, status-filtered counts.
+    # Within the cache window a scrape runs only the live, status-filtered counts (actions
+    # and conflicts in flight, pending approvals, unknown operations, paused actions by
+    # kind) and reads the engaged kill switches.
     with CaptureQueriesContext(connection) as queries:
         second = client.get("/metrics").content.decode()
     sql = [q["sql"] for q in queries.captured_queries]
-    assert len(sql) == 2, sql
-    assert all('"status" IN' in s or '"status" =' in s for s in sql), sql
+    assert len(sql) == 6, sql
+    assert all('"status" IN' in s or '"status" =' in s or '"engaged"' in s for s in sql), sql
     assert "airlock_approval_latency_seconds_count" in second
 
 
