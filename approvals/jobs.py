@@ -14,6 +14,7 @@ from typing import ParamSpec, TypeVar
 
 from django.conf import settings
 from django.db import close_old_connections
+from rq import get_current_job
 
 from approvals.models import Operation
 from approvals.services.attempts import crash_point
@@ -23,6 +24,7 @@ from approvals.services.plan_engine import plan_advance, plan_after_action
 from approvals.services.reconcile import reconcile
 from approvals.services.undo import undo_execute
 from console.ops_gauges import record_reconcile_counts
+from console.requestctx import log_fields_reset, log_fields_start
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -33,12 +35,21 @@ def _fresh_database(job: Callable[P, R]) -> Callable[P, R]:
     died or outlived CONN_MAX_AGE before the job, as a request would, so a PostgreSQL
     restart costs one retry instead of every later job."""
 
+    names = job.__code__.co_varnames[: job.__code__.co_argcount]
+
     @functools.wraps(job)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         close_old_connections()
+        # The job's log lines name it and what it works on (action_id -> "action": ...).
+        current = get_current_job()
+        on = {
+            name.removesuffix("_id"): str(value) for name, value in zip(names, args, strict=False)
+        }
+        fields = log_fields_start(job=current.id if current else "", **on)
         try:
             return job(*args, **kwargs)
         finally:
+            log_fields_reset(fields)
             close_old_connections()
 
     return run

@@ -27,6 +27,7 @@ from approvals.models import Agent, Run, RunStatus
 from approvals.services.runs import run_effective_status
 from approvals.services.tokens import Principal, principal_for_token
 from console.core.errors import Forbidden
+from console.requestctx import log_fields_add
 
 AGENT = "agent"
 RUN = "run"
@@ -76,6 +77,7 @@ class Bearer(HttpBearer):
             wanted = " or ".join(_KIND_NAMES[k] for k in sorted(self.kinds))
             raise Forbidden(f"This operation needs {wanted}.")
         request.principal = principal  # type: ignore[attr-defined]
+        log_fields_add(principal=f"{principal.kind}:{principal.label}")  # never the token
         return principal
 
 

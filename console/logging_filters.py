@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from console.requestctx import current_request_id, log_fields
+
 
 class BelowLevelFromLoggers(logging.Filter):
     """Drops records below `level` from the named loggers (and their children).
@@ -27,3 +29,23 @@ class BelowLevelFromLoggers(logging.Filter):
             return True
         name = record.name
         return not any(name == p or name.startswith(p + ".") for p in self.prefixes)
+
+
+class LogContext(logging.Filter):
+    """Adds the current request id and the request's or job's fields (principal, run,
+    action, resource, fence, job) to every record, for the JSON lines and for `%(...)s`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fields = {"request_id": current_request_id(), **log_fields()}
+        # Django logs a 4xx/5xx answer (django.request) after the middlewares have
+        # returned, outside the request's context: read it from the request it names.
+        request = getattr(record, "request", None)
+        if request is not None:
+            fields["request_id"] = fields["request_id"] or getattr(request, "request_id", "")
+            principal = getattr(request, "principal", None)
+            if principal is not None and "principal" not in fields:
+                fields["principal"] = f"{principal.kind}:{principal.label}"
+        for key, value in fields.items():
+            if value and not hasattr(record, key):
+                setattr(record, key, value)
+        return True

@@ -23,7 +23,13 @@ from django.middleware import clickjacking, common, csrf, security
 from django.utils.deprecation import MiddlewareMixin
 
 from console.problems import transient_database_response
-from console.requestctx import clean_request_id, reset_request_id, set_request_id
+from console.requestctx import (
+    clean_request_id,
+    log_fields_reset,
+    log_fields_start,
+    reset_request_id,
+    set_request_id,
+)
 
 # Idle request threads a web process keeps for the next requests (RequestThreads).
 REQUEST_THREADS_KEPT = 64
@@ -47,9 +53,11 @@ class RequestIdMiddleware:
         request_id = clean_request_id(request.headers.get("X-Request-Id"))
         request.request_id = request_id  # type: ignore[attr-defined]
         token = set_request_id(request_id)
+        fields = log_fields_start()
         try:
             response: HttpResponseBase = self.get_response(request)
         finally:
+            log_fields_reset(fields)
             reset_request_id(token)
         response["X-Request-Id"] = request_id
         return response
@@ -77,10 +85,14 @@ class RequestIdMiddleware:
         request_id = clean_request_id(request.headers.get("X-Request-Id"))
         request.request_id = request_id  # type: ignore[attr-defined]
         token = set_request_id(request_id)
+        # One dict for the request: the sync code it runs in a thread (a copy of this
+        # context) adds the principal to the same dict.
+        fields = log_fields_start()
         try:
             get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]] = self.get_response
             response = await get_response(request)
         finally:
+            log_fields_reset(fields)
             reset_request_id(token)
         response["X-Request-Id"] = request_id
         return response

@@ -28,6 +28,7 @@ from console import permissions
 from console.api_support import keyset_paginate, opaque_keyset
 from console.core.errors import DomainError
 from console.problems import status_for_code
+from console.requestctx import log_fields_add
 
 V = TypeVar("V", bound=Callable[..., HttpResponseBase])
 
@@ -42,6 +43,7 @@ def console_page(view: V) -> V:
 
     @wraps(view)
     def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        log_fields_add(principal=f"person:{request.user.get_username()}")
         response = view(request, *args, **kwargs)
         patch_vary_headers(response, ("HX-Request",))
         return response

@@ -31,3 +31,34 @@ def clean_request_id(raw: str | None) -> str:
     if raw and _VALID_REQUEST_ID.match(raw):
         return raw
     return uuid.uuid4().hex
+
+
+# What the log lines of this request or job carry beside their message (the principal,
+# and where known the run, action, resource, fence and RQ job): console.logging_filters
+# adds them to every record. Never a token or a secret: a principal is "kind:name".
+_log_fields: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "airlock_log_fields", default=None
+)
+
+
+def log_fields() -> dict[str, str]:
+    return _log_fields.get() or {}
+
+
+def log_fields_start(**values: str) -> contextvars.Token[dict[str, str] | None]:
+    """A fresh set of fields for one request or job (reset with `log_fields_reset`)."""
+    return _log_fields.set({k: v for k, v in values.items() if v})
+
+
+def log_fields_reset(token: contextvars.Token[dict[str, str] | None]) -> None:
+    _log_fields.reset(token)
+
+
+def log_fields_add(**values: str) -> None:
+    """Add fields to the current request's or job's set (outside one: a set of its own)."""
+    current = _log_fields.get()
+    added = {k: v for k, v in values.items() if v}
+    if current is None:
+        _log_fields.set(added)
+    else:
+        current.update(added)

@@ -377,22 +377,38 @@ AIRLOCK_RQ_LOG_LEVEL = env_str("AIRLOCK_RQ_LOG_LEVEL", "WARNING").upper()
 if not isinstance(logging.getLevelName(AIRLOCK_RQ_LOG_LEVEL), int):
     raise ImproperlyConfigured(f"AIRLOCK_RQ_LOG_LEVEL: unknown level {AIRLOCK_RQ_LOG_LEVEL!r}")
 
+# JSON lines (one object a line: time, level, logger, message, and the request id, principal,
+# run, action, resource, fence and job where known) for a log pipeline; plain text for a
+# terminal. `make run` sets plain.
+LOG_FORMAT = env_str("LOG_FORMAT", "plain" if DEBUG else "json").lower()
+if LOG_FORMAT not in {"json", "plain"}:
+    raise ImproperlyConfigured(f"LOG_FORMAT must be json or plain, not {LOG_FORMAT!r}")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        "json": {
+            "()": "pythonjsonlogger.json.JsonFormatter",
+            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s",
+            "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
+            "timestamp": False,
+        },
+    },
     "filters": {
         "quiet_rq": {
             "()": "console.logging_filters.BelowLevelFromLoggers",
             "prefixes": "rq",
             "level": AIRLOCK_RQ_LOG_LEVEL,
-        }
+        },
+        "context": {"()": "console.logging_filters.LogContext"},
     },
     "handlers": {
         "console": {
             "class": "logging.StreamHandler",
-            "formatter": "plain",
-            "filters": ["quiet_rq"],
+            "formatter": LOG_FORMAT,
+            "filters": ["quiet_rq", "context"],
         }
     },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},

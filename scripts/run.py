@@ -314,6 +314,8 @@ def main() -> int:
             return 130
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # A terminal, not a log pipeline: plain lines unless LOG_FORMAT says otherwise.
+        env.setdefault("LOG_FORMAT", "plain")
         for name, command in read_procfile(ROOT / "Procfile"):
             runner.spawn(name, command, env)
         if wait_for_port(host, port, timeout=30):
