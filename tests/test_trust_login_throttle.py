@@ -10,10 +10,13 @@ docs/login-throttling.md). The delays are read from the product's own clock
 
 from __future__ import annotations
 
+import re
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from axes.models import AccessAttempt
 from django.db.models import Max, Sum
@@ -21,6 +24,7 @@ from django.test import Client
 from django.utils import timezone
 
 from console import login_throttle
+from tests.fixtures.api import start_api_server, stop_api_server
 from tests.fixtures.console import PASSWORD, make_person
 
 pytestmark = pytest.mark.django_db
@@ -193,3 +197,45 @@ def test_the_policy_is_documented() -> None:
         "Retry-After",
     ):
         assert f"`{name}`" in text, name
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_real_web_process_throttles_by_address_and_lets_ana_in_from_hers() -> None:
+    # The web process of the Procfile (uvicorn, console.asgi: axes' middleware in its async
+    # form), one proxy declared so each request names its client address.
+    make_person("ana", "operators")
+    make_person("bob", "operators")
+    server = start_api_server(AIRLOCK_PROXY_COUNT="1")
+
+    def sign_in_over_http(username: str, password: str, address: str) -> httpx.Response:
+        headers = {"X-Forwarded-For": address}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=30) as client:
+            form = client.get("/login/")
+            token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text)
+            assert token is not None, form.text
+            return client.post(
+                "/login/",
+                data={
+                    "username": username,
+                    "password": password,
+                    "csrfmiddlewaretoken": token.group(1),
+                },
+            )
+
+    try:
+        for _ in range(5):
+            assert sign_in_over_http("ana", "wrong", ATTACKER).status_code in (200, 429)
+        # Real time here: two more failures, each once the address's wait (1 s, then 2 s)
+        # is over, leave a 4 s wait — longer than a loaded machine takes for a request.
+        for guess, wait in (("x1", 1.5), ("x2", 2.5)):
+            time.sleep(wait)
+            assert sign_in_over_http(guess, "wrong", ATTACKER).status_code == 200
+        throttled = sign_in_over_http("bob", PASSWORD, ATTACKER)
+        assert throttled.status_code == 429
+        assert 1 <= int(throttled.headers["Retry-After"]) <= 4
+        assert "from your address" in throttled.text
+        welcomed = sign_in_over_http("ana", PASSWORD, ANA_ELSEWHERE)
+        assert welcomed.status_code == 302, welcomed.text
+    finally:
+        stop_api_server(server)
