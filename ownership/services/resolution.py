@@ -142,7 +142,8 @@ def _lock_for_resolver(conflict_id: uuid.UUID | str, actor: Actor) -> tuple[Conf
         agent=conflict.action.agent, actor=actor, run=conflict.action.run
     ):
         raise Forbidden(
-            "You own the agent that made this write; someone else must resolve it.",
+            "You own or created the agent that made this write, or minted the token that "
+            "started its run or a live token of the agent; someone else must resolve it.",
             code="self_approval",
         )
     if _undo_requester(conflict) == str(person.pk):
