@@ -128,6 +128,9 @@ MIDDLEWARE = [
 ]
 
 AUTHENTICATION_BACKENDS = [
+    # First: a sign-in that must still wait is refused before any password is checked
+    # (console/login_throttle.py; docs/login-throttling.md).
+    "console.login_throttle.LoginThrottleBackend",
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
 ]
@@ -272,16 +275,42 @@ SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0, minimum=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_SECONDS > 0
 SECURE_HSTS_PRELOAD = SECURE_HSTS_SECONDS > 0
 
+# Sign-in throttling (console/login_throttle.py, docs/login-throttling.md): a stranger who
+# knows a username cannot keep its owner out.
+# 1. A username from one client address is locked after AXES_FAILURE_LIMIT failures for
+#    the cool-off; the same username from another address is not.
 AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = 0.25  # hours
-# Each entry locks out on its own: a username guessed from many addresses, and an
-# address trying many usernames (password spraying), both stop at the limit.
-# Failures are not wiped by a success: axes would wipe every failure of the
-# address, so a sprayer with one valid account could sign in between guesses.
-# They expire with the cool-off instead.
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# Failures are not wiped by a success: axes would wipe the failures of the address, so a
+# sprayer with one valid account could sign in between guesses. They expire with the
+# cool-off instead.
 AXES_RESET_ON_SUCCESS = False
-AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+# A refused sign-in (locked or throttled) checked no password: it is not a failure, and
+# it neither extends a lock nor grows a delay.
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+AXES_USERNAME_FORM_FIELD = "username"  # the console's and the admin site's sign-in forms
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+AXES_LOCKOUT_CALLABLE = "console.login_throttle.lockout_response"
+# 2. A client address, whatever usernames it tries: from this many failures on, each
+#    sign-in from it waits 1 s, 2 s, 4 s, … (doubling per failure, up to the maximum)
+#    after its last failure.
+AIRLOCK_LOGIN_CLIENT_FREE_FAILURES = env_int(
+    "AIRLOCK_LOGIN_CLIENT_FREE_FAILURES", AXES_FAILURE_LIMIT, minimum=1
+)
+AIRLOCK_LOGIN_CLIENT_MAX_DELAY_SECONDS = env_int(
+    "AIRLOCK_LOGIN_CLIENT_MAX_DELAY_SECONDS", 900, minimum=1
+)
+# 3. A username alone, from any addresses: only a short delay, the same doubling from
+#    this many failures on, never above the maximum — and none from an address the
+#    person signed in from within AIRLOCK_LOGIN_KNOWN_CLIENT_DAYS.
+AIRLOCK_LOGIN_USERNAME_FREE_FAILURES = env_int(
+    "AIRLOCK_LOGIN_USERNAME_FREE_FAILURES", 2 * AXES_FAILURE_LIMIT, minimum=1
+)
+AIRLOCK_LOGIN_USERNAME_MAX_DELAY_SECONDS = env_int(
+    "AIRLOCK_LOGIN_USERNAME_MAX_DELAY_SECONDS", 15, minimum=1
+)
+AIRLOCK_LOGIN_KNOWN_CLIENT_DAYS = env_int("AIRLOCK_LOGIN_KNOWN_CLIENT_DAYS", 30, minimum=0)
 # Behind N reverse proxies, the client address is the N-th entry from the right of
 # AIRLOCK_CLIENT_IP_HEADER (console/client_ip.py); with 0, REMOTE_ADDR and the
 # forwarding header is ignored (a client cannot pick its own address).

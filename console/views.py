@@ -39,7 +39,9 @@ from ownership.selectors import conflict_list_for_person, open_conflict_count
 
 
 class LoginView(auth_views.LoginView):
-    """Django's login; django-axes counts failures and locks the username out."""
+    """Django's login; django-axes counts failures and locks a username out from one
+    client address, console/login_throttle.py throttles the address and slows a username
+    attacked from many (docs/login-throttling.md)."""
 
     template_name = "registration/login.html"
     redirect_authenticated_user = True

@@ -82,6 +82,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.middleware", WEB),
     ("console.context_processors", WEB),
     ("console.client_ip", WEB),
+    ("console.login_throttle", WEB),  # sign-in throttling beside django-axes' pair lock
     ("console.templatetags", WEB),
     ("console.templatetags.*", WEB),
     # wiring — settings, URL confs, app configs, process entry points: import anything.

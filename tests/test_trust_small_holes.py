@@ -1,6 +1,6 @@
 """Issue 9, item 10: the fence floor at start and on migrate, /metrics without free
 text or table scans, the audit head that only moves forward, and login lockouts
-per username and per address behind the documented proxy header."""
+per (username, address) pair and per address behind the documented proxy header."""
 
 from __future__ import annotations
 
@@ -208,13 +208,15 @@ def _sign_in(client: Client, username: str, password: str, **environ: str) -> An
 
 
 @pytest.mark.django_db
-def test_a_username_guessed_from_many_addresses_is_locked_out(people: People) -> None:
+def test_a_username_guessed_from_many_addresses_is_not_locked_out(people: People) -> None:
+    # Issue 38, item 7: a username alone is only ever delayed a few seconds, never locked
+    # (tests/test_trust_login_throttle.py has the delays).
     for index in range(5):
         _sign_in(Client(), "olivia", "wrong", REMOTE_ADDR=f"198.51.100.{index + 1}")
 
-    locked = _sign_in(Client(), "olivia", PASSWORD, REMOTE_ADDR="198.51.100.99")
+    signed_in = _sign_in(Client(), "olivia", PASSWORD, REMOTE_ADDR="198.51.100.99")
 
-    assert locked.status_code == 429
+    assert signed_in.status_code == 302
     # Another person signs in from any of those addresses as usual.
     assert _sign_in(Client(), "pat", PASSWORD, REMOTE_ADDR="198.51.100.98").status_code == 302
 

@@ -79,6 +79,7 @@ def run_create(request: HttpRequest, payload: RunCreateIn) -> HttpResponse:
         write_set=[entry.model_dump() for entry in payload.write_set],
         ttl_seconds=payload.ttl_seconds,
         actor=principal.actor,
+        token_minted_by_id=principal.token_minted_by_id,
     )
     body = run_json(run) | {"token": token}
     return json_response(body, status=201, headers={"Location": body["url"]})

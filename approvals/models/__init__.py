@@ -114,6 +114,11 @@ class Run(models.Model):
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     auto_approved = models.BooleanField(default=False)
     status_reason = models.TextField(blank=True)
+    # Who minted the agent token that created this run (null: a token made by the
+    # command line, or unknown for a run older than this field). Recorded once, at
+    # creation: separation of duties keeps this person out of the run's approvals
+    # and its calls' even after that token is revoked or expires.
+    token_minted_by = _accountable_person(related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
     activated_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)

@@ -9,8 +9,9 @@ models' metadata:
   UPDATE) and approval (FOR UPDATE) locked in the project's one lock order — each lock
   waits for the one before it, as each CTE's row filter needs the previous CTE's row —
   and returned with everything deciding and answering read: the run's agent, the action's
-  conflict class, whether the person minted a live token of the agent (separation of
-  duties), and the resource the answer's diff is taken against;
+  conflict class, whether the person minted a live token of the agent and who minted the
+  token that created the run (separation of duties, approvals/services/separation.py),
+  and the resource the answer's diff is taken against;
 - `vote_cast`: the votes so far and this person's vote, one statement (after the lock:
   a vote that committed while we waited for the approval is seen);
 - `settle_call`: the approval decided and its action leaving `pending_approval` (the same
@@ -45,9 +46,10 @@ from approvals.models import (
 from console.core.raw_rows import Column, from_row, model_columns, select_list
 from ownership.models import ConflictClass, Resource
 
-# What deciding a call reads of the run: its agent (separation of duties, the answer), its
-# task (the answer). The rest of the row stays unread (deferred).
-_RUN_FIELDS = frozenset({"id", "agent_id", "task", "status"})
+# What deciding a call reads of the run: its agent and the minter of the token that
+# created it (separation of duties), its task (the answer). The rest of the row stays
+# unread (deferred).
+_RUN_FIELDS = frozenset({"id", "agent_id", "task", "status", "token_minted_by_id"})
 
 
 @dataclass(frozen=True)

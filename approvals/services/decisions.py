@@ -20,8 +20,6 @@ from django.utils import timezone
 from approvals.models import (
     Action,
     ActionStatus,
-    Agent,
-    AgentToken,
     Approval,
     ApprovalStatus,
     ApprovalSubject,
@@ -45,24 +43,20 @@ from approvals.services.plan_state import plan_end_unapproved_locked, plan_touch
 from approvals.services.plans import (
     plan_admit_locked,
     plan_escalation_group,
-    plan_forbids_owner_approval,
 )
-from approvals.services.run_policy import classes_for_write_set
 from approvals.services.runs import run_activate, run_reject
-from approvals.services.tokens import live_token
+from approvals.services.separation import check_separation_of_duties
 from approvals.services.write_sets import entries_of, lock_kinds
 from audit.services import Actor, audit_append, audit_deferred
 from console.core.action_audit import audit_action_event
-from console.core.actors import person_id
 from console.core.errors import (
-    Forbidden,
     InvalidTransition,
     NotFound,
     ValidationFailed,
     text_within,
 )
 from console.core.write_rows import lock_run_for_share
-from console.permissions import can_decide_approvals, person_of
+from console.permissions import person_of
 from ownership.models import OwnershipRecord, Resource
 from ownership.reopen import conflict_reopen_for_resolution
 
@@ -70,59 +64,6 @@ escalation_log = logging.getLogger("airlock.escalation")
 
 # A person's comment on a decision (an approval's vote, a conflict's resolution).
 MAX_COMMENT_LENGTH = 2000
-
-
-def answers_for_agent(*, agent: Agent, actor: Actor, minted_live_token: bool | None = None) -> bool:
-    """Whether separation of duties treats `actor` as the agent's owner (only a
-    person ever does).
-
-    The recorded owner, the person who created the agent, and whoever minted
-    one of its live agent tokens (not revoked, not expired) could act as the
-    agent, so a class that forbids owner approval keeps all of them out. A
-    minter whose token was revoked or has expired no longer speaks for the
-    agent and is no longer kept out (unless they are also its owner or creator).
-    `minted_live_token`: that last fact when the caller read it already (a call
-    decision's locking statement, decision_rows.lock_call_approval — the same rule).
-    """
-    user_id = person_id(actor)
-    if user_id is None:
-        return False
-    if user_id in (agent.owner_id, agent.created_by_id):
-        return True
-    if minted_live_token is not None:
-        return minted_live_token
-    live = live_token(timezone.now())
-    return AgentToken.objects.filter(live, agent_id=agent.pk, created_by_id=user_id).exists()
-
-
-def _check_separation_of_duties(
-    *, approval: Approval, person: Any, minted_live_token: bool | None = None
-) -> None:
-    """Only people decide; the agent's owner (see answers_for_agent) may not where a
-    class forbids it. `person` is None for anyone but an active person."""
-    if person is None:
-        raise Forbidden("Only an active person can decide approvals.", code="forbidden")
-    if not can_decide_approvals(person):
-        raise Forbidden("Deciding approvals needs the operator role.", code="forbidden")
-    run = approval.run
-    if approval.subject == ApprovalSubject.ACTION:
-        assert approval.action is not None
-        forbids = approval.action.conflict_class.forbid_agent_owner_approval
-    elif approval.subject == ApprovalSubject.PLAN:
-        assert approval.plan is not None
-        forbids = plan_forbids_owner_approval(approval.plan)
-    else:
-        classes = classes_for_write_set(run.write_set or [])
-        # No known class: stay on the safe side and keep the owner out.
-        forbids = not classes or any(c.forbid_agent_owner_approval for c in classes)
-    if forbids and answers_for_agent(
-        agent=run.agent, actor=Actor.person(person), minted_live_token=minted_live_token
-    ):
-        raise Forbidden(
-            "You own, created or minted a live token for this agent; its conflict class "
-            "requires someone else to approve.",
-            code="self_approval",
-        )
 
 
 def _subject_identifier(approval: Approval) -> str:
@@ -271,7 +212,7 @@ def approval_decide_tallied(
     # the commit only, not from the vote on.
     with transaction.atomic(), audit_deferred():
         approval, call = _lock_for_decision(approval_uuid, person=person, now=timezone.now())
-        _check_separation_of_duties(
+        check_separation_of_duties(
             approval=approval,
             person=person,
             minted_live_token=call.minted_live_token if call is not None else None,

@@ -62,9 +62,19 @@ def _max_ttl() -> int:
 
 
 def run_create(
-    *, agent: Agent, task: str, write_set: Any, ttl_seconds: int | None, actor: Actor
+    *,
+    agent: Agent,
+    task: str,
+    write_set: Any,
+    ttl_seconds: int | None,
+    actor: Actor,
+    token_minted_by_id: int | None = None,
 ) -> tuple[Run, str]:
     """Create a run; returns it and its token (shown once).
+
+    `token_minted_by_id`: the person who minted the agent token that asks (the API
+    passes Principal.token_minted_by_id), recorded on the run for good: separation of
+    duties keeps them out of its approvals even once that token is revoked or expired.
 
     Takes the per-kind advisory locks, refuses overlaps with other active runs
     (WriteSetConflict, naming every overlap), then either activates the run at
@@ -106,6 +116,7 @@ def run_create(
             max_expires_at=now + timedelta(seconds=_max_ttl()),
             auto_approved=auto,
             activated_at=now if auto else None,
+            token_minted_by_id=token_minted_by_id,
         )
         audit_append(
             event_type="run.created",

@@ -52,6 +52,9 @@ class Principal:
     agent: Agent | None = None
     run: Run | None = None
     user: Any = None
+    # An agent token's minter (its created_by; None for the command line's): a run it
+    # creates records them (runs.run_create), for separation of duties.
+    token_minted_by_id: int | None = None
 
     @property
     def actor(self) -> Actor:
@@ -83,7 +86,7 @@ _PERSONAL_TOKEN_USER = '"{}"."{}"'.format(
 
 def live_token(now: datetime) -> Q:
     """A token (agent or personal) neither revoked nor expired at `now`: the one rule for
-    authentication and for separation of duties (decisions.answers_for_agent). A call
+    authentication and for separation of duties (separation.answers_for_agent). A call
     decision's locking statement spells it in SQL (decision_rows; tests/test_trust_sod.py
     runs both against the same tokens)."""
     return Q(revoked_at__isnull=True) & (Q(expires_at__isnull=True) | Q(expires_at__gt=now))
@@ -113,13 +116,18 @@ def principal_for_token(raw: str) -> Principal | None:
         tokens = list(
             AgentToken.objects.select_related("agent")
             .filter(live_token(now), prefix=prefix, agent__is_active=True)
-            .only("id", "token_hash", "last_used_at", "agent")
+            .only("id", "token_hash", "last_used_at", "agent", "created_by")
         )
         token = _matching(tokens, digest)
         if token is None:
             return None
         _touch(AgentToken, token.pk, token.last_used_at, now)
-        return Principal(kind="agent", token_prefix=prefix, agent=token.agent)
+        return Principal(
+            kind="agent",
+            token_prefix=prefix,
+            agent=token.agent,
+            token_minted_by_id=token.created_by_id,
+        )
     if raw.startswith(RUN_PREFIX):
         runs = list(
             Run.objects.select_related("agent").filter(token_prefix=prefix, agent__is_active=True)
@@ -215,7 +223,7 @@ def agent_token_create(
 
     A person who mints one is recorded as its creator: while it is live,
     separation of duties treats them like the agent's owner
-    (decisions.answers_for_agent).
+    (separation.answers_for_agent).
     """
     require_person(actor, is_admin, "Only admins create agent tokens.")
     return _token_issue(

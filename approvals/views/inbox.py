@@ -21,6 +21,7 @@ from approvals.forms import DecisionForm
 from approvals.models import Approval, ApprovalDecision, ApprovalStatus, PlanStep
 from approvals.selectors import approval_get_for_person, approval_list_for_person
 from approvals.services.decisions import approval_decide
+from approvals.services.separation import approvals_forbidding_self
 from approvals.views.plan_rows import plan_step_rows
 from audit.services import Actor
 from console import permissions
@@ -32,7 +33,9 @@ EVENT_APPROVALS = "approvals-changed"
 INBOX_PAGE = 25
 
 
-def _approval_rows(approvals: list[Approval]) -> list[dict[str, Any]]:
+def _approval_rows(approvals: list[Approval], user: Any) -> list[dict[str, Any]]:
+    # Separation of duties: no decision is offered where the person would be refused.
+    kept_out = approvals_forbidding_self(approvals=approvals, actor=Actor.person(user))
     rows = []
     for approval in approvals:
         decisions = list(approval.decisions.all())
@@ -40,6 +43,7 @@ def _approval_rows(approvals: list[Approval]) -> list[dict[str, Any]]:
             "approval": approval,
             "decisions": decisions,
             "approvals_so_far": sum(1 for d in decisions if d.decision == "approve"),
+            "self_approval": approval.pk in kept_out,
         }
         if approval.plan_id is not None:
             # One card for the whole plan: every step against the document now.
@@ -91,7 +95,7 @@ def approvals_inbox(request: HttpRequest) -> HttpResponse:
         next_cursor = str(approvals[-1].id)
     context = {
         "nav": "approvals",
-        "rows": _approval_rows(approvals),
+        "rows": _approval_rows(approvals, user),
         "may_decide": True,
         "is_operator": permissions.can_decide_approvals(user),
         "next_cursor": next_cursor,
@@ -142,7 +146,7 @@ def approvals_poll(request: HttpRequest) -> HttpResponse:
         Approval.objects.filter(pk__in=seen[:500], created_at__gt=since - POLL_LOOKBACK)
     )
     context = {
-        "rows": _approval_rows(fresh),
+        "rows": _approval_rows(fresh, request.user),
         "may_decide": True,
         "poll_query": _poll_query([*still_recent, *fresh], since=since),
     }
@@ -188,7 +192,7 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
 
     def fragment() -> HttpResponse:
         fresh = _approvals_for(user, status=None).get(pk=approval.pk)
-        context = {"row": _approval_rows([fresh])[0], "may_decide": True, "error": error}
+        context = {"row": _approval_rows([fresh], user)[0], "may_decide": True, "error": error}
         return render(request, "approvals/inbox.html#approval", context, status=status)
 
     if is_htmx(request):

@@ -34,7 +34,8 @@ from approvals.services.approval_open import (
     approval_open_for_resolution,
     resolution_needs_votes,
 )
-from approvals.services.decisions import MAX_COMMENT_LENGTH, answers_for_agent
+from approvals.services.decisions import MAX_COMMENT_LENGTH
+from approvals.services.separation import answers_for_agent
 from audit.models import ActorType, AuditEvent
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
@@ -138,10 +139,11 @@ def _lock_for_resolver(conflict_id: uuid.UUID | str, actor: Actor) -> tuple[Conf
     if person is None or not conflict_may_resolve(conflict=conflict, person=person):
         raise Forbidden("Only the conflict's resolver group may resolve it.", code="forbidden")
     if conflict.conflict_class.forbid_agent_owner_approval and answers_for_agent(
-        agent=conflict.action.agent, actor=actor
+        agent=conflict.action.agent, actor=actor, run=conflict.action.run
     ):
         raise Forbidden(
-            "You own the agent that made this write; someone else must resolve it.",
+            "You own or created the agent that made this write, or minted the token that "
+            "started its run or a live token of the agent; someone else must resolve it.",
             code="self_approval",
         )
     if _undo_requester(conflict) == str(person.pk):
