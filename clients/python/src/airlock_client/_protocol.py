@@ -459,7 +459,7 @@ def wait_for_supersede(token: str, action_id: str, timeout: float) -> Op[Action 
 def list_actions(token: str, run_id: str | None, limit: int = 200) -> Op[list[Action]]:
     actions: list[Action] = []
     cursor = ""
-    run = f"&run={uuid_id(run_id, 'run id')}" if run_id else ""
+    run = f"&run={uuid_id(run_id, 'run id')}" if run_id is not None else ""
     while True:
         query = f"limit={limit}{run}"
         if cursor:
