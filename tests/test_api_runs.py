@@ -452,3 +452,21 @@ def test_ten_concurrent_posts_with_one_key_create_one_run() -> None:
         if status == 409:
             assert json.loads(body)["code"] == "idempotency_key_in_flight"
     assert AuditEvent.objects.filter(event_type="run.created").count() == 1
+
+
+@pytest.mark.django_db
+def test_a_replay_after_a_secret_key_rotation_uses_the_fallback_or_answers_409(
+    api: Any, agent: Any, settings: Any
+) -> None:
+    first = create_keyed(api, agent.token, "run-key-rotate")
+    assert first.status_code == 201
+    old_key = settings.SECRET_KEY
+    settings.SECRET_KEY, settings.SECRET_KEY_FALLBACKS = "rotated-" + old_key, [old_key]
+    again = create_keyed(api, agent.token, "run-key-rotate")
+    assert again.status_code == 201 and again.content == first.content
+    settings.SECRET_KEY_FALLBACKS = []
+    lost = create_keyed(api, agent.token, "run-key-rotate")
+    assert lost.status_code == 409
+    problem = json.loads(lost.content)
+    assert problem["code"] == "conflict" and json.loads(first.content)["id"] in problem["detail"]
+    assert Run.objects.filter(agent=agent.agent).count() == 1
