@@ -68,16 +68,19 @@ def check_exposure(host: str, token: str | None) -> None:
 
 
 class BearerGuard:
-    """ASGI middleware: an HTTP request without `Authorization: Bearer <token>` is answered
-    401 and never reaches the MCP app; other scopes (lifespan) pass through."""
+    """ASGI middleware: a request without `Authorization: Bearer <token>` is answered 401
+    (a websocket is closed) and never reaches the MCP app; only the lifespan passes."""
 
     def __init__(self, app: App, token: str) -> None:
         self.app = app
         self._token = token.encode("utf-8")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._authorized(scope):
-            await _unauthorized(send)
+        if scope["type"] != "lifespan" and not self._authorized(scope):
+            if scope["type"] == "http":
+                await _unauthorized(send)
+            else:
+                await send({"type": "websocket.close", "code": 1008})
             return
         await self.app(scope, receive, send)
 
