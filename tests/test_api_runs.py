@@ -9,12 +9,12 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
-from approvals.models import Action, AutoApproveRule, Run
+from approvals.models import Action, AutoApproveRule, IdempotencyRecord, Run
 from approvals.services.runs import run_expire_due
-from approvals.services.write_sets import names_overlap
+from approvals.services.write_sets import lock_kinds, names_overlap
 from audit.models import AuditEvent
 from ownership.models import OwnershipRecord
 from tests.fixtures.api import (
@@ -299,3 +299,174 @@ def test_runs_are_listed_per_principal_with_cursor_pagination(
     assert len(seen) == len(set(seen)) == 5
     assert len(json.loads(api.get("/api/v1/runs", token=operator.token).content)["items"]) == 5
     assert json.loads(api.get("/api/v1/runs", token=outsider.token).content)["items"] == []
+
+
+# --- POST /runs with an Idempotency-Key: a lost answer never makes a second run ---------
+
+ALERTS_WRITE_SET = [{"resource": "notification-policy/prod-alerts", "operations": ["update"]}]
+
+
+def create_keyed(api: Any, token: str, key: str, *, task: str = "keyed") -> Any:
+    body = {"task": task, "write_set": ALERTS_WRITE_SET}
+    return api.post("/api/v1/runs", token=token, body=body, headers={"Idempotency-Key": key})
+
+
+@pytest.mark.django_db
+def test_the_same_key_and_body_replay_the_first_run_with_its_token(api: Any, agent: Any) -> None:
+    first = create_keyed(api, agent.token, "run-key-00001")
+    assert first.status_code == 201, first.content
+    events = AuditEvent.objects.count()
+    again = create_keyed(api, agent.token, "run-key-00001")
+    assert again.status_code == 201
+    assert again.content == first.content  # the same run, the same token, the same bytes
+    assert again["Location"] == first["Location"]
+    assert again["Idempotent-Replayed"] == "true" and not first.has_header("Idempotent-Replayed")
+    assert Run.objects.filter(agent=agent.agent).count() == 1
+    assert AuditEvent.objects.count() == events
+    # The replayed token works; the stored answer never holds it readable.
+    token = json.loads(again.content)["token"]
+    assert json.loads(api.get("/api/v1/whoami", token=token).content)["principal"] == "run"
+    record = IdempotencyRecord.objects.get(key="run-key-00001")
+    assert token.encode() not in bytes(record.response_body or b"")
+    assert token not in json.dumps(record.response_headers)
+    # Without a key, every POST is a new run (the header stays optional).
+    assert api.create_run(agent.token, ALERTS_WRITE_SET).status_code == 201
+    assert Run.objects.filter(agent=agent.agent).count() == 2
+
+
+@pytest.mark.django_db
+def test_the_same_key_with_another_body_or_endpoint_is_refused_and_creates_nothing(
+    api: Any, agent: Any, prod_alerts: Any
+) -> None:
+    assert create_keyed(api, agent.token, "run-key-00002", task="first").status_code == 201
+    other = create_keyed(api, agent.token, "run-key-00002", task="second")
+    assert other.status_code == 422
+    assert json.loads(other.content)["code"] == "idempotency_key_reused"
+    assert Run.objects.filter(agent=agent.agent).count() == 1
+    # A key is the agent's: one used by its run's write is refused on POST /runs too.
+    run = make_active_run(agent.agent)
+    write = api.patch(
+        "/api/v1/resources/notification-policy/prod-alerts",
+        token=run.token,
+        body={"a": 1},
+        headers={"If-Match": '"41"', "Idempotency-Key": "run-key-00003"},
+    )
+    assert write.status_code == 202
+    reused = create_keyed(api, agent.token, "run-key-00003")
+    assert reused.status_code == 422 and Run.objects.filter(agent=agent.agent).count() == 2
+    # A malformed key is refused before anything happens.
+    bad = create_keyed(api, agent.token, "short")
+    assert bad.status_code == 400
+    assert json.loads(bad.content)["code"] == "idempotency_key_invalid"
+    assert Run.objects.filter(agent=agent.agent).count() == 2
+
+
+@pytest.mark.django_db
+def test_a_refused_run_is_not_kept_under_its_key(api: Any, agent: Any) -> None:
+    make_active_run(make_agent_with_token("holder-bot").agent)  # holds prod-alerts
+    refused = create_keyed(api, agent.token, "run-key-00004")
+    assert refused.status_code == 409
+    assert json.loads(refused.content)["code"] == "write_set_conflict"
+    assert not IdempotencyRecord.objects.filter(key="run-key-00004").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_retry_while_the_first_post_is_still_creating_gets_409_then_the_same_run() -> None:
+    """The collision forced: the first POST has claimed its key and waits inside run_create
+    (another transaction holds the kind's lock); the retry arrives then."""
+    ensure_api_kinds()
+    agent = make_agent_with_token("retry-bot")
+    locked, release = threading.Event(), threading.Event()
+    first: dict[str, Any] = {}
+
+    def hold_lock() -> None:
+        try:
+            with transaction.atomic():
+                lock_kinds({"notification-policy"})
+                locked.set()
+                release.wait(timeout=30)
+        finally:
+            connection.close()
+
+    def send_first() -> None:
+        try:
+            first["response"] = create_keyed(ApiClient(), agent.token, "run-key-race1")
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_lock)
+    holder.start()
+    assert locked.wait(timeout=10)
+    sender = threading.Thread(target=send_first)
+    sender.start()
+    try:
+        deadline = timezone.now() + timedelta(seconds=10)
+        while not IdempotencyRecord.objects.filter(key="run-key-race1").exists():
+            assert timezone.now() < deadline, "the first POST never claimed its key"
+            threading.Event().wait(0.02)
+        retry = create_keyed(ApiClient(), agent.token, "run-key-race1")
+        assert retry.status_code == 409
+        problem = json.loads(retry.content)
+        assert problem["code"] == "idempotency_key_in_flight" and problem["retryable"] is True
+        assert int(retry["Retry-After"]) >= 1
+        changed = create_keyed(ApiClient(), agent.token, "run-key-race1", task="other")
+        assert json.loads(changed.content)["code"] == "idempotency_key_reused"
+    finally:
+        release.set()
+        holder.join(timeout=30)
+        sender.join(timeout=30)
+    assert first["response"].status_code == 201
+    replay = create_keyed(ApiClient(), agent.token, "run-key-race1")
+    assert replay.status_code == 201 and replay.content == first["response"].content
+    assert Run.objects.filter(agent=agent.agent).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_ten_concurrent_posts_with_one_key_create_one_run() -> None:
+    ensure_api_kinds()
+    agent = make_agent_with_token("racing-run-bot")
+    barrier = threading.Barrier(10)
+    results: list[tuple[int, bytes]] = []
+    lock = threading.Lock()
+
+    def send() -> None:
+        try:
+            barrier.wait(timeout=10)
+            response = create_keyed(ApiClient(), agent.token, "run-key-race10")
+            with lock:
+                results.append((response.status_code, response.content))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=send) for _ in range(10)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(results) == 10
+    assert Run.objects.filter(agent=agent.agent).count() == 1
+    assert {status for status, _ in results} <= {201, 409}
+    created = [body for status, body in results if status == 201]
+    assert created and all(body == created[0] for body in created)
+    for status, body in results:
+        if status == 409:
+            assert json.loads(body)["code"] == "idempotency_key_in_flight"
+    assert AuditEvent.objects.filter(event_type="run.created").count() == 1
+
+
+@pytest.mark.django_db
+def test_a_replay_after_a_secret_key_rotation_uses_the_fallback_or_answers_409(
+    api: Any, agent: Any, settings: Any
+) -> None:
+    first = create_keyed(api, agent.token, "run-key-rotate")
+    assert first.status_code == 201
+    old_key = settings.SECRET_KEY
+    settings.SECRET_KEY, settings.SECRET_KEY_FALLBACKS = "rotated-" + old_key, [old_key]
+    again = create_keyed(api, agent.token, "run-key-rotate")
+    assert again.status_code == 201 and again.content == first.content
+    settings.SECRET_KEY_FALLBACKS = []
+    lost = create_keyed(api, agent.token, "run-key-rotate")
+    assert lost.status_code == 409
+    problem = json.loads(lost.content)
+    assert problem["code"] == "conflict" and json.loads(first.content)["id"] in problem["detail"]
+    assert Run.objects.filter(agent=agent.agent).count() == 1

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +27,13 @@ from approvals.api.schemas import RevokeIn, RunCreatedOut, RunCreateIn, RunOut, 
 from approvals.api.serialize import run_json
 from approvals.models import Run, RunStatus
 from approvals.selectors import run_list_for_actor
+from approvals.services import idempotency
 from approvals.services import runs as run_services
 from approvals.services.preconditions import TagCondition, read_condition
 from approvals.services.tokens import Principal
+from audit.services import Actor
 from console.api_support import (
+    JSON_CONTENT_TYPE,
     NEWEST_FIRST,
     TIME_CURSOR_PATTERN,
     RoleBearer,
@@ -47,7 +51,7 @@ from console.auth import (
     principal_of,
     reader_of,
 )
-from console.core.errors import NotFound
+from console.core.errors import DomainError, NotFound
 from console.permissions import can_decide_approvals
 from console.problems import errors
 
@@ -64,25 +68,121 @@ def _run_for(principal: Principal, run_id: uuid.UUID) -> Run:
     return run
 
 
+_RUN_KEY_HEADER = {
+    "in": "header",
+    "name": "Idempotency-Key",
+    "required": False,
+    "schema": {"type": "string", "pattern": idempotency.KEY_PATTERN.pattern},
+    "description": "Optional; send one so that a retry after a lost answer never creates a "
+    "second run. Scoped to the agent and kept at least 24 h, with the rules of writes: the "
+    "same key and body replay the first `201` (the same run and token, "
+    "`Idempotent-Replayed: true`); the same key with another body is `422 "
+    "idempotency_key_reused`; while the first request is processed, `409 "
+    "idempotency_key_in_flight` (retryable, `Retry-After`). Refusals (`409 "
+    "write_set_conflict`, `422`, …) are not kept: the key is free again.",
+}
+# The header under which a stored answer keeps its run token sealed (never sent).
+_SEALED_TOKEN = "Airlock-Sealed-Token"
+
+
 @router.post(
     "/runs",
     auth=agent_token,
     response={201: RunCreatedOut, **errors(400, 401, 403, 409, 413, 422, 429)},
     summary="Create a run with a declared write set",
+    openapi_extra={
+        "parameters": [_RUN_KEY_HEADER],
+        "responses": {
+            "201": {
+                "description": "Created (or, with an Idempotency-Key used before, replayed)",
+                "headers": {
+                    "Location": {"schema": {"type": "string"}},
+                    "Idempotent-Replayed": {"schema": {"type": "string"}},
+                },
+            }
+        },
+    },
 )
 def run_create(request: HttpRequest, payload: RunCreateIn) -> HttpResponse:
+    """Checked in order: authentication -> write rate -> body (422, before the handler)
+    -> Idempotency-Key format -> idempotency (a replay, or 409 in flight, or 422 reused)
+    -> the run, whose 201 is kept under the key in the transaction that creates it."""
     principal = writing_principal(request)
-    assert principal.agent is not None
-    run, token = run_services.run_create(
-        agent=principal.agent,
-        task=payload.task,
-        write_set=[entry.model_dump() for entry in payload.write_set],
-        ttl_seconds=payload.ttl_seconds,
-        actor=principal.actor,
-        token_minted_by_id=principal.token_minted_by_id,
+    agent = principal.agent
+    assert agent is not None
+    key = idempotency.optional_key_check(request.headers.get("Idempotency-Key"))
+
+    def create(on_created: Callable[[Run, str], None] | None) -> tuple[Run, str]:
+        return run_services.run_create(
+            agent=agent,
+            task=payload.task,
+            write_set=[entry.model_dump() for entry in payload.write_set],
+            ttl_seconds=payload.ttl_seconds,
+            actor=principal.actor,
+            token_minted_by_id=principal.token_minted_by_id,
+            on_created=on_created,
+        )
+
+    if key is None:
+        return _run_created(*create(None))
+    begin = idempotency.idempotency_begin(
+        actor=Actor.agent(agent),  # the agent's keys, shared with its runs' writes
+        key=key,
+        method="POST",
+        path=request.path,
+        fingerprint=idempotency.request_fingerprint(
+            method="POST", path=request.path, body=request.body
+        ),
     )
+    if begin.replay is not None:
+        return _run_replayed(begin.replay)
+    record_id = begin.record_id
+    assert record_id is not None
+
+    def keep(run: Run, token: str) -> None:
+        idempotency.idempotency_complete(record_id=record_id, response=_stored_answer(run, token))
+
+    try:
+        run, token = create(keep)
+    except BaseException:
+        idempotency.idempotency_release(record_id=record_id)
+        raise
+    return _run_created(run, token)
+
+
+def _run_created(run: Run, token: str) -> HttpResponse:
     body = run_json(run) | {"token": token}
     return json_response(body, status=201, headers={"Location": body["url"]})
+
+
+def _stored_answer(run: Run, token: str) -> idempotency.StoredResponse:
+    """The 201 to replay, its token sealed apart (never stored readable)."""
+    body = run_json(run)
+    headers = {
+        "Content-Type": JSON_CONTENT_TYPE,
+        "Location": body["url"],
+        _SEALED_TOKEN: idempotency.secret_seal(token),
+    }
+    return idempotency.StoredResponse(status=201, headers=headers, body=json_bytes(body))
+
+
+def _run_replayed(stored: idempotency.StoredResponse) -> HttpResponse:
+    """The first 201 again: the same run, the same token (unsealed), the same bytes."""
+    headers = dict(stored.headers)
+    token = idempotency.secret_unseal(headers.pop(_SEALED_TOKEN, ""))
+    body = json.loads(stored.body)
+    if token is None:
+        raise DomainError(
+            f"Run {body.get('id')} was created with this Idempotency-Key, but its token can "
+            "no longer be returned (the server's SECRET_KEY changed since). Start a new run "
+            "with a new key; an operator may revoke the first.",
+            code="conflict",
+        )
+    response = HttpResponse(json_bytes(body | {"token": token}), status=stored.status)
+    for name, value in headers.items():
+        response[name] = value
+    response["Idempotent-Replayed"] = "true"
+    return response
 
 
 @router.get(

@@ -22,10 +22,16 @@ retry that finds the record still in flight frees it at once instead of answerin
 until the in-flight window ends — a minute of 409s after every outage otherwise. A claim
 whose COMMIT lost its answer (it may or may not have committed) is noted the same way,
 by its key and creation stamp, since its id never came back.
+
+`POST /runs` takes a key too (optional there): its answer carries the run's token, which
+is never stored readable — the stored body leaves it out and keeps it sealed
+(`secret_seal`: Fernet under a key derived from SECRET_KEY), so a replay hands back the
+same token and a copy of the database alone reveals none.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from django.conf import settings
 from django.db import DatabaseError, IntegrityError, transaction
 from django.utils import timezone
@@ -85,6 +92,18 @@ def key_check(raw: str | None) -> str:
         raise IdempotencyKeyError(
             "Writes need an Idempotency-Key header.", code="idempotency_key_missing"
         )
+    if not KEY_PATTERN.match(raw):
+        raise IdempotencyKeyError(
+            "Idempotency-Key must match [A-Za-z0-9._:-]{8,255}.", code="idempotency_key_invalid"
+        )
+    return raw
+
+
+def optional_key_check(raw: str | None) -> str | None:
+    """An optional Idempotency-Key (POST /runs): None when the header is absent; a
+    present one must be well formed (an empty one included)."""
+    if raw is None:
+        return None
     if not KEY_PATTERN.match(raw):
         raise IdempotencyKeyError(
             "Idempotency-Key must match [A-Za-z0-9._:-]{8,255}.", code="idempotency_key_invalid"
@@ -293,3 +312,32 @@ def idempotency_prune(*, now: datetime | None = None) -> int:
     """Delete records past their retention (>= 24 h). Scheduled by housekeeping."""
     deleted, _ = IdempotencyRecord.objects.filter(expires_at__lte=now or timezone.now()).delete()
     return int(deleted)
+
+
+# --- Secrets inside a stored answer ------------------------------------------------------
+
+
+def _sealer() -> MultiFernet:
+    """Fernet keys derived from SECRET_KEY, then each of SECRET_KEY_FALLBACKS (so a
+    rotated key still opens what it sealed within the retention)."""
+    secrets = [settings.SECRET_KEY, *settings.SECRET_KEY_FALLBACKS]
+    keys = [
+        base64.urlsafe_b64encode(
+            hashlib.sha256(b"airlock.idempotency.seal\n" + str(secret).encode("utf-8")).digest()
+        )
+        for secret in secrets
+    ]
+    return MultiFernet([Fernet(key) for key in keys])
+
+
+def secret_seal(secret: str) -> str:
+    """`secret` encrypted and authenticated, to keep inside a stored answer."""
+    return _sealer().encrypt(secret.encode("utf-8")).decode("ascii")
+
+
+def secret_unseal(sealed: str) -> str | None:
+    """What `secret_seal` sealed; None when no current or fallback SECRET_KEY opens it."""
+    try:
+        return _sealer().decrypt(sealed.encode("ascii")).decode("utf-8")
+    except (InvalidToken, ValueError):
+        return None

@@ -6,6 +6,7 @@ any ownership record becomes active) live in `approvals.services.write_sets`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
@@ -69,6 +70,7 @@ def run_create(
     ttl_seconds: int | None,
     actor: Actor,
     token_minted_by_id: int | None = None,
+    on_created: Callable[[Run, str], None] | None = None,
 ) -> tuple[Run, str]:
     """Create a run; returns it and its token (shown once).
 
@@ -80,7 +82,9 @@ def run_create(
     (WriteSetConflict, naming every overlap), then either activates the run at
     once (every entry covered by an enabled AutoApproveRule: ownership records,
     audit `run.auto_approved`) or leaves it pending with a run approval.
-    Raises ValidationFailed for a bad write set or TTL.
+    Raises ValidationFailed for a bad write set or TTL. `on_created(run, token)` runs
+    inside the creating transaction (the API keeps its answer under an Idempotency-Key
+    there: if that fails, no run was created).
     """
     entries = write_set_parse(write_set)
     ttl = DEFAULT_TTL_SECONDS if ttl_seconds is None else int(ttl_seconds)
@@ -134,6 +138,8 @@ def run_create(
             )
         else:
             approval_open_for_run(run=run)
+        if on_created is not None:
+            on_created(run, new_token.secret)
     return run, new_token.secret
 
 

@@ -249,11 +249,47 @@ def test_a_write_whose_connection_broke_is_resent_with_the_same_key(
     assert seen[0].headers["If-Match"] == '"41"'
 
 
-def test_a_run_creation_whose_connection_broke_is_not_resent() -> None:
-    airlock, seen = scripted([dropped])
-    with pytest.raises(TransportFailed, match="may or may not have taken effect"):
-        airlock.start_run("t", [("notification-policy/prod-alerts", ["update"])])
+def test_a_run_creation_whose_connection_broke_is_resent_with_the_same_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("airlock_client.client.time.sleep", lambda seconds: None)
+    created = lambda request: httpx.Response(201, json=RUN)  # noqa: E731
+    airlock, seen = scripted([dropped, problem(503, "unavailable", True), created])
+    write_set = [("notification-policy/prod-alerts", ["update"])]
+    session = airlock.start_run("t", write_set, approval_timeout=0)
+    assert session.id == RUN_ID and len(seen) == 3
+    keys = {request.headers["Idempotency-Key"] for request in seen}
+    assert len(keys) == 1 and len({request.content for request in seen}) == 1
+    # Each call has its own key.
+    airlock.start_run("t", write_set, approval_timeout=0)
+    assert seen[-1].headers["Idempotency-Key"] not in keys
+
+
+def keyless_post(token: str) -> protocol.Op[httpx.Response]:
+    """A POST the server cannot replay (no Idempotency-Key): not replay-safe."""
+    return (yield protocol.Call("POST", "/api/v1/runs", token, {}, b"{}", replay_safe=False))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [problem(503, "unavailable", True), problem(500, "internal_error", True), dropped],
+    ids=["503-unavailable", "500", "connection-broke"],
+)
+def test_a_request_without_a_key_is_not_resent_after_what_may_follow_commit(answer: Any) -> None:
+    airlock, seen = scripted([answer, lambda request: httpx.Response(201, json=RUN)])
+    with pytest.raises((ProblemError, TransportFailed)):
+        airlock._run(keyless_post("ak_x"))
     assert len(seen) == 1
+
+
+def test_a_request_without_a_key_is_resent_after_a_refusal_made_before_acting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("airlock_client.client.time.sleep", lambda seconds: None)
+    created = lambda request: httpx.Response(201, json=RUN)  # noqa: E731
+    airlock, seen = scripted([problem(429, "rate_limited", True, retry_after=1), created])
+    assert airlock._run(keyless_post("ak_x")).status_code == 201
+    assert len(seen) == 2
 
 
 def stale_version(current_etag: str, **extra: Any) -> Any:

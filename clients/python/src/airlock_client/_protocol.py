@@ -22,6 +22,9 @@ from urllib.parse import quote
 
 import httpx
 
+from airlock_client._paths import API_PREFIX as API_PREFIX
+from airlock_client._paths import action_path, plan_path, run_path, uuid_id
+from airlock_client._paths import resource_path as resource_path
 from airlock_client.errors import ProblemError, StaleVersion, TransportFailed, problem_error
 from airlock_client.models import Action, Plan, Resource, Run
 
@@ -30,7 +33,6 @@ P = ParamSpec("P")
 logger = logging.getLogger("airlock_client")
 
 USER_AGENT = "airlock-client/0.1 (python)"
-API_PREFIX = "/api/v1"
 #: The server holds a long-poll at most this long (Prefer: wait=N, N ≤ 60).
 MAX_SERVER_WAIT = 60
 #: Statuses that a proxy may answer without a problem body and that are worth a retry.
@@ -46,9 +48,11 @@ class Call:
     content: bytes | None = None
     #: A long-poll's own hold time: the read timeout is this plus a margin.
     hold_seconds: float | None = None
-    #: May the identical request be sent again after a broken connection? True for
-    #: reads, for writes carrying an Idempotency-Key (the server replays the first
-    #: answer) and for idempotent verbs (heartbeat, finish).
+    #: May the identical request be sent again when it may already have taken effect
+    #: (a broken connection, a read timeout, a 5xx that may have come after COMMIT)?
+    #: True for reads, for requests carrying an Idempotency-Key (the server replays the
+    #: first answer: writes, undo, plans, POST /runs) and for idempotent verbs
+    #: (heartbeat, finish).
     replay_safe: bool = True
     #: Seconds to wait before the first attempt (a back-off the operation chose).
     delay: float = 0.0
@@ -81,10 +85,16 @@ class Contention:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retryable problems (`retryable: true`: 429, 503, 409 key in flight, 423 leased)
-    and broken connections of replay-safe requests are retried with exponential
-    backoff and full jitter, honouring Retry-After, while the next attempt would
-    start within `budget` seconds of the first. Nothing else is ever retried."""
+    """What is retried, with exponential backoff and full jitter, honouring Retry-After,
+    while the next attempt would start within `budget` seconds of the first:
+
+    - a retryable refusal (`retryable: true` below 500: 429, 409 key in flight, 423
+      leased), which the server answers before acting: any request;
+    - a retryable 5xx (503 `unavailable`, `transient_conflict`, 500), a gateway's
+      502/503/504, a broken connection or a read timeout: only a replay-safe request
+      (`Call.replay_safe`), since it may come after the server committed.
+
+    Nothing else is ever retried."""
 
     budget: float = 30.0
     base: float = 0.25
@@ -208,7 +218,11 @@ class Exchange(Generic[T]):
             self._proceed(response)
             return
         error = error_for(response)
-        retryable = error.retryable or (
+        # A refusal (< 500) was decided before anything happened; a 5xx may have come
+        # after COMMIT (the connection to the database lost while committing), so it is
+        # resent only when the server would replay the first answer instead of acting again.
+        before_acting = response.status_code < 500
+        retryable = (error.retryable and (before_acting or self._call.replay_safe)) or (
             self._call.replay_safe
             and response.status_code in _GATEWAY_STATUSES
             and not error.problem_code
@@ -237,13 +251,6 @@ def _json(response: httpx.Response) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise TransportFailed(f"expected a JSON object, got {type(body).__name__}")
     return body
-
-
-def resource_path(resource: str) -> str:
-    kind, sep, name = resource.partition("/")
-    if not sep or not kind or not name:
-        raise ValueError(f"resource must be 'kind/name', got {resource!r}")
-    return f"{API_PREFIX}/resources/{quote(kind, safe='')}/{quote(name, safe='')}"
 
 
 class _Tagged(Protocol):
@@ -292,21 +299,23 @@ def whoami(token: str) -> Op[dict[str, Any]]:
 
 
 def create_run(
-    token: str, task: str, write_set: list[dict[str, Any]], ttl_seconds: int | None
+    token: str,
+    task: str,
+    write_set: list[dict[str, Any]],
+    ttl_seconds: int | None,
+    idempotency_key: str | None = None,
 ) -> Op[Run]:
+    """POST /runs with an Idempotency-Key made once here: every retry (a lost answer, a
+    503 after COMMIT) is the identical request, and the server answers it with the run
+    it created first, never a second one."""
     body: dict[str, Any] = {"task": task, "write_set": write_set}
     if ttl_seconds is not None:
         body["ttl_seconds"] = ttl_seconds
-    # No Idempotency-Key on POST /runs: a broken connection is not retried (a second
-    # run could be created); 429/503 answers mean nothing happened and are retried.
-    response = yield Call(
-        "POST",
-        f"{API_PREFIX}/runs",
-        token,
-        {"Content-Type": "application/json"},
-        json.dumps(body).encode(),
-        replay_safe=False,
-    )
+    headers = {
+        "Content-Type": "application/json",
+        "Idempotency-Key": idempotency_key or new_idempotency_key(),
+    }
+    response = yield Call("POST", f"{API_PREFIX}/runs", token, headers, json.dumps(body).encode())
     return _parse_run(response)
 
 
@@ -315,7 +324,7 @@ def _parse_run(response: httpx.Response) -> Run:
 
 
 def get_run(token: str, run_id: str) -> Op[Run]:
-    return _get(token, f"{API_PREFIX}/runs/{run_id}", _parse_run)
+    return _get(token, run_path(run_id), _parse_run)
 
 
 def own_run(token: str) -> Op[Run]:
@@ -330,16 +339,16 @@ def own_run(token: str) -> Op[Run]:
 def wait_for_run(token: str, run_id: str, timeout: float, until: Until[Run] = None) -> Op[Run]:
     """Long-poll the run until `until(run)` (default: no longer pending approval) or
     `timeout` seconds; answers the last state either way."""
-    path, wanted = f"{API_PREFIX}/runs/{run_id}", until or (lambda run: not run.pending)
+    path, wanted = run_path(run_id), until or (lambda run: not run.pending)
     return _long_poll(token, path, _parse_run, wanted, timeout)
 
 
 def heartbeat(token: str, run_id: str) -> Op[Run]:
-    return _parse_run((yield Call("POST", f"{API_PREFIX}/runs/{run_id}/heartbeat", token)))
+    return _parse_run((yield Call("POST", run_path(run_id, "heartbeat"), token)))
 
 
 def finish(token: str, run_id: str) -> Op[Run]:
-    return _parse_run((yield Call("POST", f"{API_PREFIX}/runs/{run_id}/finish", token)))
+    return _parse_run((yield Call("POST", run_path(run_id, "finish"), token)))
 
 
 def read(token: str, resource: str, delay: float = 0.0) -> Op[Resource]:
@@ -412,7 +421,7 @@ _NOT_VISIBLE = frozenset({404})
 
 
 def get_action(token: str, action_id: str) -> Op[Action]:
-    return _get(token, f"{API_PREFIX}/actions/{action_id}", _parse_action)
+    return _get(token, action_path(action_id), _parse_action)
 
 
 def _parse_action(response: httpx.Response) -> Action:
@@ -429,14 +438,14 @@ def wait_for_action(
     """Long-poll the action until `until(action)` (default: a final state) or `timeout`
     seconds pass; answers the last state either way (check `.final`)."""
     wanted = until or (lambda action: action.final)
-    return _long_poll(token, f"{API_PREFIX}/actions/{action_id}", _parse_action, wanted, timeout)
+    return _long_poll(token, action_path(action_id), _parse_action, wanted, timeout)
 
 
 def wait_for_supersede(token: str, action_id: str, timeout: float) -> Op[Action | None]:
     """Long-poll the approved write that replaces the version you read (a 412's or a
     read's `queued_action`) until it is final or `timeout` seconds pass. None when this
     token may not read it (another agent's action): re-read after your back-off."""
-    path = f"{API_PREFIX}/actions/{action_id}"
+    path = action_path(action_id)
     # Without If-None-Match the server holds the first read until the action is final.
     hold = max(1, min(MAX_SERVER_WAIT, int(timeout)))
     headers = {"Prefer": f"wait={hold}"}
@@ -450,8 +459,9 @@ def wait_for_supersede(token: str, action_id: str, timeout: float) -> Op[Action 
 def list_actions(token: str, run_id: str | None, limit: int = 200) -> Op[list[Action]]:
     actions: list[Action] = []
     cursor = ""
+    run = f"&run={uuid_id(run_id, 'run id')}" if run_id is not None else ""
     while True:
-        query = f"limit={limit}" + (f"&run={run_id}" if run_id else "")
+        query = f"limit={limit}{run}"
         if cursor:
             query += f"&cursor={quote(cursor, safe='')}"
         response = yield Call("GET", f"{API_PREFIX}/actions?{query}", token)
@@ -464,7 +474,7 @@ def list_actions(token: str, run_id: str | None, limit: int = 200) -> Op[list[Ac
 
 def undo(token: str, action_id: str, idempotency_key: str | None = None) -> Op[Action]:
     headers = {"Idempotency-Key": idempotency_key or new_idempotency_key()}
-    response = yield Call("POST", f"{API_PREFIX}/actions/{action_id}/undo", token, headers)
+    response = yield Call("POST", action_path(action_id, "undo"), token, headers)
     return _parse_action(response)
 
 
@@ -542,7 +552,7 @@ def propose_plan(
         "Idempotency-Key": idempotency_key or new_idempotency_key(),
     }
     content = json.dumps({"reason": reason, "steps": steps}).encode()
-    response = yield Call("POST", f"{API_PREFIX}/runs/{run_id}/plans", token, headers, content)
+    response = yield Call("POST", run_path(run_id, "plans"), token, headers, content)
     return Plan.from_json(
         _json(response),
         response.headers.get("ETag"),
@@ -555,13 +565,13 @@ def _parse_plan(response: httpx.Response) -> Plan:
 
 
 def get_plan(token: str, plan_id: str) -> Op[Plan]:
-    return _get(token, f"{API_PREFIX}/plans/{plan_id}", _parse_plan)
+    return _get(token, plan_path(plan_id), _parse_plan)
 
 
 def wait_for_plan(token: str, plan_id: str, timeout: float, until: Until[Plan] = None) -> Op[Plan]:
     """Long-poll the plan until `until(plan)` (default: a final state) or `timeout`
     seconds pass; answers the last state either way (check `.is_final`)."""
-    path, wanted = f"{API_PREFIX}/plans/{plan_id}", until or (lambda plan: plan.is_final)
+    path, wanted = plan_path(plan_id), until or (lambda plan: plan.is_final)
     return _long_poll(token, path, _parse_plan, wanted, timeout)
 
 

@@ -132,12 +132,15 @@ class AirlockCore(Reader, Generic[Session, Http]):
         *,
         ttl_seconds: int | None = None,
         approval_timeout: float = 600.0,
+        idempotency_key: Key = None,
     ) -> Op[Session]:
         """Create a run (agent token) and wait up to `approval_timeout` seconds for a
         person to approve it (long-poll). Raises RunNotApproved if it is rejected or
-        still pending; `approval_timeout=0` returns the pending run at once."""
+        still pending; `approval_timeout=0` returns the pending run at once. The
+        run is created at most once per call, however often a lost answer is retried
+        (one Idempotency-Key per call, or `idempotency_key`)."""
         run = yield from protocol.create_run(
-            self.token, task, write_set_json(write_set), ttl_seconds
+            self.token, task, write_set_json(write_set), ttl_seconds, idempotency_key
         )
         assert run.token is not None
         session = self._session(run, run.token)

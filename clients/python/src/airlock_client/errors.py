@@ -22,6 +22,11 @@ class TransportFailed(AirlockError):
     could not be (or was no longer) safely retried within the retry budget."""
 
 
+class InvalidIdentifier(AirlockError, ValueError):
+    """An id that is not a UUID, or a resource kind or name that could leave its place in
+    the URL (empty, `.`, `..`, not `kind/name`). Raised before anything is sent."""
+
+
 class RunNotApproved(AirlockError):
     """A run did not become active: rejected, expired or revoked, or still
     `pending_approval` when the caller's wait ran out. `run` is its last state."""

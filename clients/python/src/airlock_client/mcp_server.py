@@ -7,7 +7,9 @@ Configured from the environment:
 - `AIRLOCK_RUN_TOKEN` (rt_…) — join a run somebody already started (and a person approved).
 
 `airlock-mcp` serves stdio (the default: desktop MCP clients start it as a subprocess);
-`airlock-mcp --transport streamable-http --port 8765` serves streamable HTTP at /mcp.
+`airlock-mcp --transport streamable-http --port 8765` serves streamable HTTP at /mcp —
+with `AIRLOCK_MCP_TOKEN` (or `--token`) set, only to requests that carry it as a bearer
+token; without one, on a loopback address only (`mcp_http`).
 
 Every tool speaks only the public REST API through `AsyncAirlock`; a refused write
 becomes a tool error that tells the model what to do next.
@@ -29,6 +31,7 @@ from airlock_client.aclient import AsyncAirlock, AsyncRunSession
 from airlock_client.errors import (
     AirlockError,
     IdempotencyKeyReused,
+    InvalidIdentifier,
     KillSwitchEngaged,
     Leased,
     NotFound,
@@ -40,6 +43,7 @@ from airlock_client.errors import (
     StaleVersion,
     WriteSetConflict,
 )
+from airlock_client.mcp_http import serve_http
 from airlock_client.mcp_plans import plan_steps_json, plan_view, write_fields
 from airlock_client.models import Action, Resource, Run
 
@@ -244,6 +248,11 @@ def tool_error(exc: AirlockError, *, resource: str = "", operation: str = "") ->
         return ToolError(f"Refused ({exc.status} {exc.problem_code}){where}: {exc.detail}")
     if isinstance(exc, RunNotApproved):
         return ToolError(f"The run was not approved: {exc}")
+    if isinstance(exc, InvalidIdentifier):
+        return ToolError(
+            f"Refused before sending: {exc}. Pass the ids Airlock answered (UUIDs) and "
+            "resources as 'kind/name'."
+        )
     return ToolError(f"Airlock could not be reached: {exc}")
 
 
@@ -493,6 +502,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--host", default=os.environ.get("AIRLOCK_MCP_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("AIRLOCK_MCP_PORT", "8765")))
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("AIRLOCK_MCP_TOKEN") or None,
+        help="streamable HTTP: the bearer token every request must carry (prefer the "
+        "AIRLOCK_MCP_TOKEN environment variable: a command line is visible to other users)",
+    )
     args = parser.parse_args(argv)
     url = os.environ.get("AIRLOCK_URL")
     if not url:
@@ -505,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.transport == "stdio":
         server.run("stdio")
     else:
-        server.run("streamable-http", host=args.host, port=args.port)
+        app = server.streamable_http_app(host=args.host)
+        serve_http(app, host=args.host, port=args.port, token=args.token)
 
 
 if __name__ == "__main__":
