@@ -83,14 +83,17 @@ class Statements:
 
 def connection_kwargs() -> dict[str, Any]:
     """psycopg's connection arguments from Django's settings (the same database and
-    credentials), autocommit, timestamps in UTC as Django's connections read them."""
+    credentials, the same prepare_threshold: None, prepared statements off, makes the
+    statements' `prepare=True` a no-op), autocommit, timestamps in UTC as Django's
+    connections read them (a startup option; behind PgBouncer, which before 1.20 refuses
+    `options`, a SET at connection instead: PgBouncer carries TimeZone to every server
+    session it lends the connection)."""
     params = connections[DEFAULT_DB_ALIAS].get_connection_params()
     kwargs = {
-        key: value
-        for key, value in params.items()
-        if key not in ("cursor_factory", "context", "prepare_threshold")
+        key: value for key, value in params.items() if key not in ("cursor_factory", "context")
     }
-    kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
+    if not settings.AIRLOCK_PGBOUNCER:
+        kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
     kwargs["autocommit"] = True
     # An unreachable server costs a poll no longer than Django's pool would make it wait.
     kwargs.setdefault("connect_timeout", settings.AIRLOCK_DB_POOL_TIMEOUT)
@@ -128,6 +131,8 @@ class Connections:
 
     async def _connect(self) -> AsyncCursor[Any]:
         connection = await AsyncConnection.connect(**self.kwargs)
+        if connection.info.parameter_status("TimeZone") != "UTC":
+            await connection.execute("SET TIME ZONE 'UTC'", prepare=False)
         return connection.cursor()
 
 
