@@ -6,6 +6,7 @@ loads console.asgi, as a web process does."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import psycopg
@@ -91,3 +92,25 @@ def test_a_connection_is_quiet_until_the_server_ends_its_session() -> None:
         while answered_nothing(lent) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not answered_nothing(lent)
+
+
+def test_a_connection_on_a_descriptor_above_1023_is_judged_without_an_error() -> None:
+    """select() refuses a descriptor >= 1024 (FD_SETSIZE) with ValueError; a web process
+    holding a thousand polls has its newer database sockets there."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    held = [os.dup(null) for _ in range(1100)]  # the lowest free descriptors, taken
+    try:
+        url = test_database_url()
+        with psycopg.connect(url, autocommit=True) as admin, psycopg.connect(url) as lent:
+            assert lent.fileno() >= 1024
+            lent.execute("SELECT 1").fetchone()
+            lent.rollback()
+            assert answered_nothing(lent)
+            admin.execute("SELECT pg_terminate_backend(%s)", [lent.info.backend_pid])
+            deadline = time.monotonic() + 10
+            while answered_nothing(lent) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not answered_nothing(lent)
+    finally:
+        for descriptor in [*held, null]:
+            os.close(descriptor)
