@@ -24,13 +24,14 @@ from approvals.models import Action
 from tests.conftest import free_port, test_database_url
 from tests.deployload import default_environment, script_json, seed_poll_target, start_procfile_web
 
-# In a web-like process (its one pooled connection lent to every query): the same SELECT
-# run until psycopg prepared it (prepare_threshold, console/settings.py), then the column
-# it returns changes type from another session, between two of its executions.
-_POOLED = """
+# In a web-like process (its one pooled connection lent to every query) or a worker-like
+# one (a persistent connection): the same SELECT run until psycopg prepared it
+# (prepare_threshold, console/settings.py), then the column it returns changes type from
+# another session, between two of its executions.
+_READS = """
 import json, sys
 import psycopg
-import console.asgi  # a web process: its connections are pooled
+LOADER
 from django.db import connection, transaction
 
 table = sys.argv[2]
@@ -75,6 +76,7 @@ admin.execute(f"ALTER TABLE {table} ALTER COLUMN v TYPE text")
 answers["later_in_transaction"] = outcome(lambda: in_transaction(False))
 answers["after_that_rollback"] = outcome(read)
 answers["same_session"] = connection.connection.info.backend_pid == pid
+answers["pooled"] = connection.pool is not None
 connection.close()
 print(json.dumps(answers))
 """
@@ -94,13 +96,25 @@ def probe_table() -> Iterator[str]:
             admin.execute(f"DROP TABLE IF EXISTS {name}")
 
 
+# A web process (its connections pooled) and a worker's (one persistent connection).
+_LOADERS = {
+    "web": "import console.asgi",
+    "worker": "import django; django.setup()",
+}
+
+
+@pytest.mark.parametrize("process", sorted(_LOADERS))
 @pytest.mark.django_db
-def test_a_pooled_connection_reads_on_after_a_column_changes_type(probe_table: str) -> None:
+def test_a_processs_connection_reads_on_after_a_column_changes_type(
+    probe_table: str, process: str
+) -> None:
     url = test_database_url()
     environment = default_environment(
         DATABASE_URL=url, AIRLOCK_DB_POOL_MAX="1", AIRLOCK_DB_POOL_MIN="1"
     )
-    seen = script_json(_POOLED, url, probe_table, environment=environment)
+    script = _READS.replace("LOADER", _LOADERS[process])
+    seen = script_json(script, url, probe_table, environment=environment)
+    assert seen["pooled"] is (process == "web"), seen
     # On its own (autocommit) and as the first statement of a transaction, the read
     # runs again and returns the column's new type.
     assert seen["autocommit"] == "'2'", seen
