@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import psycopg
@@ -65,6 +66,10 @@ def web_connections_fit_the_database(app_configs: Any, **kwargs: Any) -> list[Ch
                 id="airlock.W011",
             )
         ]
+    if settings.AIRLOCK_PGBOUNCER:
+        # The bouncer's max_client_conn takes the web pools, its default_pool_size bounds
+        # the server's sessions: neither is readable from here (docs/operations-database.md).
+        return []
     max_connections = _server_max_connections(database)
     if max_connections is None:
         return []
@@ -82,6 +87,55 @@ def web_connections_fit_the_database(app_configs: Any, **kwargs: Any) -> list[Ch
             "or raise max_connections; "
             "leave room for the workers, cron and maintenance sessions too.",
             id="airlock.W011",
+        )
+    ]
+
+
+# PgBouncer's default port, and a host named after it: a DATABASE_URL that most likely
+# reaches PostgreSQL through a bouncer.
+PGBOUNCER_PORT = 6432
+_BOUNCER_HOST = re.compile(r"bouncer", re.IGNORECASE)
+
+
+@register("airlock", deploy=True)
+def pgbouncer_declared(app_configs: Any, **kwargs: Any) -> list[CheckMessage]:
+    """A DATABASE_URL that looks like PgBouncer's while AIRLOCK_PGBOUNCER is unset: in
+    transaction mode the connections' prepared statements fail as soon as a transaction
+    lands on another server session (`prepared statement "_pg3_0" does not exist`)."""
+    database = settings.DATABASES["default"]
+    if database.get("ENGINE") != settings.POSTGRES_ENGINE or settings.AIRLOCK_PGBOUNCER:
+        return []
+    host, port = str(database.get("HOST") or ""), str(database.get("PORT") or "")
+    if port != str(PGBOUNCER_PORT) and not _BOUNCER_HOST.search(host):
+        return []
+    return [
+        Warning(
+            f"DATABASE_URL ({host or 'localhost'}:{port or 5432}) looks like PgBouncer, but "
+            "AIRLOCK_PGBOUNCER is not set: behind transaction pooling, prepared statements "
+            "fail once a transaction runs on another server session.",
+            hint="Set AIRLOCK_PGBOUNCER=transaction (prepared statements off) or "
+            "AIRLOCK_PGBOUNCER=session to say which pooling the bouncer does; see "
+            "docs/operations-database.md.",
+            id="airlock.W020",
+        )
+    ]
+
+
+@register("airlock", deploy=True)
+def pgbouncer_prepared_statements(app_configs: Any, **kwargs: Any) -> list[CheckMessage]:
+    """Transaction pooling with prepared statements turned back on works only where the
+    bouncer tracks them (PgBouncer >= 1.22, max_prepared_statements > 0): say so."""
+    if settings.AIRLOCK_PGBOUNCER != "transaction" or settings.AIRLOCK_DB_PREPARE_THRESHOLD is None:
+        return []
+    return [
+        Warning(
+            "AIRLOCK_PGBOUNCER=transaction with AIRLOCK_DB_PREPARE_THRESHOLD="
+            f"{settings.AIRLOCK_DB_PREPARE_THRESHOLD}: prepared statements behind transaction "
+            "pooling need PgBouncer >= 1.22 with max_prepared_statements > 0; otherwise "
+            'statements fail with `prepared statement "_pg3_..." does not exist`.',
+            hint="Unset AIRLOCK_DB_PREPARE_THRESHOLD (or set it to off), or confirm the "
+            "bouncer's version and max_prepared_statements (docs/operations-database.md).",
+            id="airlock.W021",
         )
     ]
 

@@ -186,6 +186,28 @@ AIRLOCK_FAST_POLL_CONNECTIONS = env_int("AIRLOCK_FAST_POLL_CONNECTIONS", 4, mini
 AIRLOCK_DB_POOL_WEB = env_bool("AIRLOCK_DB_POOL", True)
 AIRLOCK_DB_POOL = env_bool("AIRLOCK_DB_POOL", SERVES_ASGI)
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
+# PgBouncer between the processes and PostgreSQL (docs/operations-database.md): "" (none,
+# the default), "session" or "transaction". In transaction mode each transaction may run on
+# another server session, where a statement this connection prepared does not exist: the
+# prepared statements are off unless AIRLOCK_DB_PREPARE_THRESHOLD turns them on (PgBouncer
+# >= 1.22 with max_prepared_statements > 0; `check --deploy` reminds: airlock.W021).
+AIRLOCK_PGBOUNCER = env_str("AIRLOCK_PGBOUNCER", "").strip().lower()
+if AIRLOCK_PGBOUNCER not in ("", "session", "transaction"):
+    raise ImproperlyConfigured(
+        f"AIRLOCK_PGBOUNCER must be session or transaction (or unset), got {AIRLOCK_PGBOUNCER!r}"
+    )
+
+
+def _prepare_threshold() -> int | None:
+    raw = os.environ.get("AIRLOCK_DB_PREPARE_THRESHOLD", "").strip().lower()
+    if raw in ("off", "none") or (not raw and AIRLOCK_PGBOUNCER == "transaction"):
+        return None
+    return env_int("AIRLOCK_DB_PREPARE_THRESHOLD", 5, minimum=0)
+
+
+# psycopg prepares a statement on a connection once it ran there this many times (the poll
+# front prepares its two at once); "off": never (every statement is planned each time).
+AIRLOCK_DB_PREPARE_THRESHOLD = _prepare_threshold()
 # Django's PostgreSQL backend, with a pool check that costs no round trip (its module).
 POSTGRES_ENGINE = "console.pgbackend"
 if DATABASE_URL:
@@ -198,7 +220,10 @@ if DATABASE_URL:
     # Client-side binding sent every statement as new text to plan: planning was about a
     # fifth of a poll. Pooled and persistent connections both keep their prepared
     # statements. Every raw SQL parameter must have a type PostgreSQL can infer.
-    _db["OPTIONS"] = {"server_side_binding": True, "prepare_threshold": 5}
+    _db["OPTIONS"] = {
+        "server_side_binding": True,
+        "prepare_threshold": AIRLOCK_DB_PREPARE_THRESHOLD,
+    }
     if AIRLOCK_DB_POOL:
         _db["CONN_MAX_AGE"] = 0  # a closed connection goes back to the pool
         _db["OPTIONS"]["pool"] = {

@@ -23,6 +23,13 @@ if ! command -v wrk >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq wrk
 fi
 
+# tests/test_db_pgbouncer.py serves the web line through a transaction-mode PgBouncer.
+if ! command -v pgbouncer >/dev/null 2>&1 && [[ ! -x /usr/sbin/pgbouncer ]]; then
+  if [[ "$(id -u)" -ne 0 ]]; then SUDO=sudo; else SUDO=; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq pgbouncer
+fi
+
 set +e
 .venv/bin/pytest "$@"
 status=$?

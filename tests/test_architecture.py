@@ -46,6 +46,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.core.jsonsafe", BASE),
     ("console.requestctx", BASE),
     ("console.advisory_locks", BASE),  # the advisory-lock namespaces, one place
+    ("console.stale_plans", BASE),  # what a stale prepared plan's error looks like
     ("audit.chain", BASE),
     ("audit.details", BASE),  # what may enter an event's details (redaction, jsonb-safe)
     ("audit.serialize", BASE),  # the one JSON shape of an event (API items, export)

@@ -6,12 +6,15 @@ loads console.asgi, as a web process does."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 
 import psycopg
 import pytest
+from psycopg_pool import ConnectionPool
 
-from console.pgbackend.base import answered_nothing
+from console.pgbackend.base import answered_nothing, returned_on_error
 from tests.conftest import test_database_url
 from tests.deployload import default_environment, script_json
 
@@ -91,3 +94,41 @@ def test_a_connection_is_quiet_until_the_server_ends_its_session() -> None:
         while answered_nothing(lent) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not answered_nothing(lent)
+
+
+def test_a_connection_on_a_descriptor_above_1023_is_judged_without_an_error() -> None:
+    """select() refuses a descriptor >= 1024 (FD_SETSIZE) with ValueError; a web process
+    holding a thousand polls has its newer database sockets there."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    held = [os.dup(null) for _ in range(1100)]  # the lowest free descriptors, taken
+    try:
+        url = test_database_url()
+        with psycopg.connect(url, autocommit=True) as admin, psycopg.connect(url) as lent:
+            assert lent.fileno() >= 1024
+            lent.execute("SELECT 1").fetchone()
+            lent.rollback()
+            assert answered_nothing(lent)
+            admin.execute("SELECT pg_terminate_backend(%s)", [lent.info.backend_pid])
+            deadline = time.monotonic() + 10
+            while answered_nothing(lent) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not answered_nothing(lent)
+    finally:
+        for descriptor in [*held, null]:
+            os.close(descriptor)
+
+
+@pytest.mark.parametrize("interruption", [ValueError, KeyboardInterrupt, asyncio.CancelledError])
+def test_a_loan_interrupted_in_its_check_goes_back_to_the_pool(
+    interruption: type[BaseException],
+) -> None:
+    """Whatever escapes the check of a lent connection — an error the check did not
+    expect, an interrupt, a cancellation — the connection is back in a real pool
+    afterwards, not lent to no one for the life of the process."""
+    with ConnectionPool(test_database_url(), min_size=1, max_size=1, open=True) as pool:
+        lent = pool.getconn()
+        with pytest.raises(interruption), returned_on_error(pool, lent):
+            raise interruption
+        assert pool.get_stats().get("pool_available") == 1
+        again = pool.getconn(timeout=2)  # the one connection, lendable again
+        pool.putconn(again)

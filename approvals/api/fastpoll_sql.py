@@ -4,8 +4,10 @@ from the models' metadata, and the few async psycopg connections it runs them on
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+import psycopg
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.models import Model
@@ -13,6 +15,9 @@ from psycopg import AsyncConnection, AsyncCursor
 
 from approvals.api.serialize import body_facts
 from approvals.models import Action, Agent, Run
+from console.stale_plans import DEALLOCATE_ALL, is_stale_plan
+
+logger = logging.getLogger(__name__)
 
 
 def _fields(
@@ -78,14 +83,17 @@ class Statements:
 
 def connection_kwargs() -> dict[str, Any]:
     """psycopg's connection arguments from Django's settings (the same database and
-    credentials), autocommit, timestamps in UTC as Django's connections read them."""
+    credentials, the same prepare_threshold: None, prepared statements off, makes the
+    statements' `prepare=True` a no-op), autocommit, timestamps in UTC as Django's
+    connections read them (a startup option; behind PgBouncer, which before 1.20 refuses
+    `options`, a SET at connection instead: PgBouncer carries TimeZone to every server
+    session it lends the connection)."""
     params = connections[DEFAULT_DB_ALIAS].get_connection_params()
     kwargs = {
-        key: value
-        for key, value in params.items()
-        if key not in ("cursor_factory", "context", "prepare_threshold")
+        key: value for key, value in params.items() if key not in ("cursor_factory", "context")
     }
-    kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
+    if not settings.AIRLOCK_PGBOUNCER:
+        kwargs["options"] = f"{kwargs.get('options', '')} -c TimeZone=UTC".strip()
     kwargs["autocommit"] = True
     # An unreachable server costs a poll no longer than Django's pool would make it wait.
     kwargs.setdefault("connect_timeout", settings.AIRLOCK_DB_POOL_TIMEOUT)
@@ -112,8 +120,7 @@ class Connections:
         try:
             cursor = self.idle.pop() if self.idle else await self._connect()
             try:
-                await cursor.execute(sql, params, prepare=True)
-                rows = await cursor.fetchall()
+                rows = await _prepared_rows(cursor, sql, params)
             except BaseException:
                 await cursor.connection.close()
                 raise
@@ -124,7 +131,27 @@ class Connections:
 
     async def _connect(self) -> AsyncCursor[Any]:
         connection = await AsyncConnection.connect(**self.kwargs)
+        if connection.info.parameter_status("TimeZone") != "UTC":
+            await connection.execute("SET TIME ZONE 'UTC'", prepare=False)
         return connection.cursor()
+
+
+async def _prepared_rows(
+    cursor: AsyncCursor[Any], sql: str, params: tuple[Any, ...]
+) -> list[tuple[Any, ...]]:
+    """The statement's rows, run prepared. A plan a migration made stale (a column's type
+    changed under the running process: console/stale_plans.py) is dropped with every other
+    prepared statement of the connection and the statement runs once more: autocommit, so
+    it is its own transaction and nothing else is lost."""
+    try:
+        await cursor.execute(sql, params, prepare=True)
+    except psycopg.errors.FeatureNotSupported as error:
+        if not is_stale_plan(error):
+            raise
+        logger.warning("a migration changed a fast poll statement's result: re-preparing")
+        await cursor.connection.execute(DEALLOCATE_ALL, prepare=False)
+        await cursor.execute(sql, params, prepare=True)
+    return await cursor.fetchall()
 
 
 def model_from_row(model: type[Model], fields: list[tuple[str, str]], values: Any) -> Any:
