@@ -5,6 +5,7 @@ and migrations."""
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -91,7 +92,7 @@ def test_doctor_finds_migrations_not_applied(engine_redis: Any) -> None:
     try:
         assert any(p.startswith("migrations") for p in problems())
         body = Client().get("/readyz").json()
-        assert body["migrations"] == "1 not applied"
+        assert re.fullmatch(r"[1-9]\d* not applied", body["migrations"]), body
     finally:
         call_command("migrate", verbosity=0)
     assert not any(p.startswith("migrations") for p in problems())
