@@ -156,6 +156,15 @@ def test_a_per_call_delete_compensation_makes_a_per_run_plan_wait_for_its_approv
     assert body["steps"][1]["compensation"]["method"] == "undo"
     assert body["steps"][1]["compensation"]["diff"] == []
 
+    listing = api.get("/api/v1/approvals?status=pending", token=operator.token)
+    [item] = [i for i in listing.json()["items"] if i.get("plan") == plan_id]
+    assert item["steps"][0]["patch"] == {"ip": "2"}
+    assert item["steps"][0]["observed_diff"] == step["diff"]
+    written = item["steps"][0]["compensation_write"]
+    assert written["method"] == "DELETE" and written["deletes"] is True
+    assert written["conflict_class"] == "replace_shared_document"
+    assert written["diff"] == compensation["diff"]
+
     from django.test import Client
 
     client = Client()
