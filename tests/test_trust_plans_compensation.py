@@ -328,32 +328,53 @@ def test_a_plan_follows_a_second_resolution_of_its_step_to_the_end(
 def test_earlier_steps_wait_while_a_later_compensation_is_a_conflict(
     api: Any, run: Any, operator: Any, plan_world: Any, rq_worker: Any
 ) -> None:
-    """Step 1 (app-a) and step 2 (the policy) apply, step 3 is held and cancelled;
-    someone changed the policy after step 2, so its compensation is a conflict. Today
-    step 1 was compensated anyway; now it waits until the conflict is settled."""
+    """Steps 1 (app-a), 2 (the policy) and 3 (app-c) apply, step 4 is held and
+    cancelled; someone changed the policy after step 2, so its compensation is a
+    conflict. Today step 1 was compensated anyway; now it waits until the conflict is
+    settled (and re-reading the blocked plan moves nothing)."""
     rq_worker()
     _hold("dns-record/app-b")
     steps = [
         plan_fx.patch_step("dns-record/app-a", '"3"', {"ip": "2"}),
         plan_fx.patch_step(plan_fx.POLICY, '"41"', {"channels": ["pager"]}),
+        plan_fx.create_step("dns-record/app-c", {"c": 1}),
         plan_fx.create_step("dns-record/app-b", {"b": 1}),
     ]
     plan_id = plan_fx.proposed_plan(api, run, steps)
     plan_fx.approve_plan(api, operator, plan_id)
-    wait_for(lambda: _paused(plan_id, 3), timeout=30)
+    wait_for(lambda: _paused(plan_id, 4), timeout=30)
     plan_fx.bump_resource(plan_fx.POLICY, {"channels": ["pager", "sms"]})
-    _agent_cancels_step(run, plan_id, 3)
+    _agent_cancels_step(run, plan_id, 4)
     wait_for(lambda: plan_fx.plan_status(plan_id) == "partially_compensated", timeout=30)
     for _ in range(3):
         plan_advance(plan_id=plan_id)
+    ended = AuditEvent.objects.filter(event_type="plan.ended", details__plan=plan_id)
+    assert ended.count() == 1  # reading a blocked plan again moves nothing
+    assert plan_fx.plan_status(plan_id) == "partially_compensated"
     body = plan_fx.read_plan(api, operator.token, plan_id)
-    assert [s["compensation"]["status"] for s in body["steps"][:2]] == ["none", "conflict"]
+    assert [s["compensation"]["status"] for s in body["steps"][:3]] == [
+        "none",
+        "conflict",
+        "compensated",
+    ]
+    assert plan_fx.resource_row("dns-record/app-c").deleted
     assert plan_fx.resource_row("dns-record/app-a").document == {"ip": "2"}  # not yet
 
     _take_proposed(api, operator, body["steps"][1]["compensation"]["conflict"])
     wait_for(lambda: plan_fx.plan_status(plan_id) == "compensated", timeout=30)
     assert plan_fx.resource_row("dns-record/app-a").document == {"ip": "1"}
     assert plan_fx.resource_row(plan_fx.POLICY).document == {"channels": ["email"]}
+    events = list(
+        AuditEvent.objects.filter(details__plan=plan_id, event_type__startswith="plan.compensation")
+        .order_by("seq")
+        .values_list("event_type", "details__step")
+    )
+    resolved = events.index(("plan.compensation_resolved", 2))
+    assert events[resolved + 1 :] == [
+        ("plan.compensation_resumed", 1),
+        ("plan.compensation_started", 1),
+        ("plan.compensation_applied", 1),
+    ]
 
 
 def test_a_compensation_opens_its_own_record_beside_an_earlier_failed_undo(

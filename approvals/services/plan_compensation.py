@@ -122,6 +122,7 @@ def plan_compensate(plan: Plan, steps: list[PlanStep]) -> str:
     for step in applied:
         status = step.compensation_status
         if status == CompensationStatus.NONE:
+            _resume_after_block(plan, step)
             status = _start_compensation(plan, step)
             if status in (CompensationStatus.NONE, CompensationStatus.PENDING):
                 return f"compensating:{step.position}"
@@ -137,13 +138,19 @@ def plan_compensate(plan: Plan, steps: list[PlanStep]) -> str:
             if plan.status != PlanStatus.PARTIALLY_COMPENSATED:
                 plan_end(plan, PlanStatus.PARTIALLY_COMPENSATED, blocked_steps=[step.position])
             return "partially_compensated"
-        if plan.status == PlanStatus.PARTIALLY_COMPENSATED:
-            # The step that blocked it is settled: the earlier ones go on.
-            Plan.objects.filter(pk=plan.pk).update(status=PlanStatus.COMPENSATING, ended_at=None)
-            plan.status = PlanStatus.COMPENSATING
-            plan_event(plan, "plan.compensation_resumed", step)
     plan_end(plan, PlanStatus.COMPENSATED)
     return "compensated"
+
+
+def _resume_after_block(plan: Plan, step: PlanStep) -> None:
+    """The later step that blocked the plan is settled: it compensates again, from
+    `step` on (only when a compensation is about to start, so re-reading a blocked
+    plan never flips its status)."""
+    if plan.status != PlanStatus.PARTIALLY_COMPENSATED:
+        return
+    Plan.objects.filter(pk=plan.pk).update(status=PlanStatus.COMPENSATING, ended_at=None)
+    plan.status = PlanStatus.COMPENSATING
+    plan_event(plan, "plan.compensation_resumed", step)
 
 
 # --- One step's compensation --------------------------------------------------------
