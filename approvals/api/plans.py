@@ -319,9 +319,12 @@ def _field_error(position: int, field: str, message: str) -> ValidationFailed:
     description="Every step is checked like a single write (run active, write set, "
     "If-Match) and the plan is recorded whole or not at all: a step outside the write set "
     "(403), a duplicate resource or more than `AIRLOCK_PLAN_MAX_STEPS` steps (422), a "
-    "stale tag (412, naming the `step`) record nothing. Needs an Idempotency-Key. The plan "
-    "runs at once when every step's class is per-run; one per-call step makes the whole "
-    "plan wait for one approval with the strictest class's quorum. Poll `GET /plans/{id}`.",
+    "stale tag (412, naming the `step`) record nothing. An explicit compensation is checked "
+    "as the write it is: its operation in the write set (403 with `field: compensation`), "
+    "its class counted with the steps'. Needs an Idempotency-Key. The plan runs at once "
+    "when every step's and compensation's class is per-run; one per-call class makes the "
+    "whole plan wait for one approval with the strictest class's quorum. Poll "
+    "`GET /plans/{id}`.",
     openapi_extra={
         "parameters": [
             {

@@ -390,8 +390,10 @@ def plan_propose(
     """Check every step and record the plan whole, in one transaction.
 
     Raises ValidationFailed (422: no steps, too many, a duplicate resource, an HTTP
-    target, a bad compensation), PreconditionRequired (428), RunNotActive (409),
-    Forbidden `not_in_write_set` (403), Leased (423) — each naming the `step` —
+    target, a bad compensation or one with nothing to apply to), PreconditionRequired
+    (428), RunNotActive (409), Forbidden `not_in_write_set` (403: a step, or its
+    compensation — `field: compensation` — outside the write set), Leased (423) — each
+    naming the `step` —
     and the 412 `stale_version` of the first stale step (audited
     `plan.refused_stale`, `on_refused` inside that transaction). Nothing is
     recorded on a refusal. On success `on_recorded` runs inside the transaction.
