@@ -473,3 +473,25 @@ def test_plans_resume_reaches_a_lost_plan_behind_250_plans_parked_on_people(
     plans_resume()
     assert plan_fx.step_action(lost, 1) is not None  # started by the reconciler
     assert Plan.objects.filter(pk__in=[p.pk for p in plans], status="executing").count() == 250
+
+
+def test_ending_the_run_never_reaches_an_unapproved_delete_compensation(
+    api: Any, run: Any, plan_world: Any, rq_worker: Any
+) -> None:
+    """The other way to force a compensation: the agent ends its run while step 2 is
+    held. Deleting a dns record is per-call; today the plan ran at once and the run's
+    end deleted app-a with nobody approving. Now the plan waits for its approval, and
+    the run's end cancels it with nothing written."""
+    from approvals.services.runs import run_finish
+
+    ResourceKind.objects.filter(slug="dns-record").update(class_delete="replace_shared_document")
+    rq_worker()
+    _hold("dns-record/app-b")
+    plan_id = plan_fx.proposed_plan(api, run, _app_a_with_compensation({"method": "DELETE"}))
+    wait_for(lambda: plan_fx.plan_status(plan_id) != "executing" or _paused(plan_id, 2), timeout=30)
+    run_finish(run=run.run, actor=Actor.run(run.run))
+    plan_advance(plan_id=plan_id)
+    wait_for(lambda: plan_fx.plan_status(plan_id) not in ("executing", "compensating"), timeout=30)
+    assert not plan_fx.resource_row("dns-record/app-a").deleted
+    assert plan_fx.resource_row("dns-record/app-a").document == {"ip": "1"}
+    assert plan_fx.plan_status(plan_id) == "cancelled"
