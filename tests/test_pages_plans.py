@@ -100,6 +100,9 @@ def test_the_inbox_shows_a_plan_as_one_card_with_every_step_its_diff_and_compens
     # Each step's compensation: the default undo, or the agent's own write.
     assert card.count("undo (back to the document before this step)") == 2
     assert "PUT <code>{&quot;ip&quot;: &quot;0&quot;}</code>" in card
+    # ... and what each compensation leaves, as a diff against the version observed.
+    assert card.count('class="compensation-diff"') == 3
+    assert 'data-compensation-method="PUT"' in card and "class <code>recompute_field</code>" in card
     # The approval's quorum (the strictest class's) and one form for the whole plan.
     assert f"0 of {approval.quorum} approval" in card
     assert card.count('name="decision" value="approve"') == 1
@@ -208,7 +211,8 @@ def test_a_pending_plan_page_shows_its_approval_and_polls_its_live_part(
     assert f"0 of {approval.quorum} approval" in html and "none yet" in html
     assert f'href="/approvals/#approval-{approval.id}"' in html
     assert html.count('class="plan-step"') == 3 and html.count('data-status="pending"') == 3
-    assert "What it changes (current document → result of this step)" in html
+    assert "What it changes (version 3 the agent observed → result of this step)" in html
+    assert "What it changes (nothing yet → result of this step)" in html
     assert f'hx-get="/plans/{plan.id}/"' in html
     fragment = client.get(f"/plans/{plan.id}/", headers={"HX-Request": "true"})
     assert fragment.status_code == 200  # not final: keep polling

@@ -27,11 +27,17 @@ from approvals.api.longpoll import (
     parse_prefer_wait,
     release_connection,
 )
-from approvals.models import ApprovalStatus, Plan, PlanStep, Run
-from approvals.selectors import plan_detail, plans_visible_to
+from approvals.models import ApprovalStatus, PayloadFormat, Plan, PlanStep, Run
+from approvals.selectors import plan_detail, plan_step_resources, plans_visible_to
 from approvals.services import actions as action_services
 from approvals.services import idempotency, preconditions
-from approvals.services.plans import PlanStepSpec, max_plan_steps, plan_propose
+from approvals.services.plans import (
+    PlanStepSpec,
+    StepPreview,
+    max_plan_steps,
+    plan_propose,
+    plan_step_preview,
+)
 from approvals.services.preconditions import TagCondition, read_condition
 from audit.services import Actor
 from console.api_support import (
@@ -104,8 +110,16 @@ class PlanStepOut(Schema):
     resource: str
     operation: Literal["create", "update", "delete"]
     observed_etag: str | None
+    observed_recorded: bool = Field(
+        ..., description="False when the observed version's document is not on record"
+    )
     conflict_class: str
     status: Literal["pending", "executing", "applied", "refused", "skipped"]
+    document: dict[str, Any] | None = Field(None, description="PUT: the full document")
+    patch: dict[str, Any] | None = Field(None, description="PATCH: the merge patch")
+    diff: list[dict[str, Any]] = Field(
+        ..., description="What the step changes: the version observed -> after the step"
+    )
     action: dict[str, Any] | None
     applied: dict[str, Any] | None
     compensation: dict[str, Any]
@@ -140,7 +154,21 @@ class PlanOut(Schema):
 # --- Serialisation -------------------------------------------------------------------
 
 
-def _step_json(step: PlanStep, conflicts: dict[Any, Any]) -> dict[str, Any]:
+def _compensation_json(step: PlanStep, preview: StepPreview) -> dict[str, Any]:
+    """The compensation as the agent gave it (or the undo), the write it is and its
+    class, and what it leaves as a diff against the version observed."""
+    given = step.compensation if isinstance(step.compensation, dict) else {}
+    return {
+        "method": given.get("method", "undo"),
+        **{key: given[key] for key in ("document", "patch") if key in given},
+        "operation": given.get("operation"),
+        "conflict_class": given.get("conflict_class"),
+        "deletes": preview.compensation_deletes,
+        "diff": preview.compensation_diff,
+    }
+
+
+def _step_json(step: PlanStep, conflicts: dict[Any, Any], preview: StepPreview) -> dict[str, Any]:
     applied = step.applied_operation
     forward_conflict = conflicts.get((step.action_id, ConflictOrigin.WRITE))
     undo_conflict = (
@@ -152,8 +180,12 @@ def _step_json(step: PlanStep, conflicts: dict[Any, Any]) -> dict[str, Any]:
         "resource": step.resource_identifier,
         "operation": step.operation,
         "observed_etag": (None if step.observed_version is None else f'"{step.observed_version}"'),
+        "observed_recorded": preview.observed_recorded,
         "conflict_class": step.conflict_class_id,
         "status": step.status,
+        **({"document": step.payload} if step.payload_format == PayloadFormat.REPLACE else {}),
+        **({"patch": step.payload} if step.payload_format == PayloadFormat.MERGE_PATCH else {}),
+        "diff": preview.diff,
         "action": (
             {"id": str(step.action_id), "url": f"/api/v1/actions/{step.action_id}"}
             if step.action_id
@@ -171,7 +203,7 @@ def _step_json(step: PlanStep, conflicts: dict[Any, Any]) -> dict[str, Any]:
             else None
         ),
         "compensation": {
-            "method": (step.compensation or {}).get("method", "undo"),
+            **_compensation_json(step, preview),
             "status": step.compensation_status or "none",
             "undo_operation": undo_op.pk if undo_op is not None else None,
             "result_version": undo_op.result_version if undo_op is not None else None,
@@ -188,6 +220,7 @@ def _step_json(step: PlanStep, conflicts: dict[Any, Any]) -> dict[str, Any]:
 def plan_json(plan: Plan) -> dict[str, Any]:
     detail = plan_detail(plan)
     approval = detail["approval"]
+    resources = plan_step_resources(detail["steps"])
     return {
         "id": str(plan.pk),
         "url": f"/api/v1/plans/{plan.pk}",
@@ -211,7 +244,14 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             if approval is not None
             else None
         ),
-        "steps": [_step_json(step, detail["conflicts"]) for step in detail["steps"]],
+        "steps": [
+            _step_json(
+                step,
+                detail["conflicts"],
+                plan_step_preview(step, resources.get((step.kind_id, step.name))),
+            )
+            for step in detail["steps"]
+        ],
         "created_at": plan.created_at.isoformat(),
         "updated_at": plan.updated_at.isoformat(),
         "ended_at": plan.ended_at.isoformat() if plan.ended_at else None,
@@ -279,9 +319,12 @@ def _field_error(position: int, field: str, message: str) -> ValidationFailed:
     description="Every step is checked like a single write (run active, write set, "
     "If-Match) and the plan is recorded whole or not at all: a step outside the write set "
     "(403), a duplicate resource or more than `AIRLOCK_PLAN_MAX_STEPS` steps (422), a "
-    "stale tag (412, naming the `step`) record nothing. Needs an Idempotency-Key. The plan "
-    "runs at once when every step's class is per-run; one per-call step makes the whole "
-    "plan wait for one approval with the strictest class's quorum. Poll `GET /plans/{id}`.",
+    "stale tag (412, naming the `step`) record nothing. An explicit compensation is checked "
+    "as the write it is: its operation in the write set (403 with `field: compensation`), "
+    "its class counted with the steps'. Needs an Idempotency-Key. The plan runs at once "
+    "when every step's and compensation's class is per-run; one per-call class makes the "
+    "whole plan wait for one approval with the strictest class's quorum. Poll "
+    "`GET /plans/{id}`.",
     openapi_extra={
         "parameters": [
             {

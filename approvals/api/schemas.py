@@ -174,7 +174,11 @@ class ApprovalItem(Schema):
     steps: list[dict[str, Any]] | None = Field(
         None,
         description="A plan approval: every step (resource, operation, class, diff against "
-        "the resource now, compensation); `quorum` is the strictest class's",
+        "the resource now, compensation method; its `document` or `patch` and "
+        "`observed_diff` against the version observed; `compensation_write`: the "
+        "compensation's method, document or patch, operation, class, `deletes` and `diff` "
+        "against the version observed); `quorum` is the strictest class's, compensations' "
+        "classes included",
     )
     agent: str
     task: str

@@ -30,6 +30,7 @@ from approvals.models import (
     Run,
 )
 from approvals.selectors import plan_step_resources
+from approvals.services.plans import plan_step_preview
 from approvals.services.runs import run_effective_status
 from approvals.services.undo import undo_status
 from console.api_support import iso, json_bytes, json_response
@@ -378,6 +379,28 @@ def _approval_plan_step(step: PlanStep, resource: Resource | None) -> dict[str, 
             for row in three_way_diff(current, current, proposed_document(step, current))
         ],
         "compensation": (step.compensation or {}).get("method", "undo"),
+        **_approval_plan_step_writes(step, resource),
+    }
+
+
+def _approval_plan_step_writes(step: PlanStep, resource: Resource | None) -> dict[str, Any]:
+    """What the approver approves of a step beyond its diff against the resource now:
+    its document or patch, and its compensation's (the write it is, its class), each
+    as a diff against the version the agent observed (approvals/services/plans.py)."""
+    preview = plan_step_preview(step, resource)
+    given = step.compensation if isinstance(step.compensation, dict) else {}
+    payload_key = {"replace": "document", "merge_patch": "patch"}.get(step.payload_format)
+    return {
+        **({payload_key: step.payload} if payload_key else {}),
+        "observed_diff": preview.diff,
+        "compensation_write": {
+            "method": given.get("method", "undo"),
+            **{key: given[key] for key in ("document", "patch") if key in given},
+            "operation": given.get("operation"),
+            "conflict_class": given.get("conflict_class"),
+            "deletes": preview.compensation_deletes,
+            "diff": preview.compensation_diff,
+        },
     }
 
 

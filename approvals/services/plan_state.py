@@ -1,8 +1,10 @@
-"""A plan row's moves: the one UPDATE of a plan, and the end of plans that never ran.
+"""A plan row's moves: the one UPDATE of a plan, its engine's events, and the end of
+plans that never ran.
 
 Below both `approvals.services.plans` and `approvals.services.runs` (plans imports runs),
 so a run's end and a plan approval's rejection or expiry end a waiting plan by the same
-rule, and the engine and the decisions move a plan's ETag the same way.
+rule, and the engine (plan_engine, plan_compensation) and the decisions move a plan's
+ETag the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,37 @@ from django.utils import timezone
 
 from approvals.models import Approval, Plan, PlanStatus, PlanStep, PlanStepStatus
 from approvals.notify import notify_run_changed
+from audit.services import Actor, audit_append
+
+# Who the trail names for the engine's moves.
+PLAN_ENGINE = Actor.system("plan-engine")
+
+
+def plan_event(plan: Plan, event_type: str, step: PlanStep | None, **details: Any) -> None:
+    """An engine event about `plan` (and `step`: its position, resource and action),
+    in the caller's transaction. It marks the plan changed (`revision` + 1 on the
+    instance): the engine moves the row's ETag once, when it commits the move."""
+    action_id = None
+    if step is not None:
+        action_id = step.action_id
+        details = {"step": step.position, **details}
+    audit_append(
+        event_type=event_type,
+        actor=PLAN_ENGINE,
+        resource=step.resource_identifier if step is not None else "",
+        run_id=plan.run_id,
+        action_id=action_id,
+        details={"plan": str(plan.pk), **details},
+    )
+    plan.revision += 1
+
+
+def plan_end(plan: Plan, status: str, **details: Any) -> None:
+    """The plan ends as `status` (applied, compensated, or partially compensated while a
+    person decides), audited `plan.ended`."""
+    Plan.objects.filter(pk=plan.pk).update(status=status, ended_at=timezone.now())
+    plan.status = status
+    plan_event(plan, "plan.ended", None, status=status, error=plan.error, **details)
 
 
 def _touch(plans: QuerySet[Plan], *, run_id: Any, **fields: Any) -> int:

@@ -7,9 +7,15 @@ explicit conditional write. Everything is checked and recorded in one transactio
 before anything executes; a refusal (outside the write set, a duplicate resource,
 more than `AIRLOCK_PLAN_MAX_STEPS` steps, a stale tag) records nothing.
 
-A plan whose steps are all per-run classes runs at once (the run's approval covers
-them); one per-call step makes the whole plan wait for one approval whose quorum,
-separation of duties and TTL are the strictest among its steps' classes.
+An explicit compensation is a write like any other and is checked as the write it
+is (docs/plans-compensation.md): the run's write set must cover its operation (a
+DELETE compensation needs `delete` on that resource), and its conflict class — the
+kind's class for that operation — counts with the steps' classes. A plan whose steps
+and explicit compensations are all per-run classes runs at once (the run's approval
+covers them); one per-call class among them makes the whole plan wait for one
+approval whose quorum, separation of duties and TTL are the strictest among them,
+and whose approvers see every step's and every compensation's document as a diff
+against the version observed (`plan_step_previews`).
 Execution, compensation and crash recovery are approvals/services/plan_engine.py.
 """
 
@@ -49,7 +55,8 @@ from approvals.services.runs import run_status_for_share
 from approvals.services.write_sets import lock_kinds
 from audit.services import Actor, audit_append, audit_deferred
 from console.core.errors import DomainError, ValidationFailed
-from ownership.models import ApprovalMode, ConflictClass, Resource, TargetType
+from ownership.diff import apply_merge_patch, document_diff, proposed_document
+from ownership.models import ApprovalMode, ConflictClass, Resource, ResourceVersion, TargetType
 
 COMPENSATION_METHODS = ("PUT", "PATCH", "DELETE")
 
@@ -73,16 +80,33 @@ def _step_error(position: int, field: str, message: str) -> ValidationFailed:
     )
 
 
+def compensation_operation(step_operation: str, method: str) -> str:
+    """The write an explicit compensation is, against what the step leaves behind:
+    DELETE deletes; a PUT after a step that deleted creates the resource again;
+    any other PUT or PATCH updates."""
+    if method == "DELETE":
+        return "delete"
+    return "create" if step_operation == "delete" and method == "PUT" else "update"
+
+
 def _check_compensation(position: int, spec: PlanStepSpec) -> None:
     """An explicit compensation is a method with what it needs (PUT: a document,
-    PATCH: a merge patch, DELETE: nothing); a created resource's is the delete
-    (its undo) unless given."""
+    PATCH: a merge patch, DELETE: nothing) that can apply to what the step leaves
+    (after a delete, only a PUT); a created resource's is the delete (its undo)
+    unless given."""
     compensation = spec.compensation
     if compensation is None:
         return
     method = compensation.get("method")
     if method not in COMPENSATION_METHODS:
         raise _step_error(position, "compensation.method", "must be PUT, PATCH or DELETE")
+    if spec.proposal.operation == "delete" and method != "PUT":
+        raise _step_error(
+            position,
+            "compensation.method",
+            f"the step deletes the resource: {method} has nothing to apply to (use PUT, or "
+            "leave the compensation out to undo the delete)",
+        )
     needs = {"PUT": "document", "PATCH": "patch"}.get(str(method))
     for key in compensation:
         if key not in ("method", "document", "patch"):
@@ -148,18 +172,27 @@ def _lock_and_check_authority(run: Run, steps: Sequence[PlanStepSpec]) -> None:
     for kind, name in sorted({(p.kind.slug, p.name) for p in proposals}):
         lock_resource_for_proposal(kind, name)
     status = run_status_for_share(run.pk)
-    for position, proposal in enumerate(proposals, start=1):
-        try:
-            authority_check_locked(
-                run=run,
-                status=status,
-                kind=proposal.kind.slug,
-                name=proposal.name,
-                operation=proposal.operation,
-            )
-        except DomainError as error:
-            error.extra = {**(error.extra or {}), "step": position}
-            raise
+    for position, spec in enumerate(steps, start=1):
+        proposal = spec.proposal
+        writes = [("", proposal.operation)]
+        if spec.compensation is not None:
+            method = str(spec.compensation["method"])
+            writes.append(("compensation", compensation_operation(proposal.operation, method)))
+        for field, operation in writes:
+            try:
+                authority_check_locked(
+                    run=run,
+                    status=status,
+                    kind=proposal.kind.slug,
+                    name=proposal.name,
+                    operation=operation,
+                )
+            except DomainError as error:
+                where = {"step": position, **({"field": field} if field else {})}
+                error.extra = {**(error.extra or {}), **where}
+                if field:
+                    error.message = f"step {position}, its compensation: {error.message}"
+                raise
 
 
 def _observed_versions(steps: Sequence[PlanStepSpec]) -> list[int | None] | DomainError:
@@ -193,12 +226,36 @@ def _strictest(classes: Sequence[ConflictClass]) -> dict[str, Any]:
 
 
 def _plan_classes(plan: Plan) -> list[ConflictClass]:
-    """The distinct conflict classes of a plan's steps, by slug."""
-    classes = {
-        step.conflict_class.slug: step.conflict_class
-        for step in plan.steps.select_related("conflict_class")
-    }
+    """The distinct conflict classes of a plan's steps and of their explicit
+    compensations (as recorded at proposal), by slug."""
+    classes: dict[str, ConflictClass] = {}
+    compensation_slugs: set[str] = set()
+    for step in plan.steps.select_related("conflict_class"):
+        classes[step.conflict_class.slug] = step.conflict_class
+        slug = (step.compensation or {}).get("conflict_class")
+        if slug and slug not in classes:
+            compensation_slugs.add(str(slug))
+    for cls in ConflictClass.objects.filter(slug__in=compensation_slugs - set(classes)):
+        classes[cls.slug] = cls
     return [classes[slug] for slug in sorted(classes)]
+
+
+def _recorded_compensation(
+    spec: PlanStepSpec,
+) -> tuple[dict[str, Any] | None, ConflictClass | None]:
+    """The compensation as recorded (the agent's fields, plus the write it is and its
+    class at proposal) and that class; (None, None) for the default undo."""
+    if spec.compensation is None:
+        return None, None
+    proposal = spec.proposal
+    operation = compensation_operation(proposal.operation, str(spec.compensation["method"]))
+    cls = proposal.kind.class_for(operation)
+    recorded = {
+        **copy.deepcopy(spec.compensation),
+        "operation": operation,
+        "conflict_class": cls.slug,
+    }
+    return recorded, cls
 
 
 def plan_escalation_group(plan_id: uuid.UUID) -> str:
@@ -227,7 +284,10 @@ def _record(
     idempotency_key: str,
 ) -> Plan:
     classes = [spec.proposal.kind.class_for(spec.proposal.operation) for spec in steps]
-    needs_approval = any(c.approval_mode == ApprovalMode.PER_CALL for c in classes)
+    compensations = [_recorded_compensation(spec) for spec in steps]
+    # A compensation is a write like any other: its class counts with the steps'.
+    every_class = classes + [cls for _, cls in compensations if cls is not None]
+    needs_approval = any(c.approval_mode == ApprovalMode.PER_CALL for c in every_class)
     plan = Plan.objects.create(
         run=run,
         agent_id=run.agent_id,
@@ -242,7 +302,7 @@ def _record(
             **spec.proposal.columns(
                 observed_version=observed[position - 1], conflict_class=classes[position - 1]
             ),
-            compensation=copy.deepcopy(spec.compensation),
+            compensation=compensations[position - 1][0],
         )
         for position, spec in enumerate(steps, start=1)
     )
@@ -259,7 +319,7 @@ def _record(
                     "operation": spec.proposal.operation,
                     "observed_version": observed[position - 1],
                     "conflict_class": classes[position - 1].slug,
-                    "compensation": (spec.compensation or {}).get("method", "undo"),
+                    "compensation": _compensation_summary(compensations[position - 1]),
                 }
                 for position, spec in enumerate(steps, start=1)
             ],
@@ -269,11 +329,27 @@ def _record(
         },
     )
     if needs_approval:
-        _approval_open_for_plan(plan, classes)
+        _approval_open_for_plan(plan, every_class)
     else:
         plan_id = plan.pk
         transaction.on_commit(lambda: enqueue_plan_advance(plan_id))
     return plan
+
+
+def _compensation_summary(
+    compensation: tuple[dict[str, Any] | None, ConflictClass | None],
+) -> dict[str, Any]:
+    """What the trail records of a step's compensation: the method, the write it is
+    and its class (the document itself is on the step, the trail keeps the shape)."""
+    recorded, cls = compensation
+    if recorded is None or cls is None:
+        return {"method": "undo"}
+    return {
+        "method": recorded["method"],
+        "operation": recorded["operation"],
+        "conflict_class": cls.slug,
+        "approval_mode": cls.approval_mode,
+    }
 
 
 def _approval_open_for_plan(plan: Plan, classes: Sequence[ConflictClass]) -> Approval:
@@ -314,8 +390,10 @@ def plan_propose(
     """Check every step and record the plan whole, in one transaction.
 
     Raises ValidationFailed (422: no steps, too many, a duplicate resource, an HTTP
-    target, a bad compensation), PreconditionRequired (428), RunNotActive (409),
-    Forbidden `not_in_write_set` (403), Leased (423) — each naming the `step` —
+    target, a bad compensation or one with nothing to apply to), PreconditionRequired
+    (428), RunNotActive (409), Forbidden `not_in_write_set` (403: a step, or its
+    compensation — `field: compensation` — outside the write set), Leased (423) — each
+    naming the `step` —
     and the 412 `stale_version` of the first stale step (audited
     `plan.refused_stale`, `on_refused` inside that transaction). Nothing is
     recorded on a refusal. On success `on_recorded` runs inside the transaction.
@@ -347,6 +425,65 @@ def plan_propose(
         if on_refused is not None:
             on_refused(refused)
     raise refused
+
+
+# --- What approvers see --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPreview:
+    """A step and its compensation as diffs against the version the agent observed
+    (a create observed nothing: `{}`). `observed_recorded` is False when that version's
+    document is not on record (a seeded resource): the diffs are then against `{}`."""
+
+    observed_document: dict[str, Any]
+    observed_recorded: bool
+    result: dict[str, Any]  # the document after the step ({} once deleted)
+    diff: list[dict[str, Any]]  # observed -> after the step
+    compensation_result: dict[str, Any]  # after the compensation ({} once deleted)
+    compensation_deletes: bool
+    compensation_diff: list[dict[str, Any]]  # observed -> after the compensation
+
+
+def _observed_document(step: PlanStep, resource: Resource | None) -> tuple[dict[str, Any], bool]:
+    if step.observed_version is None:
+        return {}, True
+    if resource is None:
+        return {}, False
+    if resource.version == step.observed_version:
+        live = resource.document if isinstance(resource.document, dict) else {}
+        return ({} if resource.deleted else copy.deepcopy(live)), True
+    row = ResourceVersion.objects.filter(resource=resource, version=step.observed_version).first()
+    if row is None:
+        return {}, False
+    return ({} if row.deleted or not isinstance(row.document, dict) else row.document), True
+
+
+def plan_step_preview(step: PlanStep, resource: Resource | None) -> StepPreview:
+    """What `step` writes and what its compensation writes, each as a diff against the
+    version observed (`resource`: the step's resource as it is now, None if absent)."""
+    observed, recorded = _observed_document(step, resource)
+    result = proposed_document(step, observed)
+    compensation = step.compensation if isinstance(step.compensation, dict) else None
+    method = (compensation or {}).get("method")
+    if compensation is None:  # the undo: back to the observed version (a create: deleted)
+        after, deletes = copy.deepcopy(observed), step.observed_version is None
+    elif method == "DELETE":
+        after, deletes = {}, True
+    elif method == "PUT":
+        after, deletes = copy.deepcopy(compensation.get("document") or {}), False
+    else:
+        patched = apply_merge_patch(result, compensation.get("patch") or {})
+        after, deletes = (patched if isinstance(patched, dict) else {}), False
+    return StepPreview(
+        observed_document=observed,
+        observed_recorded=recorded,
+        result=result,
+        diff=document_diff(observed, result),
+        compensation_result={} if deletes else after,
+        compensation_deletes=deletes,
+        compensation_diff=document_diff(observed, {} if deletes else after),
+    )
 
 
 # --- The plan's approval, decided by approvals.services.decisions -------------

@@ -8,7 +8,8 @@ from typing import Any
 
 from approvals.models import PlanStep, PlanStepStatus
 from approvals.selectors import plan_step_resources
-from ownership.diff import document_diff, proposed_document
+from approvals.services.plans import StepPreview, plan_step_preview
+from ownership.diff import document_diff
 from ownership.models import Conflict, ConflictOrigin, Resource, ResourceVersion
 
 
@@ -22,14 +23,13 @@ class StepRow:
     diff_label: str
     compensation_method: str  # "undo" (the default) or the agent's PUT/PATCH/DELETE
     compensation_payload: Any
+    compensation_class: str  # an explicit compensation's class ("" for the undo)
+    # What the compensation leaves, against the version the agent observed.
+    compensation_diff: list[dict[str, Any]]
+    compensation_deletes: bool
+    observed_recorded: bool
     forward_conflict: Conflict | None
     undo_conflict: Conflict | None
-
-
-def _live_document(resource: Resource | None) -> dict[str, Any]:
-    if resource is None or resource.deleted or not isinstance(resource.document, dict):
-        return {}
-    return resource.document
 
 
 def _version_document(resource: Resource | None, version: int | None) -> dict[str, Any] | None:
@@ -42,10 +42,11 @@ def _version_document(resource: Resource | None, version: int | None) -> dict[st
     return {} if row.deleted or not isinstance(row.document, dict) else row.document
 
 
-def _diff(step: PlanStep, resource: Resource | None) -> tuple[list[dict[str, Any]], str]:
+def _diff(
+    step: PlanStep, resource: Resource | None, preview: StepPreview
+) -> tuple[list[dict[str, Any]], str]:
     """An applied step shows what it changed (its base version → its result); any
-    other step shows its payload against the document now, which is what it would
-    write over if it ran."""
+    other step shows its payload against the version the agent observed."""
     applied = step.applied_operation
     if step.status == PlanStepStatus.APPLIED and applied is not None:
         after = _version_document(resource, applied.result_version)
@@ -53,11 +54,11 @@ def _diff(step: PlanStep, resource: Resource | None) -> tuple[list[dict[str, Any
             before = _version_document(resource, applied.base_version) or {}
             label = f"What it changed (version {applied.base_version or '(none)'} → "
             return document_diff(before, after), f"{label}{applied.result_version})"
-    current = _live_document(resource)
-    return (
-        document_diff(current, proposed_document(step, current)),
-        "What it changes (current document → result of this step)",
+    observed = step.observed_version
+    label = "What it changes (" + (
+        f"version {observed} the agent observed" if observed is not None else "nothing yet"
     )
+    return preview.diff, f"{label} → result of this step)"
 
 
 def plan_step_rows(
@@ -72,7 +73,8 @@ def plan_step_rows(
         resource = resources.get((step.kind_id, step.name))
         current_version = resource.version if resource is not None else None
         applied = step.applied_operation
-        diff, label = _diff(step, resource)
+        preview = plan_step_preview(step, resource)
+        diff, label = _diff(step, resource, preview)
         compensation = step.compensation or {}
         rows.append(
             StepRow(
@@ -86,6 +88,10 @@ def plan_step_rows(
                 diff_label=label,
                 compensation_method=str(compensation.get("method", "undo")),
                 compensation_payload=compensation.get("document", compensation.get("patch")),
+                compensation_class=str(compensation.get("conflict_class") or ""),
+                compensation_diff=preview.compensation_diff,
+                compensation_deletes=preview.compensation_deletes,
+                observed_recorded=preview.observed_recorded,
                 forward_conflict=found.get((step.action_id, ConflictOrigin.WRITE)),
                 undo_conflict=(
                     found.get((applied.action_id, ConflictOrigin.UNDO))

@@ -199,15 +199,21 @@ def conflict_open_for_undo(
     undone_operation: Operation,
     requested_by: str,
     undo_operation: Operation | None = None,
+    base_version: int | None = None,
+    conflict_class: ConflictClass | None = None,
 ) -> Conflict:
     """An undo that found a later write: a person decides (caller's transaction).
 
     base = the version the action produced, current = now, proposed = the
-    document from before the action (what the undo would restore).
+    document from before the action (what the undo would restore). A plan's
+    compensation that waits for a person names its own `base_version` (before the
+    step; 0: nothing, the step created the resource) and `conflict_class` (the class
+    of the write the compensation is).
     """
-    cls = action.conflict_class
+    cls = conflict_class or action.conflict_class
     group = resolver_group(cls.resolver, resource.owner_group) or resource.owner_group
-    base_version = undone_operation.result_version or resource.version
+    if base_version is None:
+        base_version = undone_operation.result_version or resource.version
     base = _document_at(resource, base_version)
     current = copy.deepcopy(resource.document) if not resource.deleted else {}
     proposed = _undo_target_document(resource, undone_operation, undo_operation)
