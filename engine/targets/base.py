@@ -233,6 +233,12 @@ def read_credentials(env_name: str) -> str:
     return value
 
 
+def child_environment(*, drop_prefix: str) -> dict[str, str]:
+    """This process's environment for a child process (the `git` command), without the
+    variables that start with `drop_prefix` (a stray GIT_DIR must not redirect a write)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop_prefix)}
+
+
 def refuse_unknown_settings(settings: Mapping[str, Any], known: Iterable[str]) -> None:
     extra = sorted(set(settings) - set(known))
     if extra:

@@ -54,6 +54,7 @@ from engine.targets.base import (
     TargetConfigError,
     TargetError,
     WriteResult,
+    child_environment,
     refuse_unknown_settings,
 )
 
@@ -130,9 +131,7 @@ class GitTarget:
     def _git(
         self, *args: str, stdin: bytes | None = None, env: Mapping[str, str] | None = None
     ) -> subprocess.CompletedProcess[bytes]:
-        full_env = {
-            k: v for k, v in os.environ.items() if not k.startswith("GIT_") or k == "GIT_EXEC_PATH"
-        }
+        full_env = child_environment(drop_prefix="GIT_")
         full_env.update(env or {})
         try:
             return subprocess.run(
