@@ -387,3 +387,41 @@ def test_a_credential_never_appears_in_errors_or_logs(
 def test_bad_settings_are_refused(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(TargetConfigError, match=message):
         HttpEtagSettings.from_settings(settings)
+
+
+def test_todays_http_dialect_is_this_adapter_with_both_headers_honoured() -> None:
+    """tests/targetserver.py speaks today's `http` kind (integer tags, our Idempotency-Key
+    and Fencing-Token): the adapter with both flags on governs it, fence and replay included."""
+    from tests.targetserver import TargetServer  # reason: the project's own test target
+
+    server = TargetServer().start()
+    try:
+        target = HttpEtagTarget(
+            HttpEtagSettings.from_settings(
+                {
+                    "base_url": server.url,
+                    "honours_idempotency_key": True,
+                    "honours_fencing_token": True,
+                    "timeout": 1,
+                }
+            )
+        )
+        assert target.capabilities.holds_fence and target.capabilities.takes_idempotency_key
+        assert target.create("a", {"n": 1}, fence=5, idempotency_key="k1").version == "1"
+        zombie = target.write("a", {"n": 9}, expected_version="1", fence=4, idempotency_key="k2")
+        assert zombie.outcome is Outcome.FENCED and zombie.current is not None
+        server.fail_next(503)
+        busy = target.write("a", {"n": 2}, expected_version="1", fence=6, idempotency_key="k3")
+        assert busy.outcome is Outcome.LOCKED and busy.retry_after == 0
+        server.hang_after_apply(2)
+        lost = target.write("a", {"n": 2}, expected_version="1", fence=6, idempotency_key="k3")
+        assert lost.outcome is Outcome.UNKNOWN
+        # With a key the target honours, replaying it settles the unknown write: no new effect.
+        effects = server.effects
+        replay = target.write("a", {"n": 2}, expected_version="1", fence=6, idempotency_key="k3")
+        assert replay.applied and replay.version == "2" and server.effects == effects
+        stale = target.write("a", {"n": 3}, expected_version="1", fence=7, idempotency_key="k4")
+        assert stale.outcome is Outcome.STALE and stale.current is not None
+        assert stale.current.document == {"n": 2}
+    finally:
+        server.stop()
