@@ -439,3 +439,12 @@ def test_a_missing_credentials_variable_is_not_sent(
     monkeypatch.delenv(ENV)
     result = _target(table).write("a", {}, expected_version="1", fence=1, idempotency_key=_key())
     assert result.outcome is Outcome.NOT_SENT and ENV in result.detail
+
+
+def test_a_document_that_is_not_json_fails_without_a_statement(table: str) -> None:
+    target = _target(table)
+    v1 = _seed(target, "j", {"a": 1})
+    for document in ({"a": float("nan")}, {"a": {1, 2}}):
+        result = target.write("j", document, expected_version=v1, fence=2, idempotency_key=_key())
+        assert result.outcome is Outcome.FAILED and "not JSON" in result.detail
+    assert target.read("j").version == v1

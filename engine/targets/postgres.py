@@ -30,6 +30,7 @@ a table Airlock governs for long should have its own version column.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Mapping
@@ -208,6 +209,10 @@ class PostgresTarget:
         """The document's columns and their values (bound), or TargetError when the
         document does not fit the mapping."""
         s = self.settings
+        try:
+            json.dumps(document, allow_nan=False)
+        except (TypeError, ValueError):
+            raise TargetError("the document is not JSON") from None
         if s.document_column:
             return [sql.Identifier(s.document_column)], [Jsonb(document)]
         if not isinstance(document, dict):
@@ -274,7 +279,7 @@ class PostgresTarget:
         detail = scrub(f"{type(exc).__name__}: {exc}", secrets)
         if exc.sqlstate in _BUSY_STATES:
             return WriteResult(Outcome.LOCKED, detail=detail)
-        if exc.sqlstate is None or isinstance(exc, psycopg.OperationalError):
+        if isinstance(exc, psycopg.OperationalError):
             # The connection broke with the statement sent: it may have committed.
             return WriteResult(Outcome.UNKNOWN, detail=detail)
         return WriteResult(Outcome.FAILED, detail=detail)
