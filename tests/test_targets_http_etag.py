@@ -1,31 +1,39 @@
-"""The HTTP/ETag adapter (engine/targets/http_etag.py) against WsgiDAV — a WebDAV server
-from PyPI that no one here wrote — run as its own process on a loopback port, with HTTP
-Basic authentication on, serving a temporary folder.
+"""The HTTP/ETag adapter (engine/targets/http_etag.py) against real third-party WebDAV
+servers no one here wrote, each in its own process on a loopback port with HTTP Basic
+authentication on, serving a temporary folder:
 
-What WsgiDAV gives, checked here first: quoted (strong-form) ETags, If-Match and
-If-None-Match: * honoured with 412. What it does not: its tag is inode-mtime-size with the
-mtime in whole seconds, so a same-size write within one second keeps the tag
-(`test_finding_...`). The collision tests therefore let the clock tick to a new second
-before the write that must move the tag, and say so.
+- WsgiDAV (PyPI, the dev extra). It sends quoted (strong-form) ETags and honours If-Match and
+  If-None-Match: * with 412 — but its tag is inode-mtime-size with the mtime in whole
+  seconds, so a same-size write within one second keeps the tag (`test_finding_...`).
+- Apache httpd's mod_dav (Debian's `apache2`; skipped where it is not installed or we are
+  not root). Its tag is size-mtime in microseconds, and it marks a file changed within the
+  last second with a WEAK tag: the adapter refuses those and reads back until the tag is
+  strong (`readback_seconds`).
 
-A timeout after sending is produced for real: the server process is stopped (SIGSTOP), so
-the kernel accepts the connection and the request, and no answer comes; it is then
-continued (the write lands: applied once) or killed and restarted (it never lands).
+Every test that needs the tag to have moved lets a full second pass after the seed, and
+says so. A timeout after sending is produced for real: the server's process group is stopped
+(SIGSTOP) so the kernel accepts the connection and the request and no answer comes; it is
+then continued (the write lands: applied once) or killed and restarted (it never lands).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
 import logging
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
@@ -49,8 +57,9 @@ from engine.targets.http_etag import VERSION_DID_NOT_MOVE, HttpEtagSettings, Htt
 ENV = "AIRLOCK_TEST_DAV_CREDENTIALS"
 USER, PASSWORD = "alice", "Dav-Sekr1t-Pass"
 WSGIDAV = Path(sys.executable).with_name("wsgidav")
-
-pytestmark = pytest.mark.skipif(not WSGIDAV.exists(), reason="wsgidav is in the dev extra")
+APACHE = shutil.which("apache2") or "/usr/sbin/apache2"
+APACHE_MODULES = Path("/usr/lib/apache2/modules")
+HAVE_APACHE = Path(APACHE).exists() and APACHE_MODULES.is_dir() and os.geteuid() == 0
 
 
 def _free_port() -> int:
@@ -61,10 +70,12 @@ def _free_port() -> int:
 
 @dataclass
 class Dav:
+    kind: str
     root: Path
     port: int
-    config: Path
+    command: list[str]
     process: subprocess.Popen[bytes] | None = None
+    scratch: list[Path] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -72,9 +83,10 @@ class Dav:
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            [str(WSGIDAV), "-c", str(self.config)],
+            self.command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: stopped and killed whole
         )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -83,17 +95,27 @@ class Dav:
                     return
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError("WsgiDAV did not start")
+        raise RuntimeError(f"{self.kind} did not start")
+
+    def _signal(self, signum: int) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signum)
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.kill()
+            with contextlib.suppress(ProcessLookupError):  # already gone
+                self._signal(signal.SIGKILL)
             self.process.wait(10)
             self.process = None
 
 
-@pytest.fixture
-def dav(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dav]:
+def _wsgidav(tmp_path: Path) -> Dav:
     root = tmp_path / "share"
     root.mkdir()
     port = _free_port()
@@ -116,13 +138,100 @@ simple_dc:
         password: "{PASSWORD}"
 """
     )
-    server = Dav(root, port, config)
+    return Dav("wsgidav", root, port, [str(WSGIDAV), "-c", str(config)])
+
+
+def _apache() -> Dav:
+    # Outside pytest's private tmp folder: the server's workers run as www-data.
+    base = Path(tempfile.mkdtemp(prefix="airlock-apache-"))
+    base.chmod(0o755)
+    root, locks = base / "share", base / "locks"
+    for folder in (root, locks):
+        folder.mkdir()
+        shutil.chown(folder, "www-data", "www-data")
+    digest = base64.b64encode(hashlib.sha1(PASSWORD.encode()).digest()).decode()  # noqa: S324
+    (base / "htpasswd").write_text(f"{USER}:{{SHA}}{digest}\n")
+    port = _free_port()
+    modules = "\n".join(
+        f"LoadModule {name}_module {APACHE_MODULES}/mod_{name}.so"
+        for name in (
+            "mpm_event",
+            "authz_core",
+            "authn_core",
+            "authn_file",
+            "authz_user",
+            "auth_basic",
+            "dav",
+            "dav_fs",
+        )
+    )
+    (base / "httpd.conf").write_text(
+        f"""ServerRoot {base}
+ServerName localhost
+Listen 127.0.0.1:{port}
+PidFile {base}/httpd.pid
+ErrorLog {base}/error.log
+User www-data
+Group www-data
+{modules}
+DAVLockDB {locks}/DavLock
+DocumentRoot {root}
+<Directory {root}>
+  Dav On
+  AuthType Basic
+  AuthName "airlock-test"
+  AuthBasicProvider file
+  AuthUserFile {base}/htpasswd
+  Require valid-user
+</Directory>
+"""
+    )
+    dav = Dav("apache", root, port, [APACHE, "-f", str(base / "httpd.conf"), "-DFOREGROUND"])
+    dav.scratch.append(base)
+    return dav
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("wsgidav", marks=pytest.mark.skipif(not WSGIDAV.exists(), reason="dev extra")),
+        pytest.param(
+            "apache",
+            marks=pytest.mark.skipif(
+                not HAVE_APACHE, reason="Debian's apache2 is not installed (or not root)"
+            ),
+        ),
+    ]
+)
+def dav(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Dav]:
+    server = _wsgidav(tmp_path) if request.param == "wsgidav" else _apache()
+    yield from _running(server, monkeypatch)
+
+
+@pytest.fixture
+def wsgidav(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dav]:
+    if not WSGIDAV.exists():
+        pytest.skip("wsgidav is in the dev extra")
+    yield from _running(_wsgidav(tmp_path), monkeypatch)
+
+
+@pytest.fixture
+def apache(monkeypatch: pytest.MonkeyPatch) -> Iterator[Dav]:
+    if not HAVE_APACHE:
+        pytest.skip("Debian's apache2 is not installed (or not root)")
+    yield from _running(_apache(), monkeypatch)
+
+
+def _running(server: Dav, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dav]:
     server.start()
     monkeypatch.setenv(ENV, f"{USER}:{PASSWORD}")
-    yield server
-    if server.process is not None and server.process.poll() is None:
-        server.process.send_signal(signal.SIGCONT)
-    server.stop()
+    try:
+        yield server
+    finally:
+        server.stop()
+        for folder in server.scratch:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _target(dav: Dav, **extra: Any) -> HttpEtagTarget:
@@ -134,22 +243,19 @@ def _key() -> str:
     return f"airlock-action-{uuid.uuid4()}"
 
 
-def _next_second() -> None:
-    """WsgiDAV's tag moves with the file's mtime in whole seconds: start a fresh one."""
-    time.sleep(1.02 - (time.time() % 1.0))
-
-
 def _seed(target: HttpEtagTarget, name: str, document: Any) -> str:
     created = target.create(name, document, fence=1, idempotency_key=_key())
     assert created.outcome is Outcome.APPLIED, created
     assert created.version is not None
-    _next_second()
+    # A full second, so the next write moves the tag on both servers (WsgiDAV: a new mtime
+    # second; Apache: the file is no longer "just changed").
+    time.sleep(1.05)
     return created.version
 
 
-def test_wsgidav_sends_strong_tags_and_honours_the_preconditions(dav: Dav) -> None:
+def test_wsgidav_sends_strong_tags_and_honours_the_preconditions(wsgidav: Dav) -> None:
     auth = (USER, PASSWORD)
-    with httpx.Client(base_url=dav.url, auth=auth) as client:
+    with httpx.Client(base_url=wsgidav.url, auth=auth) as client:
         assert (
             client.put("/a.json", content=b"{}", headers={"If-None-Match": "*"}).status_code == 201
         )
@@ -163,11 +269,39 @@ def test_wsgidav_sends_strong_tags_and_honours_the_preconditions(dav: Dav) -> No
         assert client.get("/a.json", auth=None).status_code == 401
 
 
-def test_finding_wsgidav_tag_can_stay_put_across_a_same_size_write(dav: Dav) -> None:
+def test_apache_tags_a_just_changed_file_weak_and_the_adapter_waits_or_refuses(
+    apache: Dav,
+) -> None:
+    """Apache honours the preconditions too, sends no tag with a PUT's answer, and tags a
+    file changed within the last second as weak — which no precondition may rest on."""
+    auth = (USER, PASSWORD)
+    with httpx.Client(base_url=apache.url, auth=auth) as client:
+        created = client.put("/a.json", content=b"{}", headers={"If-None-Match": "*"})
+        assert created.status_code == 201 and "etag" not in created.headers
+        weak = client.get("/a.json").headers["etag"]
+        assert weak.startswith('W/"')
+        # A weak tag never matches an If-Match (strong comparison): no blind write through it.
+        assert client.put("/a.json", content=b"[]", headers={"If-Match": weak}).status_code == 412
+        assert (
+            client.put("/a.json", content=b"{}", headers={"If-None-Match": "*"}).status_code == 412
+        )
+        assert client.get("/a.json", auth=None).status_code == 401
+    impatient = _target(apache, readback_seconds=0)
+    with pytest.raises(WeakValidator, match="weak"):
+        impatient.read("a.json")
+    made = impatient.create("b.json", {"b": 1}, fence=1, idempotency_key=_key())
+    assert made.applied and made.version is None and "weak" in made.detail
+    patient = _target(apache)  # reads back until the tag turns strong (about a second)
+    made = patient.create("c.json", {"c": 1}, fence=1, idempotency_key=_key())
+    assert made.applied and made.version is not None and made.detail == ""
+    assert patient.read("c.json").version == made.version
+
+
+def test_finding_wsgidav_tag_can_stay_put_across_a_same_size_write(wsgidav: Dav) -> None:
     """Not a guarantee we want — a limit of this server, pinned so it is seen: a write of
     the same size within the same second leaves the tag as it was. A writer holding the old
     tag would then overwrite it. The adapter marks its own such write; it cannot see others'."""
-    target = _target(dav)
+    target = _target(wsgidav)
     time.sleep(1.02 - (time.time() % 1.0))
     v1 = target.create("same.json", {"n": 1}, fence=1, idempotency_key=_key()).version
     assert v1 is not None
@@ -219,8 +353,7 @@ def test_delete_is_conditional_on_the_tag(dav: Dav) -> None:
 
 
 def _write_into_a_stopped_server(dav: Dav, target: HttpEtagTarget, v1: str) -> Any:
-    assert dav.process is not None
-    dav.process.send_signal(signal.SIGSTOP)
+    dav.pause()
     return target.write("k.json", {"x": 22}, expected_version=v1, fence=2, idempotency_key=_key())
 
 
@@ -229,13 +362,23 @@ def test_a_timeout_after_sending_is_unknown_and_settles_as_applied_once(dav: Dav
     v1 = _seed(target, "k.json", {"x": 1})
     result = _write_into_a_stopped_server(dav, target, v1)
     assert result.outcome is Outcome.UNKNOWN
-    assert dav.process is not None
-    dav.process.send_signal(signal.SIGCONT)  # the request it accepted is served now
+    dav.resume()  # the request it accepted is served now
     deadline = time.monotonic() + 10
     while (dav.root / "k.json").read_bytes() != b'{"x":22}' and time.monotonic() < deadline:
         time.sleep(0.05)
-    settled = settle_by_reading(target, "k.json", written_document={"x": 22}, observed_version=v1)
+    settled = _settle(target, "k.json", written_document={"x": 22}, observed_version=v1)
     assert isinstance(settled, Applied) and settled.version not in (None, v1)
+
+
+def _settle(target: HttpEtagTarget, name: str, **how: Any) -> Any:
+    """settle_by_reading as the caller will: a read that meets a weak tag (Apache, within a
+    second of the change) raises and settles nothing — ask again a little later."""
+    for _ in range(20):
+        try:
+            return settle_by_reading(target, name, **how)
+        except WeakValidator:
+            time.sleep(0.2)
+    raise AssertionError("the tag never turned strong")
 
 
 def test_a_timeout_after_sending_that_never_landed_settles_as_not_applied(dav: Dav) -> None:

@@ -16,6 +16,9 @@ A kind's settings (`HttpEtagSettings.from_settings`):
     honours_fencing_token    the service refuses a Fencing-Token lower than one it took
                              (default false); only then are these headers sent at all
     timeout                seconds (default 10)
+    readback_seconds       when a write's answer carries no strong tag, how long to keep
+                           reading it back for one (default 2; Apache tags a file changed
+                           within the last second as weak)
 
 Answers: 2xx applied (the new version from the answer's ETag; when the answer has none, a
 read that finds our document gives it); 412 → stale, with the document read again for the
@@ -74,6 +77,7 @@ _KNOWN = (
     "honours_idempotency_key",
     "honours_fencing_token",
     "timeout",
+    "readback_seconds",
 )
 _BUSY = frozenset({423, 429, 502, 503, 504})
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.LocalProtocolError)
@@ -106,6 +110,7 @@ class HttpEtagSettings:
     honours_idempotency_key: bool = False
     honours_fencing_token: bool = False
     timeout: float = 10.0
+    readback_seconds: float = 2.0
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> HttpEtagSettings:
@@ -138,6 +143,13 @@ class HttpEtagSettings:
             or not 0 < timeout <= 300
         ):
             raise TargetConfigError("timeout: seconds between 0 and 300")
+        readback = settings.get("readback_seconds", 2.0)
+        if (
+            isinstance(readback, bool)
+            or not isinstance(readback, int | float)
+            or not 0 <= readback <= 30
+        ):
+            raise TargetConfigError("readback_seconds: seconds between 0 and 30")
         return cls(
             base_url=base_url.rstrip("/"),
             credentials_env=None if env is None else check_env_name(env),
@@ -146,6 +158,7 @@ class HttpEtagSettings:
             honours_idempotency_key=_flag(settings, "honours_idempotency_key"),
             honours_fencing_token=_flag(settings, "honours_fencing_token"),
             timeout=float(timeout),
+            readback_seconds=float(readback),
         )
 
 
@@ -238,9 +251,21 @@ class HttpEtagTarget:
             headers["Fencing-Token"] = str(fence)
         return headers
 
+    def _read_strong(self, name: str) -> Snapshot:
+        """`read`, asked again for up to `readback_seconds` while the target's tag is weak
+        (Apache tags a file changed within the last second as weak, then as strong)."""
+        deadline = time.monotonic() + self.settings.readback_seconds
+        while True:
+            try:
+                return self.read(name)
+            except WeakValidator:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
     def _current(self, name: str) -> tuple[Snapshot | None, str]:
         try:
-            return self.read(name), ""
+            return self._read_strong(name), ""
         except WeakValidator as exc:
             return None, str(exc)
         except TargetError:
@@ -286,21 +311,28 @@ class HttpEtagTarget:
         tag = response.headers.get("etag")
         version: str | None = None
         detail = ""
-        if tag:
-            try:
-                version = strong_version(tag)
-            except WeakValidator as exc:
-                detail = str(exc)
-        else:
-            # No tag in the answer: a read that finds exactly our document gives it.
-            current, detail = self._current(name)
-            if current is not None and current.document == written:
-                version = current.version
-            else:
-                detail = detail or "applied; the version could not be read back"
+        try:
+            version = strong_version(tag)
+        except WeakValidator:
+            # No strong tag in the answer: read it back (Apache's mod_dav answers a PUT with
+            # none, and tags a file modified within the last second as weak).
+            version, detail = self._read_back(name, written)
         if version is not None and version == expected:
             detail = VERSION_DID_NOT_MOVE
         return WriteResult(Outcome.APPLIED, version=version, detail=detail)
+
+    def _read_back(self, name: str, written: Any) -> tuple[str | None, str]:
+        """The version of our document, read back; None when the target holds another
+        document by then or gives no strong tag within `readback_seconds`."""
+        try:
+            current = self._read_strong(name)
+        except WeakValidator:
+            return None, "applied; the target gave only a weak tag to read it back by"
+        except TargetError:
+            return None, "applied; the version could not be read back"
+        if current.exists and current.document == written:
+            return current.version, ""
+        return None, "applied; the target already holds another document"
 
     @staticmethod
     def _body(document: Any) -> bytes:
