@@ -22,6 +22,7 @@ from engine.targets.base import (
     Conflict,
     NotApplied,
     Outcome,
+    Snapshot,
     TargetConfigError,
     TargetError,
     settle_by_reading,
@@ -361,3 +362,24 @@ def test_a_missing_repository_fails_without_writing(tmp_path: Path) -> None:
     assert target.create("a.json", {}, fence=1, idempotency_key=_key()).outcome is Outcome.FAILED
     with pytest.raises(TargetError):
         target.read("a.json")
+
+
+def test_a_branch_that_keeps_moving_is_locked_not_forced(
+    target: GitTarget, bare: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    v1 = _seed(target, "busy.json", {"n": 1})
+    build = target._build_commit
+    rounds: list[int] = []
+
+    def build_then_someone_commits_every_time(**kwargs: Any) -> str:
+        commit = build(**kwargs)
+        rounds.append(1)
+        _someone_commits(bare, tmp_path, f"other-{len(rounds)}.txt", "x\n")
+        return commit
+
+    monkeypatch.setattr(target, "_build_commit", build_then_someone_commits_every_time)
+    result = target.write(
+        "busy.json", {"n": 2}, expected_version=v1, fence=2, idempotency_key=_key()
+    )
+    assert result.outcome is Outcome.LOCKED and len(rounds) == 8
+    assert target.read("busy.json") == Snapshot({"n": 1}, v1)  # nothing of ours landed

@@ -68,6 +68,10 @@ _FORMATS = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
 _TRAILER_VALUE = re.compile(r"[\r\n]+")
 
 
+class _GitTimeout(TargetError):
+    """A git command outlived the kind's timeout and was killed."""
+
+
 @dataclass(frozen=True)
 class GitSettings:
     repository: str
@@ -142,7 +146,9 @@ class GitTarget:
                 timeout=self.settings.timeout,
                 check=False,
             )
-        except (OSError, subprocess.TimeoutExpired) as exc:
+        except subprocess.TimeoutExpired:
+            raise _GitTimeout(f"git {args[0]}: timed out") from None
+        except OSError as exc:
             raise TargetError(f"git {args[0]}: {type(exc).__name__}") from None
 
     def _must(
@@ -280,9 +286,13 @@ class GitTarget:
                     blob=new_blob,
                     message=self._message(operation, path, fence, idempotency_key, message_context),
                 )
-                moved = self._git(
-                    "update-ref", f"refs/heads/{self.settings.branch}", commit, head or ZERO
-                )
+                try:
+                    moved = self._git(
+                        "update-ref", f"refs/heads/{self.settings.branch}", commit, head or ZERO
+                    )
+                except _GitTimeout as exc:
+                    # Killed mid-CAS: the branch may have moved. Settle by reading.
+                    return WriteResult(Outcome.UNKNOWN, detail=str(exc))
                 if moved.returncode == 0:
                     return WriteResult(Outcome.APPLIED, version=new_blob)
                 # The branch moved under us: look again (rebase if the file is unchanged).

@@ -14,7 +14,9 @@ with a message naming the setting):
                       the row's `xmin` (PostgreSQL's own row version; see below)
     version_type      "integer" (version + 1) or "text" (a fresh random uuid); default integer
     fence_column      optional bigint column: a write also needs `fence < :fence` and sets it
-    connect_timeout   seconds (default 5); lock_timeout seconds (default 2)
+    connect_timeout   seconds (default 5); lock_timeout seconds (default 2);
+    statement_timeout seconds (default 30): a statement cancelled by either is rolled back,
+                      so it is `locked` (back off), never unknown
 
 A write is ONE statement: `UPDATE … WHERE key = %s AND version::text = %s [AND fence < %s]
 RETURNING version::text`; a create is `INSERT … ON CONFLICT (key) DO NOTHING`; a delete is a
@@ -71,6 +73,7 @@ _KNOWN = (
     "fence_column",
     "connect_timeout",
     "lock_timeout",
+    "statement_timeout",
 )
 # SQLSTATE classes after which the statement is known to have been rolled back and may be
 # retried later: lock not available, serialization/deadlock, canceled by a timeout.
@@ -107,6 +110,7 @@ class PostgresSettings:
     fence_column: str | None = None
     connect_timeout: float = 5.0
     lock_timeout: float = 2.0
+    statement_timeout: float = 30.0
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> PostgresSettings:
@@ -153,6 +157,9 @@ class PostgresSettings:
             else _identifier(fence_column, "fence_column"),
             connect_timeout=_seconds(settings.get("connect_timeout"), "connect_timeout", 5.0),
             lock_timeout=_seconds(settings.get("lock_timeout"), "lock_timeout", 2.0),
+            statement_timeout=_seconds(
+                settings.get("statement_timeout"), "statement_timeout", 30.0
+            ),
         )
         used = [made.key_column, made.version_column, made.fence_column, made.document_column]
         used += [column for _, column in columns]
@@ -251,7 +258,10 @@ class PostgresTarget:
                 dsn,
                 autocommit=True,
                 connect_timeout=max(1, int(s.connect_timeout)),
-                options=f"-c lock_timeout={int(s.lock_timeout * 1000)}",
+                options=(
+                    f"-c lock_timeout={int(s.lock_timeout * 1000)} "
+                    f"-c statement_timeout={int(s.statement_timeout * 1000)}"
+                ),
             )
         except Exception as exc:  # the text may hold the DSN: kept only once scrubbed
             reason = scrub(f"{type(exc).__name__}: {exc}", secrets)
