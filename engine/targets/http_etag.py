@@ -219,7 +219,9 @@ class HttpEtagTarget:
         except _UNKNOWN as exc:
             outcome, detail = Outcome.UNKNOWN, scrub(f"{type(exc).__name__}: {exc}", secrets)
         except httpx.HTTPError as exc:
-            outcome, detail = Outcome.NOT_SENT, scrub(f"{type(exc).__name__}: {exc}", secrets)
+            # Anything else (a body that fails to decode, ...) may come after the target
+            # acted: unknown, settled by reading — never retried blind.
+            outcome, detail = Outcome.UNKNOWN, scrub(f"{type(exc).__name__}: {exc}", secrets)
         if outcome is not None:
             return None, outcome, detail
         return response, None, ""
