@@ -10,11 +10,13 @@ import sys
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
+import pytest
 from psycopg import sql
 
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow
 def test_the_targets_bench_reports_each_adapter_against_its_bare_write() -> None:
     server = urlsplit(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/airlock"))
     database = f"{server.path.lstrip('/') or 'airlock'}_tbench"
