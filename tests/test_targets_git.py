@@ -47,8 +47,21 @@ def bare(tmp_path: Path) -> Path:
     return repo
 
 
-@pytest.fixture
-def target(bare: Path) -> GitTarget:
+@pytest.fixture(params=["local", "remote"])
+def target(request: pytest.FixtureRequest, bare: Path, tmp_path: Path) -> GitTarget:
+    """The same repository as a local path, and as a remote (file://) through a mirror:
+    every test of this fixture runs against both."""
+    if request.param == "remote":
+        return GitTarget(
+            GitSettings.from_settings(
+                {
+                    "repository": f"file://{bare}",
+                    "mirror": str(tmp_path / "mirror.git"),
+                    "branch": "main",
+                    "path_prefix": "tenants/",
+                }
+            )
+        )
     return GitTarget(
         GitSettings.from_settings(
             {"repository": str(bare), "branch": "main", "path_prefix": "tenants/"}
@@ -342,8 +355,17 @@ def test_a_file_that_is_not_a_document_is_an_error_on_read(
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"repository": "https://github.com/x/y.git"}, "remote repositories are not supported yet"),
-        ({"repository": "git@github.com:x/y.git"}, "remote"),
+        ({"repository": "ssh://host/x.git", "mirror": "/m"}, "ssh is not supported yet"),
+        ({"repository": "git@github.com:x/y.git", "mirror": "/m"}, "ssh"),
+        ({"repository": "https://u:p@host/x.git", "mirror": "/m"}, "no user or password"),
+        ({"repository": "https://host/x.git"}, "mirror"),
+        ({"repository": "https://host/x.git", "mirror": "m"}, "mirror"),
+        ({"repository": "file:///x.git", "mirror": "/m", "credentials_env": "X"}, "only for http"),
+        (
+            {"repository": "https://host/x.git", "mirror": "/m", "credentials_env": "a b"},
+            "credentials_env",
+        ),
+        ({"repository": "/r", "mirror": "/m"}, "only for a remote"),
         ({"repository": "relative/path"}, "absolute"),
         ({"repository": "/r", "branch": "a..b"}, "branch"),
         ({"repository": "/r", "branch": "-x; rm"}, "branch"),

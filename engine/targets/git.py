@@ -2,9 +2,9 @@
 
 A kind's settings (`GitSettings.from_settings`):
 
-    repository   a local path to a repository (bare or not). A remote URL (with the
-                 credentials variable, pushed with `--force-with-lease`) is NOT supported yet:
-                 it is refused with a message saying so.
+    repository   a local path to a repository (bare or not), or a remote URL (below)
+    mirror       a remote repository's local bare mirror (an absolute path; created on use)
+    credentials_env  an http(s) remote's credentials variable (user:password or a token)
     branch       the branch the documents live on (created by the first create if absent)
     path_prefix  optional folder inside the repository ("config/tenants/")
     author_name, author_email   who the commits are by (default "Airlock")
@@ -28,6 +28,13 @@ own. The check and the branch move are one unit because the CAS names the head t
 read. Commits made outside Airlock carry no fence (0). Reading that last commit walks the
 history of one path (`git log -1 -- <path>`), which costs more on a long history.
 
+A remote repository (`file://`, `http://`, `https://`; ssh is not supported yet) is worked
+on through a local bare `mirror`: `ls-remote` + `fetch` read the branch, the commit is built
+in the mirror the same way, and `push --force-with-lease=<ref>:<head>` moves the branch by
+compare-and-swap on the remote (engine/targets/git_remote.py). `credentials_env` (http(s)
+only) holds `user:password` or a token, handed to git by a credential helper through the
+child's environment. A push with no answer for our ref is `unknown`: settle by reading.
+
 A non-bare repository whose working tree has the branch checked out is left behind by
 `update-ref` (its files look modified): point Airlock at a bare repository or another branch.
 """
@@ -39,7 +46,7 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -54,13 +61,24 @@ from engine.targets.base import (
     TargetConfigError,
     TargetError,
     WriteResult,
+    check_env_name,
     child_environment,
     refuse_unknown_settings,
 )
+from engine.targets.git_remote import LOST, MOVED, UNKNOWN, GitRemote, check_remote_url
 
 MAX_REBASES = 8
 ZERO = "0" * 40
-_KNOWN = ("repository", "branch", "path_prefix", "author_name", "author_email", "timeout")
+_KNOWN = (
+    "repository",
+    "mirror",
+    "credentials_env",
+    "branch",
+    "path_prefix",
+    "author_name",
+    "author_email",
+    "timeout",
+)
 # A conservative branch name (git check-ref-format allows more, we need no more).
 _BRANCH = re.compile(r"^(?!.*\.\.)(?!.*//)(?!/)[A-Za-z0-9._/-]{1,200}(?<![./])$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -80,6 +98,12 @@ class GitSettings:
     author_name: str = "Airlock"
     author_email: str = "airlock@localhost"
     timeout: float = 30.0
+    mirror: str | None = None  # a remote repository's local bare mirror
+    credentials_env: str | None = None  # an http(s) remote's user:password (or token)
+
+    @property
+    def is_remote(self) -> bool:
+        return "://" in self.repository
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> GitSettings:
@@ -89,12 +113,25 @@ class GitSettings:
         repository = settings.get("repository")
         if not isinstance(repository, str) or not repository:
             raise TargetConfigError("repository: the path of a local git repository")
+        mirror = settings.get("mirror")
+        credentials_env = settings.get("credentials_env")
         if "://" in repository or repository.startswith("git@"):
-            raise TargetConfigError(
-                "repository: remote repositories are not supported yet — give a local path"
-            )
-        if not os.path.isabs(repository):
-            raise TargetConfigError("repository: an absolute path")
+            problem = check_remote_url(repository)
+            if problem:
+                raise TargetConfigError(problem)
+            if not isinstance(mirror, str) or not os.path.isabs(mirror):
+                raise TargetConfigError(
+                    "mirror: a remote repository needs the absolute path of a local mirror"
+                )
+            if credentials_env is not None:
+                if not repository.startswith(("http://", "https://")):
+                    raise TargetConfigError("credentials_env: only for http(s) remotes")
+                check_env_name(credentials_env)
+        else:
+            if not os.path.isabs(repository):
+                raise TargetConfigError("repository: an absolute path")
+            if mirror is not None or credentials_env is not None:
+                raise TargetConfigError("mirror and credentials_env: only for a remote repository")
         branch = settings.get("branch", "main")
         if not isinstance(branch, str) or not _BRANCH.match(branch) or branch.endswith(".lock"):
             raise TargetConfigError(f"branch: {branch!r} is not a plain branch name")
@@ -112,7 +149,7 @@ class GitSettings:
         timeout = settings.get("timeout", 30.0)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise TargetConfigError("timeout: a positive number of seconds")
-        return cls(repository, branch, prefix, name, email, float(timeout))
+        return cls(repository, branch, prefix, name, email, float(timeout), mirror, credentials_env)
 
 
 def _check_path(path: str, what: str) -> None:
@@ -125,6 +162,9 @@ def _check_path(path: str, what: str) -> None:
 class GitTarget:
     def __init__(self, settings: GitSettings) -> None:
         self.settings = settings
+        # Where the objects and the index work happen: the repository, or a remote's mirror.
+        self._local = settings.mirror if settings.mirror else settings.repository
+        self._remote = GitRemote(settings, self._git) if settings.is_remote else None
 
     @property
     def capabilities(self) -> Capabilities:
@@ -133,13 +173,17 @@ class GitTarget:
     # -- plumbing --------------------------------------------------------------------------
 
     def _git(
-        self, *args: str, stdin: bytes | None = None, env: Mapping[str, str] | None = None
+        self,
+        *args: str,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        pre: Sequence[str] = (),
     ) -> subprocess.CompletedProcess[bytes]:
         full_env = child_environment(drop_prefix="GIT_")
         full_env.update(env or {})
         try:
             return subprocess.run(
-                ["git", "-C", self.settings.repository, *args],
+                ["git", "-C", self._local, *pre, *args],
                 input=stdin,
                 capture_output=True,
                 env=full_env,
@@ -163,6 +207,8 @@ class GitTarget:
         return done.stdout.decode().strip()
 
     def _head(self) -> str | None:
+        if self._remote is not None:
+            return self._remote.fetch_head()
         done = self._git(
             "rev-parse", "--verify", "--quiet", f"refs/heads/{self.settings.branch}^{{commit}}"
         )
@@ -262,6 +308,8 @@ class GitTarget:
         except (TypeError, ValueError, yaml.YAMLError):
             return WriteResult(Outcome.FAILED, detail="the document cannot be written as a file")
         try:
+            if self._remote is not None:
+                self._remote.ensure_mirror()
             new_blob = (
                 None
                 if content is None
@@ -286,19 +334,28 @@ class GitTarget:
                     blob=new_blob,
                     message=self._message(operation, path, fence, idempotency_key, message_context),
                 )
+                detail = ""
                 try:
-                    moved = self._git(
-                        "update-ref", f"refs/heads/{self.settings.branch}", commit, head or ZERO
-                    )
+                    moved = self._move(commit, head)
                 except _GitTimeout as exc:
-                    # Killed mid-CAS: the branch may have moved. Settle by reading.
-                    return WriteResult(Outcome.UNKNOWN, detail=str(exc))
-                if moved.returncode == 0:
+                    moved, detail = UNKNOWN, str(exc)
+                if moved == MOVED:
                     return WriteResult(Outcome.APPLIED, version=new_blob)
+                if moved == UNKNOWN:
+                    # Killed or cut off mid-CAS: the branch may have moved. Settle by reading.
+                    return WriteResult(Outcome.UNKNOWN, detail=detail or "no answer to the push")
                 # The branch moved under us: look again (rebase if the file is unchanged).
         except TargetError as exc:
             return WriteResult(Outcome.FAILED, detail=str(exc))
         return WriteResult(Outcome.LOCKED, detail=f"the branch moved {MAX_REBASES} times in a row")
+
+    def _move(self, commit: str, head: str | None) -> str:
+        """Move the branch from `head` to `commit` if it is still at `head`."""
+        if self._remote is not None:
+            return self._remote.push(commit, head)
+        ref = f"refs/heads/{self.settings.branch}"
+        moved = self._git("update-ref", ref, commit, head or ZERO)
+        return MOVED if moved.returncode == 0 else LOST
 
     def _build_commit(
         self, *, head: str | None, path: str, mode: str, blob: str | None, message: str
