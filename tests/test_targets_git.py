@@ -7,9 +7,19 @@ that other commit from inside the adapter's own commit step, so the CAS really l
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import socket
 import subprocess
+import tempfile
 import threading
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -405,3 +415,113 @@ def test_a_branch_that_keeps_moving_is_locked_not_forced(
     )
     assert result.outcome is Outcome.LOCKED and len(rounds) == 8
     assert target.read("busy.json") == Snapshot({"n": 1}, v1)  # nothing of ours landed
+
+
+# -- an http(s) remote with credentials: Apache httpd + git-http-backend (Debian's) ---------
+
+APACHE = shutil.which("apache2") or "/usr/sbin/apache2"
+MODULES = Path("/usr/lib/apache2/modules")
+BACKEND = Path("/usr/lib/git-core/git-http-backend")
+HAVE_APACHE = Path(APACHE).exists() and BACKEND.exists() and os.geteuid() == 0
+GIT_ENV, GIT_USER, GIT_PASSWORD = "AIRLOCK_TEST_GIT_CREDENTIALS", "alice", "Git-Sekr1t-Pass"
+
+
+@pytest.fixture
+def http_remote() -> Iterator[tuple[str, Path]]:
+    """A bare repository served by git-http-backend behind Apache with Basic auth."""
+    if not HAVE_APACHE:
+        pytest.skip("Debian's apache2 is not installed (or not root)")
+    base = Path(tempfile.mkdtemp(prefix="airlock-githttp-"))
+    base.chmod(0o755)
+    repos = base / "repos"
+    _run("init", "--quiet", "--bare", "--initial-branch=main", str(repos / "config.git"))
+    subprocess.run(["chown", "-R", "www-data:www-data", str(repos)], check=True)
+    digest = base64.b64encode(hashlib.sha1(GIT_PASSWORD.encode()).digest()).decode()  # noqa: S324
+    (base / "htpasswd").write_text(f"{GIT_USER}:{{SHA}}{digest}\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    names = ("mpm_event", "authz_core", "authn_core", "authn_file", "authz_user", "auth_basic")
+    names += ("alias", "env", "cgid")
+    modules = "\n".join(f"LoadModule {n}_module {MODULES}/mod_{n}.so" for n in names)
+    (base / "httpd.conf").write_text(
+        f"""ServerRoot {base}
+ServerName localhost
+Listen 127.0.0.1:{port}
+PidFile {base}/httpd.pid
+ErrorLog {base}/error.log
+ScriptSock {base}/cgisock
+User www-data
+Group www-data
+{modules}
+SetEnv GIT_PROJECT_ROOT {repos}
+SetEnv GIT_HTTP_EXPORT_ALL 1
+ScriptAlias /git/ {BACKEND}/
+<Location /git/>
+  AuthType Basic
+  AuthName "airlock-test"
+  AuthBasicProvider file
+  AuthUserFile {base}/htpasswd
+  Require valid-user
+</Location>
+"""
+    )
+    process = subprocess.Popen(
+        [APACHE, "-f", str(base / "httpd.conf"), "-DFOREGROUND"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/git/config.git", repos / "config.git"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_an_http_remote_with_credentials_that_never_leak(
+    http_remote: tuple[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url, served = http_remote
+    caplog.set_level(logging.DEBUG)
+    mirror = tmp_path / "mirror.git"
+    target = GitTarget(
+        GitSettings.from_settings(
+            {"repository": url, "mirror": str(mirror), "credentials_env": GIT_ENV}
+        )
+    )
+    monkeypatch.setenv(GIT_ENV, f"{GIT_USER}:{GIT_PASSWORD}")
+    created = target.create("a.json", {"a": 1}, fence=1, idempotency_key=_key())
+    assert created.applied and created.version is not None
+    written = target.write(
+        "a.json", {"a": 2}, expected_version=created.version, fence=2, idempotency_key=_key()
+    )
+    stale = target.write(
+        "a.json", {"a": 3}, expected_version=created.version, fence=3, idempotency_key=_key()
+    )
+    assert written.applied and stale.outcome is Outcome.STALE
+    assert _run("--git-dir", str(served), "show", "main:a.json") == '{\n  "a": 2\n}'
+    monkeypatch.setenv(GIT_ENV, f"{GIT_USER}:wrong-{GIT_PASSWORD}")
+    refused = target.write(
+        "a.json", {"a": 4}, expected_version=str(written.version), fence=4, idempotency_key=_key()
+    )
+    assert refused.outcome is Outcome.FAILED and "Authentication failed" in refused.detail
+    with pytest.raises(TargetError) as raised:
+        target.read("a.json")
+    texts = [repr(created), repr(written), repr(stale), repr(refused), str(raised.value)]
+    texts += [repr(target.settings), caplog.text]
+    for text in texts:
+        assert GIT_PASSWORD not in text, text
+    for path in mirror.rglob("*"):  # nothing of it is kept on disk either
+        if path.is_file():
+            assert GIT_PASSWORD.encode() not in path.read_bytes(), path
