@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -427,7 +427,7 @@ GIT_ENV, GIT_USER, GIT_PASSWORD = "AIRLOCK_TEST_GIT_CREDENTIALS", "alice", "Git-
 
 
 @pytest.fixture
-def http_remote() -> Iterator[tuple[str, Path]]:
+def http_remote() -> Iterator[tuple[str, Path, Callable[[], None]]]:
     """A bare repository served by git-http-backend behind Apache with Basic auth."""
     if not HAVE_APACHE:
         pytest.skip("Debian's apache2 is not installed (or not root)")
@@ -472,6 +472,12 @@ ScriptAlias /git/ {BACKEND}/
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+
+    def stop() -> None:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
     try:
         for _ in range(200):
             try:
@@ -479,20 +485,19 @@ ScriptAlias /git/ {BACKEND}/
                 break
             except OSError:
                 time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/git/config.git", repos / "config.git"
+        yield f"http://127.0.0.1:{port}/git/config.git", repos / "config.git", stop
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+        stop()
         shutil.rmtree(base, ignore_errors=True)
 
 
 def test_an_http_remote_with_credentials_that_never_leak(
-    http_remote: tuple[str, Path],
+    http_remote: tuple[str, Path, Callable[[], None]],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    url, served = http_remote
+    url, served, stop = http_remote
     caplog.set_level(logging.DEBUG)
     mirror = tmp_path / "mirror.git"
     target = GitTarget(
@@ -518,7 +523,20 @@ def test_an_http_remote_with_credentials_that_never_leak(
     assert refused.outcome is Outcome.FAILED and "Authentication failed" in refused.detail
     with pytest.raises(TargetError) as raised:
         target.read("a.json")
-    texts = [repr(created), repr(written), repr(stale), repr(refused), str(raised.value)]
+    stop()  # the server is down: nothing is sent, retry later
+    monkeypatch.setenv(GIT_ENV, f"{GIT_USER}:{GIT_PASSWORD}")
+    down = target.write(
+        "a.json", {"a": 4}, expected_version=str(written.version), fence=4, idempotency_key=_key()
+    )
+    assert down.outcome is Outcome.NOT_SENT, down
+    texts = [
+        repr(created),
+        repr(written),
+        repr(stale),
+        repr(refused),
+        str(raised.value),
+        repr(down),
+    ]
     texts += [repr(target.settings), caplog.text]
     for text in texts:
         assert GIT_PASSWORD not in text, text

@@ -65,7 +65,14 @@ from engine.targets.base import (
     child_environment,
     refuse_unknown_settings,
 )
-from engine.targets.git_remote import LOST, MOVED, UNKNOWN, GitRemote, check_remote_url
+from engine.targets.git_remote import (
+    LOST,
+    MOVED,
+    UNKNOWN,
+    GitRemote,
+    RemoteUnreachable,
+    check_remote_url,
+)
 
 MAX_REBASES = 8
 ZERO = "0" * 40
@@ -345,6 +352,8 @@ class GitTarget:
                     # Killed or cut off mid-CAS: the branch may have moved. Settle by reading.
                     return WriteResult(Outcome.UNKNOWN, detail=detail or "no answer to the push")
                 # The branch moved under us: look again (rebase if the file is unchanged).
+        except RemoteUnreachable as exc:
+            return WriteResult(Outcome.NOT_SENT, detail=str(exc))
         except TargetError as exc:
             return WriteResult(Outcome.FAILED, detail=str(exc))
         return WriteResult(Outcome.LOCKED, detail=f"the branch moved {MAX_REBASES} times in a row")

@@ -29,6 +29,18 @@ _HELPER = (
     'echo "username=$AIRLOCK_GIT_USERNAME"; echo "password=$AIRLOCK_GIT_PASSWORD"; }; f'
 )
 MOVED, LOST, UNKNOWN = "moved", "lost", "unknown"
+# What git (curl) says when the remote could not be reached at all: nothing was sent.
+_UNREACHABLE = (
+    "Failed to connect",
+    "Could not resolve host",
+    "Connection refused",
+    "Connection timed out",
+    "Operation timed out",
+)
+
+
+class RemoteUnreachable(TargetError):
+    """The remote could not be reached: nothing was sent, retry later."""
 
 
 class RemoteSettings(Protocol):
@@ -126,7 +138,10 @@ class GitRemote:
             if "couldn't find remote ref" in message:
                 return None
             lines = message.strip().splitlines()
-            raise TargetError(f"git fetch failed: {lines[-1] if lines else done.returncode}")
+            text = f"git fetch failed: {lines[-1] if lines else done.returncode}"
+            if any(sign in message for sign in _UNREACHABLE):
+                raise RemoteUnreachable(text)
+            raise TargetError(text)
         try:
             return self._must("rev-parse", f"{mine}^{{commit}}")
         finally:
