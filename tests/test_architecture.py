@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("approvals", BASE),  # the packages' empty __init__ modules
     ("audit", BASE),
     ("console", BASE),
+    ("engine", BASE),
     ("ownership", BASE),
     ("*.models", BASE),
     ("*.models.*", BASE),  # a models package split by sub-domain (approvals.models.plans)
@@ -61,6 +62,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # core — lock, fence, barrier, undo, targets, the kill-switch check. No web, no service.
     ("console.core", CORE),
     ("console.core.*", CORE),
+    ("engine.*", CORE),  # the target adapters (issue 39); the core moves here when wired
     # leaves — shared by services, import no service: delivery after commit, wake-ups,
     # the conflict reopen, the reference rows every database must have.
     ("approvals.outbox", LEAF),
@@ -149,6 +151,11 @@ ISOLATION: tuple[tuple[str, tuple[str, ...], str], ...] = (
         "audit*",
         ("approvals*", "ownership*", "bench*"),
         "audit is the ground floor of the domain: it imports no other app",
+    ),
+    (
+        "engine.targets*",
+        ("approvals*", "audit*", "console*", "ownership*", "bench*"),
+        "the target adapters are framework-light: they import no app (the caller records)",
     ),
     (
         "[!b]*",  # every server package but bench

@@ -1,0 +1,188 @@
+"""A remote git repository for the git target: a local bare mirror, `fetch` to read the
+branch, `push --force-with-lease` to move it by compare-and-swap on the remote.
+
+The lease names the head the write was built on, and the remote's receive-pack updates the
+ref only if it still holds that head (its ref transaction checks the old value), so a push
+that loses the race is refused and the write looks again — exactly as `update-ref` locally.
+
+Credentials (`credentials_env`, for http(s) remotes): the variable holds `user:password` or
+a bare token. They reach git through a credential helper that reads them from the child
+process's environment — never from the URL, the command line (visible in `ps`), the mirror's
+config or a file — and every message is scrubbed of them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from engine.targets.base import TargetError, child_environment, read_credentials, scrub
+
+# Git runs a `!`-helper with the shell; the values come from the environment git inherits.
+_HELPER = (
+    'credential.helper=!f() { test "$1" = get || exit 0; '
+    'echo "username=$AIRLOCK_GIT_USERNAME"; echo "password=$AIRLOCK_GIT_PASSWORD"; }; f'
+)
+MOVED, LOST, UNKNOWN = "moved", "lost", "unknown"
+# What git (curl) says when the remote could not be reached at all: nothing was sent.
+_UNREACHABLE = (
+    "Failed to connect",
+    "Could not resolve host",
+    "Connection refused",
+    "Connection timed out",
+    "Operation timed out",
+)
+
+
+class RemoteUnreachable(TargetError):
+    """The remote could not be reached: nothing was sent, retry later."""
+
+
+class RemoteSettings(Protocol):
+    @property
+    def repository(self) -> str: ...
+    @property
+    def branch(self) -> str: ...
+    @property
+    def mirror(self) -> str | None: ...
+    @property
+    def credentials_env(self) -> str | None: ...
+
+
+Runner = Callable[..., subprocess.CompletedProcess[bytes]]
+
+
+class GitRemote:
+    def __init__(self, settings: RemoteSettings, run: Runner) -> None:
+        self.settings = settings
+        self._run = run  # GitTarget._git: `git -C <mirror> <pre…> <args…>` with an env
+
+    def _credentials(self) -> tuple[list[str], dict[str, str], list[str]]:
+        """(config args, child environment, secrets to scrub)."""
+        env = {"GIT_TERMINAL_PROMPT": "0"}
+        if self.settings.credentials_env is None:
+            return ["-c", "credential.helper="], env, []
+        secret = read_credentials(self.settings.credentials_env)
+        user, sep, password = secret.partition(":")
+        if not sep:
+            user, password = "x-access-token", secret
+        env |= {"AIRLOCK_GIT_USERNAME": user, "AIRLOCK_GIT_PASSWORD": password}
+        return ["-c", "credential.helper=", "-c", _HELPER], env, [secret, password]
+
+    def _git(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+        pre, env, secrets = self._credentials()
+        done = self._run(*args, pre=pre, env=env)
+        if secrets:  # nothing of the secret leaves in what git printed
+            done.stdout = scrub(done.stdout.decode(errors="replace"), secrets).encode()
+            done.stderr = scrub(done.stderr.decode(errors="replace"), secrets).encode()
+        return done
+
+    def ensure_mirror(self) -> None:
+        """Create the bare mirror once. It is built aside and renamed into place, so
+        workers racing to create it never see half a repository; the remote's URL is
+        passed to each fetch and push, so the mirror has no config to race on."""
+        mirror = Path(self.settings.mirror or "")
+        if (mirror / "HEAD").exists():
+            return
+        mirror.parent.mkdir(parents=True, exist_ok=True)
+        aside = Path(tempfile.mkdtemp(prefix=".airlock-mirror-", dir=mirror.parent))
+        try:
+            init = subprocess.run(
+                ["git", "init", "--quiet", "--bare", str(aside)],
+                capture_output=True,
+                env=child_environment(drop_prefix="GIT_"),
+                timeout=60,
+                check=False,
+            )
+            if init.returncode != 0:
+                raise TargetError("git init of the mirror failed")
+            try:
+                aside.rename(mirror)
+            except OSError:
+                if not (mirror / "HEAD").exists():  # not another worker's mirror: real
+                    raise TargetError("cannot create the mirror") from None
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def _must(self, *args: str) -> str:
+        done = self._git(*args)
+        if done.returncode != 0:
+            lines = done.stderr.decode(errors="replace").strip().splitlines()
+            raise TargetError(f"git {args[0]} failed: {lines[-1] if lines else done.returncode}")
+        return done.stdout.decode().strip()
+
+    def fetch_head(self) -> str | None:
+        """The remote branch's head (its objects now in the mirror), or None if absent.
+
+        Each read fetches into a ref of its own (dropped afterwards): workers sharing the
+        mirror never race on one tracking ref, and nothing here is trusted as the remote's
+        state for longer than this call — the lease decides whether a write lands."""
+        self.ensure_mirror()
+        mine = f"refs/airlock/fetch/{uuid.uuid4().hex}"
+        branch = self.settings.branch
+        done = self._git(
+            "fetch",
+            "--quiet",
+            "--no-tags",
+            "--no-write-fetch-head",
+            self.settings.repository,
+            f"+refs/heads/{branch}:{mine}",
+        )
+        if done.returncode != 0:
+            message = done.stderr.decode(errors="replace")
+            if "couldn't find remote ref" in message:
+                return None
+            lines = message.strip().splitlines()
+            text = f"git fetch failed: {lines[-1] if lines else done.returncode}"
+            if any(sign in message for sign in _UNREACHABLE):
+                raise RemoteUnreachable(text)
+            raise TargetError(text)
+        try:
+            return self._must("rev-parse", f"{mine}^{{commit}}")
+        finally:
+            self._git("update-ref", "-d", mine)
+
+    def push(self, commit: str, head: str | None) -> str:
+        """MOVED, LOST (the remote refused: it no longer holds `head`) or UNKNOWN."""
+        ref = f"refs/heads/{self.settings.branch}"
+        done = self._git(
+            "push",
+            "--porcelain",
+            f"--force-with-lease={ref}:{head or ''}",
+            self.settings.repository,
+            f"{commit}:{ref}",
+        )
+        return classify_push(done.stdout.decode(errors="replace"), done.returncode, ref)
+
+
+def classify_push(porcelain: str, returncode: int, ref: str) -> str:
+    """A `git push --porcelain` result for one ref: its flag says what the remote did."""
+    for line in porcelain.splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 3 and parts[1].endswith(f":{ref}"):
+            flag, summary = parts[0], parts[2]
+            if flag in (" ", "+", "*", "=") and returncode == 0:
+                return MOVED
+            if flag == "!" and ("rejected" in summary or "stale info" in summary):
+                return LOST
+    # No answer for our ref (the connection broke, the remote hung up): it may have moved.
+    return UNKNOWN
+
+
+def check_remote_url(url: str) -> str:
+    """The remote URL, or a message saying why it cannot be one (no credentials in it)."""
+    if url.startswith(("file://", "http://", "https://")):
+        rest = url.split("://", 1)[1]
+        host = rest.split("/", 1)[0]
+        if "@" in host:
+            return "repository: no user or password in the URL — name credentials_env instead"
+        return ""
+    return (
+        "repository: a local absolute path, or a file://, http:// or https:// URL "
+        "(ssh is not supported yet)"
+    )
