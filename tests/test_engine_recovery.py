@@ -287,13 +287,18 @@ def test_a_paused_action_whose_switch_is_gone_resumes_however_much_work_stays_pa
         engine_world, kind, [f"held-{i:04d}" for i in range(PARKED)], status="paused"
     )
     (lost,) = _paused_actions(engine_world, kind, ["free"], status="paused")
+    # ... and an approved write whose job Redis lost, queued after all of them.
+    (unsent,) = _paused_actions(engine_world, kind, ["unsent"], status="queued")
     Action.objects.filter(pk=lost.pk).update(created_at=timezone.now())  # the newest
+    Action.objects.filter(pk=unsent.pk).update(
+        created_at=timezone.now(), updated_at=timezone.now() - timedelta(seconds=10)
+    )
     _switches(engaged="cfg/held-*", released_behind_our_back="cfg/free")
 
     counts = reconcile()
-    assert counts["resumed"] == 1, counts
+    assert counts["resumed"] == 1 and counts["requeued"] == 1, counts
     assert _status(lost) == "queued"
-    assert engine_redis.client().llen("rq:queue:default") == 1  # its job, sent on commit
+    assert engine_redis.client().llen("rq:queue:default") == 2  # their jobs
     assert Action.objects.filter(pk__in=[a.pk for a in parked], status="paused").count() == PARKED
     assert reconcile()["resumed"] == 0  # once
 
@@ -338,3 +343,26 @@ def test_a_paused_undo_whose_switch_is_gone_resumes_however_many_undos_stay_park
         == PARKED
     )
     assert reconcile()["undo_requeued"] == 0  # its job is pending now
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_reconcilers_switch_filter_is_exactly_kill_switch_covers(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    """What the reconciler resumes is chosen in SQL now: it must leave out exactly what
+    KillSwitch.covers says a switch holds (LIKE's own wildcards in a name included)."""
+    from console.models import KillSwitch
+
+    kind = engine_world.kind("cfg", update="recompute_field")
+    names = ["a%b", "axb", "a_c", "abc", "zeta", "z", "held-1", "held"]
+    paused = _paused_actions(engine_world, kind, names, status="paused")
+    for scope in ("cfg/a%*", "cfg/a_c", "cfg/z*", "cfg/held-*"):
+        KillSwitch.objects.create(scope=scope, engaged=True, reason="incident 7")
+    switches = list(KillSwitch.objects.filter(engaged=True))
+    expected = {
+        a.name for a in paused if not any(s.covers(a.resource_identifier) for s in switches)
+    }
+    assert expected == {"axb", "abc", "held"}
+    reconcile()
+    resumed = set(Action.objects.filter(status="queued").values_list("name", flat=True))
+    assert resumed == expected
