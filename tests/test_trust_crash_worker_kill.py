@@ -75,3 +75,31 @@ def test_a_write_whose_worker_is_killed_mid_write_is_applied_once_within_30_seco
     outcome = abandoned.outcome or {}
     assert outcome["abandoned"] is True
     assert str(outcome["reason"]).startswith("worker gone"), outcome
+
+
+def test_an_undo_whose_worker_is_killed_mid_write_is_applied_once_within_30_seconds(
+    engine_world: Any, rq_worker: Any, cron: Any
+) -> None:
+    from approvals.services.execution import action_execute
+    from approvals.services.undo import action_undo_request
+    from audit.services import Actor
+
+    kind = engine_world.kind("cfg", update="recompute_field", owner_group="operators")
+    engine_world.resource(kind, "a", {"n": 0})
+    action = engine_world.propose(kind, "a", payload={"n": 1}, observed_version=1)
+    assert action_execute(action_id=action.pk) == "applied"
+    doomed = rq_worker(AIRLOCK_TEST_CRASH_AT="inside_undo_before_commit", **PRODUCTION_LOCK_TTL)
+    undo_op = action_undo_request(action_id=action.pk, actor=Actor.person(engine_world.operator))
+    wait_for(lambda: not doomed.alive(), timeout=30, interval=0.01)
+    killed_at = time.monotonic()
+    assert doomed.process.returncode == -9, doomed.output()
+    assert Operation.objects.get(pk=undo_op.pk).status == "pending"  # claimed, lock held
+    survivor = rq_worker(**PRODUCTION_LOCK_TTL)
+
+    wait_for(lambda: _status(action) == "undone", timeout=RECOVERY_BOUND_SECONDS + 30)
+    recovered_after = time.monotonic() - killed_at
+    print(f"undo: applied {recovered_after:.1f} s after the kill")
+    assert recovered_after < RECOVERY_BOUND_SECONDS, (recovered_after, survivor.output())
+    assert ResourceVersion.objects.filter(action_id=action.pk, operation="undo").count() == 1
+    assert AuditEvent.objects.filter(event_type="write.undone", action_id=action.pk).count() == 1
+    assert Operation.objects.get(pk=undo_op.pk).status == "done"

@@ -364,6 +364,7 @@ def _apply_under_lock(
                 fence=fence,
                 actor=_requested_by(undo_op, action),
             )
+            crash_point("inside_undo_before_commit")
             if outcome.reason == RESOURCE_MOVED:
                 crash_point("undo_refused_before_conflict")
                 _open_undo_conflict(undo_op, action)
