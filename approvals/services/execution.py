@@ -114,9 +114,9 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
         connection = engine_redis()
     if action.kind.target == TargetType.HTTP:
         return _execute_http(action, connection=connection)
-    # The lead's own lock is not named after it: a busy lock of a holder that died (or of
-    # a duplicate delivery) is waited for, as any busy lock; only a live batch's companion
-    # lock says it was taken for this action.
+    # The lead's own lock is named after this worker, not the action: a busy lock of a
+    # duplicate delivery is waited for, as any busy lock; one whose worker is gone is taken
+    # over; only a live batch's companion lock says it was taken for this action.
     lock = FencedLock(
         connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms(), holder=worker_name()
     )
