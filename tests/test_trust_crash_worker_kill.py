@@ -103,3 +103,35 @@ def test_an_undo_whose_worker_is_killed_mid_write_is_applied_once_within_30_seco
     assert ResourceVersion.objects.filter(action_id=action.pk, operation="undo").count() == 1
     assert AuditEvent.objects.filter(event_type="write.undone", action_id=action.pk).count() == 1
     assert Operation.objects.get(pk=undo_op.pk).status == "done"
+
+
+def test_a_plan_step_whose_worker_is_killed_mid_write_goes_on_within_30_seconds(
+    api: Any, run: Any, plan_world: Any, rq_worker: Any, cron: Any
+) -> None:
+    """The issue's own case: a plan's step interrupted by SIGKILL (before: re-queued about
+    two minutes later). The step's write is an action like any other."""
+    from tests.fixtures import plans as plan_fx
+
+    steps = [
+        plan_fx.patch_step("dns-record/app-a", '"3"', {"ip": "2"}),
+        plan_fx.create_step("dns-record/app-new", {"ip": "9"}),
+    ]
+    doomed = rq_worker(AIRLOCK_TEST_CRASH_AT="inside_barrier_before_commit", **PRODUCTION_LOCK_TTL)
+    plan_id = plan_fx.proposed_plan(api, run, steps)  # per-run classes: it starts at once
+    assert plan_fx.plan_status(plan_id) == "executing"
+    wait_for(lambda: not doomed.alive(), timeout=30, interval=0.01)
+    killed_at = time.monotonic()
+    assert doomed.process.returncode == -9, doomed.output()
+    survivor = rq_worker(**PRODUCTION_LOCK_TTL)
+
+    wait_for(lambda: plan_fx.plan_status(plan_id) == "applied", timeout=RECOVERY_BOUND_SECONDS + 30)
+    recovered_after = time.monotonic() - killed_at
+    print(f"plan: applied {recovered_after:.1f} s after the kill")
+    assert recovered_after < RECOVERY_BOUND_SECONDS, (recovered_after, survivor.output())
+    assert plan_fx.resource_row("dns-record/app-a").document == {"ip": "2"}
+    assert plan_fx.resource_row("dns-record/app-new").document == {"ip": "9"}
+    for position in (1, 2):
+        action = plan_fx.step_action(plan_id, position)
+        assert action is not None
+        applied = AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk)
+        assert applied.count() == 1
