@@ -46,7 +46,7 @@ log = logging.getLogger("airlock.presence")
 PRESENCE_TTL_SECONDS = 8
 PRESENCE_BEAT_SECONDS = 2.0
 # A missing key is looked at again this much later: after the live worker's next beat.
-CONFIRM_AFTER_SECONDS = PRESENCE_BEAT_SECONDS + 0.5
+CONFIRM_AFTER_SECONDS = PRESENCE_BEAT_SECONDS + 1.0
 GONE_MEMORY_SECONDS = 3600
 _ALIVE = "airlock:worker:alive:"
 _GONE = "airlock:worker:gone:"
