@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -117,6 +117,7 @@ def jobs_pending(
     *,
     overdue: Collection[Any] = (),
     connection: redis.Redis | None = None,
+    gone_workers: Callable[[Collection[str]], Collection[str]] | None = None,
 ) -> set[Any]:
     """Those of `object_ids` whose job RQ still holds queued, scheduled or running: two
     round trips whatever their number (the markers in one MGET, then each job's status,
@@ -126,7 +127,9 @@ def jobs_pending(
     A job is read in ONE command (HMGET), so one that finishes (and, with result_ttl 0, is
     deleted) while it is read is seen whole or not at all. `overdue`: their work was due a
     while ago, so a job still merely *scheduled* is stuck (no worker runs RQ's scheduler)
-    and counts as missing.
+    and counts as missing. `gone_workers` (the reconciler's worker_presence check): given
+    the names of the workers running the started jobs, says which are gone — a job
+    "started" by a gone worker counts as missing at once.
     """
     if not object_ids:
         return set()
@@ -138,12 +141,19 @@ def jobs_pending(
         return set()
     pipe = conn.pipeline(transaction=False)
     for _, job_id in named:
-        pipe.hmget(Job.key_for(job_id), ["status", "started_at", "timeout"])
+        pipe.hmget(Job.key_for(job_id), ["status", "started_at", "timeout", "worker_name"])
     now = datetime.now(UTC)
+    jobs = [
+        (oid, *(_text(value) for value in fields))
+        for (oid, _), fields in zip(named, pipe.execute(), strict=True)
+    ]
+    running_on = {worker for _, status, _, _, worker in jobs if status == JobStatus.STARTED}
+    gone = set(gone_workers(running_on - {""})) if gone_workers and running_on else set()
     return {
         oid
-        for (oid, _), fields in zip(named, pipe.execute(), strict=True)
-        if _still_due(*(_text(value) for value in fields), overdue=oid in overdue, now=now)
+        for oid, status, started_at, timeout, worker in jobs
+        if _still_due(status, started_at, timeout, overdue=oid in overdue, now=now)
+        and not (status == JobStatus.STARTED and worker in gone)
     }
 
 

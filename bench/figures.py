@@ -26,7 +26,7 @@ from rq.job import Job
 from approvals.models import Action, Operation
 from audit.chain import verify_rows
 from audit.models import AuditEvent
-from bench import fixtures
+from bench import fixtures, recovery
 from bench.fixtures import Pending, RunHandle, World
 from bench.report import figure
 from bench.sizes import Size
@@ -523,4 +523,5 @@ FIGURES = {
     "core": (core_write, ["core_write_vs_bare_update"]),
     "audit": (audit, ["audit_appends_per_s_1", "audit_appends_per_s_8"]),
     "hot": (hot_resource, ["hot_resource_lost_updates", "hot_resource_vs_single"]),
+    "recovery": (recovery.worker_kill_recovery, recovery.KEYS),
 }

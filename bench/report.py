@@ -56,6 +56,12 @@ GOALS: dict[str, Goal] = {
     "audit_appends_per_s_8": Goal("audit appends/s, 8 writers (chain verified)", ">=", 10000, "/s"),
     "hot_resource_lost_updates": Goal("hot resource: lost updates", "==", 0),
     "hot_resource_vs_single": Goal("hot resource: accepted/s ÷ one agent's", ">=", 0.5),
+    "worker_kill_recovery_p50_s": Goal(
+        "recovery after a worker kill mid-write, p50", "<", 30, " s"
+    ),
+    "worker_kill_recovery_max_s": Goal(
+        "recovery after a worker kill mid-write, max", "<", 30, " s"
+    ),
     "scale_poll_p50_ratio": Goal("poll p50 at scale ÷ at 10³ (each ÷ bare view)", "<=", 1.2),
     "scale_core_write_p50_ratio": Goal(
         "core write p50 at scale ÷ at 10³ (each ÷ bare UPDATE)", "<=", 1.2

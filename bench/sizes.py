@@ -24,6 +24,7 @@ class Size:
     hot_writers: int
     hot_seconds: float  # per window
     hot_rounds: int  # solo / contended windows interleaved; the figure is the median ratio
+    worker_kills: int  # workers SIGKILLed mid-write, one after the other (bench.recovery)
     scale_small: tuple[int, int]  # (audit events, actions) at the reference point
     scale_big: tuple[int, int]
     scale_note: str = ""
@@ -47,6 +48,7 @@ _TABLE: dict[str, tuple[Any, Any, Any]] = {
     "hot_writers": (4, 32, 32),
     "hot_seconds": (1.0, 3.0, 15.0),
     "hot_rounds": (1, 1, 3),
+    "worker_kills": (1, 2, 3),
     "scale_small": ((200, 200), (1_000, 1_000), (1_000, 1_000)),
     "scale_big": ((400, 400), (20_000, 10_000), (10_000_000, 1_000_000)),
     "scale_note": (

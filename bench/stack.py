@@ -203,6 +203,16 @@ class Stack:
     def start_workers(self, count: int) -> None:
         self.start_procfile("worker", count)
 
+    def start_doomed_worker(self, queue: str, crash_at: str) -> None:
+        """One worker of the Procfile's line on a queue of its own, with the crash hook set
+        (bench.recovery): it SIGKILLs itself at `crash_at` in its first write. It drains no
+        other write with its own (AIRLOCK_DRAIN_BATCH=1): only the write sent to it dies."""
+        command = self.procfile["worker"].replace(" default ", f" {queue} ")
+        command = command.replace(" --with-scheduler", "")
+        env = {**self.env, "AIRLOCK_TEST_CRASH_AT": crash_at, "AIRLOCK_DRAIN_BATCH": "1"}
+        env.update(DJANGO_SETTINGS_MODULE="bench.settings", BENCH_WORKER_QUEUE=queue)
+        self._spawn("doomed", ["/bin/bash", "-c", f"exec {command}"], env=env)
+
     def start_bare(self) -> None:
         env = {**self.env, "DJANGO_SETTINGS_MODULE": "bench.settings"}
         args = [f"{VENV_BIN}/gunicorn", "console.wsgi:application", "--worker-class", "sync"]

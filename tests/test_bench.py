@@ -72,6 +72,10 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
     assert doc["stack"]["procfile"] == read_procfile(ROOT / "Procfile")
     # Correctness is not speed: the hot resource never loses an update, the chain verifies.
     assert figures["hot_resource_lost_updates"]["value"] == 0
+    # ... and a worker killed mid-write leaves its write applied exactly once (bench.recovery).
+    assert figures["worker_kill_recovery_p50_s"]["errors"] == 0, figures[
+        "worker_kill_recovery_p50_s"
+    ]
     assert figures["audit_appends_per_s_1"]["chain"]["chain_ok"] is True
     # What bounds the audit figure is measured beside it: the CPU an append costs.
     cpu = figures["audit_appends_per_s_1"]["detail"]["cpu"]["append"]

@@ -235,3 +235,134 @@ def test_concurrent_undo_requests_share_one_undo(engine_world: Any, engine_redis
     assert not errors and len(results) == 6 and len(set(results)) == 1
     assert Operation.objects.filter(action=action, undo_of__isnull=False).count() == 1
     assert AuditEvent.objects.filter(event_type="undo.requested", action_id=action.pk).count() == 1
+
+
+# Issue 38 §3: no fixed window that parked work can fill. More than the old window (1,000
+# oldest rows) of work stays paused behind an engaged switch, waiting for a person.
+PARKED = 1_001
+
+
+def _paused_actions(world: Any, kind: Any, names: list[str], *, status: str) -> list[Action]:
+    """Action rows of world's run on kind/<name>, created together (oldest first), paused."""
+    base = timezone.now() - timedelta(minutes=10)
+    rows = [
+        Action(
+            run=world.run,
+            agent=world.run.agent,
+            kind=kind,
+            name=name,
+            operation="update",
+            payload_format="replace",
+            payload={"n": 1},
+            observed_version=1,
+            conflict_class=kind.class_for("update"),
+            status=status,
+            paused_reason="incident 7" if status == "paused" else "",
+            idempotency_key=f"parked-{name}",
+        )
+        for name in names
+    ]
+    created = Action.objects.bulk_create(rows)
+    for offset, action in enumerate(created):  # proposal order = list order
+        Action.objects.filter(pk=action.pk).update(created_at=base + timedelta(milliseconds=offset))
+    return created
+
+
+def _switches(*, engaged: str, released_behind_our_back: str) -> None:
+    """`engaged` holds its work; `released_behind_our_back` was engaged when its work
+    paused, then its row was released without the service (a restored backup, a manual
+    fix): nothing resumes that work but the reconciler."""
+    from console.models import KillSwitch
+
+    KillSwitch.objects.create(scope=engaged, engaged=True, reason="incident 7")
+    KillSwitch.objects.create(scope=released_behind_our_back, engaged=False, reason="")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_paused_action_whose_switch_is_gone_resumes_however_much_work_stays_parked(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    kind = engine_world.kind("cfg", update="recompute_field")
+    parked = _paused_actions(
+        engine_world, kind, [f"held-{i:04d}" for i in range(PARKED)], status="paused"
+    )
+    (lost,) = _paused_actions(engine_world, kind, ["free"], status="paused")
+    # ... and an approved write whose job Redis lost, queued after all of them.
+    (unsent,) = _paused_actions(engine_world, kind, ["unsent"], status="queued")
+    Action.objects.filter(pk=lost.pk).update(created_at=timezone.now())  # the newest
+    Action.objects.filter(pk=unsent.pk).update(
+        created_at=timezone.now(), updated_at=timezone.now() - timedelta(seconds=10)
+    )
+    _switches(engaged="cfg/held-*", released_behind_our_back="cfg/free")
+
+    counts = reconcile()
+    assert counts["resumed"] == 1 and counts["requeued"] == 1, counts
+    assert _status(lost) == "queued"
+    assert engine_redis.client().llen("rq:queue:default") == 2  # their jobs
+    assert Action.objects.filter(pk__in=[a.pk for a in parked], status="paused").count() == PARKED
+    assert reconcile()["resumed"] == 0  # once
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_paused_undo_whose_switch_is_gone_resumes_however_many_undos_stay_parked(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    from console.core.fence import next_fence
+
+    kind = engine_world.kind("cfg", update="recompute_field")
+    names = [f"held-{i:04d}" for i in range(PARKED)] + ["free"]
+    applied = _paused_actions(engine_world, kind, names, status="applied")
+    fence = next_fence()
+    originals = Operation.objects.bulk_create(
+        Operation(action=action, fence=fence, status="done", base_version=1, result_version=2)
+        for action in applied
+    )
+    long_ago = timezone.now() - timedelta(minutes=5)
+    undos = Operation.objects.bulk_create(
+        Operation(
+            action=original.action,
+            undo_of=original,
+            fence=fence,
+            status="pending",
+            paused_reason="incident 7",
+            accepted_at=long_ago + timedelta(seconds=i),  # the lost one accepted last
+        )
+        for i, original in enumerate(originals)
+    )
+    Operation.objects.filter(pk__in=[u.pk for u in undos]).update(started_at=long_ago)
+    _switches(engaged="cfg/held-*", released_behind_our_back="cfg/free")
+
+    counts = reconcile()
+    assert counts["resumed"] == 1 and counts["undo_requeued"] == 1, counts
+    lost = Operation.objects.get(pk=undos[-1].pk)
+    assert lost.status == "pending" and lost.paused_reason == ""
+    assert (
+        Operation.objects.filter(
+            pk__in=[u.pk for u in undos[:-1]], paused_reason="incident 7"
+        ).count()
+        == PARKED
+    )
+    assert reconcile()["undo_requeued"] == 0  # its job is pending now
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_reconcilers_switch_filter_is_exactly_kill_switch_covers(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    """What the reconciler resumes is chosen in SQL now: it must leave out exactly what
+    KillSwitch.covers says a switch holds (LIKE's own wildcards in a name included)."""
+    from console.models import KillSwitch
+
+    kind = engine_world.kind("cfg", update="recompute_field")
+    names = ["a%b", "axb", "a_c", "abc", "zeta", "z", "held-1", "held"]
+    paused = _paused_actions(engine_world, kind, names, status="paused")
+    for scope in ("cfg/a%*", "cfg/a_c", "cfg/z*", "cfg/held-*"):
+        KillSwitch.objects.create(scope=scope, engaged=True, reason="incident 7")
+    switches = list(KillSwitch.objects.filter(engaged=True))
+    expected = {
+        a.name for a in paused if not any(s.covers(a.resource_identifier) for s in switches)
+    }
+    assert expected == {"axb", "abc", "held"}
+    reconcile()
+    resumed = set(Action.objects.filter(status="queued").values_list("name", flat=True))
+    assert resumed == expected

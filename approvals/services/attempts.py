@@ -14,7 +14,6 @@ import math
 import os
 import random
 import signal
-import socket
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -34,6 +33,7 @@ from approvals.models import (
 from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.action_status import action_transition
+from approvals.services.worker_presence import worker_name as presence_worker_name
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from console.core.errors import DomainError
@@ -64,7 +64,9 @@ def notify_action_changed_now(action_id: uuid.UUID) -> None:
 
 
 def worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """The name this process stamps on the work it holds (worker_presence: the Procfile's
+    worker publishes its presence under it, so that work it dies holding is resumed)."""
+    return presence_worker_name()
 
 
 def lock_ttl_ms() -> int:

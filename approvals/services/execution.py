@@ -57,6 +57,7 @@ from approvals.services.attempts import (
 )
 from approvals.services.http_writes import execute_http
 from approvals.services.plan_engine import plan_after_action
+from approvals.services.worker_presence import acquire_taking_over, release_lock_of_gone_worker
 from audit.services import audit_deferred
 from console.core.barrier import WriteOutcome, apply_action
 from console.core.batch_write import apply_locked_batch
@@ -113,13 +114,18 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
         connection = engine_redis()
     if action.kind.target == TargetType.HTTP:
         return _execute_http(action, connection=connection)
-    # The lead's own lock is not named after it: a busy lock of a holder that died (or of
-    # a duplicate delivery) is waited for, as any busy lock; only a live batch's companion
-    # lock says it was taken for this action.
-    lock = FencedLock(connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
+    # The lead's own lock is named after this worker, not the action: a busy lock of a
+    # duplicate delivery is waited for, as any busy lock; one whose worker is gone is taken
+    # over; only a live batch's companion lock says it was taken for this action.
+    lock = FencedLock(
+        connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms(), holder=worker_name()
+    )
     try:
         if not lock.try_acquire():
-            if _batched_elsewhere(lock, action):
+            holder = lock.holder_token()
+            # A gone worker's lock (killed mid-write) is taken over, not waited out.
+            gone = holder is not None and release_lock_of_gone_worker(lock, token=holder)
+            if not gone and _batched_elsewhere(holder, action):
                 return "skipped:batched"
             lock.take(wait_seconds=0.2)
         group = FencedLockGroup(connection, [lock])
@@ -141,9 +147,11 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
 
 def _execute_http(action: Action, *, connection: redis.Redis) -> str:
     """A write to an external target: one action, its own lock (approvals.services.http_writes)."""
-    lock = FencedLock(connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms())
+    lock = FencedLock(
+        connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms(), holder=worker_name()
+    )
     try:
-        fence = lock.acquire(wait_seconds=0.2)
+        fence = acquire_taking_over(lock, wait_seconds=0.2)
     except (LockBusy, redis.RedisError, DatabaseError) as exc:
         return _retry_unlocked(action, exc)
     try:
@@ -165,12 +173,11 @@ def _retry_unlocked(action: Action, exc: Exception) -> str:
     return "lock_busy" if busy else "transient"
 
 
-def _batched_elsewhere(lock: FencedLock, action: Action) -> bool:
-    """Is the busy lock held by another job's batch *for this very action*? Then that
-    batch claims it: nothing to wait for. (Should that batch die before its claim, or
-    drop the action, the action stays queued without a job, and the reconciler sends
-    it again a few seconds later.)"""
-    holder = lock.holder_token()
+def _batched_elsewhere(holder: str | None, action: Action) -> bool:
+    """Is the busy lock (held under the token `holder`) held by another job's batch *for
+    this very action*? Then that batch claims it: nothing to wait for. (Should that batch
+    drop the action, the action stays queued without a job, and the reconciler sends it
+    again a few seconds later; should its worker die, the lock is taken over above.)"""
     return holder is not None and holder.startswith(f"{action.pk}:")
 
 
@@ -186,7 +193,10 @@ class _BatchLock(FencedLock):
 
     def __init__(self, connection: redis.Redis, action: Action) -> None:
         super().__init__(
-            connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms(), holder=str(action.pk)
+            connection,
+            key=action.resource_identifier,
+            ttl_ms=lock_ttl_ms(),
+            holder=f"{action.pk}:{worker_name()}",  # the action first: _batched_elsewhere
         )
         self.action = action
 

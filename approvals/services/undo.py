@@ -34,12 +34,14 @@ from approvals.models import Action, ActionStatus, Operation, OperationStatus, R
 from approvals.outbox import engine_redis, enqueue_undo_execution, notify_action_on_commit
 from approvals.services.attempts import (
     backoff_seconds,
+    crash_point,
     lock_ttl_ms,
     max_attempts,
     operation_lease_seconds,
     worker_name,
 )
 from approvals.services.runs import RunNotActive, run_require_own_active, run_status_for_share
+from approvals.services.worker_presence import acquire_taking_over
 from audit.models import ActorType
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
@@ -306,10 +308,13 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
         Operation.objects.filter(pk=undo_op.pk).update(paused_reason="")
         undo_op.paused_reason = ""
     lock = FencedLock(
-        connection or engine_redis(), key=action.resource_identifier, ttl_ms=lock_ttl_ms()
+        connection or engine_redis(),
+        key=action.resource_identifier,
+        ttl_ms=lock_ttl_ms(),
+        holder=worker_name(),
     )
     try:
-        fence = lock.acquire(wait_seconds=0.2)
+        fence = acquire_taking_over(lock, wait_seconds=0.2)  # a gone worker's lock is freed
     except LockBusy:
         return _retry_undo(undo_op, "lock_busy", connection, count_attempt=False)
     except (redis.RedisError, DatabaseError) as exc:
@@ -349,12 +354,20 @@ def _apply_under_lock(
     a lost lock or a transient error schedules another delivery."""
     try:
         lock.check()
-        outcome = apply_undo(
-            operation_id=undo_op.undo_of_id,  # type: ignore[arg-type]
-            undo_operation_id=undo_op.pk,
-            fence=fence,
-            actor=_requested_by(undo_op, action),
-        )
+        # The refusal of an undo whose resource moved and the conflict that hands it to a
+        # person commit together: a worker killed in between leaves the undo pending
+        # (delivered again), never failed with nobody asked.
+        with transaction.atomic():
+            outcome = apply_undo(
+                operation_id=undo_op.undo_of_id,  # type: ignore[arg-type]
+                undo_operation_id=undo_op.pk,
+                fence=fence,
+                actor=_requested_by(undo_op, action),
+            )
+            crash_point("inside_undo_before_commit")
+            if outcome.reason == RESOURCE_MOVED:
+                crash_point("undo_refused_before_conflict")
+                _open_undo_conflict(undo_op, action)
     except KillSwitchEngaged:
         return _pause_undo(undo_op, connection)
     except Exception as exc:  # lock lost, transient database/redis errors
@@ -376,17 +389,20 @@ def _settle(
     if outcome.reason == STALE_FENCE:
         return _retry_undo(undo_op, STALE_FENCE, connection)
     if outcome.reason == RESOURCE_MOVED:
-        requested_by = str((undo_op.outcome or {}).get("requested_by") or "")
-        with transaction.atomic():
-            conflict_open_for_undo(
-                action=action,
-                resource=Resource.objects.get(pk=int(action.resource_id or 0)),
-                undone_operation=Operation.objects.get(pk=int(undo_op.undo_of_id or 0)),
-                requested_by=requested_by,
-                undo_operation=undo_op,
-            )
-        return "conflict"
+        return "conflict"  # opened with the refusal, in its transaction
     return f"refused:{outcome.reason}"
+
+
+def _open_undo_conflict(undo_op: Operation, action: Action) -> None:
+    """The conflict of an undo that found a later write, inside the refusal's transaction
+    (base = the version the action produced, current = now, proposed = the restore)."""
+    conflict_open_for_undo(
+        action=action,
+        resource=Resource.objects.get(pk=int(action.resource_id or 0)),
+        undone_operation=Operation.objects.get(pk=int(undo_op.undo_of_id or 0)),
+        requested_by=str((undo_op.outcome or {}).get("requested_by") or ""),
+        undo_operation=undo_op,
+    )
 
 
 def operations_open_to_undo() -> QuerySet[Operation]:

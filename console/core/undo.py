@@ -9,7 +9,9 @@ constraint on `undo_of`) and the undo operation moves pending -> done/failed
 exactly once under a row lock, so asking again (or twice at the same time)
 answers "already_undone" and writes nothing.
 
-Refusal reasons: "window_expired", "resource_moved" (the caller opens a conflict),
+Refusal reasons: "window_expired", "resource_moved" (the caller opens a conflict — inside
+the same transaction: it calls apply_undo in its own atomic block, so the refusal and the
+conflict commit together or not at all),
 "already_undone", "not_applied" (the operation never wrote), "stale_fence" (a newer
 lock holder wrote first: take a new fence and ask again), "no_previous_version" (the
 resource was seeded without a ResourceVersion row for the version to restore).
