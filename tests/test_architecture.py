@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("audit", BASE),
     ("console", BASE),
     ("ownership", BASE),
+    ("notifications", BASE),
     ("*.models", BASE),
     ("*.models.*", BASE),  # a models package split by sub-domain (approvals.models.plans)
     ("console.core.errors", BASE),  # the one DomainError hierarchy: every layer raises it
@@ -64,6 +65,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # the conflict reopen, the reference rows every database must have.
     ("approvals.outbox", LEAF),
     ("approvals.notify", LEAF),
+    ("notifications.outbox", LEAF),  # delivery jobs enqueued after commit (approvals' queue)
     ("console.redis_clients", LEAF),  # the process's pooled Redis clients, one per URL
     ("ownership.reopen", LEAF),
     ("console.reference", LEAF),
