@@ -76,8 +76,8 @@ def _address_refusal(address: IPAddress) -> str:
         (address.is_multicast, "a multicast address"),
         (address.is_unspecified, "an unspecified address"),
         (address in _SHARED, "a shared (carrier-grade NAT) address"),
-        (address.is_private, "a private address"),
         (address.is_reserved, "a reserved address"),
+        (address.is_private, "a private address"),
         (not address.is_global, "not a public address"),
     )
     return next((reason for refused, reason in checks if refused), "")

@@ -155,7 +155,7 @@ def subscription_create(*, actor: Actor, **fields: Unpack[SubscriptionFields]) -
 
 def _locked(subscription_id: int) -> Subscription:
     subscription = (
-        Subscription.objects.select_for_update()
+        Subscription.objects.select_for_update(of=("self",))
         .select_related("created_by")
         .filter(pk=subscription_id)
         .first()
