@@ -73,13 +73,17 @@ def test_a_failing_capture_never_fails_the_events_transaction(
 ) -> None:
     _subscribe(admin, target="operators")
 
-    def broken(*args: Any, **kwargs: Any) -> Any:
+    calls: list[str] = []
+
+    def broken(event: Any, kind: str) -> Any:
+        calls.append(kind)
         raise ValueError("a bug in the notifications")
 
     monkeypatch.setattr(events, "_facts", broken)
     switch = kill_switch_set(
         scope="*", engaged=True, reason="drill", actor=Actor.person(engine_world.operator)
     )
+    assert calls == ["kill_switch.engaged"]  # the capture ran, failed, and was contained
     assert switch.engaged and not Notification.objects.exists()
 
 
