@@ -9,5 +9,6 @@ from django.urls import include, path
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("", include("console.urls_api")),
+    path("notifications/", include("notifications.urls")),
     path("", include("console.urls_pages")),
 ]

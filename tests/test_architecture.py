@@ -91,6 +91,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.urls", WIRING),
     ("console.urls_*", WIRING),
     ("bench.urls", WIRING),
+    ("notifications.urls", WIRING),
     ("console.asgi", WIRING),
     ("console.serve", WIRING),  # the web processes' launcher (the Procfile's `web` line)
     ("console.wsgi", WIRING),

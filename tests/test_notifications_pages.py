@@ -1,0 +1,90 @@
+"""The Notifications page (admins): add a subscription and see its secret once, the
+delivery log as a fragment that polls, the buttons, and who may open it."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from audit.models import AuditEvent
+from notifications.models import Delivery, Subscription
+from tests.fixtures.console import People, client_for
+
+pytestmark = pytest.mark.django_db
+
+HX = {"HTTP_HX_REQUEST": "true"}
+
+
+@pytest.fixture(autouse=True)
+def _local_receivers_allowed(settings: Any) -> None:
+    settings.AIRLOCK_WEBHOOK_ALLOW_HTTP = True
+    settings.AIRLOCK_WEBHOOK_ALLOW_HOSTS = ["127.0.0.1"]
+
+
+FORM = {
+    "name": "pager",
+    "target": "operators",
+    "channel": "webhook",
+    "url": "http://127.0.0.1:9/hook?token=pagetoken",
+    "event_types": ["approval.requested"],
+}
+
+
+def test_only_admins_open_the_page(people: People) -> None:
+    assert client_for(people.admin).get("/notifications/").status_code == 200
+    for person in (people.operator, people.auditor, people.outsider):
+        assert client_for(person).get("/notifications/").status_code == 403
+        assert client_for(person).post("/notifications/new/", FORM).status_code == 403
+    assert not Subscription.objects.exists()
+
+
+def test_an_admin_adds_a_webhook_and_sees_the_secret_once(people: People) -> None:
+    client = client_for(people.admin)
+    response = client.post("/notifications/new/", FORM, **HX)
+    html = response.content.decode()
+    assert response.status_code == 200 and "<html" not in html
+    assert response["Cache-Control"] == "no-store"
+    secret = re.search(r'id="new-secret-value">(whsec_[^<]+)<', html)
+    assert secret, html
+    page = client.get("/notifications/").content.decode()
+    assert secret.group(1) not in page and "pagetoken" not in page
+    assert "http://127.0.0.1:9/…" in page
+    assert AuditEvent.objects.filter(event_type="notification_subscription.created").count() == 1
+
+
+def test_a_refused_address_is_shown_on_the_form(people: People, settings: Any) -> None:
+    settings.AIRLOCK_WEBHOOK_ALLOW_HOSTS = []
+    response = client_for(people.admin).post("/notifications/new/", FORM, **HX)
+    assert response.status_code == 422
+    assert "loopback" in response.content.decode()
+    assert not Subscription.objects.exists()
+
+
+def test_a_test_event_appears_in_the_polled_log(people: People) -> None:
+    client = client_for(people.admin)
+    client.post("/notifications/new/", FORM, **HX)
+    subscription = Subscription.objects.get()
+    response = client.post(f"/notifications/{subscription.pk}/test/", **HX)
+    assert response.status_code == 200 and "notifications-changed" in response["HX-Trigger"]
+    log = client.get("/notifications/log/", **HX)
+    html = log.content.decode()
+    assert "<html" not in html and 'id="delivery-log"' in html
+    delivery = Delivery.objects.get()
+    assert f'id="delivery-{delivery.pk}"' in html and delivery.webhook_id in html
+
+
+def test_pause_resume_rotate_and_delete(people: People) -> None:
+    client = client_for(people.admin)
+    client.post("/notifications/new/", FORM, **HX)
+    pk = Subscription.objects.get().pk
+    client.post(f"/notifications/{pk}/pause/", **HX)
+    assert Subscription.objects.get().paused
+    client.post(f"/notifications/{pk}/resume/", **HX)
+    assert not Subscription.objects.get().paused
+    rotated = client.post(f"/notifications/{pk}/rotate/", **HX).content.decode()
+    assert "whsec_" in rotated
+    assert client.post(f"/notifications/{pk}/explode/", **HX).status_code == 404
+    client.post(f"/notifications/{pk}/delete/", **HX)
+    assert not Subscription.objects.exists()
