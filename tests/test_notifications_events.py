@@ -158,7 +158,10 @@ def test_a_decision_and_a_conflict_are_told_with_their_pages(
 ) -> None:
     _subscribe(admin, target="operators", event_types=["approval.decided", "conflict.opened"])
     conflicted = engine_world.collide(
-        engine_world.kind("notification-policy"), "prod-alerts", {"severity": "critical"}, {"severity": "low"}
+        engine_world.kind("notification-policy"),
+        "prod-alerts",
+        {"severity": "critical"},
+        {"severity": "low"},
     )
     decided, opened = Notification.objects.order_by("created_at")
     assert decided.type == "approval.decided" and decided.data["decision"] == "approved"
@@ -210,3 +213,42 @@ def test_an_escalation_reaches_the_escalation_group(
     assert list(
         Delivery.objects.filter(notification=escalated).values_list("subscription_id", flat=True)
     ) == [owners.pk]
+
+
+def test_a_broken_audit_chain_is_told_once(engine_world: Any, admin: Actor) -> None:
+    from django.db import connection
+
+    from audit.services import audit_chain_verify
+    from notifications.services.periodic import notifications_each_minute
+    from tests.fixtures.audit import forget_verification
+
+    forget_verification()
+    try:
+        _subscribe(admin, name="auditors", target="auditors", event_types=["audit.verify_failed"])
+        for n in range(3):
+            audit_append(event_type="test.event", actor=Actor.system("tests"), details={"n": n})
+        assert notifications_each_minute() == {"verify_failed": 0}
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE audit_auditevent SET details = '{\"forged\": true}' "
+                "WHERE seq = (SELECT max(seq) - 1 FROM audit_auditevent)"
+            )
+        assert not audit_chain_verify().ok
+        assert notifications_each_minute() == {"verify_failed": 1}
+        assert notifications_each_minute() == {"verify_failed": 0}
+        told = Notification.objects.get(type="audit.verify_failed")
+        assert told.data["first_bad_seq"] and told.data["link"].endswith("/audit/")
+        assert "auditors" in told.audience
+    finally:
+        forget_verification()
+
+
+def test_the_notifications_cron_schedules_its_passes(redis_client: Any) -> None:
+    from rq.cron import CronScheduler
+
+    from notifications.jobs import notifications_each_minute_job, notifications_tick_job
+
+    scheduler = CronScheduler(connection=redis_client)
+    scheduler.load_config_from_file("notifications.cron")
+    scheduled = {job.func for job in scheduler.get_jobs()}
+    assert {notifications_tick_job, notifications_each_minute_job} <= scheduled
