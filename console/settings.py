@@ -398,6 +398,9 @@ AIRLOCK_PUBLIC_URL = env_str("AIRLOCK_PUBLIC_URL", "http://localhost:8000").rstr
 AIRLOCK_WEBHOOK_ALLOW_HTTP = env_bool("AIRLOCK_WEBHOOK_ALLOW_HTTP", False)
 AIRLOCK_WEBHOOK_ALLOW_HOSTS = env_list("AIRLOCK_WEBHOOK_ALLOW_HOSTS", [])
 AIRLOCK_WEBHOOK_TIMEOUT_SECONDS = _env_seconds("AIRLOCK_WEBHOOK_TIMEOUT_SECONDS", 5.0)
+# How long a worker's claim on a delivery lasts: past it (a worker killed mid-delivery) the
+# reconciler sends it again, with the same webhook-id. Longer than any one attempt.
+AIRLOCK_NOTIFY_CLAIM_SECONDS = env_int("AIRLOCK_NOTIFY_CLAIM_SECONDS", 60, minimum=1)
 # How long a rotated-out webhook secret keeps signing beside the new one.
 AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS = env_int(
     "AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS", 24 * 3600, minimum=0

@@ -55,13 +55,13 @@ def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             length = int(self.headers.get("content-length") or 0)
             body = self.rfile.read(length)
-            if receiver.delay_seconds:
-                time.sleep(receiver.delay_seconds)
-            status, headers = receiver.answer()
             with receiver.lock:
                 receiver.received.append(
                     Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
                 )
+            if receiver.delay_seconds:
+                time.sleep(receiver.delay_seconds)
+            status, headers = receiver.answer()
             self.send_response(status)
             for name, value in headers.items():
                 self.send_header(name, value)

@@ -5,6 +5,8 @@ waits for a receiver."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 from cryptography.fernet import Fernet
+from django.utils import timezone
 from standardwebhooks.webhooks import Webhook
 
 from approvals.models import Approval
@@ -243,3 +246,32 @@ def test_an_endpoint_answering_410_is_disabled_and_the_admins_are_told(
     assert len(receiver.received) == 1
     body = json.loads(receiver.received[0].body)
     assert body["type"] == "approval.requested"
+
+
+def test_a_worker_killed_mid_delivery_loses_nothing_and_resends_the_same_webhook_id(
+    engine_world: Any, policy: Any, rq_worker: Any, receiver: Receiver, notify_settings: Any
+) -> None:
+    receiver.delay_seconds = 30  # the receiver holds the first request: the worker waits
+    _subscribe(engine_world, receiver.url)
+    engine_world.propose(
+        policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
+    )
+    claim = {"AIRLOCK_NOTIFY_CLAIM_SECONDS": "2", "AIRLOCK_WEBHOOK_TIMEOUT_SECONDS": "30"}
+    first = rq_worker(**{**notify_settings, **claim})
+    receiver.wait_for(1)
+    os.killpg(first.pid, signal.SIGKILL)  # mid-delivery: sent, outcome never recorded
+    first.process.wait(timeout=5)
+    receiver.delay_seconds = 0
+    delivery = Delivery.objects.get()
+    assert delivery.status == "pending" and delivery.attempts == 1
+    assert not DeliveryAttempt.objects.exists()
+    assert deliveries_reconcile() == 0  # the claim has not lapsed yet: it may still be alive
+    wait_for(lambda: timezone.now() > Delivery.objects.get().claimed_until, timeout=5)
+    second = rq_worker(**notify_settings)
+    assert deliveries_reconcile() == 1
+    wait_for(lambda: _delivery_status() == ["delivered"], timeout=20)
+    assert deliveries_reconcile() == 0
+    time.sleep(1.0)
+    assert len(receiver.received) == 2, second.output()
+    assert len({request.headers["webhook-id"] for request in receiver.received}) == 1
+    assert list(DeliveryAttempt.objects.values_list("number", "status_code")) == [(2, 200)]

@@ -42,7 +42,6 @@ from notifications.services.secrets import unseal
 
 log = logging.getLogger("airlock.notifications")
 
-_CLAIM_MARGIN_SECONDS = 30
 # A due delivery whose job should have run this long ago is resent by the reconciler even
 # when RQ still holds it as scheduled (no worker runs the scheduler).
 _OVERDUE_SECONDS = 10
@@ -90,14 +89,14 @@ def delivery_attempt(*, delivery_id: Any) -> str:
     """One attempt of a delivery (the RQ job's work). Returns what happened: "skipped"
     (not ours to send now), "delivered", "retry", "failed", "disabled"."""
     now = timezone.now()
-    lease = timedelta(seconds=float(settings.AIRLOCK_WEBHOOK_TIMEOUT_SECONDS) * 2)
+    lease = timedelta(seconds=int(settings.AIRLOCK_NOTIFY_CLAIM_SECONDS))
     claimed = Delivery.objects.filter(
         Q(claimed_until__isnull=True) | Q(claimed_until__lt=now),
         pk=delivery_id,
         status=DeliveryStatus.PENDING,
         next_attempt_at__lte=now,
     ).update(
-        claimed_until=now + lease + timedelta(seconds=_CLAIM_MARGIN_SECONDS),
+        claimed_until=now + lease,
         attempts=F("attempts") + 1,
     )
     if not claimed:
@@ -226,19 +225,26 @@ def _subscription_disable(subscription_id: int, *, reason: str) -> None:
 
 
 def deliveries_reconcile(*, now: datetime | None = None, limit: int = 500) -> int:
-    """Resend the due deliveries whose job RQ no longer holds (Redis lost it, a worker died
-    holding it, a scheduled retry whose scheduler is gone). Returns how many were resent."""
+    """Resend the due deliveries whose job is gone: RQ no longer holds it (Redis lost it, a
+    scheduled retry whose scheduler is gone), or a worker claimed it and its claim lapsed
+    (killed mid-delivery; RQ would still call that job "started" for its whole timeout).
+    Returns how many were resent."""
     now = now or timezone.now()
     due = list(
         Delivery.objects.filter(status=DeliveryStatus.PENDING, next_attempt_at__lte=now)
         .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
         .order_by("next_attempt_at")
-        .values_list("pk", "next_attempt_at")[:limit]
+        .values_list("pk", "next_attempt_at", "claimed_until")[:limit]
     )
     if not due:
         return 0
-    overdue = {pk for pk, at in due if at < now - timedelta(seconds=_OVERDUE_SECONDS)}
-    held = deliveries_with_jobs([pk for pk, _ in due], overdue=overdue)
-    missing = [pk for pk, _ in due if pk not in held]
+    lapsed = [pk for pk, _, claimed in due if claimed is not None]
+    if lapsed:
+        # Cleared, so the next pass asks RQ about the job sent now instead of resending.
+        Delivery.objects.filter(pk__in=lapsed, claimed_until__lt=now).update(claimed_until=None)
+    unclaimed = [(pk, at) for pk, at, claimed in due if claimed is None]
+    overdue = {pk for pk, at in unclaimed if at < now - timedelta(seconds=_OVERDUE_SECONDS)}
+    held = deliveries_with_jobs([pk for pk, _ in unclaimed], overdue=overdue)
+    missing = lapsed + [pk for pk, _ in unclaimed if pk not in held]
     enqueue_deliveries(missing)
     return len(missing)
