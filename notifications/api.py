@@ -10,15 +10,16 @@ no other answer, log or audit event carries it.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, Path, Query, Router, Schema
-from pydantic import ConfigDict
+from pydantic import BeforeValidator, ConfigDict
 
 from console.api_support import (
     NEWEST_FIRST,
     RoleBearer,
+    json_bool,
     json_response,
     page_response,
     writing_principal,
@@ -44,6 +45,7 @@ _SUBSCRIPTION_ID = Path(..., ge=1, le=_MAX_ID)
 EventType = Literal[NOTIFICATION_TYPES]  # type: ignore[valid-type]
 _GROUP_PATTERN = r"^(\*|[A-Za-z0-9_.@+-]{1,150})$"
 _TEXT = r"^[^\x00]*$"
+JsonBool = Annotated[bool, BeforeValidator(json_bool)]
 
 
 class SubscriptionOut(Schema):
@@ -83,7 +85,7 @@ class SubscriptionIn(Schema):
     name_prefix: str = Field("", max_length=255, pattern=_TEXT)
     channel: Literal["webhook", "apprise", "email"]
     url: str = Field("", max_length=2000, pattern=_TEXT, description="Webhook or Apprise URL")
-    paused: bool = False
+    paused: JsonBool = False
 
 
 class SubscriptionPatch(Schema):
@@ -95,7 +97,7 @@ class SubscriptionPatch(Schema):
     kind: str | None = Field(None, max_length=64, pattern=_TEXT)
     name_prefix: str | None = Field(None, max_length=255, pattern=_TEXT)
     url: str | None = Field(None, max_length=2000, pattern=_TEXT)
-    paused: bool | None = None
+    paused: JsonBool | None = None
 
 
 class AttemptOut(Schema):

@@ -149,7 +149,9 @@ def webhook_url_check(url: str) -> CheckedUrl:
 
 def url_display(url: str) -> str:
     """What may be shown of a URL: its scheme and host (and port), never its path, query
-    or credentials."""
+    or credentials ("" for no URL)."""
+    if not url.strip():
+        return ""
     try:
         parts = urlsplit(url.strip())
         port = f":{parts.port}" if parts.port else ""
