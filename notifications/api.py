@@ -225,7 +225,7 @@ def subscription_test(
 @router.post(
     "/subscriptions/{subscription_id}/rotate-secret",
     auth=admin_token,
-    response={200: SubscriptionCreatedOut, **errors(401, 403, 404, 422, 429)},
+    response={200: SubscriptionCreatedOut, **errors(401, 403, 404, 409, 422, 429)},
     summary="A new webhook secret, shown once; the old one signs too for the overlap window",
 )
 def subscription_rotate_secret(

@@ -173,3 +173,13 @@ def test_email_and_apprise_subscriptions_are_accepted(api: Any, admin: Any) -> N
     assert email["secret"] is None and email["url"] == ""
     chat = _create(api, admin, channel="apprise", url="ntfys://ntfy.example.org/airlock-topic")
     assert chat["secret"] is None and chat["url"] == "ntfys://ntfy.example.org/…"
+
+
+def test_only_a_webhook_has_a_secret_to_rotate(api: Any, admin: Any) -> None:
+    email = _create(api, admin, channel="email", url="", target="operators")
+    problem(
+        api.post(f"{BASE}/{email['id']}/rotate-secret", token=admin.token),
+        409,
+        "invalid_transition",
+    )
+    problem(api.post(f"{BASE}/999999/rotate-secret", token=admin.token), 404, "not_found")

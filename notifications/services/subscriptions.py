@@ -17,7 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit.services import Actor, audit_append
-from console.core.errors import NotFound, ValidationFailed
+from console.core.errors import InvalidTransition, NotFound, ValidationFailed
 from console.permissions import is_admin, require_person
 from notifications.models import EVERYONE, Channel, Delivery, Notification, Subscription
 from notifications.services.addresses import url_display, webhook_url_check
@@ -224,15 +224,17 @@ def subscription_delete(*, actor: Actor, subscription_id: int) -> bool:
 
 def subscription_secret_rotate(*, actor: Actor, subscription_id: int) -> Created:
     """A new webhook secret, returned once; the old one keeps signing beside it for
-    AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS. Raises Forbidden, NotFound, ValidationFailed
-    (not a webhook)."""
+    AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS. Raises Forbidden, NotFound, InvalidTransition
+    (409: not a webhook)."""
     require_person(actor, is_admin, _ADMINS_ONLY)
     secret = webhook_secret_new()
     overlap = timedelta(seconds=int(settings.AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS))
     with transaction.atomic():
         subscription = _locked(subscription_id)
         if subscription.channel != Channel.WEBHOOK:
-            _raise([{"field": "channel", "message": "only webhooks have a signing secret"}])
+            raise InvalidTransition(
+                f"Subscription {subscription_id} is not a webhook: it has no signing secret."
+            )
         subscription.previous_secret_encrypted = subscription.secret_encrypted
         subscription.previous_secret_until = timezone.now() + overlap
         subscription.secret_encrypted = seal(secret)
