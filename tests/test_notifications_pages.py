@@ -88,3 +88,31 @@ def test_pause_resume_rotate_and_delete(people: People) -> None:
     assert client.post(f"/notifications/{pk}/explode/", **HX).status_code == 404
     client.post(f"/notifications/{pk}/delete/", **HX)
     assert not Subscription.objects.exists()
+
+
+def test_metrics_count_deliveries_by_channel_and_outcome(
+    people: People, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datetime import timedelta
+
+    from django.test import Client
+    from django.utils import timezone
+
+    from notifications import selectors
+
+    monkeypatch.setattr(selectors, "_metrics_cache", None)
+    client = client_for(people.admin)
+    client.post("/notifications/new/", FORM, **HX)
+    pk = Subscription.objects.get().pk
+    client.post(f"/notifications/{pk}/test/", **HX)
+    Delivery.objects.update(created_at=timezone.now() - timedelta(seconds=90))
+    text = Client().get("/metrics").content.decode()
+    assert 'airlock_notification_deliveries{channel="webhook",status="pending"} 1' in text
+    assert 'airlock_notification_deliveries{channel="email",status="delivered"} 0' in text
+    oldest = next(
+        line
+        for line in text.splitlines()
+        if line.startswith("airlock_notification_oldest_pending_seconds ")
+    )
+    assert float(oldest.split()[1]) >= 90
+    assert "airlock_notification_attempt_latency_seconds_count 0" in text
