@@ -252,3 +252,28 @@ def test_the_notifications_cron_schedules_its_passes(redis_client: Any) -> None:
     scheduler.load_config_from_file("notifications.cron")
     scheduled = {job.func for job in scheduler.get_jobs()}
     assert {notifications_tick_job, notifications_each_minute_job} <= scheduled
+
+
+def test_the_deep_link_opens_the_card_after_sign_in(
+    engine_world: Any, policy: Any, admin: Actor, settings: Any
+) -> None:
+    from urllib.parse import urlsplit
+
+    from django.test import Client
+
+    settings.AIRLOCK_PUBLIC_URL = "https://airlock.example.org"
+    _subscribe(admin, target="operators", event_types=["approval.requested"])
+    action = engine_world.propose(
+        policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
+    )
+    approval = Approval.objects.get(action=action)
+    link = urlsplit(Notification.objects.get().data["link"])
+    assert (link.scheme, link.netloc, link.path) == ("https", "airlock.example.org", "/approvals/")
+    assert link.fragment == f"approval-{approval.pk}"
+    anonymous = Client().get(link.path)
+    assert anonymous.status_code == 302
+    assert anonymous["Location"].startswith("/login/?next=/approvals/")
+    operator = Client()
+    operator.force_login(engine_world.operator)
+    page = operator.get(link.path).content.decode()
+    assert f'id="approval-{approval.pk}"' in page
