@@ -10,11 +10,35 @@ from django.db.models import Count, Min, QuerySet, Sum
 from django.utils import timezone
 
 from console.core.errors import NotFound
-from notifications.models import Channel, Delivery, DeliveryAttempt, DeliveryStatus, Subscription
+from console.permissions import ROLE_ADMIN, user_groups
+from notifications.models import (
+    EVERYONE,
+    Channel,
+    Delivery,
+    DeliveryAttempt,
+    DeliveryStatus,
+    Subscription,
+)
 
 
 def subscription_list() -> list[Subscription]:
     return list(Subscription.objects.select_related("created_by").order_by("id"))
+
+
+def subscriptions_reaching(user: Any) -> list[Subscription]:
+    """The active subscriptions that can reach `user`: those targeting everyone or one of
+    the person's groups (`admins` too for a superuser). Email ones reach them only with an
+    address on file (the page says so)."""
+    groups = set(user_groups(user))
+    if getattr(user, "is_superuser", False):
+        groups.add(ROLE_ADMIN)
+    return [
+        subscription
+        for subscription in Subscription.objects.filter(
+            paused=False, disabled_at__isnull=True
+        ).order_by("id")
+        if subscription.target == EVERYONE or subscription.target in groups
+    ]
 
 
 def subscription_get(subscription_id: int) -> Subscription:

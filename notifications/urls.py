@@ -9,6 +9,7 @@ from notifications import views
 urlpatterns: list[URLPattern] = [
     path("", views.notifications_page, name="notifications"),
     path("log/", views.delivery_log, name="notifications_log"),
+    path("mine/", views.my_notifications, name="my_notifications"),
     path("new/", views.subscription_create_view, name="notification_subscription_create"),
     path(
         "<int:subscription_id>/<slug:verb>/",

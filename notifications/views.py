@@ -22,7 +22,7 @@ from console.pages import (
     render_fragment_or_page,
 )
 from notifications.forms import SubscriptionForm
-from notifications.selectors import delivery_list, subscription_list
+from notifications.selectors import delivery_list, subscription_list, subscriptions_reaching
 from notifications.services import subscriptions as services
 
 PAGE = EditablePage(
@@ -131,3 +131,16 @@ def subscription_verb_view(request: HttpRequest, subscription_id: int, verb: str
     response["Cache-Control"] = "no-store"
     response["HX-Trigger"] = '{"notifications-changed": true}'
     return response
+
+
+@console_page
+@require_GET
+def my_notifications(request: HttpRequest) -> HttpResponse:
+    """What reaches the signed-in person: any person may look at their own."""
+    user = request.user
+    context = {
+        "nav": "notifications",
+        "reaching": subscriptions_reaching(user),
+        "email": getattr(user, "email", ""),
+    }
+    return render(request, "notifications/mine.html", context)

@@ -116,3 +116,28 @@ def test_metrics_count_deliveries_by_channel_and_outcome(
     )
     assert float(oldest.split()[1]) >= 90
     assert "airlock_notification_attempt_latency_seconds_count 0" in text
+
+
+def test_a_person_sees_what_reaches_them(people: People) -> None:
+    from audit.services import Actor
+    from notifications.services.subscriptions import subscription_create
+
+    admin = Actor.person(people.admin)
+    for name, target, channel in (
+        ("all hands", "*", "email"),
+        ("operators' pager", "operators", "webhook"),
+        ("release desk", "release-owners", "email"),
+    ):
+        subscription_create(
+            actor=admin,
+            name=name,
+            target=target,
+            channel=channel,
+            url="http://127.0.0.1:9/h" if channel == "webhook" else "",
+        )
+    page = client_for(people.operator).get("/notifications/mine/").content.decode()
+    assert "all hands" in page and "operators&#x27; pager" in page
+    assert "release desk" not in page
+    assert "no email address on file" in page
+    nav = client_for(people.operator).get("/").content.decode()
+    assert 'href="/notifications/mine/"' in nav
