@@ -168,7 +168,11 @@ def apprise_send(*, url: str, title: str, body: str) -> Sent:
 def email_send(*, recipients: list[str], subject: str, body: str) -> Sent:
     """One plain-text message per recipient (nobody sees the others' addresses)."""
     if not recipients:
-        return Sent(ok=False, error="the target group has no active member with an email address")
+        return Sent(
+            ok=False,
+            error="the target group has no active member with an email address",
+            final=True,  # retrying for a day would not give anyone an address
+        )
     started = time.perf_counter()
     messages = [
         EmailMessage(subject=subject, body=body, from_email=None, to=[address])

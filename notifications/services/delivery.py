@@ -179,6 +179,10 @@ def _record(delivery: Delivery, sent: Sent, *, started: datetime) -> str:
             ("retry", DeliveryStatus.PENDING) if retry else ("failed", DeliveryStatus.FAILED)
         )
     with transaction.atomic():
+        if sent.gone:
+            # The subscription's row first: two workers told 410 at once then queue on it,
+            # instead of each holding its own delivery and waiting for the other's.
+            _subscription_disable(delivery.subscription_id, reason="the endpoint answered 410 Gone")
         DeliveryAttempt.objects.create(
             delivery=delivery,
             number=delivery.attempts,
@@ -199,8 +203,6 @@ def _record(delivery: Delivery, sent: Sent, *, started: datetime) -> str:
             finished_at=None if status == DeliveryStatus.PENDING else now,
             last_error=sent.error[:500],
         )
-        if sent.gone:
-            _subscription_disable(delivery.subscription_id, reason="the endpoint answered 410 Gone")
         if outcome == "retry":
             delivery_id = delivery.pk
             transaction.on_commit(lambda: enqueue_deliveries([delivery_id], delay_seconds=delay))
