@@ -21,8 +21,10 @@ from audit.services import audit_chain_status
 from notifications.models import Notification
 from notifications.services.delivery import deliveries_reconcile
 from notifications.services.events import (
+    ApprovalRow,
     Facts,
     approval_facts_into,
+    approval_row,
     audience_for,
     deep_link,
     notification_record,
@@ -72,24 +74,23 @@ def _approval_reminders_due(*, now: datetime | None = None, limit: int = 500) ->
             Approval.objects.filter(status=ApprovalStatus.PENDING, expires_at__gt=now)
             .alias(remind_at=at_share)
             .filter(remind_at__lte=now)
-            .select_related(
-                "run__agent", "action__conflict_class", "action__kind", "action__resource"
-            )
-            .order_by("expires_at")[:limit]
+            .order_by("expires_at")
+            .values_list("pk", flat=True)[:limit]
         )
-        keys = {approval.pk: f"{REMINDER}:{approval.pk}:{share:g}" for approval in due}
+        keys = {pk: f"{REMINDER}:{pk}:{share:g}" for pk in due}
         done = set(
             Notification.objects.filter(dedupe_key__in=keys.values()).values_list(
                 "dedupe_key", flat=True
             )
         )
-        for approval in due:
-            if keys[approval.pk] not in done and _remind(approval, share, keys[approval.pk]):
+        for pk in due:
+            approval = approval_row(pk) if keys[pk] not in done else None
+            if approval is not None and _remind(approval, share, keys[pk]):
                 sent += 1
     return sent
 
 
-def _remind(approval: Approval, share: float, key: str) -> bool:
+def _remind(approval: ApprovalRow, share: float, key: str) -> bool:
     data: dict[str, object] = {"event": REMINDER, "share": share}
     audience = {"operators"} | approval_facts_into(data, approval, kind=REMINDER)
     facts = Facts(REMINDER, data, frozenset(group for group in audience if group))

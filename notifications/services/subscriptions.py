@@ -19,10 +19,16 @@ from django.utils import timezone
 from audit.services import Actor, audit_append
 from console.core.errors import InvalidTransition, NotFound, ValidationFailed
 from console.permissions import is_admin, require_person
-from notifications.models import EVERYONE, Channel, Delivery, Notification, Subscription
+from notifications.models import EVERYONE, Channel, Delivery, Subscription
 from notifications.services.addresses import url_display, webhook_url_check
 from notifications.services.channels import apprise_url_problem
-from notifications.services.events import NOTIFICATION_TYPES, Facts, deep_link, notification_record
+from notifications.services.events import (
+    NOTIFICATION_TYPES,
+    Facts,
+    Listener,
+    deep_link,
+    notification_record,
+)
 from notifications.services.secrets import seal, webhook_secret_new
 
 _ADMINS_ONLY = "Only admins manage notification subscriptions."
@@ -263,11 +269,11 @@ def subscription_test(*, actor: Actor, subscription_id: int) -> Delivery:
             {"subscription": subscription.pk, "by": actor.label, "link": deep_link("/")},
             frozenset(),
         )
-        notification = notification_record(facts, [subscription], matched=True)
-        assert isinstance(notification, Notification)
+        notification_id = notification_record(facts, [Listener.of(subscription)], matched=True)
+        assert notification_id is not None
         audit_append(
             event_type="notification_subscription.tested",
             actor=actor,
-            details={"id": subscription.pk, "notification": str(notification.pk)},
+            details={"id": subscription.pk, "notification": str(notification_id)},
         )
-        return Delivery.objects.get(notification=notification)
+        return Delivery.objects.select_related("notification").get(notification_id=notification_id)
