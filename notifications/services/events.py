@@ -170,6 +170,8 @@ def notification_capture(event: AuditEvent) -> None:
     kind = AUDIT_TO_NOTIFICATION.get(event.event_type)
     if kind is None or (kind == "plan.compensated" and _plan_status(event) not in _COMPENSATED):
         return
+    if connection.vendor != "postgresql":
+        return  # the outbox statements are PostgreSQL's: the SQLite trial run tells no one
     listening = [listener for listener in subscriptions_active() if _hears_type(listener, kind)]
     if not listening:
         return
