@@ -183,3 +183,16 @@ def test_only_a_webhook_has_a_secret_to_rotate(api: Any, admin: Any) -> None:
         "invalid_transition",
     )
     problem(api.post(f"{BASE}/999999/rotate-secret", token=admin.token), 404, "not_found")
+
+
+def test_check_deploy_warns_when_the_notify_key_is_derived(tmp_path: Any) -> None:
+    import secrets
+
+    from tests.test_settings_deploy import PRODUCTION, check_deploy, subprocess_env
+
+    env = subprocess_env(**PRODUCTION, SECRET_KEY=secrets.token_urlsafe(60))
+    env.pop("AIRLOCK_NOTIFY_KEY")
+    env["AIRLOCK_DATA_DIR"] = str(tmp_path)
+    result = check_deploy(env)
+    assert result.returncode != 0
+    assert "notifications.W001" in result.stdout + result.stderr
