@@ -4,6 +4,7 @@ reminders at shares of the TTL and the escalation, with time passed as `now`."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +18,7 @@ from approvals.models import Approval
 from approvals.services.decisions import approval_decide, approval_expire_due
 from audit.services import Actor, audit_append, audit_deferred
 from console.services import kill_switch_set
-from notifications.models import Delivery, Notification
+from notifications.models import Delivery, Notification, Subscription
 from notifications.services import events
 from notifications.services.delivery import delivery_attempt
 from notifications.services.periodic import notifications_tick
@@ -49,12 +50,36 @@ def test_an_event_no_one_could_hear_costs_the_append_no_query(
         audit_append(event_type="token.created", actor=Actor.system())
 
 
-def test_a_notifiable_event_without_subscriptions_costs_one_query(
+def test_a_notifiable_event_without_subscriptions_costs_one_query_then_none(
     engine_world: Any, django_assert_num_queries: Any
 ) -> None:
     with django_assert_num_queries(2):  # the append, and the subscriptions' lookup
         audit_append(event_type="kill_switch.engaged", actor=Actor.system(), resource="*")
+    with django_assert_num_queries(1):  # "nobody listens" is remembered
+        audit_append(event_type="kill_switch.released", actor=Actor.system(), resource="*")
     assert not Notification.objects.exists()
+
+
+def test_a_new_subscription_is_heard_at_once_by_this_process_and_after_commit_by_others(
+    engine_world: Any, admin: Actor, django_assert_num_queries: Any
+) -> None:
+    from django.conf import settings
+
+    from console.redis_clients import shared_redis
+    from notifications.services.events import _VERSION_KEY, subscriptions_active
+
+    assert subscriptions_active() == []  # remembered
+    _subscribe(admin, target="operators")  # this process forgets at once
+    assert len(subscriptions_active()) == 1
+    Subscription.objects.all().delete()  # as a rollback would: nobody told
+    assert subscriptions_active() == []
+    # Another process's change reaches this one through the Redis key.
+    Subscription.objects.create(name="x", channel="email", target="*")
+    with django_assert_num_queries(0):
+        assert subscriptions_active() == []  # still remembered...
+    elsewhere = f"changed elsewhere {uuid.uuid4().hex}"
+    shared_redis(settings.REDIS_URL, timeout=2.0).set(_VERSION_KEY, elsewhere)
+    assert len(subscriptions_active()) == 1  # ...until the key moves
 
 
 def test_a_rolled_back_event_leaves_no_notification(engine_world: Any, admin: Actor) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,10 +23,12 @@ from typing import Any
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from approvals.models import Action, ApprovalSubject
 from audit.models import AuditEvent
 from console.permissions import ROLE_ADMIN, ROLE_AUDITOR, ROLE_OPERATOR, resolver_group
+from console.redis_clients import shared_redis
 from notifications.models import EVERYONE, Subscription
 from notifications.outbox import enqueue_deliveries
 from ownership.models import Conflict
@@ -132,8 +136,64 @@ RETURNING id
 """
 
 
+# "No subscription can hear anything" is remembered per process, so that an event costs the
+# transaction no statement while nobody subscribes. It holds while a Redis key keeps the
+# value it had when the answer was read (every change of a subscription sets a new one,
+# after commit), and for _NOBODY_MAX_AGE at most (a change whose Redis write was lost).
+# Only the empty answer is remembered: a rollback or a flush can only remove subscriptions.
+_VERSION_KEY = "airlock:notify:subscriptions:version"
+_NOBODY_MAX_AGE = 30.0
+_nobody_lock = threading.Lock()
+_nobody: tuple[bytes, float] | None = None
+
+
+def listeners_changed() -> None:
+    """A subscription was created, changed or deleted (inside the writing transaction):
+    this process forgets at once, the others once it commits."""
+    global _nobody
+    with _nobody_lock:
+        _nobody = None
+    transaction.on_commit(_version_bump)
+
+
+def _version_bump() -> None:
+    try:
+        shared_redis(settings.REDIS_URL, timeout=2.0).set(_VERSION_KEY, uuid.uuid4().hex)
+    except RedisError:
+        log.warning("could not tell other processes that the subscriptions changed")
+
+
+def _version() -> bytes | None:
+    try:
+        client = shared_redis(settings.REDIS_URL, timeout=2.0)
+        value: Any = client.get(_VERSION_KEY)
+        if value is None:  # a new Redis, or a FLUSHALL
+            client.set(_VERSION_KEY, uuid.uuid4().hex, nx=True)
+            value = client.get(_VERSION_KEY)
+    except RedisError:
+        return None
+    return bytes(value) if value is not None else None
+
+
 def subscriptions_active() -> list[Listener]:
-    """The subscriptions that can hear anything (one statement, on a partial index)."""
+    """The subscriptions that can hear anything: one statement on a partial index, or
+    none while this process knows there are none (see _VERSION_KEY)."""
+    global _nobody
+    version = _version()
+    if version is not None:
+        with _nobody_lock:
+            known = _nobody
+        fresh = known is not None and time.monotonic() - known[1] < _NOBODY_MAX_AGE
+        if fresh and known is not None and known[0] == version:
+            return []
+    listeners = _listeners_read()
+    if not listeners and version is not None:
+        with _nobody_lock:
+            _nobody = (version, time.monotonic())
+    return listeners
+
+
+def _listeners_read() -> list[Listener]:
     with connection.cursor() as cursor:
         cursor.execute(_LISTENERS)
         rows = cursor.fetchall()
