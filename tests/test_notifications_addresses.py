@@ -166,3 +166,32 @@ def test_redirects_are_not_followed(admin: Actor, settings: Any, receiver: Recei
     assert delivery_attempt(delivery_id=delivery.pk) == "retry"
     assert len(receiver.received) == 1
     assert DeliveryAttempt.objects.get(delivery=delivery).status_code == 302
+
+
+def test_an_apprise_subscription_sends_a_short_text_with_the_deep_link(
+    admin: Actor, settings: Any, receiver: Receiver
+) -> None:
+    settings.AIRLOCK_PUBLIC_URL = "https://airlock.example.org"
+    created = subscription_create(
+        actor=admin,
+        name="ntfy",
+        channel="apprise",
+        url=f"ntfy://127.0.0.1:{receiver.port}/airlock-approvals",
+    )
+    assert created.secret == ""
+    delivery = subscription_test(actor=admin, subscription_id=created.subscription.pk)
+    assert delivery_attempt(delivery_id=delivery.pk) == "delivered"
+    (request,) = receiver.received
+    text = request.body.decode()
+    assert "airlock-approvals" in text  # ntfy's topic
+    assert "Airlock: test" in text and "https://airlock.example.org/" in text
+
+
+def test_apprise_failures_are_retried(admin: Actor, receiver: Receiver) -> None:
+    receiver.default = (500, {})
+    created = subscription_create(
+        actor=admin, name="ntfy", channel="apprise", url=f"ntfy://127.0.0.1:{receiver.port}/x"
+    )
+    delivery = subscription_test(actor=admin, subscription_id=created.subscription.pk)
+    assert delivery_attempt(delivery_id=delivery.pk) == "retry"
+    assert DeliveryAttempt.objects.get(delivery=delivery).error == "Apprise reported a failure"
