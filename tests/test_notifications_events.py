@@ -302,3 +302,54 @@ def test_the_deep_link_opens_the_card_after_sign_in(
     operator.force_login(engine_world.operator)
     page = operator.get(link.path).content.decode()
     assert f'id="approval-{approval.pk}"' in page
+
+
+def test_run_approvals_failures_unknown_outcomes_and_compensated_plans_are_told(
+    engine_world: Any, policy: Any, admin: Actor
+) -> None:
+    from approvals.services.approval_open import approval_open_for_run
+    from console.core.action_audit import audit_action_event
+
+    _subscribe(admin, target="operators")
+    owners = _subscribe(admin, name="owners", target="owners")
+    with transaction.atomic():
+        run_approval = approval_open_for_run(run=engine_world.run)
+    action = engine_world.propose(
+        policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
+    )
+    worker = Actor.system("worker")
+    with transaction.atomic():
+        audit_action_event(
+            action, event_type="action.failed", actor=worker, details={"reason": "target said 500"}
+        )
+        audit_action_event(
+            action,
+            event_type="write.unknown",
+            actor=worker,
+            details={"error": "timeout after send"},
+        )
+        audit_append(
+            event_type="plan.ended", actor=worker, details={"plan": "p1", "status": "applied"}
+        )
+        audit_append(
+            event_type="plan.ended", actor=worker, details={"plan": "p2", "status": "compensated"}
+        )
+    told = {n.type: n for n in Notification.objects.all()}
+    assert set(told) == {
+        "approval.requested",
+        "action.failed",
+        "action.unknown",
+        "plan.compensated",
+    }
+    requested = [
+        n
+        for n in Notification.objects.filter(type="approval.requested")
+        if n.data["subject"] == "run"
+    ]
+    assert requested[0].data["approval"] == str(run_approval.pk)
+    assert told["action.failed"].data["error"] == "target said 500"
+    assert told["action.failed"].data["link"].endswith(f"/actions/{action.pk}/")
+    assert told["action.unknown"].data["error"] == "timeout after send"
+    assert "owners" in told["action.failed"].audience  # the kind's owner group
+    assert Delivery.objects.filter(subscription=owners).count() == 2  # failed and unknown
+    assert told["plan.compensated"].data["plan"] == "p2"
