@@ -32,3 +32,7 @@ def _register(func: Callable[..., Any], **options: Any) -> None:
 _register(reconcile_job, interval=RECONCILE_EVERY_SECONDS, job_timeout=60, result_ttl=60)
 _register(housekeeping_job, interval=HOUSEKEEPING_EVERY_SECONDS, job_timeout=120, result_ttl=60)
 _register(audit_verify_job, interval=3600, job_timeout=3600, result_ttl=3600)  # whole chain hourly
+
+# The notifications' schedule (reminders, lost deliveries, a broken chain told) runs in the
+# same cron process: one Procfile line, one clock.
+import notifications.cron  # noqa: E402, F401

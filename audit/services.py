@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -43,6 +43,33 @@ from console.advisory_locks import AUDIT_HEAD_QUEUE
 from console.requestctx import current_request_id
 
 logger = logging.getLogger(__name__)
+
+
+# --- After-append callbacks: the one seam for other apps (notifications) ---------------
+#
+# audit imports no other app, so an app that must act on some events in the same
+# transaction (write its own outbox rows) registers here from its AppConfig.ready(). The
+# hot path pays one set lookup per event: callbacks run only for the event types they
+# named. A callback runs inside the caller's transaction, after the event is appended.
+AfterAppend = Callable[[AuditEvent], None]
+_AFTER_APPEND: dict[str, list[AfterAppend]] = {}
+
+
+def audit_after_append(event_types: Iterable[str], callback: AfterAppend) -> None:
+    """Call `callback(event)` after each append of one of `event_types`, in the appending
+    transaction (and at the end of an `audit_deferred` block for the events it held)."""
+    for event_type in event_types:
+        callbacks = _AFTER_APPEND.setdefault(event_type, [])
+        if callback not in callbacks:
+            callbacks.append(callback)
+
+
+def _after_append(event: AuditEvent) -> AuditEvent:
+    callbacks = _AFTER_APPEND.get(event.event_type)
+    if callbacks:
+        for callback in callbacks:
+            callback(event)
+    return event
 
 
 # One round trip per append, and the head row touched once. The UPDATE locks the head
@@ -280,6 +307,8 @@ def audit_deferred() -> Iterator[DeferredAppends]:
     finally:
         _DEFERRED.reset(token)
     _chain_and_insert(held.items)
+    for _, event in held.items:
+        _after_append(event)
 
 
 def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
@@ -295,7 +324,7 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
         deferred.items.append((prepared, placeholder))
         return placeholder
     if connection.vendor != "postgresql":
-        return _append_batch([prepared])[0]
+        return _after_append(_append_batch([prepared])[0])
     params = _append_params(prepared)
     # One statement is atomic by itself: no BEGIN/COMMIT round trips of our own
     # when the caller is in autocommit (inside its transaction it is simply the
@@ -305,7 +334,9 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
         AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
         row = _execute_append(params)
     assert row is not None
-    return _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+    return _after_append(
+        _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+    )
 
 
 @dataclass(frozen=True)
@@ -321,7 +352,8 @@ class GuardedAppend:
         did not hold, or the head row is missing: then call audit_append)."""
         if row is None:
             return None
-        return _event(self.prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+        event = _event(self.prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+        return _after_append(event)
 
 
 def audit_append_if(
@@ -379,7 +411,7 @@ def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:
     """Append several events (each audit_append's keyword arguments), in order,
     with one head lock (one statement a chunk). Same locking rule as audit_append.
     """
-    return _append_batch([_prepare(event) for event in events])
+    return [_after_append(event) for event in _append_batch([_prepare(e) for e in events])]
 
 
 def _append_batch(prepared: list[_Prepared]) -> list[AuditEvent]:

@@ -48,6 +48,7 @@ from console.problems import (
     validation_errors_from_ninja,
 )
 from console.services import kill_switch_set
+from notifications.api import router as notifications_router
 from ownership.api import router as ownership_router
 
 API_TITLE = "Airlock API"
@@ -406,3 +407,4 @@ api.add_router("", approvals_router)
 api.add_router("", ownership_router)
 api.add_router("", audit_router)
 api.add_router("", kill_switch_router)
+api.add_router("", notifications_router)

@@ -31,6 +31,7 @@ from approvals.notify import action_waiters
 from console.health import readiness
 from console.ops_gauges import operational_metrics
 from console.problems import problem_response
+from notifications.selectors import notification_metrics
 from ownership.models import Conflict, ConflictStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -287,6 +288,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
         *_domain_metrics(),
         *operational_metrics(),
         *_request_metrics(),
+        *notification_metrics(),
         "# HELP airlock_longpoll_waiters Long-poll requests held by this process.",
         "# TYPE airlock_longpoll_waiters gauge",
         f"airlock_longpoll_waiters {action_waiters.waiting}",

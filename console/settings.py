@@ -108,6 +108,7 @@ INSTALLED_APPS = [
     "ownership",
     "approvals",
     "audit",
+    "notifications",
 ]
 
 # Under ASGI (console.asgi) the web process runs console.middleware's subclasses of the
@@ -474,3 +475,45 @@ LOGGING = {
 AIRLOCK_RUN_APPROVAL_TTL_SECONDS = env_int("AIRLOCK_RUN_APPROVAL_TTL_SECONDS", 172_800, minimum=60)
 # The most steps one plan may have (approvals/services/plans.py); more is a 422.
 AIRLOCK_PLAN_MAX_STEPS = env_int("AIRLOCK_PLAN_MAX_STEPS", 10, minimum=1)
+
+# --- Notifications (notifications/, docs/notifications.md) ---------------------------------
+# The Fernet key(s) the subscriptions' secrets are encrypted with: comma-separated, the first
+# encrypts, all decrypt (rotation). Unset: a key derived from SECRET_KEY, with a warning from
+# `manage.py check` (notifications.W001): changing SECRET_KEY would then lose every secret.
+AIRLOCK_NOTIFY_KEY = os.environ.get("AIRLOCK_NOTIFY_KEY", "")
+# The console's address as people reach it: the start of every deep link.
+AIRLOCK_PUBLIC_URL = env_str("AIRLOCK_PUBLIC_URL", "http://localhost:8000").rstrip("/")
+# Webhook addresses: https only unless this is on; private, loopback, link-local, multicast
+# and cloud-metadata addresses refused unless a host or CIDR range is listed here.
+AIRLOCK_WEBHOOK_ALLOW_HTTP = env_bool("AIRLOCK_WEBHOOK_ALLOW_HTTP", False)
+AIRLOCK_WEBHOOK_ALLOW_HOSTS = env_list("AIRLOCK_WEBHOOK_ALLOW_HOSTS", [])
+AIRLOCK_WEBHOOK_TIMEOUT_SECONDS = _env_seconds("AIRLOCK_WEBHOOK_TIMEOUT_SECONDS", 5.0)
+# How long a worker's claim on a delivery lasts: past it (a worker killed mid-delivery) the
+# reconciler sends it again, with the same webhook-id. Longer than any one attempt.
+AIRLOCK_NOTIFY_CLAIM_SECONDS = env_int("AIRLOCK_NOTIFY_CLAIM_SECONDS", 60, minimum=1)
+# How long a rotated-out webhook secret keeps signing beside the new one.
+AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS = env_int(
+    "AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS", 24 * 3600, minimum=0
+)
+# Retries: exponential backoff with full jitter from BASE, each wait at most CAP, for WINDOW
+# after the event (then the delivery is `failed`); a Retry-After answer is honoured.
+AIRLOCK_NOTIFY_BACKOFF_BASE_SECONDS = _env_seconds("AIRLOCK_NOTIFY_BACKOFF_BASE_SECONDS", 5.0)
+AIRLOCK_NOTIFY_BACKOFF_CAP_SECONDS = _env_seconds("AIRLOCK_NOTIFY_BACKOFF_CAP_SECONDS", 3 * 3600.0)
+AIRLOCK_NOTIFY_RETRY_WINDOW_SECONDS = env_int(
+    "AIRLOCK_NOTIFY_RETRY_WINDOW_SECONDS", 24 * 3600, minimum=1
+)
+# Reminders of a pending approval, as shares of its time to live.
+AIRLOCK_NOTIFY_REMINDER_SHARES = [
+    float(share) for share in env_list("AIRLOCK_NOTIFY_REMINDER_SHARES", ["0.5", "0.9"])
+]
+if any(not 0 < share < 1 for share in AIRLOCK_NOTIFY_REMINDER_SHARES):
+    raise ImproperlyConfigured("AIRLOCK_NOTIFY_REMINDER_SHARES must be numbers between 0 and 1")
+# Email: Django's backend (console by default; SMTP from EMAIL_HOST & co. when set).
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "airlock@localhost")

@@ -12,5 +12,6 @@ urlpatterns = [
     path("admin/rq/", include("django_rq.urls")),
     path("admin/", admin.site.urls),
     path("", include("console.urls_api")),
+    path("notifications/", include("notifications.urls")),
     path("", include("console.urls_pages")),
 ]

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The server's packages: every module in them is placed in a layer and checked.
 # (bench/ is an interface: it drives the product, nothing in the product imports it.)
-SERVER_PACKAGES = ("approvals", "audit", "console", "engine", "ownership", "bench")
+SERVER_PACKAGES = ("approvals", "audit", "console", "engine", "ownership", "notifications", "bench")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import approvals.models
 import approvals.models.choices
 import approvals.models.plans
 import audit.models
+import notifications.models
 import ownership.models
 from console.api import api
 from ownership import diff
@@ -32,6 +33,7 @@ def _model_vocabularies() -> dict[str, frozenset[str]]:
         approvals.models.plans,
         ownership.models,
         audit.models,
+        notifications.models,
     ]
     found = {
         name: frozenset(choices.values)

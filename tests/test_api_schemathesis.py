@@ -117,6 +117,8 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
             _operation_block(
                 "^POST /api/v1/(conflicts|approvals|kill-switch)", admin_token, (422,)
             ),
+            # A webhook URL the address rules refuse, a URL on an email subscription: 422.
+            _operation_block("^(POST|PATCH) /api/v1/subscriptions", admin_token, (422,)),
             _operation_block(f"^(GET|POST|PUT|DELETE) /api/v1/({people})", admin_token),
             _operation_block("^GET /api/v1/(runs|resources|whoami|actions|plans)", run_token),
         ]

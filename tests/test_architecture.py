@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console", BASE),
     ("engine", BASE),
     ("ownership", BASE),
+    ("notifications", BASE),
     ("*.models", BASE),
     ("*.models.*", BASE),  # a models package split by sub-domain (approvals.models.plans)
     ("console.core.errors", BASE),  # the one DomainError hierarchy: every layer raises it
@@ -67,6 +68,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # the conflict reopen, the reference rows every database must have.
     ("approvals.outbox", LEAF),
     ("approvals.notify", LEAF),
+    ("notifications.outbox", LEAF),  # delivery jobs enqueued after commit (approvals' queue)
     ("console.redis_clients", LEAF),  # the process's pooled Redis clients, one per URL
     ("ownership.reopen", LEAF),
     ("console.reference", LEAF),
@@ -93,6 +95,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.urls", WIRING),
     ("console.urls_*", WIRING),
     ("bench.urls", WIRING),
+    ("notifications.urls", WIRING),
     ("console.asgi", WIRING),
     ("console.serve", WIRING),  # the web processes' launcher (the Procfile's `web` line)
     ("console.wsgi", WIRING),

@@ -1,0 +1,25 @@
+"""The notifications' periodic pass: `python manage.py rqcron notifications.cron` (a cron
+process of its own beside approvals.cron's; see docs/notifications.md).
+
+Every few seconds: resend the deliveries Redis lost, send the approval reminders that
+are due, and tell of an audit chain found broken.
+"""
+
+from __future__ import annotations
+
+from rq import cron
+
+from approvals.outbox import QUEUE_NAME
+from notifications.jobs import notifications_each_minute_job, notifications_tick_job
+
+TICK_EVERY_SECONDS = 5
+BREAK_CHECK_EVERY_SECONDS = 60
+
+for job, every in (
+    (notifications_tick_job, TICK_EVERY_SECONDS),
+    (notifications_each_minute_job, BREAK_CHECK_EVERY_SECONDS),
+):
+    entry = cron.register(job, QUEUE_NAME, interval=every, job_timeout=60, result_ttl=60)
+    # django-rq 3.2's DjangoCronScheduler.register() does not accept these keys of rq 2.12.
+    entry.pop("webhooks", None)
+    entry.pop("name", None)
