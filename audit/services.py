@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -37,39 +37,13 @@ from audit.chain import (
     hashed_fields,
 )
 from audit.details import clean_details, storable
+from audit.hooks import after_append as _after_append
 from audit.models import ActorType, AuditEvent, AuditHead
 from audit.verify import audit_head, verify_chain
 from console.advisory_locks import AUDIT_HEAD_QUEUE
 from console.requestctx import current_request_id
 
 logger = logging.getLogger(__name__)
-
-
-# --- After-append callbacks: the one seam for other apps (notifications) ---------------
-#
-# audit imports no other app, so an app that must act on some events in the same
-# transaction (write its own outbox rows) registers here from its AppConfig.ready(). The
-# hot path pays one set lookup per event: callbacks run only for the event types they
-# named. A callback runs inside the caller's transaction, after the event is appended.
-AfterAppend = Callable[[AuditEvent], None]
-_AFTER_APPEND: dict[str, list[AfterAppend]] = {}
-
-
-def audit_after_append(event_types: Iterable[str], callback: AfterAppend) -> None:
-    """Call `callback(event)` after each append of one of `event_types`, in the appending
-    transaction (and at the end of an `audit_deferred` block for the events it held)."""
-    for event_type in event_types:
-        callbacks = _AFTER_APPEND.setdefault(event_type, [])
-        if callback not in callbacks:
-            callbacks.append(callback)
-
-
-def _after_append(event: AuditEvent) -> AuditEvent:
-    callbacks = _AFTER_APPEND.get(event.event_type)
-    if callbacks:
-        for callback in callbacks:
-            callback(event)
-    return event
 
 
 # One round trip per append, and the head row touched once. The UPDATE locks the head

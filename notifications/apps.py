@@ -12,7 +12,7 @@ class NotificationsConfig(AppConfig):
 
     def ready(self) -> None:
         # reason: models and the audit seam are ready only now (AppConfig.ready)
-        from audit.services import audit_after_append
+        from audit.hooks import audit_after_append
         from notifications.services.events import AUDIT_TO_NOTIFICATION, notification_capture
 
         audit_after_append(AUDIT_TO_NOTIFICATION, notification_capture)

@@ -58,7 +58,8 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # proposed_document) the barrier applies.
     ("audit.services", FLOOR),
     ("audit.services.*", FLOOR),
-    ("audit.verify", FLOOR),  # the chain walk under the checkpoint in audit.services
+    ("audit.verify", FLOOR),
+    ("audit.hooks", FLOOR),  # after-append callbacks: the seam notifications registers on  # the chain walk under the checkpoint in audit.services
     ("ownership.diff", FLOOR),
     # core — lock, fence, barrier, undo, targets, the kill-switch check. No web, no service.
     ("console.core", CORE),
