@@ -29,7 +29,7 @@ def _propose(api: Any, run: Any, patch: dict[str, Any]) -> dict[str, Any]:
         run.token, "patch", "notification-policy/prod-alerts", patch, if_match='"41"'
     )
     assert body["status"] == "pending_approval"
-    return body
+    return dict(body)
 
 
 def _approval_of(action_id: str) -> Approval:
@@ -47,7 +47,7 @@ def _edit(api: Any, person: Any, approval: Approval, **body: Any) -> Any:
 def _action(api: Any, token: str, action_id: str) -> dict[str, Any]:
     response = api.get(f"/api/v1/actions/{action_id}", token=token)
     assert response.status_code == 200, response.content
-    return response.json()
+    return dict(response.json())
 
 
 @pytest.mark.django_db(transaction=True)
@@ -127,6 +127,7 @@ def test_a_whole_document_edit_replaces_the_proposal(
     assert edited.payload == {"escalation": {"after_minutes": 5}}
     assert edited.payload_format == "merge_patch" and edited.status == "queued"
     assert edited.edited_by == operator.user
+    assert edited.edit is not None
     assert {row["kind"] for row in edited.edit["diff"]} == {"added", "removed"}
 
 
