@@ -15,10 +15,11 @@ from approvals.models import Action, Approval, ApprovalDecision
 from approvals.services.decisions import approval_decide_tallied
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import DomainError
+from console.core.errors import DomainError, InvalidTransition
 from ownership.models import ConflictClass, OwnershipRecord, Resource
 from tests.fixtures.api import make_person_with_token, problem
 from tests.fixtures.engine import wait_for
+from tests.races import Holder, Worker, wait_for_lock_waiters
 
 POLICY = "/api/v1/resources/notification-policy/prod-alerts"
 
@@ -329,3 +330,84 @@ def test_the_agent_cannot_edit_and_separation_of_duties_holds(
     problem(response, 403, "forbidden")
     unchanged.check()
     assert json.loads(response.content)["code"] == "forbidden"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first", ["approve", "edit"])
+def test_an_edit_racing_a_plain_approval_leaves_exactly_one_decision(
+    api: Any, run: Any, operator: Any, prod_alerts: Any, first: str
+) -> None:
+    """Both deciders are in and wait on the approval row (held); whichever takes it first
+    decides, the other is refused 409 already_decided: never an approved original AND an
+    edited write."""
+    second = make_person_with_token("bea", "operators")
+    proposed = _propose(api, run, {"severity": "critical"})
+    approval = _approval_of(proposed["id"])
+
+    def approve() -> Any:
+        return approval_decide_tallied(
+            approval_id=approval.pk, actor=Actor.person(second.user), decision="approve"
+        )
+
+    def edit() -> Any:
+        return approval_decide_tallied(
+            approval_id=approval.pk,
+            actor=Actor.person(operator.user),
+            decision="approve_with_edits",
+            edit={"patch": {"severity": "error"}},
+        )
+
+    blocker = Holder(lambda: list(Approval.objects.select_for_update().filter(pk=approval.pk)))
+    blocker.hold()
+    order = (approve, edit) if first == "approve" else (edit, approve)
+    deciders = [Worker(order[0])]
+    deciders[0].start()
+    wait_for_lock_waiters(1, threads=tuple(deciders))
+    deciders.append(Worker(order[1]))
+    deciders[1].start()
+    wait_for_lock_waiters(2, threads=tuple(deciders))
+    blocker.release()
+    outcomes: list[str] = []
+    for decider in deciders:
+        try:
+            decider.finish()
+            outcomes.append("ok")
+        except InvalidTransition as exc:
+            outcomes.append(exc.code)
+    assert sorted(outcomes) == ["already_decided", "ok"]
+    original = Action.objects.get(pk=proposed["id"])
+    edited = Action.objects.filter(edited_by__isnull=False)
+    if first == "approve":
+        assert original.status == "queued" and not edited.exists()
+        assert Approval.objects.get(pk=approval.pk).status == "approved"
+    else:
+        assert original.status == "superseded" and edited.count() == 1
+        assert Approval.objects.get(pk=approval.pk).status == "cancelled"
+        assert not ApprovalDecision.objects.filter(approval=approval).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_edit_waiting_on_a_revoke_sees_the_run_ended_and_changes_nothing(
+    api: Any, run: Any, operator: Any, prod_alerts: Any
+) -> None:
+    proposed = _propose(api, run, {"severity": "critical"})
+    approval = _approval_of(proposed["id"])
+    # A revoke holds the run row FOR UPDATE and commits the run's end.
+    blocker = Holder(lambda: type(run.run).objects.filter(pk=run.run.pk).update(status="revoked"))
+    blocker.hold()
+    editor = Worker(
+        lambda: approval_decide_tallied(
+            approval_id=approval.pk,
+            actor=Actor.person(operator.user),
+            decision="approve_with_edits",
+            edit={"patch": {"severity": "error"}},
+        )
+    )
+    editor.start()
+    wait_for_lock_waiters(1, threads=(editor,))
+    blocker.release()
+    with pytest.raises(DomainError) as refused:
+        editor.finish()
+    assert refused.value.code == "run_not_active"
+    assert Action.objects.get(pk=proposed["id"]).status == "pending_approval"
+    assert not Action.objects.filter(edited_by__isnull=False).exists()
