@@ -244,23 +244,37 @@ def _nested(depth: int) -> dict[str, Any]:
 
 @pytest.mark.django_db
 @pytest.mark.parametrize(
-    ("body", "status"),
+    ("body", "status", "detail"),
     [
-        pytest.param({"document": _nested(80)}, 422, id="deeper-than-jsonsafe"),
-        pytest.param({"document": {"k": "x" * 70_000}}, 422, id="string-past-limit"),
-        pytest.param({"document": [1, 2]}, 422, id="not-an-object"),
-        pytest.param({}, 422, id="neither-document-nor-patch"),
-        pytest.param({"document": {"a": 1}, "patch": {"b": 2}}, 422, id="both-document-and-patch"),
-        pytest.param({"patch": {"severity": "critical"}}, 422, id="changes-nothing"),
+        # The API's body parser (jsonsafe) refuses these before the service does.
+        pytest.param({"document": _nested(80)}, 422, "deeper than 64", id="deeper-than-jsonsafe"),
+        pytest.param(
+            {"document": {"k": "x" * 70_000}}, 422, "longer than 65536", id="string-past-limit"
+        ),
+        pytest.param({"document": [1, 2]}, 422, "valid dictionary", id="not-an-object"),
+        pytest.param({}, 422, "document` or a merge `patch", id="neither-document-nor-patch"),
+        pytest.param(
+            {"document": {"a": 1}, "patch": {"b": 2}}, 422, "not both", id="both-document-and-patch"
+        ),
+        pytest.param(
+            {"patch": {"severity": "critical"}}, 422, "changes nothing", id="changes-nothing"
+        ),
     ],
 )
 def test_a_bad_edit_is_refused_with_a_clear_4xx_and_changes_nothing(
-    api: Any, run: Any, operator: Any, prod_alerts: Any, body: dict[str, Any], status: int
+    api: Any,
+    run: Any,
+    operator: Any,
+    prod_alerts: Any,
+    body: dict[str, Any],
+    status: int,
+    detail: str,
 ) -> None:
     proposed = _propose(api, run, {"severity": "critical"})
     unchanged = _Unchanged(proposed)
     response = _edit(api, operator, _approval_of(proposed["id"]), **body)
-    problem(response, status, "validation_error")
+    refused = problem(response, status, "validation_error")
+    assert detail in refused["detail"]
     unchanged.check()
 
 
@@ -288,6 +302,15 @@ def test_malformed_json_and_a_too_large_edit_are_refused(
             edit={"document": {"severity": "x" * 4000}},
         )
     assert refused.value.code == "payload_too_large"
+    # And jsonsafe's limits, whoever built the document (the console's form, a patch).
+    with pytest.raises(DomainError) as too_deep:
+        approval_decide_tallied(
+            approval_id=approval.pk,
+            actor=Actor.person(operator.user),
+            decision="approve_with_edits",
+            edit={"patch": {"nested": _nested(80)}},
+        )
+    assert too_deep.value.code == "validation_error" and "deeper than 64" in too_deep.value.message
     unchanged.check()
 
 
