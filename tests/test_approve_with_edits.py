@@ -17,8 +17,14 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import DomainError, InvalidTransition
 from ownership.models import ConflictClass, OwnershipRecord, Resource
-from tests.fixtures.api import make_person_with_token, problem
+from tests.fixtures.api import (
+    make_active_run,
+    make_agent_with_token,
+    make_person_with_token,
+    problem,
+)
 from tests.fixtures.engine import wait_for
+from tests.fixtures.plans import patch_step, plan_status, proposed_plan
 from tests.races import Holder, Worker, wait_for_lock_waiters
 
 POLICY = "/api/v1/resources/notification-policy/prod-alerts"
@@ -434,3 +440,34 @@ def test_an_edit_waiting_on_a_revoke_sees_the_run_ended_and_changes_nothing(
     assert refused.value.code == "run_not_active"
     assert Action.objects.get(pk=proposed["id"]).status == "pending_approval"
     assert not Action.objects.filter(edited_by__isnull=False).exists()
+
+
+@pytest.mark.django_db
+def test_a_plan_approval_is_refused_422_and_stays_pending(
+    api: Any, run: Any, operator: Any, prod_alerts: Any
+) -> None:
+    plan_id = proposed_plan(
+        api, run, [patch_step("notification-policy/prod-alerts", '"41"', {"severity": "error"})]
+    )
+    approval = Approval.objects.get(plan_id=plan_id)
+    events = AuditEvent.objects.count()
+    response = _edit(api, operator, approval, document={"severity": "info"})
+    body = problem(response, 422, "validation_error")
+    assert "not a plan's" in body["detail"]
+    assert Approval.objects.get(pk=approval.pk).status == "pending"
+    assert plan_status(plan_id) == "pending_approval"
+    assert AuditEvent.objects.count() == events
+
+
+@pytest.mark.django_db
+def test_the_agents_owner_may_not_edit_where_the_class_forbids_it(
+    api: Any, prod_alerts: Any
+) -> None:
+    owner = make_person_with_token("olga", "operators")
+    agent = make_agent_with_token("owned-bot", owner=owner.user)
+    run = make_active_run(agent.agent)
+    proposed = _propose(api, run, {"severity": "critical"})
+    unchanged = _Unchanged(proposed)
+    response = _edit(api, owner, _approval_of(proposed["id"]), patch={"severity": "error"})
+    problem(response, 403, "self_approval")
+    unchanged.check()
