@@ -17,6 +17,7 @@ from audit.models import AuditEvent
 from audit.services import Actor
 from console.core.errors import DomainError, InvalidTransition
 from ownership.models import ConflictClass, OwnershipRecord, Resource
+from ownership.services.resolution import conflict_resolve
 from tests.fixtures.api import (
     make_active_run,
     make_agent_with_token,
@@ -471,3 +472,33 @@ def test_the_agents_owner_may_not_edit_where_the_class_forbids_it(
     response = _edit(api, owner, _approval_of(proposed["id"]), patch={"severity": "error"})
     problem(response, 403, "self_approval")
     unchanged.check()
+
+
+@pytest.mark.django_db
+def test_a_conflict_resolution_awaiting_votes_cannot_be_edited(
+    engine_world: Any, engine_redis: Any
+) -> None:
+    kind = engine_world.kind("shared-doc", update="replace_shared_document")
+    stale = engine_world.collide(
+        kind, "x", {"destinations": ["oncall", "backup"]}, {"destinations": ["oncall"]}
+    )
+    # A resolution of a quorum-2 class waits for another person's vote.
+    ConflictClass.objects.filter(slug="replace_shared_document").update(quorum=2)
+    conflict_resolve(
+        conflict_id=stale.error["conflict_id"],
+        actor=Actor.person(engine_world.operator),
+        choice="take_proposed",
+    )
+    resolution = Action.objects.get(parent=stale)
+    assert resolution.status == "pending_approval"
+    approval = Approval.objects.get(action=resolution, status="pending")
+    with pytest.raises(DomainError) as refused:
+        approval_decide_tallied(
+            approval_id=approval.pk,
+            actor=Actor.person(engine_world.operator2),
+            decision="approve_with_edits",
+            edit={"patch": {"destinations": ["backup"]}},
+        )
+    assert refused.value.code == "validation_error" and "resolution" in refused.value.message
+    resolution.refresh_from_db()
+    assert resolution.status == "pending_approval" and resolution.superseded_by_id is None

@@ -153,6 +153,12 @@ def approval_approve_with_edits(
     ).get(pk=action_id)
     if unlocked.operation == "delete":
         raise _invalid("A delete has no document to edit.", field="decision")
+    if unlocked.parent_id is not None:
+        # Its conflict names this action as its resolution: resolve the conflict afresh.
+        raise _invalid(
+            "A conflict resolution cannot be edited; reject it and resolve the conflict again.",
+            field="decision",
+        )
     payload = _edited_payload(proposed=unlocked.payload, document=document, patch=patch)
     with transaction.atomic(), audit_deferred():
         lock_kind_for_proposal(unlocked.kind_id)
