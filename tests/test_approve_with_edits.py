@@ -502,3 +502,16 @@ def test_a_conflict_resolution_awaiting_votes_cannot_be_edited(
     assert refused.value.code == "validation_error" and "resolution" in refused.value.message
     resolution.refresh_from_db()
     assert resolution.status == "pending_approval" and resolution.superseded_by_id is None
+
+
+@pytest.mark.django_db
+def test_who_may_decide_is_answered_before_anything_about_the_run_or_resource(
+    api: Any, run: Any, operator: Any, prod_alerts: Any
+) -> None:
+    proposed = _propose(api, run, {"severity": "critical"})
+    type(run.run).objects.filter(pk=run.run.pk).update(status="revoked")
+    Resource.objects.filter(pk=prod_alerts.pk).update(version=42)
+    outsider = make_person_with_token("otto")
+    response = _edit(api, outsider, _approval_of(proposed["id"]), patch={"severity": "error"})
+    body = problem(response, 403, "forbidden")
+    assert "current_etag" not in body and "run_status" not in body

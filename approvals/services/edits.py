@@ -49,6 +49,7 @@ from console.core.errors import (
     ValidationFailed,
     text_within,
 )
+from console.core.write_rows import lock_run_for_share
 from console.permissions import person_of
 from console.requestctx import current_request_id
 from ownership.diff import apply_merge_patch, document_diff
@@ -163,15 +164,18 @@ def approval_approve_with_edits(
     with transaction.atomic(), audit_deferred():
         lock_kind_for_proposal(unlocked.kind_id)
         lock_resource_for_proposal(unlocked.kind_id, unlocked.name)
+        # The run FOR SHARE, then the rows decided (decisions' order): who may decide and
+        # whether it is still pending are answered before anything about the resource.
+        lock_run_for_share(unlocked.run_id)
+        original, approval = _lock_original(action_id, approval_uuid)
+        _check_decidable(approval, original, person)
         run = Run.objects.select_related("agent").get(pk=unlocked.run_id)
         proposal = _proposal_of(unlocked, payload)
         conflict_class = unlocked.kind.class_for(unlocked.operation)
-        # The run FOR SHARE and the agent's checks (raised, or the 412 returned).
+        # The agent's checks (raised, or the 412 returned), the run's share lock held.
         resource, observed, refused = proposal_checked_locked(
             run=run, proposal=proposal, conflict_class=conflict_class
         )
-        original, approval = _lock_original(action_id, approval_uuid)
-        _check_decidable(approval, original, person)
         if refused is not None:
             raise refused
         diff = document_diff(original.payload, payload)
