@@ -515,3 +515,24 @@ def test_who_may_decide_is_answered_before_anything_about_the_run_or_resource(
     response = _edit(api, outsider, _approval_of(proposed["id"]), patch={"severity": "error"})
     body = problem(response, 403, "forbidden")
     assert "current_etag" not in body and "run_status" not in body
+
+
+@pytest.mark.django_db
+def test_an_edited_write_awaiting_a_second_person_can_be_edited_again(
+    api: Any, run: Any, operator: Any, prod_alerts: Any, engine_redis: Any
+) -> None:
+    ConflictClass.objects.filter(slug="replace_shared_document").update(quorum=2)
+    second = make_person_with_token("bea", "operators")
+    proposed = _propose(api, run, {"severity": "critical"})
+    first = _edit(api, operator, _approval_of(proposed["id"]), patch={"severity": "error"})
+    assert first.status_code == 200, first.content
+    again = _edit(api, second, _approval_of(first.json()["action"]), patch={"severity": "info"})
+    assert again.status_code == 200, again.content
+    assert again.json()["status"] == "pending" and again.json()["approvals_so_far"] == 1
+    chain = [proposed["id"], first.json()["action"], again.json()["action"]]
+    rows = {str(a.pk): a for a in Action.objects.filter(pk__in=chain)}
+    assert [rows[c].status for c in chain] == ["superseded", "superseded", "pending_approval"]
+    assert str(rows[chain[0]].superseded_by_id) == chain[1]
+    assert str(rows[chain[1]].superseded_by_id) == chain[2]
+    assert rows[chain[2]].payload == {"severity": "info"}
+    assert rows[chain[2]].edit is not None and rows[chain[2]].edit["by"] == "bea"
