@@ -535,4 +535,5 @@ def test_an_edited_write_awaiting_a_second_person_can_be_edited_again(
     assert str(rows[chain[0]].superseded_by_id) == chain[1]
     assert str(rows[chain[1]].superseded_by_id) == chain[2]
     assert rows[chain[2]].payload == {"severity": "info"}
-    assert rows[chain[2]].edit is not None and rows[chain[2]].edit["by"] == "bea"
+    last_edit = rows[chain[2]].edit
+    assert last_edit is not None and last_edit["by"] == "bea"
