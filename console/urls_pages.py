@@ -25,6 +25,11 @@ urlpatterns: list[URLPattern | URLResolver] = [
         inbox.approval_decide_view,
         name="approval_decide",
     ),
+    path(
+        "approvals/<uuid:approval_id>/edit/",
+        inbox.approval_edit_view,
+        name="approval_edit",
+    ),
     path("actions/<uuid:action_id>/", runs.action_detail, name="action_detail"),
     path("actions/<uuid:action_id>/status/", runs.action_status, name="action_status"),
     path("plans/<uuid:plan_id>/", plans.plan_page, name="plan_detail"),

@@ -24,6 +24,14 @@ from ownership import diff
 NARROWER = {
     ("PingOut", "principal"): "a token names an agent, a run or a person; never the system",
 }
+# A vocabulary that is deliberately its model's plus verbs the model never records.
+WIDER = {
+    ("DecisionIn", "decision"): (
+        frozenset({"approve_with_edits"}),
+        "a verb (approvals/services/edits.py): the editor's vote is recorded as `approve` "
+        "on the edited action's approval",
+    ),
+}
 
 
 def _model_vocabularies() -> dict[str, frozenset[str]]:
@@ -78,6 +86,8 @@ def test_every_api_vocabulary_is_its_models_choices() -> None:
             continue
         owner = _owner(path)
         if owner in NARROWER and any(documented < known for known in kin.values()):
+            continue
+        if owner in WIDER and documented - WIDER[owner][0] in kin.values():
             continue
         drifted.append(f"{'/'.join(path)}: {sorted(documented)} vs {sorted(kin)}")
     assert checked >= 20, "the walk found too few vocabularies: is the document shaped as before?"

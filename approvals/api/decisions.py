@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from django.http import HttpRequest, HttpResponse
 from ninja import Query, Router
@@ -23,7 +23,7 @@ from console.api_support import (
     writing_principal,
 )
 from console.auth import person_token, principal_of
-from console.problems import errors
+from console.problems import ApiError, errors
 
 router = Router(auth=person_token, tags=["approvals"])
 
@@ -56,10 +56,36 @@ def approval_get(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
     return json_response(approval_json(approval))
 
 
+def _edit_of(payload: DecisionIn) -> dict[str, Any] | None:
+    """approve_with_edits' document or patch (as sent: the service says which is missing);
+    the other decisions take neither."""
+    edit = {
+        name: value
+        for name, value in (("document", payload.document), ("patch", payload.patch))
+        if value is not None
+    }
+    if payload.decision != "approve_with_edits":
+        if edit:
+            raise ApiError(
+                "`document` and `patch` go with approve_with_edits only.",
+                code="validation_error",
+                status=422,
+                extra={"errors": [{"field": next(iter(edit)), "message": "not expected"}]},
+            )
+        return None
+    return edit
+
+
 @router.post(
     "/approvals/{approval_id}/decision",
     response={200: ApprovalItem, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
-    summary="Approve or reject (409 if already decided or expired)",
+    summary="Approve, reject, or approve with edits (409 if already decided or expired)",
+    description="`approve_with_edits` with `document` (or a merge `patch` on the proposed "
+    "document) approves an edited version of a single write: a new action, bound to the "
+    "same observed version; the original ends `superseded` (its `superseded_by` links the "
+    "edited action). The answer is then the edited action's approval (pending when the "
+    "quorum needs another person). The edited write is checked as the agent's would be "
+    "(403 not_in_write_set, 409 run_not_active, 412 stale_version, 413, 422).",
 )
 def approval_decision(
     request: HttpRequest, approval_id: uuid.UUID, payload: DecisionIn
@@ -71,6 +97,7 @@ def approval_decision(
         person=principal.user,
         decision=payload.decision,
         comment=payload.comment,
+        edit=_edit_of(payload),
     )
     # Rendered from the rows the decision locked (and, for a call, the resource it read
     # with them): nothing else changes them meanwhile.

@@ -117,6 +117,20 @@ class UndoInfo(Schema):
     conflict_id: str | None = None
 
 
+class SupersededBy(Schema):
+    id: uuid.UUID
+    url: str
+
+
+class EditInfo(Schema):
+    model_config = ConfigDict(extra="allow")
+
+    by: str | None
+    supersedes: uuid.UUID | None
+    comment: str
+    diff: list[dict[str, Any]]
+
+
 class ActionOut(Schema):
     id: uuid.UUID
     run: uuid.UUID
@@ -135,6 +149,7 @@ class ActionOut(Schema):
         "cancelled",
         "paused",
         "undone",
+        "superseded",
     ]
     etag: str
     observed_etag: str | None
@@ -147,6 +162,16 @@ class ActionOut(Schema):
     resolution: str | None
     resolution_action: uuid.UUID | None
     parent: uuid.UUID | None
+    superseded_by: SupersededBy | None = Field(
+        None,
+        description="A `superseded` action: the edited action a person approved instead "
+        "(follow it for the outcome)",
+    )
+    edited: EditInfo | None = Field(
+        None,
+        description="An action a person edited before approving: who, the action it "
+        "replaced, and the diff from the agent's proposal to the approved write",
+    )
     undo: UndoInfo | None
     error: dict[str, Any] | None
     url: str
@@ -204,8 +229,18 @@ class ApprovalPage(Schema):
 class DecisionIn(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    decision: Literal["approve", "reject"]
+    decision: Literal["approve", "reject", "approve_with_edits"]
     comment: str = Field("", max_length=2000, pattern=TEXT_PATTERN)
+    document: dict[str, Any] | None = Field(
+        None,
+        description="approve_with_edits: the write as approved, in place of the proposed "
+        "document (for a PATCH proposal, the merge patch)",
+    )
+    patch: dict[str, Any] | None = Field(
+        None,
+        description="approve_with_edits: a JSON merge patch (RFC 7396) applied to the "
+        "proposed document; send `document` or `patch`, not both",
+    )
 
 
 class RevokeIn(Schema):

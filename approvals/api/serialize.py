@@ -201,12 +201,35 @@ def action_json(action: Action) -> dict[str, Any]:
             else None
         ),
         "parent": str(action.parent_id) if action.parent_id else None,
+        "superseded_by": _superseded_by(action),
+        "edited": _edited(action),
         # Rarely requested: only then does the undo's state cost its own reads.
         "undo": undo_status(action) if _facts(action, "_undo_requested") else None,
         "error": action.error if isinstance(action.error, dict) else None,
         "url": f"/api/v1/actions/{action.pk}",
         "created_at": iso(action.created_at),
         "updated_at": iso(action.updated_at),
+    }
+
+
+def _superseded_by(action: Action) -> dict[str, str] | None:
+    """A `superseded` action's link to the edited action approved in its place."""
+    if action.superseded_by_id is None:
+        return None
+    return {"id": str(action.superseded_by_id), "url": f"/api/v1/actions/{action.superseded_by_id}"}
+
+
+def _edited(action: Action) -> dict[str, Any] | None:
+    """Who edited the agent's proposal into this action, the action it replaced and the
+    diff: recorded on the row when the edit was approved (approvals/services/edits.py)."""
+    edit = action.edit
+    if not isinstance(edit, dict):
+        return None
+    return {
+        "by": edit.get("by"),
+        "supersedes": edit.get("supersedes"),
+        "comment": edit.get("comment") or "",
+        "diff": edit.get("diff") or [],
     }
 
 

@@ -149,10 +149,13 @@ class ActionStatus(models.TextChoices):
     CANCELLED = "cancelled", "cancelled"
     PAUSED = "paused", "paused"
     UNDONE = "undone", "undone"
+    # A person approved an edited version instead (Action.superseded_by): never executed.
+    SUPERSEDED = "superseded", "superseded"
 
 
 FINAL_ACTION_STATUSES = frozenset(
     {
+        ActionStatus.SUPERSEDED,
         ActionStatus.APPLIED,
         ActionStatus.CONFLICT,
         ActionStatus.REJECTED,
@@ -199,6 +202,14 @@ class Action(ConditionalWrite, Revisioned):
     parent = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="children"
     )
+    # Approve with edits (approvals/services/edits.py): the original, `superseded`, names
+    # the edited action that replaced it; the edited action names the person who edited
+    # it and what changed between the agent's proposal and the approved write.
+    superseded_by = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="supersedes"
+    )
+    edited_by = _accountable_person(related_name="+")
+    edit = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -312,6 +312,15 @@ def _checked(
     return resource, observed_version, refused
 
 
+def proposal_checked_locked(
+    *, run: Run, proposal: Proposal, conflict_class: ConflictClass
+) -> tuple[Resource | None, int | None, DomainError | None]:
+    """An agent's proposal's checks for a write recorded on the agent's behalf (a person's
+    edit, approvals/services/edits.py), by a caller holding the kind and resource proposal
+    locks: the run FOR SHARE, then _checked (409 / 403 / 423 / 404 raised; the 412 returned)."""
+    return _checked(run, run_status_for_share(run.pk), proposal, conflict_class)
+
+
 def _refused_at_once_or_locked(
     run: Run, proposal: Proposal, conflict_class: ConflictClass
 ) -> DomainError | None:

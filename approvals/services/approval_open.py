@@ -126,6 +126,43 @@ def approval_open_for_resolution(
     return approval
 
 
+def approval_open_for_edit(
+    *, action: Action, quorum: int, person_id: int, comment: str
+) -> Approval:
+    """The approval of an action a person edited before approving (approvals/services/
+    edits.py): the editor's decision is its first vote. With a quorum of one the edit
+    approves it (recorded approved; the caller queues the action and audits); above one it
+    opens pending (approval_open_for_action's TTL and escalation) for another person."""
+    if quorum > 1:
+        cls = action.conflict_class
+        now = timezone.now()
+        approval = _action_approval_create(
+            action,
+            quorum=quorum,
+            expires_at=now + timedelta(seconds=cls.approval_ttl_seconds),
+            escalate_at=(
+                now + timedelta(seconds=cls.escalation_seconds) if cls.escalation_seconds else None
+            ),
+        )
+        audit_action_event(
+            action,
+            event_type="approval.requested",
+            actor=Actor.system(),
+            details=approval_details(
+                approval, observed_version=action.observed_version, conflict_class=cls.slug
+            ),
+        )
+    else:
+        now = timezone.now()
+        approval = _action_approval_create(
+            action, status=ApprovalStatus.APPROVED, quorum=1, expires_at=now, decided_at=now
+        )
+    ApprovalDecision.objects.create(
+        approval=approval, person_id=person_id, decision=Decision.APPROVE, comment=comment
+    )
+    return approval
+
+
 def _action_approval_create(action: Action, **fields: Any) -> Approval:
     """An approval of one action, bound to the version the action observed."""
     return Approval.objects.create(

@@ -39,6 +39,7 @@ from approvals.services.decision_rows import (
     settle_call,
     vote_cast,
 )
+from approvals.services.edits import approval_approve_with_edits
 from approvals.services.plan_state import plan_end_unapproved_locked, plan_touch
 from approvals.services.plans import (
     plan_admit_locked,
@@ -61,6 +62,9 @@ from ownership.models import OwnershipRecord, Resource
 from ownership.reopen import conflict_reopen_for_resolution
 
 escalation_log = logging.getLogger("airlock.escalation")
+
+# Not a recorded decision (ApprovalDecision.decision): the verb of approvals/services/edits.py.
+APPROVE_WITH_EDITS = "approve_with_edits"
 
 # A person's comment on a decision (an approval's vote, a conflict's resolution).
 MAX_COMMENT_LENGTH = 2000
@@ -181,9 +185,13 @@ def approval_decide_tallied(
     decision: str,
     comment: str = "",
     person: Any = None,
+    edit: dict[str, Any] | None = None,
 ) -> Decided:
     """Record one person's decision; at quorum admit the run or queue the action.
     Returns the approval as decided and its approving votes so far (Decided).
+
+    `approve_with_edits` (`edit`: {"document": ...} or {"patch": ...}) is edits'
+    (approvals/services/edits.py): the answer is then the edited action's approval.
 
     `person`: the user `actor` names, if the caller has it loaded (saves a read).
     Takes its locks first, in the project's one order (_lock_approval_subject:
@@ -194,9 +202,14 @@ def approval_decide_tallied(
     InvalidTransition (409: already decided, expired, or this person already
     voted). Enqueues the action's job on commit.
     """
+    if decision == APPROVE_WITH_EDITS:
+        edited = approval_approve_with_edits(
+            approval_id=approval_id, actor=actor, comment=comment, person=person, **(edit or {})
+        )
+        return Decided(approval=edited.approval, approvals_so_far=edited.approvals_so_far)
     if decision not in (Decision.APPROVE, Decision.REJECT):
         raise ValidationFailed(
-            "decision must be 'approve' or 'reject'",
+            "decision must be 'approve', 'reject' or 'approve_with_edits'",
             extra={"errors": [{"field": "decision", "message": "approve or reject"}]},
         )
     comment = text_within(comment, field="comment", limit=MAX_COMMENT_LENGTH)

@@ -20,11 +20,16 @@ from django.views.decorators.http import require_GET, require_POST
 from approvals.forms import DecisionForm
 from approvals.models import Approval, ApprovalDecision, ApprovalStatus, PlanStep
 from approvals.selectors import approval_get_for_person, approval_list_for_person
-from approvals.services.decisions import approval_decide
+from approvals.services.decisions import (
+    APPROVE_WITH_EDITS,
+    approval_decide,
+    approval_decide_tallied,
+)
 from approvals.services.separation import approvals_forbidding_self
 from approvals.views.plan_rows import plan_step_rows
 from audit.services import Actor
 from console import permissions
+from console.core import jsonsafe
 from console.core.errors import DomainError, NotFound
 from console.pages import EVENT_COUNTS, console_page, error_status, is_htmx, render_fragment_or_page
 from ownership.diff import document_diff, proposed_document
@@ -60,6 +65,9 @@ def _approval_rows(approvals: list[Approval], user: Any) -> list[dict[str, Any]]
             )
             before = current.document if current and not current.deleted else {}
             row["diff"] = document_diff(before, proposed_document(action, before))
+            # Approve with edits: the proposed document (a PATCH's merge patch), prefilled.
+            row["editable"] = action.operation != "delete"
+            row["edit_text"] = json.dumps(action.payload, indent=2, ensure_ascii=False)
         rows.append(row)
     return rows
 
@@ -205,3 +213,60 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
     else:
         messages.error(request, error)
     return HttpResponseRedirect(reverse("approvals"))
+
+
+@console_page
+@require_POST
+def approval_edit_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
+    """Approve with edits from a call approval's card: the edited document (JSON, through
+    the one parser) and a comment. Errors are shown in the card, the text kept as typed."""
+    user = request.user
+    try:
+        approval = approval_get_for_person(user, approval_id)
+    except NotFound as exc:
+        raise Http404(exc.message) from exc
+    text = request.POST.get("document", "")
+    error: str | None = None
+    status = 200
+    try:
+        document = jsonsafe.loads(text, field="document")
+        approval_decide_tallied(
+            approval_id=approval.id,
+            actor=Actor.person(user),
+            person=user,
+            decision=APPROVE_WITH_EDITS,
+            comment=request.POST.get("comment", ""),
+            edit={"document": document},
+        )
+    except DomainError as exc:
+        error = _edit_error(exc)
+        status = error_status(exc) if exc.code != "validation_error" else 422
+
+    fresh = _approvals_for(user, status=None).get(pk=approval.pk)
+    row = _approval_rows([fresh], user)[0]
+    if error is not None:
+        row["edit_text"], row["edit_open"] = text, True
+    context: dict[str, Any] = {"row": row, "may_decide": True, "error": error}
+    if is_htmx(request):
+        response = render(request, "approvals/inbox.html#approval", context, status=status)
+        if error is None:
+            response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True, EVENT_APPROVALS: True})
+        return response
+    if error is None:
+        messages.success(
+            request, "Approved with your edits: the edited write replaces the agent's."
+        )
+        return HttpResponseRedirect(reverse("approvals"))
+    # Without JavaScript: the inbox page with this card alone, its error and the text as typed.
+    context.update(nav="approvals", rows=[row], is_operator=True, form=DecisionForm())
+    return render(request, "approvals/inbox.html", context, status=status)
+
+
+def _edit_error(error: DomainError) -> str:
+    """The message, with the fields a validation error names (a JSON pointer)."""
+    parts = [error.message]
+    for item in error.extra.get("errors") or []:
+        message = str(item.get("message") or "") if isinstance(item, dict) else ""
+        if message and message not in error.message:
+            parts.append(f"{item.get('field')}: {message}")
+    return "; ".join(parts)

@@ -435,10 +435,14 @@ def _parse_action(response: httpx.Response) -> Action:
 def wait_for_action(
     token: str, action_id: str, timeout: float, until: Until[Action] = None
 ) -> Op[Action]:
-    """Long-poll the action until `until(action)` (default: a final state) or `timeout`
-    seconds pass; answers the last state either way (check `.final`)."""
-    wanted = until or (lambda action: action.final)
-    return _long_poll(token, action_path(action_id), _parse_action, wanted, timeout)
+    """Long-poll the action until `until(action)` (default: final; a `superseded` one is
+    followed to its edited action) or `timeout` seconds pass; answers the last state."""
+    wanted, deadline = until or (lambda action: action.final), time.monotonic() + timeout
+    action = yield from _long_poll(token, action_path(action_id), _parse_action, wanted, timeout)
+    while action.status == "superseded" and action.superseded_by:  # each edit: a new action
+        path, left = action_path(action.superseded_by), deadline - time.monotonic()
+        action = yield from _long_poll(token, path, _parse_action, wanted, left)
+    return action
 
 
 def wait_for_supersede(token: str, action_id: str, timeout: float) -> Op[Action | None]:

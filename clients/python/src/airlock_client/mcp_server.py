@@ -159,7 +159,16 @@ def action_view(action: Action) -> dict[str, Any]:
     execution = action.execution or {}
     if action.replayed:
         view["replayed"] = True
-    if action.status == "applied":
+    edited = action.edited
+    if edited:
+        view["edited"] = edited
+    if action.status == "superseded":
+        view["superseded_by"] = action.superseded_by
+        view["next"] = (
+            f"Superseded: a person approved an edited version of this write, action "
+            f"{action.superseded_by}. Call wait_for_action with that id for its outcome."
+        )
+    elif action.status == "applied":
         view["result_etag"] = action.result_etag
         view["undo_deadline"] = execution.get("undo_deadline")
         view["next"] = (
@@ -197,6 +206,12 @@ def action_view(action: Action) -> dict[str, Any]:
         view["next"] = (
             f"Still pending: waiting for {_waiting_for(action)}. Call wait_for_action "
             "again to keep waiting."
+        )
+    if edited:
+        view["next"] = (
+            f"Edited by {edited.get('by') or 'a person'} before approval: your action "
+            f"{edited.get('supersedes')} was superseded by this one ({action.id}); see `edited` "
+            "for what changed. " + str(view.get("next") or "")
         )
     if action.undo:
         view["undo"] = action.undo
@@ -404,7 +419,8 @@ def _add_action_tools(server: MCPServer[Any], tools: AirlockTools) -> None:
         "execution. Waits at most wait_seconds (at most 110) and answers 'still pending' "
         "with what it waits for; call it again to keep waiting. When it ends, says what "
         "happened and what to do next (applied, rejected with the comment, conflict: "
-        "re-read or a person decides)."
+        "re-read or a person decides). If a person approved an edited version, your action "
+        "is superseded and the answer is the edited action's, with `edited` (who and the diff)."
     )
     async def wait_for_action(action_id: str, wait_seconds: int = 100) -> dict[str, Any]:
         session = await tools.current_run()

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
+#: `superseded`: a person approved an edited version instead (`Action.superseded_by`).
 FINAL_ACTION_STATUSES = frozenset(
-    {"applied", "conflict", "rejected", "failed", "expired", "cancelled", "undone"}
+    {"applied", "conflict", "rejected", "failed", "expired", "cancelled", "undone", "superseded"}
 )
 ENDED_RUN_STATUSES = frozenset({"rejected", "finished", "expired", "revoked"})
 
@@ -138,6 +139,20 @@ class Action:
     replayed: bool = False
 
     final = _StatusIn(*FINAL_ACTION_STATUSES)
+
+    @property
+    def superseded_by(self) -> str | None:
+        """A `superseded` action: the id of the edited action a person approved instead
+        (`wait` follows it)."""
+        link = self.raw.get("superseded_by")
+        return str(link["id"]) if isinstance(link, dict) and link.get("id") else None
+
+    @property
+    def edited(self) -> dict[str, Any] | None:
+        """A person edited your proposal before approving it: `by`, `supersedes` (your
+        original action's id), `comment` and `diff` (path, old, new, kind)."""
+        edit = self.raw.get("edited")
+        return edit if isinstance(edit, dict) else None
 
     @property
     def result_etag(self) -> str | None:
