@@ -58,8 +58,8 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # proposed_document) the barrier applies.
     ("audit.services", FLOOR),
     ("audit.services.*", FLOOR),
-    ("audit.verify", FLOOR),
-    ("audit.hooks", FLOOR),  # after-append callbacks: the seam notifications registers on  # the chain walk under the checkpoint in audit.services
+    ("audit.verify", FLOOR),  # the chain walk under the checkpoint in audit.services
+    ("audit.hooks", FLOOR),  # after-append callbacks: the seam notifications registers on
     ("ownership.diff", FLOOR),
     # core — lock, fence, barrier, undo, targets, the kill-switch check. No web, no service.
     ("console.core", CORE),
@@ -113,8 +113,8 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.views.*", INTERFACE),
     ("console.people_views", INTERFACE),
     ("console.ops", INTERFACE),  # /healthz and /metrics
-    ("console.health", INTERFACE),
-    ("console.ops_gauges", INTERFACE),  # /metrics' operational gauges (dashboards, alerts)  # readiness (RQ's workers and cron): /readyz and doctor
+    ("console.health", INTERFACE),  # readiness (RQ's workers and cron): /readyz and doctor
+    ("console.ops_gauges", INTERFACE),  # /metrics' operational gauges (dashboards, alerts)
     ("*.forms", INTERFACE),
     ("*.admin", INTERFACE),
     ("*.jobs", INTERFACE),
