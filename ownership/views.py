@@ -9,7 +9,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.db import models
-from django.db.models import Q
+from django.db.models import OuterRef, Q, QuerySet, Subquery
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
@@ -102,7 +102,27 @@ def _preview(conflict: Conflict, choices: dict[str, str] | None) -> str:
     return pretty(conflict_merge_preview(conflict=conflict, fields=choices))
 
 
+def with_undo_request(conflicts: QuerySet[Conflict]) -> QuerySet[Conflict]:
+    """Each conflict with who asked for its undo (an undo's conflict is a person's or a
+    plan's act, not the agent's stale write): the latest undo operation of its action
+    records the requester at acceptance; `undone_version` is what the undone write made."""
+    undo = Operation.objects.filter(action_id=OuterRef("action_id"), undo_of__isnull=False)
+    latest = undo.order_by("-started_at", "-pk")
+    return conflicts.annotate(
+        undo_requested_by=Subquery(latest.values("outcome__requested_by")[:1]),
+        undo_requested_by_type=Subquery(latest.values("outcome__requested_by_type")[:1]),
+        undone_version=Subquery(latest.values("undo_of__result_version")[:1]),
+    )
+
+
 def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) -> dict[str, Any]:
+    conflict = (
+        with_undo_request(Conflict.objects.filter(pk=conflict.pk))
+        .select_related(
+            "action__run__agent", "resource", "conflict_class", "resolved_by", "resolution_action"
+        )
+        .get()
+    )
     rows = _field_rows(conflict)
     may_resolve = conflict_may_resolve(conflict=conflict, person=request.user)
     # Who wrote the current version, from which run.
@@ -131,10 +151,12 @@ def conflicts_list(request: HttpRequest) -> HttpResponse:
     scope = request.GET.get("scope", "mine")
     status = request.GET.get("status", "open")
 
-    conflicts = conflict_list_for_person(
-        user,
-        mine=scope != "all",
-        status=status if status in ConflictStatus.values else None,
+    conflicts = with_undo_request(
+        conflict_list_for_person(
+            user,
+            mine=scope != "all",
+            status=status if status in ConflictStatus.values else None,
+        )
     )
     context = {"nav": "conflicts", "scope": scope, "status": status}
     return render_list_page(
@@ -295,6 +317,12 @@ def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) ->
         .select_related("action__run__agent")
         .order_by("-result_version")[:20]
     )
+    # An undo restores the document from before the write only while the resource is
+    # still at the version the write produced; after a later write it becomes a conflict
+    # for a person, and the button says so before it is pressed: (operation, moved to).
+    undo_rows = [
+        (op, resource.version if op.result_version != resource.version else None) for op in undoable
+    ]
     may_undo = permissions.can_undo_as_person(request.user, owner_group=resource.owner_group)
     return {
         "nav": "resources",
@@ -302,7 +330,7 @@ def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) ->
         "document": pretty(resource.document),
         "history": history,
         "records": records,
-        "undoable": undoable,
+        "undoable": undo_rows,
         "may_undo": may_undo,
         "now": now,
         **extra,
