@@ -59,3 +59,73 @@ def test_the_pages_touched_stay_axe_clean(
         width = page.evaluate("document.documentElement.scrollWidth")
         assert width <= size[0], (path, width)
     assert not problems, problems
+
+
+def _audit_on_the_conflict_action(world: World) -> None:
+    world.audit("test.row_click", action=world.conflict_action, details={"n": 1})
+
+
+@pytest.mark.parametrize("size", [(390, 844), (1400, 900)])
+def test_a_click_anywhere_on_a_row_opens_its_item(
+    pages: WatchedPages, people: People, world: World, size: tuple[int, int]
+) -> None:
+    _audit_on_the_conflict_action(world)
+    page = pages.new(width=size[0], height=size[1])
+    sign_in(page, "olivia", PASSWORD)
+    # (list, a cell that is not the link, where the row leads)
+    rows = [
+        (
+            "/runs/",
+            f"#run-list tr:has(a[href='/runs/{world.run.pk}/']) td:nth-child(3)",
+            f"/runs/{world.run.pk}/",
+        ),
+        (
+            "/resources/",
+            "#resource-list tbody tr:first-child td:nth-child(3)",
+            f"/resources/{world.resource.identifier}/",
+        ),
+        (
+            "/conflicts/?scope=all",
+            f"#conflict-list tr:has(a[href='/conflicts/{world.conflict.id}/']) td:nth-child(3)",
+            f"/conflicts/{world.conflict.id}/",
+        ),
+        (
+            "/audit/",
+            "tr:has(code:text('test.row_click')) td:nth-child(3)",
+            f"/actions/{world.conflict_action.pk}/",
+        ),
+    ]
+    for listing, cell, target in rows:
+        page.goto(listing)
+        # A real mouse click at the cell's centre (the row link's overlay receives it;
+        # Playwright's own click would refuse, seeing the overlay cover the cell).
+        page.locator(cell).first.scroll_into_view_if_needed()
+        box = page.locator(cell).first.bounding_box()
+        assert box is not None, cell
+        page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.wait_for_url(f"**{target}")
+    # Another link in the row still leads to its own page, not the row's.
+    page.goto("/audit/")
+    row = page.locator("tr:has(code:text('test.row_click'))").first
+    row.get_by_role("link", name=world.resource.identifier).click()
+    page.wait_for_url(f"**/resources/{world.resource.identifier}/")
+
+
+def test_the_row_link_is_reached_and_followed_by_keyboard(
+    pages: WatchedPages, people: People, world: World
+) -> None:
+    page = pages.new()
+    sign_in(page, "olivia", PASSWORD)
+    page.goto("/conflicts/?scope=all")
+    link = page.locator(f"a.row-link[href='/conflicts/{world.conflict.id}/']")
+    page.locator("main h1").click()
+    for _ in range(30):  # Tab from the heading to the row's link
+        page.keyboard.press("Tab")
+        if link.evaluate("el => el === document.activeElement"):
+            break
+    else:
+        pytest.fail("the row link is not reachable by Tab")
+    row = page.locator(f"#conflict-list tr:has(a[href='/conflicts/{world.conflict.id}/'])")
+    assert row.evaluate("tr => tr.matches(':focus-within')")
+    page.keyboard.press("Enter")
+    page.wait_for_url(f"**/conflicts/{world.conflict.id}/")
