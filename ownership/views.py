@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from django.contrib import messages
@@ -144,21 +145,58 @@ def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) ->
     }
 
 
+# The conflicts list's age filter: opened longer ago than this.
+CONFLICT_AGES = {
+    "1h": ("older than an hour", timedelta(hours=1)),
+    "1d": ("older than a day", timedelta(days=1)),
+    "7d": ("older than a week", timedelta(days=7)),
+}
+
+
+def _filter_conflicts(
+    conflicts: QuerySet[Conflict], *, cls: str, group: str, age: str
+) -> QuerySet[Conflict]:
+    """The list's GET filters: class, resolver group and age (an unknown age is none)."""
+    if cls:
+        conflicts = conflicts.filter(conflict_class_id=cls)
+    if group:
+        conflicts = conflicts.filter(resolver_group=group)
+    if age in CONFLICT_AGES:
+        conflicts = conflicts.filter(created_at__lte=timezone.now() - CONFLICT_AGES[age][1])
+    return conflicts
+
+
 @console_page
 @require_GET
 def conflicts_list(request: HttpRequest) -> HttpResponse:
     user = request.user
     scope = request.GET.get("scope", "mine")
     status = request.GET.get("status", "open")
+    cls, group, age = (request.GET.get(name, "")[:150] for name in ("class", "group", "age"))
 
-    conflicts = with_undo_request(
-        conflict_list_for_person(
-            user,
-            mine=scope != "all",
-            status=status if status in ConflictStatus.values else None,
-        )
+    visible = conflict_list_for_person(
+        user,
+        mine=scope != "all",
+        status=status if status in ConflictStatus.values else None,
     )
-    context = {"nav": "conflicts", "scope": scope, "status": status}
+    conflicts = with_undo_request(_filter_conflicts(visible, cls=cls, group=group, age=age))
+    context = {
+        "nav": "conflicts",
+        "scope": scope,
+        "status": status,
+        "chosen": {"class": cls, "group": group, "age": age},
+        "classes": list(ConflictClass.objects.order_by("slug").values_list("slug", flat=True)),
+        # The resolver groups of the conflicts this person may see (a select, not free text).
+        "groups": sorted(
+            set(
+                conflict_list_for_person(user)
+                .exclude(resolver_group="")
+                .values_list("resolver_group", flat=True)
+                .distinct()
+            )
+        ),
+        "ages": [(key, label) for key, (label, _) in CONFLICT_AGES.items()],
+    }
     return render_list_page(
         request, "ownership/conflicts.html", conflicts, context, rows="conflicts"
     )
