@@ -15,6 +15,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("", views.dashboard, name="dashboard"),
     path("dashboard/counts/", views.dashboard_counts_fragment, name="dashboard_counts"),
     path("nav/counts/<slug:what>/", views.nav_count, name="nav_count"),
+    path("search/", views.search, name="search"),
     path("kill-switch/banner/", views.killswitch_banner, name="killswitch_banner"),
     path("kill-switch/", views.killswitch_set, name="killswitch_set"),
     # approvals, actions, runs, tokens

@@ -106,3 +106,45 @@ def test_the_audit_filters_name_actor_resource_and_time_range(people: People, wo
     html = client_for(people.auditor).get("/audit/").content.decode()
     for label in ("Actor: agent", "Actor: person", "Resource", "From (UTC)", "Until (UTC)"):
         assert f">{label}:</label>" in html, label
+
+
+def test_the_global_search_finds_by_id_prefix_and_by_name(people: People, world: World) -> None:
+    client = client_for(people.operator)
+    header = client.get("/").content.decode()
+    assert '<form class="global-search" method="get" action="/search/" role="search"' in header
+
+    run_prefix = str(world.run.id)[:8]
+    html = client.get(f"/search/?q={run_prefix}").content.decode()
+    assert f'href="/runs/{world.run.id}/"' in html
+
+    action_prefix = str(world.action.id)[:6].upper()  # case and length do not matter
+    html = client.get(f"/search/?q={action_prefix}").content.decode()
+    assert f'href="/actions/{world.action.id}/"' in html
+
+    html = client.get(f"/search/?q={str(world.conflict.id)[:8]}").content.decode()
+    assert f'href="/conflicts/{world.conflict.id}/"' in html
+
+    by_name = client.get("/search/?q=alerts").content.decode()
+    assert f'href="/resources/{world.resource.identifier}/"' in by_name
+    by_identifier = client.get("/search/?q=notification-policy/prod").content.decode()
+    assert f'href="/resources/{world.resource.identifier}/"' in by_identifier
+    by_agent = client.get("/search/?q=ops-bot").content.decode()
+    assert f'href="/runs/{world.run.id}/"' in by_agent
+
+
+def test_a_full_id_opens_its_page_and_nothing_is_said_plainly(people: People, world: World) -> None:
+    client = client_for(people.operator)
+    response = client.get(f"/search/?q={world.action.id}")
+    assert response.status_code == 302 and response["Location"] == f"/actions/{world.action.id}/"
+    nothing = client.get("/search/?q=zzzz-nothing").content.decode()
+    assert "Nothing you may read matches" in nothing
+    assert client.get("/search/?q=" + "a" * 500).status_code == 200  # cut, never a 500
+    assert client.get("/search/").status_code == 200
+
+
+def test_the_search_shows_only_what_the_person_may_read(people: People, world: World) -> None:
+    # oscar is in no group: no run, action or conflict of the world is his to read.
+    html = client_for(people.outsider).get(f"/search/?q={str(world.run.id)[:8]}").content.decode()
+    assert f"/runs/{world.run.id}/" not in html
+    html = client_for(people.outsider).get(f"/search/?q={world.conflict.id}").content.decode()
+    assert f"/conflicts/{world.conflict.id}/" not in html

@@ -53,7 +53,16 @@ def test_the_pages_touched_stay_axe_clean(
     page = pages.new(width=size[0], height=size[1])
     sign_in(page, "olivia", PASSWORD)
     problems: list[dict[str, Any]] = []
-    for path in ["/", "/catalog/", f"/runs/{world.run.pk}/", f"/conflicts/{world.conflict.id}/"]:
+    paths = [
+        "/",
+        "/catalog/",
+        "/conflicts/?scope=all",
+        "/audit/",
+        "/search/?q=prod",
+        f"/runs/{world.run.pk}/",
+        f"/conflicts/{world.conflict.id}/",
+    ]
+    for path in paths:
         page.goto(path)
         problems += check_accessibility(page, f"{size} {path}")
         width = page.evaluate("document.documentElement.scrollWidth")
