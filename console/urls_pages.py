@@ -63,6 +63,11 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("people/<int:person_id>/active/", people_views.person_active_view, name="person_active"),
     # conflicts, resources, catalog
     path("conflicts/", ownership_views.conflicts_list, name="conflicts"),
+    path(
+        "conflicts/keep-current/",
+        ownership_views.conflicts_keep_current,
+        name="conflicts_keep_current",
+    ),
     path("conflicts/<uuid:conflict_id>/", ownership_views.conflict_detail, name="conflict_detail"),
     path(
         "conflicts/<uuid:conflict_id>/preview/",

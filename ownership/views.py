@@ -11,10 +11,12 @@ from typing import Any
 from django.contrib import messages
 from django.db import models
 from django.db.models import OuterRef, Q, QuerySet, Subquery
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
 from django.shortcuts import get_object_or_404, render
+from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from approvals.models import Operation
@@ -49,6 +51,7 @@ from ownership.models import (
     ConflictClass,
     ConflictStatus,
     OwnershipRecord,
+    ResolutionChoice,
     Resource,
     ResourceKind,
     ResourceVersion,
@@ -166,13 +169,12 @@ def _filter_conflicts(
     return conflicts
 
 
-@console_page
-@require_GET
-def conflicts_list(request: HttpRequest) -> HttpResponse:
+def _conflicts_page(request: HttpRequest, query: Any, **extra: Any) -> HttpResponse:
+    """The conflicts list for the filters in `query` (the GET of the page)."""
     user = request.user
-    scope = request.GET.get("scope", "mine")
-    status = request.GET.get("status", "open")
-    cls, group, age = (request.GET.get(name, "")[:150] for name in ("class", "group", "age"))
+    scope = query.get("scope", "mine")
+    status = query.get("status", "open")
+    cls, group, age = (query.get(name, "")[:150] for name in ("class", "group", "age"))
 
     visible = conflict_list_for_person(
         user,
@@ -196,10 +198,71 @@ def conflicts_list(request: HttpRequest) -> HttpResponse:
             )
         ),
         "ages": [(key, label) for key, (label, _) in CONFLICT_AGES.items()],
+        # Which rows offer a checkbox for the bulk "keep current" (the service checks again).
+        "my_groups": permissions.user_groups(user) if user.is_active else frozenset(),
+        "bulk_limit": BULK_LIMIT,
+        **extra,
     }
     return render_list_page(
         request, "ownership/conflicts.html", conflicts, context, rows="conflicts"
     )
+
+
+@console_page
+@require_GET
+def conflicts_list(request: HttpRequest) -> HttpResponse:
+    return _conflicts_page(request, request.GET)
+
+
+# At most this many conflicts in one bulk resolution (each is its own transaction).
+BULK_LIMIT = 100
+
+
+@console_page
+@require_POST
+def conflicts_keep_current(request: HttpRequest) -> HttpResponse:
+    """Bulk "keep current" with one comment: each selected conflict resolved by the
+    resolution service on its own (its lock, its authorisation, its audit event), so one
+    refused conflict (another group's, already resolved, the person's own undo) leaves
+    the others resolved and is reported by name. Keep current writes nothing."""
+    ids = request.POST.getlist("conflict")
+    comment = request.POST.get("comment", "").strip()
+    back = request.POST.get("next", "")
+    if not url_has_allowed_host_and_scheme(back, allowed_hosts=None) or not back.startswith("/"):
+        back = reverse("conflicts")
+    problem = (
+        "Select at least one conflict."
+        if not ids
+        else f"Select at most {BULK_LIMIT} conflicts at once."
+        if len(ids) > BULK_LIMIT
+        else "Write the comment recorded on each resolution."
+        if not comment
+        else ""
+    )
+    if problem:
+        response = _conflicts_page(request, QueryDict(back.partition("?")[2]), page_error=problem)
+        response.status_code = 422
+        return response
+    kept, refused = 0, []
+    for conflict_id in dict.fromkeys(ids):  # a repeated id once
+        try:
+            conflict_resolve(
+                conflict_id=conflict_id,
+                actor=Actor.person(request.user),
+                choice=ResolutionChoice.KEEP_CURRENT,
+                fields={},
+                comment=comment,
+            )
+            kept += 1
+        except DomainError as exc:
+            refused.append(f"{conflict_id[:8]}: {exc.message}")
+    if kept:
+        messages.success(
+            request, f"Kept the current document for {kept} conflict{pluralize(kept)}."
+        )
+    for line in refused:
+        messages.error(request, f"Not resolved — conflict {line}")
+    return HttpResponseRedirect(back)
 
 
 @console_page

@@ -138,3 +138,23 @@ def test_the_row_link_is_reached_and_followed_by_keyboard(
     assert row.evaluate("tr => tr.matches(':focus-within')")
     page.keyboard.press("Enter")
     page.wait_for_url(f"**/conflicts/{world.conflict.id}/")
+
+
+@pytest.mark.parametrize("size", [(390, 844), (1400, 900)])
+def test_bulk_keep_current_by_ticking_rows(
+    pages: WatchedPages, people: People, world: World, size: tuple[int, int]
+) -> None:
+    page = pages.new(width=size[0], height=size[1])
+    sign_in(page, "rita", PASSWORD)
+    page.goto("/conflicts/")
+    box = page.get_by_role(
+        "checkbox", name=f"Select the conflict on {world.resource.identifier}", exact=False
+    )
+    box.check()  # the box sits above the row's link: ticking it does not open the conflict
+    assert page.url.endswith("/conflicts/")
+    assert not check_accessibility(page, f"{size} /conflicts/ bulk")
+    page.get_by_label("Comment (required, recorded on each)").fill("superseded")
+    page.get_by_role("button", name="Keep current for the selected").click()
+    expect(page.locator(".messages")).to_contain_text("Kept the current document for 1 conflict.")
+    world.conflict.refresh_from_db()
+    assert world.conflict.status == "resolved" and world.conflict.resolution == "keep_current"
