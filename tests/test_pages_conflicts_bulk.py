@@ -106,3 +106,17 @@ def test_bulk_without_a_comment_or_a_selection_is_refused_whole(
         "Not resolved — conflict not-a-uu: No such conflict."
         in client.get("/conflicts/").content.decode()
     )
+
+
+def test_the_bulk_form_returns_to_the_list_as_filtered_even_after_an_htmx_filter(
+    people: People, world: World
+) -> None:
+    fragment = client_for(people.release_owner).get(
+        "/conflicts/?scope=all&class=advance_pointer", HTTP_HX_REQUEST="true"
+    )
+    html = fragment.content.decode()
+    assert "<html" not in html  # the list alone, as htmx swaps it
+    assert (
+        '<input type="hidden" name="next" value="/conflicts/?scope=all&amp;class=advance_pointer"'
+        ' form="bulk-keep">' in html
+    )
