@@ -39,7 +39,8 @@ _READERS_ONLY = "The audit trail is for operators, admins and auditors."
 @require_GET
 def audit_list(request: HttpRequest) -> HttpResponse:
     forbid_unless_reader(request, _READERS_ONLY)
-    form = AuditFilterForm(request.GET or None)
+    event_types = selectors.audit_event_types()
+    form = AuditFilterForm(request.GET or None, event_types=event_types)
     before = request.GET.get("before", "")
     page = selectors.audit_list(
         filters=_filters(form),
@@ -48,7 +49,7 @@ def audit_list(request: HttpRequest) -> HttpResponse:
     )
     context = {
         "nav": "audit",
-        "form": form if form.is_bound else AuditFilterForm(),
+        "form": form if form.is_bound else AuditFilterForm(event_types=event_types),
         "events": page.items,
         "next_before": page.next.removeprefix("s") if page.next else None,
         "query": query_without(request, "before"),

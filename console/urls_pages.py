@@ -15,6 +15,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("", views.dashboard, name="dashboard"),
     path("dashboard/counts/", views.dashboard_counts_fragment, name="dashboard_counts"),
     path("nav/counts/<slug:what>/", views.nav_count, name="nav_count"),
+    path("search/", views.search, name="search"),
     path("kill-switch/banner/", views.killswitch_banner, name="killswitch_banner"),
     path("kill-switch/", views.killswitch_set, name="killswitch_set"),
     # approvals, actions, runs, tokens
@@ -67,6 +68,11 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("people/<int:person_id>/active/", people_views.person_active_view, name="person_active"),
     # conflicts, resources, catalog
     path("conflicts/", ownership_views.conflicts_list, name="conflicts"),
+    path(
+        "conflicts/keep-current/",
+        ownership_views.conflicts_keep_current,
+        name="conflicts_keep_current",
+    ),
     path("conflicts/<uuid:conflict_id>/", ownership_views.conflict_detail, name="conflict_detail"),
     path(
         "conflicts/<uuid:conflict_id>/preview/",

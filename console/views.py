@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -11,13 +12,18 @@ from django.contrib.auth import views as auth_views
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q
 from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from approvals.models import Action, ActionStatus
-from approvals.selectors import pending_approval_count
+from approvals.selectors import (
+    actions_visible_to,
+    pending_approval_count,
+    plans_visible_to,
+    run_list_for_actor,
+)
 from audit.models import AuditEvent
 from audit.services import Actor
 from console import permissions
@@ -33,7 +39,7 @@ from console.pages import (
 )
 from console.services import kill_switch_set
 from ownership.models import ConflictStatus
-from ownership.selectors import conflict_list_for_person, open_conflict_count
+from ownership.selectors import conflict_list_for_person, open_conflict_count, resource_list
 
 # --- sign-in -------------------------------------------------------------------
 
@@ -187,4 +193,85 @@ def killswitch_set(request: HttpRequest) -> HttpResponse:
             "console/dashboard.html#killswitch",
             {**dashboard_context(request), "page_notice": notice},
         ),
+    )
+
+
+# --- global search ----------------------------------------------------------------
+
+SEARCH_LIMIT = 10
+_HEX = frozenset("0123456789abcdef")
+
+
+def uuid_prefix_range(text: str) -> tuple[uuid.UUID, uuid.UUID] | None:
+    """The ids that start with `text` (hex, dashes ignored, at least 4 digits) as a
+    closed range of UUIDs: a prefix search that the primary key's index answers."""
+    digits = text.lower().replace("-", "")
+    if not 4 <= len(digits) <= 32 or not set(digits) <= _HEX:
+        return None
+    return (
+        uuid.UUID(digits.ljust(32, "0")),
+        uuid.UUID(digits.ljust(32, "f")),
+    )
+
+
+def _by_id(queryset: Any, text: str) -> list[Any]:
+    bounds = uuid_prefix_range(text)
+    if bounds is None:
+        return []
+    return list(queryset.filter(pk__range=bounds).order_by("pk")[:SEARCH_LIMIT])
+
+
+def search_results(user: Any, text: str) -> dict[str, list[Any]]:
+    """What `text` finds among what `user` may read: runs (id, agent name), actions (id),
+    plans (id), resources (kind/name or a part of the name), conflicts (id)."""
+    runs = run_list_for_actor(user)
+    found_runs = _by_id(runs, text)
+    if not found_runs:
+        found_runs = list(runs.filter(agent__name__iexact=text).order_by("-created_at")[:10])
+    kind, _, name = text.partition("/")
+    resources = resource_list().only("id", "kind_id", "name", "version", "deleted")
+    if name:
+        by_name = resources.filter(kind_id=kind, name__startswith=name)
+    else:
+        by_name = resources.filter(name__icontains=text)
+    return {
+        "runs": found_runs,
+        "actions": _by_id(actions_visible_to(user).select_related("agent"), text),
+        "plans": _by_id(plans_visible_to(user), text),
+        "resources": list(by_name.order_by("kind_id", "name")[:SEARCH_LIMIT]),
+        "conflicts": _by_id(conflict_list_for_person(user), text),
+    }
+
+
+_RESULT_PAGES = {
+    "runs": "run_detail",
+    "actions": "action_detail",
+    "plans": "plan_detail",
+    "conflicts": "conflict_detail",
+}
+
+
+@console_page
+@require_GET
+def search(request: HttpRequest) -> HttpResponse:
+    """The header's search box: a run, action, plan, conflict or resource by id (full or
+    a prefix of at least 4 hex digits) or name. One match for a full id opens its page."""
+    text = request.GET.get("q", "").strip()[:200]
+    results = search_results(request.user, text) if text else {}
+    found = [(group, item) for group, items in results.items() for item in items]
+    if len(found) == 1 and len(text.replace("-", "")) == 32:
+        group, item = found[0]
+        if group == "resources":
+            return redirect("resource_detail", item.identifier)
+        return redirect(_RESULT_PAGES[group], item.pk)
+    return render(
+        request,
+        "console/search.html",
+        {
+            "nav": "search",
+            "q": text,
+            "results": results,
+            "count": len(found),
+            "limit": SEARCH_LIMIT,
+        },
     )

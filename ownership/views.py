@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from django.contrib import messages
 from django.db import models
-from django.db.models import Q
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.db.models import OuterRef, Q, QuerySet, Subquery
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
 from django.shortcuts import get_object_or_404, render
+from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from approvals.models import Operation
@@ -48,6 +51,7 @@ from ownership.models import (
     ConflictClass,
     ConflictStatus,
     OwnershipRecord,
+    ResolutionChoice,
     Resource,
     ResourceKind,
     ResourceVersion,
@@ -102,7 +106,27 @@ def _preview(conflict: Conflict, choices: dict[str, str] | None) -> str:
     return pretty(conflict_merge_preview(conflict=conflict, fields=choices))
 
 
+def with_undo_request(conflicts: QuerySet[Conflict]) -> QuerySet[Conflict]:
+    """Each conflict with who asked for its undo (an undo's conflict is a person's or a
+    plan's act, not the agent's stale write): the latest undo operation of its action
+    records the requester at acceptance; `undone_version` is what the undone write made."""
+    undo = Operation.objects.filter(action_id=OuterRef("action_id"), undo_of__isnull=False)
+    latest = undo.order_by("-started_at", "-pk")
+    return conflicts.annotate(
+        undo_requested_by=Subquery(latest.values("outcome__requested_by")[:1]),
+        undo_requested_by_type=Subquery(latest.values("outcome__requested_by_type")[:1]),
+        undone_version=Subquery(latest.values("undo_of__result_version")[:1]),
+    )
+
+
 def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) -> dict[str, Any]:
+    conflict = (
+        with_undo_request(Conflict.objects.filter(pk=conflict.pk))
+        .select_related(
+            "action__run__agent", "resource", "conflict_class", "resolved_by", "resolution_action"
+        )
+        .get()
+    )
     rows = _field_rows(conflict)
     may_resolve = conflict_may_resolve(conflict=conflict, person=request.user)
     # Who wrote the current version, from which run.
@@ -124,22 +148,121 @@ def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) ->
     }
 
 
-@console_page
-@require_GET
-def conflicts_list(request: HttpRequest) -> HttpResponse:
-    user = request.user
-    scope = request.GET.get("scope", "mine")
-    status = request.GET.get("status", "open")
+# The conflicts list's age filter: opened longer ago than this.
+CONFLICT_AGES = {
+    "1h": ("older than an hour", timedelta(hours=1)),
+    "1d": ("older than a day", timedelta(days=1)),
+    "7d": ("older than a week", timedelta(days=7)),
+}
 
-    conflicts = conflict_list_for_person(
+
+def _filter_conflicts(
+    conflicts: QuerySet[Conflict], *, cls: str, group: str, age: str
+) -> QuerySet[Conflict]:
+    """The list's GET filters: class, resolver group and age (an unknown age is none)."""
+    if cls:
+        conflicts = conflicts.filter(conflict_class_id=cls)
+    if group:
+        conflicts = conflicts.filter(resolver_group=group)
+    if age in CONFLICT_AGES:
+        conflicts = conflicts.filter(created_at__lte=timezone.now() - CONFLICT_AGES[age][1])
+    return conflicts
+
+
+def _conflicts_page(request: HttpRequest, query: Any, **extra: Any) -> HttpResponse:
+    """The conflicts list for the filters in `query` (the GET of the page)."""
+    user = request.user
+    scope = query.get("scope", "mine")
+    status = query.get("status", "open")
+    cls, group, age = (query.get(name, "")[:150] for name in ("class", "group", "age"))
+
+    visible = conflict_list_for_person(
         user,
         mine=scope != "all",
         status=status if status in ConflictStatus.values else None,
     )
-    context = {"nav": "conflicts", "scope": scope, "status": status}
+    conflicts = with_undo_request(_filter_conflicts(visible, cls=cls, group=group, age=age))
+    context = {
+        "nav": "conflicts",
+        "scope": scope,
+        "status": status,
+        "chosen": {"class": cls, "group": group, "age": age},
+        "classes": list(ConflictClass.objects.order_by("slug").values_list("slug", flat=True)),
+        # The resolver groups of the conflicts this person may see (a select, not free text).
+        "groups": sorted(
+            set(
+                conflict_list_for_person(user)
+                .exclude(resolver_group="")
+                .values_list("resolver_group", flat=True)
+                .distinct()
+            )
+        ),
+        "ages": [(key, label) for key, (label, _) in CONFLICT_AGES.items()],
+        # Which rows offer a checkbox for the bulk "keep current" (the service checks again).
+        "my_groups": permissions.user_groups(user) if user.is_active else frozenset(),
+        "bulk_limit": BULK_LIMIT,
+        **extra,
+    }
     return render_list_page(
         request, "ownership/conflicts.html", conflicts, context, rows="conflicts"
     )
+
+
+@console_page
+@require_GET
+def conflicts_list(request: HttpRequest) -> HttpResponse:
+    return _conflicts_page(request, request.GET)
+
+
+# At most this many conflicts in one bulk resolution (each is its own transaction).
+BULK_LIMIT = 100
+
+
+@console_page
+@require_POST
+def conflicts_keep_current(request: HttpRequest) -> HttpResponse:
+    """Bulk "keep current" with one comment: each selected conflict resolved by the
+    resolution service on its own (its lock, its authorisation, its audit event), so one
+    refused conflict (another group's, already resolved, the person's own undo) leaves
+    the others resolved and is reported by name. Keep current writes nothing."""
+    ids = request.POST.getlist("conflict")
+    comment = request.POST.get("comment", "").strip()
+    back = request.POST.get("next", "")
+    if not url_has_allowed_host_and_scheme(back, allowed_hosts=None) or not back.startswith("/"):
+        back = reverse("conflicts")
+    problem = (
+        "Select at least one conflict."
+        if not ids
+        else f"Select at most {BULK_LIMIT} conflicts at once."
+        if len(ids) > BULK_LIMIT
+        else "Write the comment recorded on each resolution."
+        if not comment
+        else ""
+    )
+    if problem:
+        response = _conflicts_page(request, QueryDict(back.partition("?")[2]), page_error=problem)
+        response.status_code = 422
+        return response
+    kept, refused = 0, []
+    for conflict_id in dict.fromkeys(ids):  # a repeated id once
+        try:
+            conflict_resolve(
+                conflict_id=conflict_id,
+                actor=Actor.person(request.user),
+                choice=ResolutionChoice.KEEP_CURRENT,
+                fields={},
+                comment=comment,
+            )
+            kept += 1
+        except DomainError as exc:
+            refused.append(f"{conflict_id[:8]}: {exc.message}")
+    if kept:
+        messages.success(
+            request, f"Kept the current document for {kept} conflict{pluralize(kept)}."
+        )
+    for line in refused:
+        messages.error(request, f"Not resolved — conflict {line}")
+    return HttpResponseRedirect(back)
 
 
 @console_page
@@ -295,6 +418,12 @@ def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) ->
         .select_related("action__run__agent")
         .order_by("-result_version")[:20]
     )
+    # An undo restores the document from before the write only while the resource is
+    # still at the version the write produced; after a later write it becomes a conflict
+    # for a person, and the button says so before it is pressed: (operation, moved to).
+    undo_rows = [
+        (op, resource.version if op.result_version != resource.version else None) for op in undoable
+    ]
     may_undo = permissions.can_undo_as_person(request.user, owner_group=resource.owner_group)
     return {
         "nav": "resources",
@@ -302,7 +431,7 @@ def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) ->
         "document": pretty(resource.document),
         "history": history,
         "records": records,
-        "undoable": undoable,
+        "undoable": undo_rows,
         "may_undo": may_undo,
         "now": now,
         **extra,

@@ -10,12 +10,43 @@
     if (h > 0) { return h + "h " + m + "m left"; }
     return m + "m " + (s < 10 ? "0" : "") + s + "s left";
   }
+  // The same words as the `when` filter (console/templatetags/console_time.py).
+  function human(seconds) {
+    seconds = Math.floor(Math.abs(seconds));
+    if (seconds < 60) { return seconds + " s"; }
+    if (seconds < 3600) { return Math.floor(seconds / 60) + " min"; }
+    if (seconds < 86400) {
+      var h = Math.floor(seconds / 3600), m = Math.floor((seconds % 3600) / 60);
+      return h + " h" + (m ? " " + m + " min" : "");
+    }
+    var d = Math.floor(seconds / 86400), hh = Math.floor((seconds % 86400) / 3600);
+    return d + " day" + (d === 1 ? "" : "s") + (hh && d < 7 ? " " + hh + " h" : "");
+  }
+  function relative(seconds) {
+    if (Math.abs(seconds) < 60) { return "just now"; }
+    return seconds > 0 ? "in " + human(seconds) : human(seconds) + " ago";
+  }
   function tick() {
     var now = Date.now();
     document.querySelectorAll("[data-deadline]").forEach(function (el) {
       var t = Date.parse(el.getAttribute("data-deadline"));
       if (!isNaN(t)) { el.textContent = fmt((t - now) / 1000); }
     });
+    document.querySelectorAll("[data-relative]").forEach(function (el) {
+      var t = Date.parse(el.getAttribute("data-relative"));
+      if (!isNaN(t)) { el.textContent = relative((t - now) / 1000); }
+    });
+  }
+  // The tab title carries the count of what waits for me (the navigation's badges:
+  // approvals waiting for me and conflicts for me to resolve), e.g. "(3) Approvals · Airlock".
+  var baseTitle = null;
+  function titleCount() {
+    if (baseTitle === null) { baseTitle = document.title.replace(/^\(\d+\) /, ""); }
+    var total = 0;
+    document.querySelectorAll(".topbar [id^='nav-count-'] .badge[data-count]").forEach(function (el) {
+      total += parseInt(el.getAttribute("data-count"), 10) || 0;
+    });
+    document.title = (total ? "(" + total + ") " : "") + baseTitle;
   }
   // Narrow screens show a table as stacked cards (console.css): each cell carries its
   // column's header text, shown above the value. Headers spanning columns are counted.
@@ -42,7 +73,9 @@
       table.classList.add("stack");
     });
   }
-  document.addEventListener("DOMContentLoaded", function () { tick(); labelTables(); });
-  document.addEventListener("htmx:afterSettle", function (event) { tick(); labelTables(event.target); });
+  document.addEventListener("DOMContentLoaded", function () { tick(); labelTables(); titleCount(); });
+  document.addEventListener("htmx:afterSettle", function (event) {
+    tick(); labelTables(event.target); titleCount();
+  });
   setInterval(tick, 1000);
 })();

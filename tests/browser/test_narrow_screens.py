@@ -34,6 +34,7 @@ LIST_PAGES = [
     "/rules/",
     "/tokens/",
     "/people/",
+    "/search/?q=prod",
 ]
 
 
