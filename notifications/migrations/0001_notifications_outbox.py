@@ -85,17 +85,13 @@ class Migration(migrations.Migration):
                 'constraints': [models.UniqueConstraint(fields=('delivery', 'number'), name='notif_attempt_once')],
             },
         ),
-        migrations.AddIndex(
-            model_name='subscription',
-            index=models.Index(condition=models.Q(('disabled_at__isnull', True), ('paused', False)), fields=['id'], name='notif_sub_active'),
-        ),
         migrations.AddConstraint(
             model_name='subscription',
             constraint=models.CheckConstraint(condition=models.Q(('channel__in', ['webhook', 'apprise', 'email'])), name='notif_sub_channel_known'),
         ),
         migrations.AddIndex(
             model_name='delivery',
-            index=models.Index(condition=models.Q(('status', 'pending')), fields=['next_attempt_at'], name='notif_delivery_due'),
+            index=models.Index(fields=['status', 'next_attempt_at'], name='notif_delivery_due'),
         ),
         migrations.AddIndex(
             model_name='delivery',
