@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_SIZE ?= default
 
-.PHONY: run url test bench lint venv clean-data agent-example
+.PHONY: run url test screenshots bench lint venv clean-data agent-example
 
 # Create the virtualenv and install the project with its dev extras, and the agents'
 # client (clients/python, with its MCP server); redone when either pyproject.toml changes.
@@ -31,6 +31,11 @@ url:
 # missing. Non-zero on any failure, and on "no tests ran".
 test: $(STAMP)
 	bash scripts/test.sh
+
+# A screenshot of every console page at 390x844 and 1400x900 (the demo's data) into
+# screenshots/ (git-ignored), taken by the narrow-screen browser test.
+screenshots: $(STAMP)
+	AIRLOCK_SCREENSHOTS=$(CURDIR)/screenshots bash scripts/test.sh tests/browser/test_narrow_screens.py -q
 
 # Issue 11's goal table, each figure against a baseline measured in the same run; never fails
 # on speed. `make bench BENCH_SIZE=small` takes under 3 minutes, the default under 15.

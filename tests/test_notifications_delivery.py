@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from cryptography.fernet import Fernet
+from django.db.models import Q
 from django.utils import timezone
 from standardwebhooks.webhooks import Webhook
 
@@ -155,6 +156,16 @@ def test_a_redis_flushall_between_attempts_loses_nothing_and_doubles_nothing(
     delivery = Delivery.objects.get()
     assert delivery.status == "pending"
     wait_for(lambda: time.monotonic() - first_at > 2.5, timeout=5)
+
+    def due() -> bool:  # the retry's time has come (backoff's jitter, a loaded machine)
+        now = timezone.now()
+        return (
+            Delivery.objects.filter(pk=delivery.pk, next_attempt_at__lte=now)
+            .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
+            .exists()
+        )
+
+    wait_for(due, timeout=30)
     assert len(receiver.received) == 1  # the scheduled retry went with Redis
     assert deliveries_reconcile() == 1
     wait_for(lambda: _delivery_status() == ["delivered"], timeout=20)

@@ -4,8 +4,11 @@ the screen, and axe-core finds nothing serious at either size. The data is the d
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +25,8 @@ from tests.fixtures.console import PASSWORD
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
+# `make screenshots` sets it: where every page's screenshot goes (an ignored folder).
+SHOTS = Path(os.environ["AIRLOCK_SCREENSHOTS"]) if os.environ.get("AIRLOCK_SCREENSHOTS") else None
 SIZES = {"phone": (390, 844), "desktop": (1400, 900)}
 LIST_PAGES = [
     "/",
@@ -89,6 +94,10 @@ def test_no_page_is_wider_than_the_screen_and_axe_finds_nothing_serious(
         if scroll_width > width:
             too_wide.append(f"{path}: {scroll_width} px")
         problems += check_accessibility(page, f"{size} {path}")
+        if SHOTS:  # `make screenshots`: every page at both sizes, for a reviewer's eyes
+            name = re.sub(r"[^a-z0-9]+", "-", path.lower()).strip("-") or "dashboard"
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SHOTS / f"{size}-{name}.png"), full_page=True)
     screenshot(page, f"narrow-{size}-last")
     assert not too_wide, f"pages wider than {width} px: {too_wide}"
     assert not problems, problems
