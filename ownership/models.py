@@ -6,7 +6,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import Q
 
 
 class ApprovalMode(models.TextChoices):
@@ -66,7 +66,9 @@ class ConflictClass(models.Model):
 
 class TargetType(models.TextChoices):
     MANAGED = "managed", "managed by Airlock"
-    HTTP = "http", "external HTTP target"
+    HTTP = "http", "HTTP service with ETags"
+    POSTGRES = "postgres", "PostgreSQL table rows"
+    GIT = "git", "git repository files"
 
 
 class ResourceKind(models.Model):
@@ -88,13 +90,17 @@ class ResourceKind(models.Model):
     undo_window_seconds = models.PositiveIntegerField(null=True, blank=True)
     target = models.CharField(max_length=16, choices=TargetType.choices, default=TargetType.MANAGED)
     target_url = models.URLField(blank=True)
+    # The target's settings (engine/targets: table and columns, repository and branch, …),
+    # checked by engine.targets.registry before they are stored. Never a credential: a kind
+    # names the environment variable that holds it (`credentials_env`).
+    target_settings = models.JSONField(default=dict, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["slug"]
         constraints = [
             models.CheckConstraint(
-                condition=Q(target="managed") | ~Q(target_url=""),
+                condition=~Q(target="http") | ~Q(target_url=""),
                 name="resourcekind_http_target_has_url",
             ),
         ]
@@ -123,6 +129,9 @@ class Resource(models.Model):
     document = models.JSONField(default=dict)
     version = models.PositiveBigIntegerField(default=1)
     last_fence = models.BigIntegerField(default=0)
+    # On a kind with an external target, this row mirrors the target: `version` counts the
+    # mirror's own revisions and `external_version` holds the target's token (the ETag).
+    external_version = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001 (None: no version)
     deleted = models.BooleanField(default=False)
     owner_group = models.CharField(max_length=150)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -144,8 +153,13 @@ class Resource(models.Model):
         return f"{self.kind_id}/{self.name}"
 
     @property
+    def token(self) -> str:
+        """The version as its target gives it: the target's own token, or the counter."""
+        return self.external_version if self.external_version is not None else str(self.version)
+
+    @property
     def etag(self) -> str:
-        return f'"{self.version}"'
+        return f'"{self.token}"'
 
 
 class ResourceVersion(models.Model):
@@ -153,6 +167,8 @@ class ResourceVersion(models.Model):
 
     resource = models.ForeignKey(Resource, on_delete=models.PROTECT, related_name="versions")
     version = models.PositiveBigIntegerField()
+    # The external target's token at this revision (null on Airlock's own store).
+    external_version = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001 (None: no version)
     document = models.JSONField(default=dict)
     deleted = models.BooleanField(default=False)
     operation = models.CharField(max_length=16)  # create / update / delete / undo / seed
@@ -259,9 +275,11 @@ class Conflict(models.Model):
     status = models.CharField(
         max_length=16, choices=ConflictStatus.choices, default=ConflictStatus.OPEN
     )
-    base_version = models.PositiveBigIntegerField()
+    # The target's version tokens (text; the managed store's counter as "41"; "0" for a
+    # create's missing base).
+    base_version = models.CharField(max_length=255)
     base_document = models.JSONField(default=dict)
-    current_version = models.PositiveBigIntegerField()
+    current_version = models.CharField(max_length=255)
     current_document = models.JSONField(default=dict)
     proposed_document = models.JSONField(default=dict)
     fields = models.JSONField(default=list)
@@ -288,10 +306,6 @@ class Conflict(models.Model):
                 condition=Q(status="open", resolved_at__isnull=True)
                 | Q(status="resolved", resolved_at__isnull=False),
                 name="conflict_resolved_has_time",
-            ),
-            models.CheckConstraint(
-                condition=Q(current_version__gte=F("base_version")),
-                name="conflict_current_not_older_than_base",
             ),
         ]
 

@@ -94,7 +94,7 @@ def conflict_reopen_for_resolution(
         return None
     resource = conflict.resource
     current: dict[str, Any] = copy.deepcopy(resource.document) if not resource.deleted else {}
-    current_version = max(resource.version, conflict.base_version)
+    current_version = resource.token
     previous = {
         "choice": conflict.resolution,
         "by": conflict.resolved_by_id,

@@ -46,6 +46,7 @@ from ownership.forms import (
     ResourceKindForm,
     UndoForm,
 )
+from ownership.history import revision_at
 from ownership.models import (
     Conflict,
     ConflictClass,
@@ -130,11 +131,7 @@ def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) ->
     rows = _field_rows(conflict)
     may_resolve = conflict_may_resolve(conflict=conflict, person=request.user)
     # Who wrote the current version, from which run.
-    current_writer = (
-        ResourceVersion.objects.select_related("run__agent", "person", "action")
-        .filter(resource=conflict.resource, version=conflict.current_version)
-        .first()
-    )
+    current_writer = revision_at(conflict.resource, conflict.current_version)
     return {
         "nav": "conflicts",
         "conflict": conflict,
@@ -416,13 +413,13 @@ def _resource_context(request: HttpRequest, resource: Resource, **extra: Any) ->
         operations_open_to_undo()
         .filter(action__resource=resource, undo_deadline__gt=now)
         .select_related("action__run__agent")
-        .order_by("-result_version")[:20]
+        .order_by("-finished_at")[:20]
     )
     # An undo restores the document from before the write only while the resource is
     # still at the version the write produced; after a later write it becomes a conflict
     # for a person, and the button says so before it is pressed: (operation, moved to).
     undo_rows = [
-        (op, resource.version if op.result_version != resource.version else None) for op in undoable
+        (op, resource.token if op.result_version != resource.token else None) for op in undoable
     ]
     may_undo = permissions.can_undo_as_person(request.user, owner_group=resource.owner_group)
     return {

@@ -282,7 +282,7 @@ class Approval(models.Model):
         max_length=12, choices=ApprovalStatus.choices, default=ApprovalStatus.PENDING
     )
     quorum = models.PositiveSmallIntegerField(default=1)
-    observed_version = models.PositiveBigIntegerField(null=True, blank=True)
+    observed_version = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001 (None: no version)
     expires_at = models.DateTimeField()
     escalate_at = models.DateTimeField(null=True, blank=True)
     escalated_at = models.DateTimeField(null=True, blank=True)
@@ -397,8 +397,9 @@ class Operation(models.Model):
     status = models.CharField(
         max_length=12, choices=OperationStatus.choices, default=OperationStatus.PENDING
     )
-    base_version = models.PositiveBigIntegerField(null=True, blank=True)
-    result_version = models.PositiveBigIntegerField(null=True, blank=True)
+    # Versions as the target's tokens (text, compared exactly; the managed store's "41").
+    base_version = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001 (None: no version)
+    result_version = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001 (None: no version)
     undo_deadline = models.DateTimeField(null=True, blank=True)
     outcome = models.JSONField(null=True, blank=True)
     worker = models.CharField(max_length=200, blank=True)

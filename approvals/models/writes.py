@@ -19,8 +19,10 @@ class ConditionalWrite(models.Model):
     operation = models.CharField(max_length=16, choices=WriteOperation.choices)
     payload_format = models.CharField(max_length=16, choices=PayloadFormat.choices)
     payload = models.JSONField(null=True, blank=True)
-    # The version the agent observed (If-Match); null for a create (If-None-Match: *).
-    observed_version = models.PositiveBigIntegerField(null=True, blank=True)
+    # The version the agent observed (If-Match), as the target's token: the managed store's
+    # counter as text ("41"), or an external target's opaque version, compared exactly.
+    # Null for a create (If-None-Match: *).
+    observed_version = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001 (None: no version)
     conflict_class = models.ForeignKey(
         "ownership.ConflictClass", on_delete=models.PROTECT, related_name="+"
     )

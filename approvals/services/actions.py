@@ -184,7 +184,7 @@ class Proposal:
         return f"{self.kind.slug}/{self.name}"
 
     def columns(
-        self, *, observed_version: int | None, conflict_class: ConflictClass
+        self, *, observed_version: str | None, conflict_class: ConflictClass
     ) -> dict[str, Any]:
         """The write as a row records it (an Action, or a plan's PlanStep)."""
         return {
@@ -296,7 +296,7 @@ def action_propose(
 
 def _checked(
     run: Run, run_status: str, proposal: Proposal, conflict_class: ConflictClass
-) -> tuple[Resource | None, int | None, DomainError | None]:
+) -> tuple[Resource | None, str | None, DomainError | None]:
     """The proposal checked against what is committed: the run's authority (raises 409 /
     403 / 423), then the resource (raises 404), its precondition and any write already queued
     over it. Returns the resource, the version the tag matched and the 412, if refused."""
@@ -314,7 +314,7 @@ def _checked(
 
 def proposal_checked_locked(
     *, run: Run, proposal: Proposal, conflict_class: ConflictClass
-) -> tuple[Resource | None, int | None, DomainError | None]:
+) -> tuple[Resource | None, str | None, DomainError | None]:
     """An agent's proposal's checks for a write recorded on the agent's behalf (a person's
     edit, approvals/services/edits.py), by a caller holding the kind and resource proposal
     locks: the run FOR SHARE, then _checked (409 / 403 / 423 / 404 raised; the 412 returned)."""
@@ -347,7 +347,7 @@ def _refused_at_once_or_locked(
 
 def precondition_check(
     proposal: Proposal, resource: Resource | None, conflict_class: ConflictClass
-) -> tuple[int | None, DomainError | None]:
+) -> tuple[str | None, DomainError | None]:
     """(observed version, None) when the tag matches, (None, the 412 error) when it
     does not; NotFound when updating or deleting a resource that does not exist."""
     identifier = proposal.resource_identifier
@@ -370,7 +370,7 @@ def precondition_check(
         raise NotFound(f"{identifier} does not exist.")
     assert resource is not None and proposal.if_match is not None
     if proposal.if_match.strong_match(current_etag):
-        return resource.version, None
+        return resource.token, None
     return None, DomainError(
         f"{identifier} is at {current_etag}, not {proposal.if_match.describe()}.",
         code="stale_version",
@@ -385,7 +385,7 @@ def precondition_check(
 
 def superseded_by_queued(
     proposal: Proposal,
-    observed: int | None,
+    observed: str | None,
     in_flight: list[QueuedWrite],
     conflict_class: ConflictClass,
 ) -> DomainError | None:
@@ -413,7 +413,7 @@ def _record(
     run: Run,
     proposal: Proposal,
     resource: Resource | None,
-    observed_version: int | None,
+    observed_version: str | None,
     conflict_class: ConflictClass,
 ) -> Action:
     """Insert the action (audited): pending approval for a per-call class (its

@@ -48,6 +48,7 @@ from console.core.fence import next_fence
 from console.core.operations import applied_operation
 from console.core.undo import ALREADY_UNDONE, RESOURCE_MOVED
 from ownership.diff import apply_merge_patch
+from ownership.history import base_token, revision_at
 from ownership.models import (
     ApprovalMode,
     Conflict,
@@ -55,7 +56,6 @@ from ownership.models import (
     ConflictOrigin,
     ConflictStatus,
     Resource,
-    ResourceVersion,
 )
 from ownership.services.conflicts import conflict_open_for_undo
 
@@ -166,11 +166,8 @@ def _restore_for(step: PlanStep, operation: Operation) -> dict[str, Any] | None:
         return {"document": {}, "deleted": True}
     if method == "PUT":
         return {"document": compensation.get("document") or {}, "deleted": False}
-    produced = ResourceVersion.objects.filter(
-        resource__kind_id=step.kind_id,
-        resource__name=step.name,
-        version=int(operation.result_version or 0),
-    ).first()
+    resource = Resource.objects.filter(kind_id=step.kind_id, name=step.name).first()
+    produced = None if resource is None else revision_at(resource, operation.result_version)
     base = produced.document if produced is not None and not produced.deleted else {}
     return {"document": apply_merge_patch(base, compensation.get("patch") or {}), "deleted": False}
 
@@ -309,18 +306,15 @@ def _wait_for_person(
     """The compensation as a conflict for a person: base = before the step (0: the
     step created the resource), current = now, proposed = the compensation."""
     reason, cls = person
-    if step.observed_version is not None:
-        base_version = step.observed_version
-    else:
-        base_version = original.base_version or 0
     resource = Resource.objects.get(pk=int(undo_op.action.resource_id or 0))
+    base_version = base_token(resource, step.observed_version or original.base_version)
     conflict = conflict_open_for_undo(
         action=undo_op.action,
         resource=resource,
         undone_operation=original,
         requested_by=f"plan {plan.pk}",
         undo_operation=undo_op,
-        base_version=min(base_version, resource.version),
+        base_version=base_version,
         conflict_class=cls,
     )
     plan_event(

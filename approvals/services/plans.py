@@ -56,7 +56,8 @@ from approvals.services.write_sets import lock_kinds
 from audit.services import Actor, audit_append, audit_deferred
 from console.core.errors import DomainError, ValidationFailed
 from ownership.diff import apply_merge_patch, document_diff, proposed_document
-from ownership.models import ApprovalMode, ConflictClass, Resource, ResourceVersion, TargetType
+from ownership.history import revision_at
+from ownership.models import ApprovalMode, ConflictClass, Resource, TargetType
 
 COMPENSATION_METHODS = ("PUT", "PATCH", "DELETE")
 
@@ -195,9 +196,9 @@ def _lock_and_check_authority(run: Run, steps: Sequence[PlanStepSpec]) -> None:
                 raise
 
 
-def _observed_versions(steps: Sequence[PlanStepSpec]) -> list[int | None] | DomainError:
+def _observed_versions(steps: Sequence[PlanStepSpec]) -> list[str | None] | DomainError:
     """Each step's observed version, or the 412 of the first stale step (`step` named)."""
-    observed: list[int | None] = []
+    observed: list[str | None] = []
     for position, spec in enumerate(steps, start=1):
         proposal = spec.proposal
         conflict_class = proposal.kind.class_for(proposal.operation)
@@ -278,7 +279,7 @@ def plan_forbids_owner_approval(plan: Plan) -> bool:
 def _record(
     run: Run,
     steps: Sequence[PlanStepSpec],
-    observed: list[int | None],
+    observed: list[str | None],
     *,
     reason: str,
     idempotency_key: str,
@@ -450,10 +451,10 @@ def _observed_document(step: PlanStep, resource: Resource | None) -> tuple[dict[
         return {}, True
     if resource is None:
         return {}, False
-    if resource.version == step.observed_version:
+    if resource.token == step.observed_version:
         live = resource.document if isinstance(resource.document, dict) else {}
         return ({} if resource.deleted else copy.deepcopy(live)), True
-    row = ResourceVersion.objects.filter(resource=resource, version=step.observed_version).first()
+    row = revision_at(resource, step.observed_version)
     if row is None:
         return {}, False
     return ({} if row.deleted or not isinstance(row.document, dict) else row.document), True

@@ -39,7 +39,7 @@ _IN_FLIGHT = RawSQL(  # noqa: S611
 class QueuedWrite:
     id: uuid.UUID
     operation: str
-    observed_version: int | None
+    observed_version: str | None
 
 
 def lock_resource_for_proposal(kind: str, name: str) -> None:
@@ -77,7 +77,7 @@ def writes_in_flight(kind: str, name: str) -> list[QueuedWrite]:
 
 
 def superseding_write(
-    in_flight: list[QueuedWrite], *, creating: bool, observed_version: int | None
+    in_flight: list[QueuedWrite], *, creating: bool, observed_version: str | None
 ) -> QueuedWrite | None:
     """The queued write that will supersede a proposal whose tag matched: for an
     update or delete, one based on the same version; for a create, another create.
@@ -92,7 +92,7 @@ def superseding_write(
     return None
 
 
-def queued_write_over(kind: str, name: str, version: int) -> uuid.UUID | None:
+def queued_write_over(kind: str, name: str, version: str) -> uuid.UUID | None:
     """The approved write already queued to replace `version` of kind/name, if any:
     a reader told so waits for it instead of proposing a write it would lose."""
     queued = superseding_write(

@@ -57,11 +57,11 @@ def _approval_rows(approvals: list[Approval], user: Any) -> list[dict[str, Any]]
         action = approval.action
         if action is not None:
             current = action.resource
-            row["current_version"] = current.version if current else None
+            row["current_version"] = current.token if current else None
             row["version_moved"] = (
                 current is not None
                 and action.observed_version is not None
-                and current.version != action.observed_version
+                and current.token != action.observed_version
             )
             before = current.document if current and not current.deleted else {}
             row["diff"] = document_diff(before, proposed_document(action, before))

@@ -10,14 +10,15 @@ from approvals.models import PlanStep, PlanStepStatus
 from approvals.selectors import plan_step_resources
 from approvals.services.plans import StepPreview, plan_step_preview
 from ownership.diff import document_diff
-from ownership.models import Conflict, ConflictOrigin, Resource, ResourceVersion
+from ownership.history import revision_at
+from ownership.models import Conflict, ConflictOrigin, Resource
 
 
 @dataclass(frozen=True)
 class StepRow:
     step: PlanStep
     resource: Resource | None  # the resource as it is now (None: not created yet)
-    current_version: int | None
+    current_version: str | None
     version_moved: bool  # pending: the resource moved past the version the agent read
     diff: list[dict[str, Any]]
     diff_label: str
@@ -32,11 +33,11 @@ class StepRow:
     undo_conflict: Conflict | None
 
 
-def _version_document(resource: Resource | None, version: int | None) -> dict[str, Any] | None:
+def _version_document(resource: Resource | None, version: str | None) -> dict[str, Any] | None:
     """The document a version held ({} for a tombstone), None when it is not recorded."""
     if resource is None or version is None:
         return None
-    row = ResourceVersion.objects.filter(resource=resource, version=version).first()
+    row = revision_at(resource, version)
     if row is None:
         return None
     return {} if row.deleted or not isinstance(row.document, dict) else row.document
@@ -71,7 +72,7 @@ def plan_step_rows(
     rows = []
     for step in steps:
         resource = resources.get((step.kind_id, step.name))
-        current_version = resource.version if resource is not None else None
+        current_version = resource.token if resource is not None else None
         applied = step.applied_operation
         preview = plan_step_preview(step, resource)
         diff, label = _diff(step, resource, preview)

@@ -49,6 +49,7 @@ from console.core.action_audit import action_event
 from console.core.killswitch import refuse_if_engaged
 from console.core.land import Written, land_write, undo_window
 from console.core.operations import EXECUTABLE_STATUSES
+from console.core.versions import counter, token
 from console.core.write_rows import (
     NOT_READ,
     LockedRows,
@@ -260,10 +261,10 @@ def record_applied(
         status=OperationStatus.DONE,
         fence=fence,
         base_version=_per_row(
-            Operation, "base_version", {op.pk: w.base_version for _, op, w in writes}
+            Operation, "base_version", {op.pk: token(w.base_version) for _, op, w in writes}
         ),
         result_version=_per_row(
-            Operation, "result_version", {op.pk: w.result_version for _, op, w in writes}
+            Operation, "result_version", {op.pk: token(w.result_version) for _, op, w in writes}
         ),
         undo_deadline=_per_row(Operation, "undo_deadline", deadlines),
         finished_at=now,
@@ -288,8 +289,8 @@ def _applied_event(
 ) -> EventSpec:
     details = {
         "fence": fence,
-        "from_version": written.base_version,
-        "to_version": written.result_version,
+        "from_version": token(written.base_version),
+        "to_version": token(written.result_version),
     }
     return _write_event("write.applied", action, operation, actor=actor, details=details)
 
@@ -346,7 +347,7 @@ def _write_existing(
     `landing` (PostgreSQL): the write's operation — the UPDATE then also records the write
     (history row, operation done, action applied) in the same statement and its audit
     event by `actor` right after it, in the same round trip (land.py)."""
-    observed = action.observed_version
+    observed = counter(action.observed_version)
     assert observed is not None  # a constraint: updates and deletes observe a version
     if current is NOT_READ:
         current = (
@@ -378,7 +379,7 @@ def planned_write(action: Action, current: Mapping[str, Any]) -> Written:
     lands at the observed version. The merge patch is computed from that document; if anyone
     wrote since, the version precondition fails and nothing is written. A tombstone keeps its
     last document (readers see a delete as `{}`; the history row keeps what was deleted)."""
-    observed = action.observed_version
+    observed = counter(action.observed_version)
     assert observed is not None  # a constraint: updates and deletes observe a version
     deleting = action.operation == WriteOperation.DELETE
     document = current["document"] if deleting else proposed_document(action, current["document"])
@@ -584,8 +585,8 @@ def _finished_outcome(action: Action, operation: Operation) -> WriteOutcome:
     if operation.status == OperationStatus.DONE or operation.status == OperationStatus.UNDONE:
         return WriteOutcome(
             applied=True,
-            base_version=operation.base_version,
-            result_version=operation.result_version,
+            base_version=counter(operation.base_version),
+            result_version=counter(operation.result_version),
             undo_deadline=operation.undo_deadline,
             **which,
         )

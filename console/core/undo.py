@@ -33,6 +33,7 @@ from console.core.action_audit import audit_action_event
 from console.core.actors import person_id
 from console.core.errors import NotFound
 from console.core.killswitch import hold_switches_shared, refuse_if_engaged
+from console.core.versions import counter
 from ownership.models import Resource, ResourceVersion
 
 WINDOW_EXPIRED = "window_expired"
@@ -54,11 +55,11 @@ class UndoOutcome:
     message: str = ""
     resource_id: int | None = None
     # The version the undo needed (the operation's result) and the one it found.
-    expected_version: int | None = None
-    current_version: int | None = None
+    expected_version: str | None = None
+    current_version: str | None = None
     # On success: the version the undo restored and the new version it wrote.
-    restored_version: int | None = None
-    result_version: int | None = None
+    restored_version: str | None = None
+    result_version: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -171,7 +172,7 @@ def _restored_state(
         # The operation created the resource: undo leaves a tombstone.
         return {}, True
     previous = ResourceVersion.objects.filter(
-        resource_id=resource_id, version=original.base_version
+        resource_id=resource_id, version=int(original.base_version)
     ).first()
     if previous is None:
         return None
@@ -188,7 +189,7 @@ def _write_restored(
 ) -> tuple[str, str] | None:
     """The conditional UPDATE back to the restored state; (reason, message) on a miss
     (and `current_version` noted in `base`)."""
-    expected = original.result_version
+    expected = counter(original.result_version)
     assert expected is not None  # checked by _refusal_before_write
     document, deleted = restored
     rows = Resource.objects.filter(pk=resource_id, version=expected, last_fence__lt=fence).update(
@@ -201,7 +202,7 @@ def _write_restored(
     if rows == 1:
         return None
     fresh = Resource.objects.filter(pk=resource_id).values("version", "last_fence").get()
-    base["current_version"] = fresh["version"]
+    base["current_version"] = str(fresh["version"])
     if fresh["last_fence"] >= fence:
         return (
             STALE_FENCE,
@@ -226,13 +227,14 @@ def _record_undone(
 ) -> UndoOutcome:
     """The undo wrote: its history row, both operations settled, the action undone,
     and the audit event last."""
-    assert original.result_version is not None
+    result_counter = counter(original.result_version)
+    assert result_counter is not None
     now = timezone.now()
-    new_version = original.result_version + 1
+    new_version = str(result_counter + 1)
     document, deleted = restored
     ResourceVersion.objects.create(
         resource_id=resource_id,
-        version=new_version,
+        version=result_counter + 1,
         document=document,
         deleted=deleted,
         operation="undo",

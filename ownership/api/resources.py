@@ -108,7 +108,7 @@ def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePat
         condition=preconditions.read_condition(request.headers.get("If-None-Match")),
         wait=None,
     )
-    queued = queued_write_over(kind, name, resource.version)
+    queued = queued_write_over(kind, name, resource.token)
     if queued is not None:
         response[QUEUED_ACTION_HEADER] = str(queued)
     return response

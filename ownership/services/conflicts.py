@@ -30,6 +30,7 @@ from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from console.permissions import resolver_group
 from ownership.diff import proposed_document, three_way_diff
+from ownership.history import NO_VERSION, base_token, document_at
 from ownership.models import (
     Conflict,
     ConflictClass,
@@ -38,22 +39,9 @@ from ownership.models import (
     OnConflict,
     OwnershipRecord,
     Resource,
-    ResourceVersion,
 )
 
 AGENT_RETURNED_COMMENT = "returned to the agent (retryable_by_agent)"
-
-
-def _document_at(resource: Resource, version: int | None) -> dict[str, Any]:
-    """The resource's document as of `version` (from its ResourceVersion snapshot)."""
-    if version is None or version == 0:
-        return {}
-    if version == resource.version:
-        return copy.deepcopy(resource.document) if not resource.deleted else {}
-    row = ResourceVersion.objects.filter(resource=resource, version=version).first()
-    if row is None or row.deleted:
-        return {}
-    return copy.deepcopy(row.document)
 
 
 def _conflict_payload(*, action: Action, conflict: Conflict, cls: ConflictClass) -> dict[str, Any]:
@@ -91,8 +79,7 @@ def _conflict_create_for_write(action: Action, resource: Resource, *, now: datet
     now, proposed = the write applied to base. Settled at once when the class
     returns it to the agent."""
     cls = action.conflict_class
-    base_version = action.observed_version or 0
-    base = _document_at(resource, base_version)
+    base = document_at(resource, action.observed_version)
     current = copy.deepcopy(resource.document) if not resource.deleted else {}
     proposed = proposed_document(action, base)
     agent_resolves = cls.retryable_by_agent
@@ -106,9 +93,9 @@ def _conflict_create_for_write(action: Action, resource: Resource, *, now: datet
         status=ConflictStatus.RESOLVED if agent_resolves else ConflictStatus.OPEN,
         resolved_at=now if agent_resolves else None,
         resolution_comment=AGENT_RETURNED_COMMENT if agent_resolves else "",
-        base_version=min(base_version, resource.version),
+        base_version=base_token(resource, action.observed_version),
         base_document=base,
-        current_version=resource.version,
+        current_version=resource.token,
         current_document=current,
         proposed_document=proposed,
         fields=three_way_diff(base, current, proposed),
@@ -172,8 +159,8 @@ def conflict_open_for_action(
                 "resolver": cls.resolver,
                 "resolver_group": conflict.resolver_group,
                 "retryable_by_agent": cls.retryable_by_agent,
-                "base_version": action.observed_version or 0,
-                "current_version": resource.version,
+                "base_version": action.observed_version or NO_VERSION,
+                "current_version": resource.token,
                 "fields": [row["path"] for row in conflict.fields],
                 "lease_covered": payload.get("lease_covered"),
             },
@@ -189,7 +176,7 @@ def _undo_target_document(
     restore = undo_operation.restore if undo_operation is not None else None
     if isinstance(restore, dict):
         return {} if restore.get("deleted") else copy.deepcopy(restore.get("document") or {})
-    return _document_at(resource, undone_operation.base_version)
+    return document_at(resource, undone_operation.base_version)
 
 
 def conflict_open_for_undo(
@@ -199,7 +186,7 @@ def conflict_open_for_undo(
     undone_operation: Operation,
     requested_by: str,
     undo_operation: Operation | None = None,
-    base_version: int | None = None,
+    base_version: str | None = None,
     conflict_class: ConflictClass | None = None,
 ) -> Conflict:
     """An undo that found a later write: a person decides (caller's transaction).
@@ -213,8 +200,8 @@ def conflict_open_for_undo(
     cls = conflict_class or action.conflict_class
     group = resolver_group(cls.resolver, resource.owner_group) or resource.owner_group
     if base_version is None:
-        base_version = undone_operation.result_version or resource.version
-    base = _document_at(resource, base_version)
+        base_version = undone_operation.result_version or resource.token
+    base = document_at(resource, base_version)
     current = copy.deepcopy(resource.document) if not resource.deleted else {}
     proposed = _undo_target_document(resource, undone_operation, undo_operation)
     existing = Conflict.objects.filter(action=action, origin=ConflictOrigin.UNDO).first()
@@ -230,7 +217,7 @@ def conflict_open_for_undo(
         status=ConflictStatus.OPEN,
         base_version=base_version,
         base_document=base,
-        current_version=resource.version,
+        current_version=resource.token,
         current_document=current,
         proposed_document=proposed,
         fields=three_way_diff(base, current, proposed),
@@ -243,7 +230,7 @@ def conflict_open_for_undo(
             "resolver_group": group,
             "requested_by": requested_by,
             "base_version": base_version,
-            "current_version": resource.version,
+            "current_version": resource.token,
         },
     )
     notify_action_on_commit(action.pk)
