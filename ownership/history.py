@@ -21,17 +21,23 @@ def revision_filter(resource: Resource, token: str) -> dict[str, Any]:
     return {"resource": resource, "version": int(token)}
 
 
-def revision_at(resource: Resource, token: str | None) -> ResourceVersion | None:
-    if token is None or token == NO_VERSION:
+def revision_at(resource: Resource, token: str | int | None) -> ResourceVersion | None:
+    if token is None:
+        return None
+    token = str(token)
+    if token == NO_VERSION:
         return None
     if resource.external_version is None and not token.isdigit():
         return None
     return ResourceVersion.objects.filter(**revision_filter(resource, token)).first()
 
 
-def document_at(resource: Resource, token: str | None) -> dict[str, Any]:
+def document_at(resource: Resource, token: str | int | None) -> dict[str, Any]:
     """The resource's document as of `token` ({} for none, a deletion, or one not recorded)."""
-    if token is None or token == NO_VERSION:
+    if token is None:
+        return {}
+    token = str(token)
+    if token == NO_VERSION:
         return {}
     if token == resource.token:
         return copy.deepcopy(resource.document) if not resource.deleted else {}

@@ -221,7 +221,7 @@ def test_a_stale_proposal_is_refused_at_once_while_another_holds_the_resources_l
         wait_for_lock_waiters(1, threads=(current,))
     finally:
         holder.release()
-    assert current.finish().observed_version == 3
+    assert current.finish().observed_version == "3"
     assert Action.objects.filter(name="app-race").count() == 1
 
 

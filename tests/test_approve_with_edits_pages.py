@@ -65,7 +65,7 @@ def test_an_htmx_edit_approves_the_edited_write_and_supersedes_the_original(
     assert covered.action.status == "superseded"
     edited = Action.objects.get(pk=covered.action.superseded_by_id)
     assert edited.payload == document and edited.status == "queued"
-    assert edited.observed_version == 2 and edited.edited_by == people.operator
+    assert edited.observed_version == "2" and edited.edited_by == people.operator
     assert edited.edit is not None and edited.edit["comment"] == "sms, not pager"
     # The card shows the original as superseded.
     assert "status-superseded" in html

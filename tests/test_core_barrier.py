@@ -71,7 +71,7 @@ def test_the_design_collision_refuses_the_stale_full_document_write(prod_alerts:
         "run",
         str(run_b.pk),
     )
-    assert applied.details["from_version"] == 41 and applied.details["to_version"] == 42
+    assert applied.details["from_version"] == "41" and applied.details["to_version"] == "42"
     assert applied.details["fence"] == outcome_b.fence
     assert (refused.run_id, refused.actor_id) == (run_a.pk, str(run_a.pk))
     assert refused.details["expected_version"] == 41
@@ -91,7 +91,7 @@ def test_an_accepted_write_records_version_operation_and_deadline(prod_alerts: A
     assert version.operation == "update"
     operation = Operation.objects.get(pk=outcome.operation_id)
     assert operation.status == OperationStatus.DONE
-    assert (operation.base_version, operation.result_version) == (41, 42)
+    assert (operation.base_version, operation.result_version) == ("41", "42")
     # replace_shared_document's window is 600 s.
     window = (operation.undo_deadline - operation.finished_at).total_seconds()
     assert 599 <= window <= 601

@@ -43,7 +43,7 @@ def test_undo_inside_the_window_restores_the_previous_document(prod_alerts: Any)
     outcome = undo(written.operation_id)
 
     assert outcome.applied
-    assert (outcome.restored_version, outcome.result_version) == (41, 43)
+    assert (outcome.restored_version, outcome.result_version) == ("41", "43")
     resource = Resource.objects.get(pk=prod_alerts.pk)
     assert resource.document == ORIGINAL
     assert resource.version == 43
@@ -56,7 +56,7 @@ def test_undo_inside_the_window_restores_the_previous_document(prod_alerts: Any)
     action = Action.objects.get(pk=written.action_id)
     assert action.status == ActionStatus.UNDONE and action.revision == 4
     event = AuditEvent.objects.get(event_type="write.undone")
-    assert event.details["from_version"] == 42 and event.details["to_version"] == 43
+    assert event.details["from_version"] == "42" and event.details["to_version"] == "43"
     assert event.run_id == run.pk
     assert verify_chain().ok
 
@@ -82,7 +82,7 @@ def test_undo_after_another_write_is_refused_as_resource_moved(prod_alerts: Any)
     outcome = undo(written.operation_id)
     assert not outcome.applied
     assert outcome.reason == "resource_moved"
-    assert (outcome.expected_version, outcome.current_version) == (42, 43)
+    assert (outcome.expected_version, outcome.current_version) == ("42", "43")
     resource = Resource.objects.get(pk=prod_alerts.pk)
     assert resource.version == 43 and resource.document["channels"] == ["sms"]
     assert Operation.objects.get(pk=written.operation_id).status == OperationStatus.DONE

@@ -30,7 +30,7 @@ def test_a_per_call_action_waits_for_approval_then_is_applied(
     action = _propose_replace(engine_world, policy, {"destinations": ["oncall", "backup"]})
     assert action.status == "pending_approval"
     approval = Approval.objects.get(action=action)
-    assert approval.observed_version == 1 and approval.quorum == 1
+    assert approval.observed_version == "1" and approval.quorum == 1
 
     approval_decide(
         approval_id=approval.pk, actor=Actor.person(engine_world.operator), decision="approve"

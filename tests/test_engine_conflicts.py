@@ -126,7 +126,7 @@ def test_person_classes_open_a_conflict_for_their_resolver_group(
     )
     conflict = Conflict.objects.get(pk=action.error["conflict_id"])
     assert conflict.status == "open" and conflict.resolver_group == group
-    assert conflict.base_version == 1 and conflict.current_version == 2
+    assert conflict.base_version == "1" and conflict.current_version == "2"
     changes = {row["path"]: row["change"] for row in conflict.fields}
     assert changes == {"/destinations": "agent_only", "/severity": "other_only"}
     assert AuditEvent.objects.filter(event_type="conflict.opened", action_id=action.pk).count() == 1
@@ -177,7 +177,7 @@ def test_merge_resolution_creates_a_new_action_on_the_current_version_and_execut
     assert resolved.status == "resolved" and resolved.resolution == "merge"
     new_action = Action.objects.get(pk=resolved.resolution_action_id)
     assert new_action.parent_id == action.pk and new_action.payload_format == "resolution"
-    assert new_action.observed_version == 2 and new_action.status == "queued"
+    assert new_action.observed_version == "2" and new_action.status == "queued"
     approval = Approval.objects.get(action=new_action)
     assert approval.status == "approved" and approval.from_conflict_id == conflict.pk
     action.refresh_from_db()

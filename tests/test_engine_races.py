@@ -241,24 +241,24 @@ def _queued_http_write(world: Any, target: TargetServer, settings: Any) -> Actio
 def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
     world: Any, engine_redis: Any, target: TargetServer, settings: Any, monkeypatch: Any
 ) -> None:
-    from console.core import targets
+    from engine.targets.http_etag import HttpEtagTarget
 
     action = _queued_http_write(world, target, settings)
 
-    real_write = targets.HttpTarget.write
+    real_write = HttpEtagTarget.write
     sent = threading.Event()
     resume = threading.Event()
     calls: list[int] = []
 
-    def write(self: Any, **kwargs: Any) -> Any:
-        response = real_write(self, **kwargs)
+    def write(self: Any, *args: Any, **kwargs: Any) -> Any:
+        response = real_write(self, *args, **kwargs)
         calls.append(kwargs["fence"])
         if len(calls) == 1:  # worker A: the target applied it; A is paused (GC, SIGSTOP)
             sent.set()
             assert resume.wait(WAIT)
         return response
 
-    monkeypatch.setattr(targets.HttpTarget, "write", write)
+    monkeypatch.setattr(HttpEtagTarget, "write", write)
     worker_a = Worker(lambda: action_execute(action_id=action.pk))
     worker_a.start()
     assert sent.wait(WAIT)
@@ -285,22 +285,22 @@ def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
 def test_a_stale_http_worker_resuming_with_a_retry_does_not_steal_the_new_claim(
     world: Any, engine_redis: Any, target: TargetServer, settings: Any, monkeypatch: Any
 ) -> None:
-    from console.core import targets
+    from engine.targets.http_etag import HttpEtagTarget
 
     action = _queued_http_write(world, target, settings)
     target.fail_next(503)  # worker A is told "try later" ...
 
-    real_write = targets.HttpTarget.write
+    real_write = HttpEtagTarget.write
     answered = threading.Event()
     resume = threading.Event()
 
-    def write(self: Any, **kwargs: Any) -> Any:
-        response = real_write(self, **kwargs)
+    def write(self: Any, *args: Any, **kwargs: Any) -> Any:
+        response = real_write(self, *args, **kwargs)
         answered.set()
         assert resume.wait(WAIT)  # ... and is paused before it acts on the answer
         return response
 
-    monkeypatch.setattr(targets.HttpTarget, "write", write)
+    monkeypatch.setattr(HttpEtagTarget, "write", write)
     worker_a = Worker(lambda: action_execute(action_id=action.pk))
     worker_a.start()
     assert answered.wait(WAIT)

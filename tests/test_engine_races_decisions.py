@@ -287,7 +287,7 @@ def test_resolving_the_undo_conflict_of_a_create_deletes_the_resource(world: Any
         conflict_id=conflict.pk, actor=Actor.person(resolver), choice="take_proposed"
     )
     follow_up = Action.objects.get(pk=resolved.resolution_action_id)
-    assert follow_up.operation == "delete" and follow_up.observed_version == 2
+    assert follow_up.operation == "delete" and follow_up.observed_version == "2"
     assert action_execute(action_id=follow_up.pk) == "applied"
     resource = Resource.objects.get(kind=kind, name="new")
     assert resource.deleted is True and resource.version == 3

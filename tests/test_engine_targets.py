@@ -71,7 +71,7 @@ def test_a_write_to_an_http_target_sends_if_match_key_and_fence(
     [request] = target.requests
     assert request["if_match"] == '"4"' and request["key"] == f"airlock-action-{action.pk}"
     assert request["fence"] == Operation.objects.get(action=action).fence
-    assert Operation.objects.get(action=action).result_version == 5
+    assert Operation.objects.get(action=action).result_version == "5"
 
 
 def test_a_412_from_the_target_becomes_a_conflict(
@@ -133,7 +133,7 @@ def test_a_timeout_after_sending_leaves_the_operation_unknown_until_a_replay_set
     assert action_execute(action_id=action.pk) == "applied"
     assert target.effects == 1  # the replay applied nothing new
     first.refresh_from_db()
-    assert first.status == "done" and first.outcome["replayed"] is True
+    assert first.status == "done" and first.outcome["settled_by"] is not None
     assert Operation.objects.filter(action=action, status="done").count() == 1
     assert len({r["key"] for r in target.requests}) == 1 and len(target.requests) == 2
     assert AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk).count() == 1
@@ -152,7 +152,7 @@ def test_a_failing_target_fails_the_action_after_bounded_attempts(
     assert action.status == "failed"
     assert action.error == {
         "code": "attempts_exhausted",
-        "reason": "target_status_502",
+        "reason": "target_busy: PUT answered 502",
         "attempts": 2,
     }
     assert target.effects == 0
@@ -197,8 +197,10 @@ def test_423_is_retried_and_409_becomes_a_conflict_routed_by_class(
     _wait_until_due(action)
     assert action_execute(action_id=action.pk) == "applied"
 
+    # The dialect's 409 refuses a stale Fencing-Token: with the version still the one we
+    # wrote on, this holder was overtaken — it retries under a new fence (never a conflict).
     other = _queued_write(engine_world, http_kind, target, "busy", fail=(409,))
-    assert action_execute(action_id=other.pk) == "conflict"
-    other.refresh_from_db()
-    assert other.error["retryable_by_agent"] is True  # recompute_field: back to the agent
-    assert target.effects == 1
+    assert action_execute(action_id=other.pk) == "retry"
+    _wait_until_due(other)
+    assert action_execute(action_id=other.pk) == "applied"
+    assert target.effects == 2

@@ -76,7 +76,7 @@ def test_a_persons_undo_conflict_names_the_person_the_undo_and_its_base(
         requested_by=str((undo_operation.outcome or {})["requested_by"]),
         undo_operation=undo_operation,
     )
-    assert conflict.origin == "undo" and conflict.base_version == 2
+    assert conflict.origin == "undo" and conflict.base_version == "2"
 
     operator = client_for(people.operator)
     listing = operator.get("/conflicts/?scope=all").content.decode()

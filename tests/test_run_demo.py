@@ -44,14 +44,14 @@ def test_the_demo_plays_the_design_collision_through_the_api(demo_redis) -> None
         kind_id="notification-policy", name="prod-alerts", status="applied"
     )
     operation = Operation.objects.get(action=applied, undo_of__isnull=True, status="done")
-    assert operation.result_version == 42
+    assert operation.result_version == "42"
     assert operation.undo_deadline is not None and operation.undo_deadline > timezone.now()
 
     # A's re-planned change waits for an operator (per-call approval).
     waiting = Action.objects.get(
         kind_id="notification-policy", name="prod-alerts", status="pending_approval"
     )
-    assert waiting.observed_version == 42
+    assert waiting.observed_version == "42"
     assert Approval.objects.filter(action=waiting, status="pending").exists()
 
     # The second release candidate met version 8 at execution: a conflict for release owners.

@@ -202,7 +202,7 @@ def test_a_compensation_whose_class_became_per_call_waits_for_a_person_when_it_r
     conflict = Conflict.objects.get(pk=body["steps"][0]["compensation"]["conflict"])
     assert conflict.origin == "undo" and conflict.status == "open"
     assert conflict.conflict_class_id == "replace_shared_document"
-    assert conflict.base_version == 3 and conflict.base_document == {"ip": "1"}
+    assert conflict.base_version == "3" and conflict.base_document == {"ip": "1"}
     assert conflict.proposed_document == {"ip": "1", "restored": True}
     refused = AuditEvent.objects.get(event_type="plan.compensation_refused", details__plan=plan_id)
     assert refused.details["reason"] == "needs_approval"
@@ -268,7 +268,7 @@ def test_a_compensation_of_a_step_a_person_resolved_never_overwrites_the_merge(
     assert body["steps"][0]["compensation"]["status"] == "conflict"
     conflict = Conflict.objects.get(pk=body["steps"][0]["compensation"]["conflict"])
     assert conflict.origin == "undo" and conflict.status == "open"
-    assert conflict.base_version == 41 and conflict.base_document == {"channels": ["email"]}
+    assert conflict.base_version == "41" and conflict.base_document == {"channels": ["email"]}
     assert conflict.current_document == merged.document
     assert conflict.proposed_document == {"channels": ["email"]}
     refused = AuditEvent.objects.get(event_type="plan.compensation_refused", details__plan=plan_id)

@@ -1,6 +1,6 @@
 """One delivery's bookkeeping: claim, pause, retry with backoff, fail, route a refusal.
 
-Shared by the write job (approvals.services.execution, .http_writes), the undo
+Shared by the write job (approvals.services.execution, .external_writes), the undo
 job and the reconciler. Every state change goes through
 action_status.action_transition (a conditional UPDATE) inside a short transaction
 with its audit event; a stale attempt (abandoned by the reconciler, or

@@ -19,7 +19,7 @@ Flow of one delivery (`action_execute`):
      -> conflict, kill switch -> paused, stale fence / lost lock -> queued again with
      a new fence on the next attempt; transient errors -> exponential backoff with
      jitter, at most AIRLOCK_MAX_ATTEMPTS, then `failed` with the reason.
-An external HTTP target is one write with its own lock (approvals.services.http_writes).
+An external target is one write with its own lock (approvals.services.external_writes).
 
 PostgreSQL is the outbox: approvals.services.reconcile re-enqueues due actions
 whose job is missing from RQ and recovers operations a dead worker left
@@ -55,7 +55,7 @@ from approvals.services.attempts import (
     route_refusal,
     worker_name,
 )
-from approvals.services.http_writes import execute_http
+from approvals.services.external_writes import execute_external
 from approvals.services.plan_engine import plan_after_action
 from approvals.services.worker_presence import acquire_taking_over, release_lock_of_gone_worker
 from audit.services import audit_deferred
@@ -112,8 +112,8 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
 
     if connection is None:
         connection = engine_redis()
-    if action.kind.target == TargetType.HTTP:
-        return _execute_http(action, connection=connection)
+    if action.kind.target != TargetType.MANAGED:
+        return _execute_external(action, connection=connection)
     # The lead's own lock is named after this worker, not the action: a busy lock of a
     # duplicate delivery is waited for, as any busy lock; one whose worker is gone is taken
     # over; only a live batch's companion lock says it was taken for this action.
@@ -145,8 +145,9 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
             log.warning("could not release the locks of a batch led by %s", action.pk)
 
 
-def _execute_http(action: Action, *, connection: redis.Redis) -> str:
-    """A write to an external target: one action, its own lock (approvals.services.http_writes)."""
+def _execute_external(action: Action, *, connection: redis.Redis) -> str:
+    """A write to an external target: one action, its own lock
+    (approvals.services.external_writes)."""
     lock = FencedLock(
         connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms(), holder=worker_name()
     )
@@ -156,7 +157,7 @@ def _execute_http(action: Action, *, connection: redis.Redis) -> str:
         return _retry_unlocked(action, exc)
     try:
         lock.start_heartbeat()
-        return execute_http(action=action, lock=lock, fence=fence)
+        return execute_external(action=action, lock=lock, fence=fence)
     finally:
         _release_quietly(lock)
 
@@ -214,7 +215,7 @@ def _companions(lead: Action, connection: redis.Redis, *, limit: int) -> list[Fe
         Action.objects.filter(status=ActionStatus.QUEUED)
         .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
         .exclude(pk=lead.pk)
-        .exclude(kind__target=TargetType.HTTP)
+        .filter(kind__target=TargetType.MANAGED)
         # What a companion is used for before lock_batch_rows loads it whole: its lock
         # (kind and name), its place in proposal order, its id.
         .only("id", "kind_id", "name", "created_at")

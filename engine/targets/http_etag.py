@@ -241,7 +241,10 @@ class HttpEtagTarget:
             raise TargetError(f"{name} is larger than {MAX_DOCUMENT_BYTES} bytes")
         try:
             document = json.loads(response.content, parse_constant=_refuse_constant)
-        except (ValueError, RecursionError):
+            # What JSON allows but a document store cannot hold: a number that overflows to
+            # infinity (1e999), a lone surrogate ("\udfff").
+            json.dumps(document, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        except (ValueError, RecursionError, UnicodeEncodeError):
             raise TargetError(f"{name} is not a JSON document") from None
         return Snapshot(document, version)
 

@@ -1,0 +1,186 @@
+"""A kind's target (issue 39): the adapter that reaches it, and the mirror row Airlock keeps
+of each resource it governs there.
+
+A kind whose documents live elsewhere (`http`, `postgres`, `git`) is reached only through
+`engine.targets`' one interface; this module turns a ResourceKind into that adapter and
+records what the target answered. The mirror row (`Resource` with `external_version`) is
+what approval cards, conflict pages and the audit trail show: it is refreshed from every
+read and every write, and each new token gets a history row (`ResourceVersion`) so a
+conflict's base document can be found by the token the agent observed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+
+from engine.targets import registry
+from engine.targets.base import Snapshot, TargetAdapter
+from ownership.models import Resource, ResourceKind, ResourceVersion, TargetType
+
+# Which engine adapter serves each external target.
+ADAPTER_OF_TARGET = {
+    TargetType.HTTP: "http_etag",
+    TargetType.POSTGRES: "postgres",
+    TargetType.GIT: "git",
+}
+
+# A kind stored with `{"target": "http", "target_url": …}` and no settings keeps the meaning
+# that representation had before settings existed: a service speaking Airlock's own dialect,
+# which honours both our Idempotency-Key and our Fencing-Token.
+HTTP_DIALECT_DEFAULTS = {"honours_idempotency_key": True, "honours_fencing_token": True}
+
+
+def is_external(kind: ResourceKind) -> bool:
+    return kind.target != TargetType.MANAGED
+
+
+def adapter_settings(
+    target: str, target_url: str, target_settings: dict[str, Any]
+) -> dict[str, Any]:
+    """The settings the engine adapter is built from (an http kind's URL is its base_url;
+    its timeout defaults to AIRLOCK_TARGET_TIMEOUT_SECONDS, read at each call)."""
+    built = dict(target_settings or {})
+    if target == TargetType.HTTP:
+        dialect = HTTP_DIALECT_DEFAULTS if not built else {}
+        built = {"base_url": target_url, **dialect, **built}
+        built.setdefault("timeout", float(settings.AIRLOCK_TARGET_TIMEOUT_SECONDS))
+    return built
+
+
+def adapter_for_settings(
+    target: str, target_url: str, target_settings: dict[str, Any]
+) -> TargetAdapter:
+    """The adapter, or TargetConfigError naming the setting that is wrong."""
+    return registry.adapter_for(
+        ADAPTER_OF_TARGET[TargetType(target)],
+        adapter_settings(target, target_url, target_settings),
+    )
+
+
+def adapter_for_kind(kind: ResourceKind) -> TargetAdapter:
+    return adapter_for_settings(kind.target, kind.target_url, kind.target_settings)
+
+
+def mirror_snapshot(
+    kind: ResourceKind,
+    name: str,
+    snapshot: Snapshot,
+    *,
+    operation: str = "read",
+    fence: int = 0,
+    run_id: Any = None,
+    action_id: Any = None,
+) -> Resource | None:
+    """Record what the target holds for kind/name: a new token becomes a new mirror revision
+    (with its history row); the same token changes nothing. Absent at the target: the
+    mirror (if any) becomes a tombstone. Returns the mirror row (None: never seen, absent)."""
+    with transaction.atomic():
+        resource = Resource.objects.select_for_update().filter(kind=kind, name=name).first()
+        if resource is None:
+            if not snapshot.exists:
+                return None
+            return _mirror_create(kind, name, snapshot, operation, fence, run_id, action_id)
+        if not snapshot.exists:
+            if resource.deleted:
+                return resource
+            return _mirror_revise(
+                resource,
+                resource.document,
+                resource.token,
+                True,
+                operation,
+                fence,
+                run_id,
+                action_id,
+            )
+        if resource.external_version == snapshot.version and not resource.deleted:
+            return resource
+        assert snapshot.version is not None
+        return _mirror_revise(
+            resource,
+            snapshot.document,
+            snapshot.version,
+            False,
+            operation,
+            fence,
+            run_id,
+            action_id,
+        )
+
+
+def _mirror_create(
+    kind: ResourceKind,
+    name: str,
+    snapshot: Snapshot,
+    operation: str,
+    fence: int,
+    run_id: Any,
+    action_id: Any,
+) -> Resource:
+    try:
+        with transaction.atomic():
+            resource = Resource.objects.create(
+                kind=kind,
+                name=name,
+                document=copy.deepcopy(snapshot.document),
+                version=1,
+                external_version=snapshot.version,
+                owner_group=kind.owner_group,
+            )
+    except IntegrityError:
+        # Another reader created the mirror first: record this answer as a revision of it.
+        resource = Resource.objects.select_for_update().get(kind=kind, name=name)
+        if resource.external_version == snapshot.version:
+            return resource
+        assert snapshot.version is not None
+        return _mirror_revise(
+            resource,
+            snapshot.document,
+            snapshot.version,
+            False,
+            operation,
+            fence,
+            run_id,
+            action_id,
+        )
+    _history(resource, operation, fence, run_id, action_id)
+    return resource
+
+
+def _mirror_revise(
+    resource: Resource,
+    document: Any,
+    token: str,
+    deleted: bool,
+    operation: str,
+    fence: int,
+    run_id: Any,
+    action_id: Any,
+) -> Resource:
+    resource.version += 1
+    resource.document = copy.deepcopy(document)
+    resource.external_version = token
+    resource.deleted = deleted
+    resource.save(
+        update_fields=["version", "document", "external_version", "deleted", "updated_at"]
+    )
+    _history(resource, operation, fence, run_id, action_id)
+    return resource
+
+
+def _history(resource: Resource, operation: str, fence: int, run_id: Any, action_id: Any) -> None:
+    ResourceVersion.objects.create(
+        resource=resource,
+        version=resource.version,
+        external_version=resource.external_version,
+        document=resource.document,
+        deleted=resource.deleted,
+        operation=operation[:16],
+        fence=fence,
+        run_id=run_id,
+        action_id=action_id,
+    )
