@@ -56,6 +56,8 @@ PROBLEMS: dict[str, tuple[int, str, bool]] = {
     "conflict": (409, "Conflict", False),
     "stale_version": (412, "Stale version", False),
     "payload_too_large": (413, "Payload too large", False),
+    "target_unavailable": (502, "Target unavailable", True),
+    "weak_validator": (502, "Target has no strong validator", False),
     "unsupported_media_type": (415, "Unsupported media type", False),
     "idempotency_key_reused": (422, "Idempotency key reused", False),
     "leased": (423, "Leased by another run", True),

@@ -17,8 +17,15 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
+from console.core.errors import DomainError
 from engine.targets import registry
-from engine.targets.base import Snapshot, TargetAdapter
+from engine.targets.base import (
+    Snapshot,
+    TargetAdapter,
+    TargetConfigError,
+    TargetError,
+    WeakValidator,
+)
 from ownership.models import Resource, ResourceKind, ResourceVersion, TargetType
 
 # Which engine adapter serves each external target.
@@ -183,4 +190,40 @@ def _history(resource: Resource, operation: str, fence: int, run_id: Any, action
         fence=fence,
         run_id=run_id,
         action_id=action_id,
+    )
+
+
+class TargetUnavailable(DomainError):
+    code = "target_unavailable"
+
+
+class TargetWeakValidator(DomainError):
+    code = "weak_validator"
+
+
+def read_through(kind: ResourceKind, name: str) -> Resource | None:
+    """Read kind/name from its target and refresh the mirror; the mirror row (None: the
+    target has no such document and Airlock never saw one). Raises TargetUnavailable (502,
+    retryable) when the target cannot be read or is misconfigured, TargetWeakValidator (502)
+    when it hands out a version that cannot guard a write — never a blind write later."""
+    try:
+        snapshot = adapter_for_kind(kind).read(name)
+    except WeakValidator as exc:
+        raise TargetWeakValidator(str(exc), extra={"resource": f"{kind.slug}/{name}"}) from None
+    except (TargetError, TargetConfigError) as exc:
+        raise TargetUnavailable(
+            f"{kind.slug}/{name}: the target could not be read ({exc}).",
+            extra={"resource": f"{kind.slug}/{name}"},
+        ) from None
+    return mirror_snapshot(kind, name, snapshot)
+
+
+def mirror_is_current(resource: Resource | None, if_match_etag: str | None) -> bool:
+    """Whether the mirror already holds the version an agent names (no read needed: the
+    target's own conditional write is the last word either way)."""
+    return (
+        resource is not None
+        and not resource.deleted
+        and if_match_etag is not None
+        and resource.etag == if_match_etag
     )

@@ -158,16 +158,51 @@ def test_a_failing_target_fails_the_action_after_bounded_attempts(
     assert target.effects == 0
 
 
-def test_undo_is_refused_for_an_http_target(
+def test_undo_restores_the_previous_document_at_the_target_conditionally(
     engine_world: Any, http_kind: Any, target: TargetServer
 ) -> None:
-    from approvals.services.undo import action_undo_request
-    from console.core.errors import UndoRefused
+    from approvals.services.undo import action_undo_request, undo_execute
+    from ownership.targets import read_through
 
-    action = _queued_write(engine_world, http_kind, target, "prod")
+    target.seed("prod", {"n": 1})
+    read_through(http_kind, "prod")  # what the agent read (the API reads through, too)
+    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version="1")
     assert action_execute(action_id=action.pk) == "applied"
-    with pytest.raises(UndoRefused):
-        action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
+    undo = action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
+    assert undo_execute(undo_operation_id=undo.pk) == "undone"
+
+    assert target.documents["prod"] == {"version": 3, "document": {"n": 1}, "deleted": False}
+    undo_request = target.requests[-1]
+    assert undo_request["if_match"] == '"2"'  # on the version the write produced
+    action.refresh_from_db()
+    assert action.status == "undone"
+    undo.refresh_from_db()
+    assert (undo.status, undo.base_version, undo.result_version) == ("done", "2", "3")
+    event = AuditEvent.objects.get(event_type="write.undone", action_id=action.pk)
+    assert event.details["to_version"] == "3" and event.details["target"] == "http"
+
+
+def test_undo_after_someone_else_wrote_at_the_target_is_a_conflict_not_an_overwrite(
+    engine_world: Any, http_kind: Any, target: TargetServer
+) -> None:
+    from approvals.services.undo import action_undo_request, undo_execute
+    from ownership.targets import read_through
+
+    target.seed("prod", {"n": 1})
+    read_through(http_kind, "prod")
+    action = engine_world.propose(http_kind, "prod", payload={"n": 2}, observed_version="1")
+    assert action_execute(action_id=action.pk) == "applied"
+    target.seed("prod", {"n": 9, "by": "someone"}, version=3)  # a change Airlock did not make
+    undo = action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
+    assert undo_execute(undo_operation_id=undo.pk) == "conflict"
+
+    assert target.documents["prod"]["document"] == {"n": 9, "by": "someone"}  # not overwritten
+    conflict = Conflict.objects.get(action=action, origin="undo")
+    assert conflict.status == "open"
+    assert conflict.base_document == {"n": 2} and conflict.base_version == "2"
+    assert conflict.current_document == {"n": 9, "by": "someone"}
+    assert conflict.current_version == "3"
+    assert conflict.proposed_document == {"n": 1}
 
 
 @pytest.mark.slow

@@ -144,12 +144,14 @@ def _check_shape(steps: Sequence[PlanStepSpec]) -> None:
                 "resource once",
             )
         seen[identifier] = position
-        if proposal.kind.target == TargetType.HTTP:
+        if proposal.kind.target != TargetType.MANAGED:
+            # Not yet: a plan's steps are checked against mirrors a plan proposal does not
+            # refresh from the target (issue 39 leaves this open; a single write works).
             raise _step_error(
                 position,
                 "resource",
-                f"{identifier} is written to an external HTTP target, which cannot be "
-                "compensated; write it on its own",
+                f"{identifier} is written to an external target ({proposal.kind.target}); "
+                "plans do not take such steps yet — write it on its own",
             )
         if proposal.operation == "create" and not proposal.create_if_absent:
             raise PreconditionRequired(

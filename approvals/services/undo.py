@@ -40,6 +40,7 @@ from approvals.services.attempts import (
     operation_lease_seconds,
     worker_name,
 )
+from approvals.services.external_undo import external_undo
 from approvals.services.runs import RunNotActive, run_require_own_active, run_status_for_share
 from approvals.services.worker_presence import acquire_taking_over
 from audit.models import ActorType
@@ -51,7 +52,6 @@ from console.core.errors import (
     KillSwitchEngaged,
     LockBusy,
     NotFound,
-    UndoRefused,
     UndoWindowExpired,
 )
 from console.core.fence import next_fence
@@ -126,11 +126,6 @@ def action_undo_request(
     Repeating the request returns the same undo operation, with no new audit row.
     """
     action = action_undo_authorise(action_id=action_id, actor=actor)
-    if action.kind.target == TargetType.HTTP:
-        raise UndoRefused(
-            "Undo is not available for resources of an external HTTP target.",
-            extra={"resource": action.resource_identifier},
-        )
     with transaction.atomic():
         if actor.type == ActorType.RUN:
             _require_active_run(action.run_id)
@@ -354,6 +349,15 @@ def _apply_under_lock(
     a lost lock or a transient error schedules another delivery."""
     try:
         lock.check()
+        if action.kind.target != TargetType.MANAGED:
+            outcome = external_undo(
+                undo_op=undo_op,
+                action=action,
+                lock=lock,
+                fence=fence,
+                actor=_requested_by(undo_op, action),
+            )
+            return _settle(undo_op, action, outcome, connection)
         # The refusal of an undo whose resource moved and the conflict that hands it to a
         # person commit together: a worker killed in between leaves the undo pending
         # (delivered again), never failed with nobody asked.

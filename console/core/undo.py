@@ -108,7 +108,7 @@ def apply_undo(
             return _answer_again(undo_op, base)
         refusal = _refusal_before_write(original, undo_op)
         if refusal is not None:
-            return _refuse(undo_op, action, actor, *refusal, base)
+            return refuse_undo(undo_op, action, actor, *refusal, base)
 
         refuse_if_engaged(action.resource_identifier)
 
@@ -118,10 +118,10 @@ def apply_undo(
         if restored is None:
             # A resource seeded without its history row: nothing to restore from.
             message = f"version {original.base_version} was never recorded; it cannot be restored"
-            return _refuse(undo_op, action, actor, NO_PREVIOUS_VERSION, message, base)
+            return refuse_undo(undo_op, action, actor, NO_PREVIOUS_VERSION, message, base)
         refusal = _write_restored(resource_id, original, restored, fence=fence, base=base)
         if refusal is not None:
-            return _refuse(undo_op, action, actor, *refusal, base)
+            return refuse_undo(undo_op, action, actor, *refusal, base)
         return _record_undone(
             action, original, undo_op, restored, resource_id=resource_id, fence=fence, actor=actor
         )
@@ -283,7 +283,7 @@ def _record_undone(
     )
 
 
-def _refuse(
+def refuse_undo(
     undo_op: Operation,
     action: Action,
     actor: Actor,

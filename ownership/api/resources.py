@@ -45,7 +45,8 @@ from ownership.api.schemas import (
     ResourcePage,
 )
 from ownership.api.serialize import resource_json
-from ownership.models import Resource
+from ownership.models import Resource, ResourceKind
+from ownership.targets import is_external, mirror_is_current, read_through
 
 router = Router(tags=["resources"])
 
@@ -99,7 +100,15 @@ _READ_HEADERS = [
     },
 )
 def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePath) -> HttpResponse:
-    resource = Resource.objects.filter(kind_id=kind, name=name, deleted=False).first()
+    resource_kind = ResourceKind.objects.filter(slug=kind).only("slug", "target").first()
+    if resource_kind is not None and is_external(resource_kind):
+        # A kind whose documents live elsewhere is read from its target: the ETag is the
+        # target's own token, and the mirror keeps what was shown (for approvals, conflicts).
+        resource_kind = ResourceKind.objects.get(slug=kind)
+        mirrored = read_through(resource_kind, name)
+        resource = mirrored if mirrored is not None and not mirrored.deleted else None
+    else:
+        resource = Resource.objects.filter(kind_id=kind, name=name, deleted=False).first()
     if resource is None:
         raise NotFound(f"{kind}/{name} does not exist.")
     response = conditional_response(
@@ -277,6 +286,8 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
     )
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     preconditions = _preconditions(request, method)
+    if is_external(resource_kind):
+        _refresh_mirror(resource_kind, name, preconditions.if_match)
     body = read_body(request)
     proposal = action_services.Proposal(
         kind=resource_kind,
@@ -299,6 +310,16 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
     if isinstance(record_id, HttpResponse):
         return record_id  # the replayed answer
     return _propose(run, proposal, record_id)
+
+
+def _refresh_mirror(kind: ResourceKind, name: str, if_match: Any) -> None:
+    """Before a proposal on an external kind: the mirror must hold the version the agent
+    names, so the approver sees the diff against what the agent read and the conflict page
+    has its base. Read from the target unless it already does."""
+    tag = None if if_match is None else str(if_match.tags[0])
+    mirror = Resource.objects.filter(kind=kind, name=name).first()
+    if not mirror_is_current(mirror, tag):
+        read_through(kind, name)
 
 
 def _propose(run: Any, proposal: action_services.Proposal, record_id: int) -> HttpResponse:

@@ -27,9 +27,11 @@ NamePath = Path(..., pattern=NAME_PATTERN)
 class ResourceOut(Schema):
     kind: str
     name: str
-    version: int
+    version: int | str = Field(
+        ..., description="Airlock's own counter, or an external target's token (text)"
+    )
     etag: str
-    document: dict[str, Any]
+    document: Any
     owner_group: str
     updated_at: datetime
 
@@ -136,8 +138,24 @@ class ResourceKindIn(_CatalogRowIn):
     owner_group: str = Field(..., pattern=r"^[A-Za-z0-9._-]{1,150}$")
     undo_window_seconds: JsonInt | None = Field(None, ge=0, le=2_592_000)
     description: str = Field("", max_length=5000, pattern=TEXT_PATTERN)
-    target: Literal["managed", "http"] = "managed"
+    target: Literal["managed", "http", "postgres", "git"] = "managed"
     target_url: str = Field("", max_length=200, pattern=TEXT_PATTERN)
+    target_settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The target's settings (docs/targets.md): table and columns, repository "
+        "and branch, auth scheme… Never a credential: `credentials_env` names the environment "
+        "variable the worker reads it from. An http kind with no settings speaks Airlock's "
+        "own dialect (honours our Idempotency-Key and Fencing-Token).",
+    )
+    capabilities: dict[str, bool] | None = Field(
+        None, description=_READ_ONLY + "derived from the target; ignored."
+    )
+    probe_resource: str | None = Field(
+        None,
+        max_length=255,
+        description="Write-only: a document read once when the kind is saved; a target that "
+        "answers with a weak or missing validator is refused (422).",
+    )
 
 
 class ResourceKindOut(Schema):
@@ -148,6 +166,8 @@ class ResourceKindOut(Schema):
     undo_window_seconds: int | None
     target: str
     target_url: str
+    target_settings: dict[str, Any]
+    capabilities: dict[str, bool]
     updated_at: datetime
 
 

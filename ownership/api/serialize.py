@@ -12,7 +12,9 @@ def resource_json(resource: Resource) -> dict[str, Any]:
     return {
         "kind": resource.kind_id,
         "name": resource.name,
-        "version": resource.version,
+        "version": resource.external_version
+        if resource.external_version is not None
+        else resource.version,
         "etag": resource.etag,
         "document": resource.document,
         "owner_group": resource.owner_group,

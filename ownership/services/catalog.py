@@ -15,7 +15,9 @@ from audit.services import Actor, audit_append
 from console.core.actors import acting_person
 from console.core.errors import Forbidden, ValidationFailed
 from console.permissions import is_admin
+from engine.targets.base import TargetConfigError, TargetError, WeakValidator
 from ownership.models import ApprovalMode, ConflictClass, OnConflict, ResourceKind, TargetType
+from ownership.targets import adapter_for_kind, adapter_for_settings
 
 SLUG_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 RESOLVER_PATTERN = re.compile(r"^(agent|owner|group:[A-Za-z0-9._-]{1,140})$")
@@ -88,6 +90,8 @@ def resource_kind_as_dict(kind: ResourceKind) -> dict[str, Any]:
         "undo_window_seconds": kind.undo_window_seconds,
         "target": kind.target,
         "target_url": kind.target_url,
+        "target_settings": kind.target_settings,
+        "capabilities": kind_capabilities(kind),
         "updated_at": kind.updated_at.isoformat(),
     }
 
@@ -193,10 +197,17 @@ def resource_kind_save(
         errors.append({"field": "undo_window_seconds", "message": "null or 0..2592000"})
     target = data.get("target") or TargetType.MANAGED
     target_url = data.get("target_url") or ""
+    target_settings = data.get("target_settings") or {}
     if target not in TargetType.values:
-        errors.append({"field": "target", "message": "must be managed or http"})
+        errors.append({"field": "target", "message": "must be managed, http, postgres or git"})
     elif target == TargetType.HTTP and not str(target_url).startswith(("http://", "https://")):
         errors.append({"field": "target_url", "message": "required for http targets"})
+    elif not isinstance(target_settings, dict):
+        errors.append({"field": "target_settings", "message": "an object"})
+    elif target == TargetType.MANAGED and target_settings:
+        errors.append({"field": "target_settings", "message": "a managed kind has none"})
+    elif target != TargetType.MANAGED:
+        errors += _target_errors(target, target_url, target_settings, data.get("probe_resource"))
     if errors:
         raise _invalid(errors)
     values = {
@@ -208,6 +219,7 @@ def resource_kind_save(
         "undo_window_seconds": window,
         "target": target,
         "target_url": target_url,
+        "target_settings": target_settings,
     }
     with transaction.atomic():
         kind, created = ResourceKind.objects.update_or_create(slug=slug, defaults=values)
@@ -220,6 +232,45 @@ def resource_kind_save(
                 "owner_group": owner_group,
                 "undo_window_seconds": window,
                 "target": target,
+                # Names only: a kind's settings can hold no credential (an adapter refuses
+                # unknown settings; `credentials_env` names an environment variable).
+                "target_settings": target_settings,
             },
         )
     return kind, created
+
+
+def kind_capabilities(kind: ResourceKind) -> dict[str, bool]:
+    """What the kind's target enforces itself (Airlock's own store: both)."""
+    if kind.target == TargetType.MANAGED:
+        return {"holds_fence": True, "takes_idempotency_key": True}
+    try:
+        capabilities = adapter_for_kind(kind).capabilities
+    except TargetConfigError:
+        return {"holds_fence": False, "takes_idempotency_key": False}
+    return {
+        "holds_fence": capabilities.holds_fence,
+        "takes_idempotency_key": capabilities.takes_idempotency_key,
+    }
+
+
+def _target_errors(
+    target: str, target_url: str, target_settings: dict[str, Any], probe: Any
+) -> list[dict[str, str]]:
+    """The settings checked by the adapter that will use them; with `probe_resource`, one
+    document read once, so a target handing out weak or no validators is refused now."""
+    try:
+        adapter = adapter_for_settings(target, target_url, target_settings)
+    except TargetConfigError as exc:
+        return [{"field": "target_settings", "message": str(exc)}]
+    if probe is None:
+        return []
+    if not isinstance(probe, str) or not probe:
+        return [{"field": "probe_resource", "message": "a resource name"}]
+    try:
+        adapter.read(probe)
+    except WeakValidator as exc:
+        return [{"field": "probe_resource", "message": f"refused: {exc}"}]
+    except TargetError as exc:
+        return [{"field": "probe_resource", "message": f"could not be read: {exc}"}]
+    return []

@@ -1,0 +1,287 @@
+"""Undo on an external target (issue 39): a conditional write of the document from before the
+action, on the version the action produced — never an overwrite.
+
+- the action updated the document → `write(prior, expected_version=<result>)`;
+- it created the document → `delete(expected_version=<result>)`;
+- it deleted the document → `create(prior)` (only while nothing is there again).
+
+`stale` at the target means someone changed it since: the undo's refusal and the conflict
+that hands it to a person commit together (as on Airlock's own store). An unknown answer is
+settled by reading on the next delivery, as for writes. A plan's compensation is an undo with
+an explicit document (`restore`), so plans compensate external steps the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from audit.services import Actor
+from console.core.action_audit import audit_action_event
+from console.core.actors import person_id
+from console.core.errors import DomainError
+from console.core.undo import (
+    ALREADY_UNDONE,
+    NO_PREVIOUS_VERSION,
+    NOT_APPLIED,
+    RESOURCE_MOVED,
+    STALE_FENCE,
+    WINDOW_EXPIRED,
+    UndoOutcome,
+    refuse_undo,
+)
+from engine.targets.base import (
+    ABSENT,
+    Applied,
+    NotApplied,
+    Outcome,
+    Snapshot,
+    TargetAdapter,
+    TargetError,
+    WriteResult,
+    settle_by_reading,
+)
+from ownership.history import revision_at
+from ownership.models import Resource
+from ownership.services.conflicts import conflict_open_for_undo
+from ownership.targets import adapter_for_kind, mirror_snapshot
+
+TARGET_REFUSED = "target_refused"
+
+
+class TargetNotReady(DomainError):
+    """Nothing is known to have happened at the target (not sent, busy, or an answer lost
+    that the next delivery settles by reading): deliver the undo again."""
+
+    code = "target_not_ready"
+    retryable = True
+
+
+def external_undo(
+    *, undo_op: Operation, action: Action, lock: Any, fence: int, actor: Actor
+) -> UndoOutcome:
+    original = Operation.objects.get(pk=int(undo_op.undo_of_id or 0))
+    base: dict[str, Any] = {
+        "operation_id": original.pk,
+        "undo_operation_id": undo_op.pk,
+        "action_id": action.pk,
+        "fence": fence,
+        "resource_id": action.resource_id,
+        "expected_version": original.result_version,
+    }
+    deleting_undone = action.operation == "delete"
+    refusal = _refusal_before_write(original, undo_op, deleting_undone)
+    if refusal is not None:
+        return _refused(undo_op, action, actor, refusal, base)
+    resource = Resource.objects.filter(kind=action.kind, name=action.name).first()
+    restored = _restored(undo_op, original, resource)
+    if restored is None:
+        message = f"version {original.base_version} was never recorded; it cannot be restored"
+        return _refused(undo_op, action, actor, (NO_PREVIOUS_VERSION, message), base)
+    adapter = adapter_for_kind(action.kind)
+    if (undo_op.outcome or {}).get("unknown"):
+        settled = _settle(adapter, action, original, restored, deleting_undone)
+        if isinstance(settled, Applied):
+            return _record_undone(
+                undo_op, action, original, restored, settled.version, fence, actor
+            )
+        if not isinstance(settled, NotApplied):
+            return _moved(undo_op, action, original, settled.current, actor, base)
+    lock.check()
+    result = _send(adapter, action, original, restored, deleting_undone, fence, undo_op)
+    if result.outcome is Outcome.APPLIED:
+        return _record_undone(undo_op, action, original, restored, result.version, fence, actor)
+    if result.outcome is Outcome.STALE:
+        return _moved(undo_op, action, original, result.current, actor, base)
+    if result.outcome is Outcome.FENCED:
+        return UndoOutcome(applied=False, reason=STALE_FENCE, message=result.detail, **base)
+    if result.outcome is Outcome.FAILED:
+        return _refused(undo_op, action, actor, (TARGET_REFUSED, result.detail), base)
+    if result.outcome is Outcome.UNKNOWN:
+        # Kept on the undo (in memory too: the retry rewrites its outcome from this row), so
+        # the next delivery settles by reading before it sends anything.
+        undo_op.outcome = {**(undo_op.outcome or {}), "unknown": result.detail or "no answer"}
+        Operation.objects.filter(pk=undo_op.pk).update(outcome=undo_op.outcome)
+    raise TargetNotReady(f"the target did not take the undo yet: {result.outcome}")
+
+
+def _refusal_before_write(
+    original: Operation, undo_op: Operation, deleting_undone: bool
+) -> tuple[str, str] | None:
+    if original.status == OperationStatus.UNDONE:
+        return ALREADY_UNDONE, "already undone"
+    if original.status != OperationStatus.DONE or (
+        original.result_version is None and not deleting_undone
+    ):
+        return NOT_APPLIED, "the operation did not write"
+    if undo_op.compensation:
+        return None
+    accepted = undo_op.accepted_at or undo_op.started_at
+    if original.undo_deadline is None or accepted >= original.undo_deadline:
+        return WINDOW_EXPIRED, "the undo window of this operation has closed"
+    return None
+
+
+def _restored(
+    undo_op: Operation, original: Operation, resource: Resource | None
+) -> tuple[Any, bool] | None:
+    """(document, deleted) the undo puts back; None when that version was never recorded."""
+    if isinstance(undo_op.restore, dict):
+        return undo_op.restore.get("document") or {}, bool(undo_op.restore.get("deleted"))
+    if original.base_version is None:
+        return {}, True  # the action created it: the undo deletes it
+    row = None if resource is None else revision_at(resource, original.base_version)
+    if row is None:
+        return None
+    return row.document, row.deleted
+
+
+def _send(
+    adapter: TargetAdapter,
+    action: Action,
+    original: Operation,
+    restored: tuple[Any, bool],
+    deleting_undone: bool,
+    fence: int,
+    undo_op: Operation,
+) -> WriteResult:
+    document, deleted = restored
+    common: dict[str, Any] = {
+        "fence": fence,
+        "idempotency_key": f"airlock-undo-{undo_op.pk}",
+        "message_context": {
+            "run": str(action.run_id),
+            "action": str(action.pk),
+            "approver": f"undo of operation {original.pk}",
+        },
+    }
+    if deleting_undone:
+        return adapter.create(action.name, document, **common)
+    assert original.result_version is not None
+    if deleted:
+        return adapter.delete(action.name, expected_version=original.result_version, **common)
+    return adapter.write(action.name, document, expected_version=original.result_version, **common)
+
+
+def _settle(
+    adapter: TargetAdapter,
+    action: Action,
+    original: Operation,
+    restored: tuple[Any, bool],
+    deleting_undone: bool,
+) -> Any:
+    document, deleted = restored
+    try:
+        return settle_by_reading(
+            adapter,
+            action.name,
+            written_document=document,
+            observed_version=None if deleting_undone else original.result_version,
+            deleted=deleted,
+        )
+    except TargetError as exc:
+        raise TargetNotReady(f"the target could not be read: {exc}") from None
+
+
+def _refused(
+    undo_op: Operation, action: Action, actor: Actor, refusal: tuple[str, str], base: dict[str, Any]
+) -> UndoOutcome:
+    with transaction.atomic():
+        return refuse_undo(undo_op, action, actor, *refusal, base)
+
+
+def _moved(
+    undo_op: Operation,
+    action: Action,
+    original: Operation,
+    current: Snapshot | None,
+    actor: Actor,
+    base: dict[str, Any],
+) -> UndoOutcome:
+    """Someone changed it since: the refusal and the conflict for a person, together."""
+    with transaction.atomic():
+        resource = mirror_snapshot(action.kind, action.name, current or ABSENT)
+        if resource is None:
+            resource = Resource.objects.get(kind=action.kind, name=action.name)
+        base = {**base, "current_version": None if current is None else current.version}
+        message = (
+            f"the resource moved on to version {base['current_version']} since this write "
+            f"produced version {original.result_version}"
+        )
+        outcome = refuse_undo(undo_op, action, actor, RESOURCE_MOVED, message, base)
+        conflict_open_for_undo(
+            action=action,
+            resource=resource,
+            undone_operation=original,
+            requested_by=str((undo_op.outcome or {}).get("requested_by") or ""),
+            undo_operation=undo_op,
+        )
+    return outcome
+
+
+def _record_undone(
+    undo_op: Operation,
+    action: Action,
+    original: Operation,
+    restored: tuple[Any, bool],
+    version: str | None,
+    fence: int,
+    actor: Actor,
+) -> UndoOutcome:
+    document, deleted = restored
+    now = timezone.now()
+    with transaction.atomic():
+        resource = mirror_snapshot(
+            action.kind,
+            action.name,
+            ABSENT if deleted else Snapshot(document, version),
+            operation="undo",
+            fence=fence,
+            run_id=action.run_id,
+            action_id=action.pk,
+        )
+        if resource is not None and person_id(actor) is not None:
+            resource.versions.filter(version=resource.version).update(person_id=person_id(actor))
+        Operation.objects.filter(pk=original.pk, status=OperationStatus.DONE).update(
+            status=OperationStatus.UNDONE
+        )
+        Operation.objects.filter(pk=undo_op.pk).update(
+            status=OperationStatus.DONE,
+            fence=fence,
+            base_version=original.result_version,
+            result_version=version,
+            finished_at=now,
+            outcome={"result": "undone", "restored_version": original.base_version},
+        )
+        Action.objects.filter(pk=action.pk).update(
+            status=ActionStatus.UNDONE, revision=F("revision") + 1, updated_at=now
+        )
+        audit_action_event(
+            action,
+            event_type="write.undone",
+            actor=actor,
+            details={
+                "target": action.kind.target,
+                "operation_id": original.pk,
+                "undo_operation_id": undo_op.pk,
+                "fence": fence,
+                "from_version": original.result_version,
+                "to_version": version,
+                "restored_version": original.base_version,
+            },
+        )
+    return UndoOutcome(
+        applied=True,
+        operation_id=original.pk,
+        undo_operation_id=undo_op.pk,
+        action_id=action.pk,
+        fence=fence,
+        resource_id=action.resource_id,
+        expected_version=original.result_version,
+        restored_version=original.base_version,
+        result_version=version,
+    )
