@@ -481,8 +481,21 @@ def _catalog_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
     kinds = list(
         ResourceKind.objects.select_related("class_create", "class_update", "class_delete")
     )
+    # What each kind's target enforces itself, and its settings (names only: a kind's settings
+    # hold no credential, only the environment variable that does).
+    kind_rows = [
+        (
+            kind,
+            {
+                "capabilities": catalog_services.kind_capabilities(kind),
+                "settings": sorted(kind.target_settings.items()),
+            },
+        )
+        for kind in kinds
+    ]
     return {
         "nav": "catalog",
+        "kind_rows": kind_rows,
         "classes": classes,
         "kinds": kinds,
         "is_admin": permissions.is_admin(request.user),

@@ -197,7 +197,11 @@ def resource_kind_save(
         errors.append({"field": "undo_window_seconds", "message": "null or 0..2592000"})
     target = data.get("target") or TargetType.MANAGED
     target_url = data.get("target_url") or ""
-    target_settings = data.get("target_settings") or {}
+    target_settings = data.get("target_settings")
+    if target_settings is None:
+        # A form that does not show the settings (the console's) keeps the stored ones.
+        stored = ResourceKind.objects.filter(slug=slug, target=target).first()
+        target_settings = stored.target_settings if stored is not None else {}
     if target not in TargetType.values:
         errors.append({"field": "target", "message": "must be managed, http, postgres or git"})
     elif target == TargetType.HTTP and not str(target_url).startswith(("http://", "https://")):
