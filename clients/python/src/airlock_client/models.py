@@ -54,7 +54,10 @@ class Resource:
 
     kind: str
     name: str
-    version: int
+    #: Airlock's own store counts (an int); a kind with an external target (a PostgreSQL
+    #: table, an HTTP service, a git repository) gives its own opaque token (a str). Compare
+    #: it exactly; write with `etag`.
+    version: int | str
     etag: str
     document: Any
     owner_group: str
@@ -74,7 +77,7 @@ class Resource:
         return cls(
             kind=str(body["kind"]),
             name=str(body["name"]),
-            version=int(body["version"]),
+            version=body["version"] if isinstance(body["version"], str) else int(body["version"]),
             etag=etag or str(body.get("etag") or f'"{body["version"]}"'),
             document=body.get("document"),
             owner_group=str(body.get("owner_group") or ""),
