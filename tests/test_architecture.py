@@ -61,6 +61,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("audit.verify", FLOOR),  # the chain walk under the checkpoint in audit.services
     ("audit.hooks", FLOOR),  # after-append callbacks: the seam notifications registers on
     ("ownership.diff", FLOOR),
+    ("ownership.history", FLOOR),  # a resource's documents by version token (issue 39)
     # core — lock, fence, barrier, undo, targets, the kill-switch check. No web, no service.
     ("console.core", CORE),
     ("console.core.*", CORE),
@@ -72,6 +73,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("notifications.outbox", LEAF),  # delivery jobs enqueued after commit (approvals' queue)
     ("console.redis_clients", LEAF),  # the process's pooled Redis clients, one per URL
     ("ownership.reopen", LEAF),
+    ("ownership.targets", LEAF),  # a kind's adapter (engine.targets) and its mirror rows
     ("console.reference", LEAF),
     ("console.permissions", LEAF),  # role predicates over a user's groups and an Actor
     # services push, selectors pull: each business verb once, authorisation inside it.

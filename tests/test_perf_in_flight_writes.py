@@ -62,8 +62,8 @@ def test_the_writes_in_flight_are_found_by_index_among_thousands_of_past_writes(
     kind, name = RESOURCE.split("/")
 
     assert writes_in_flight(kind, name) == [
-        QueuedWrite(queued.pk, "update", PAST_WRITES + 1),
-        QueuedWrite(executing.pk, "update", PAST_WRITES),
+        QueuedWrite(queued.pk, "update", str(PAST_WRITES + 1)),
+        QueuedWrite(executing.pk, "update", str(PAST_WRITES)),
     ]
     sql, params = in_flight_on(kind, name).values_list("id").query.sql_with_params()
     nodes = plan_nodes(sql, params, generic=plan == "generic")

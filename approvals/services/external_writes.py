@@ -64,7 +64,7 @@ from ownership.targets import adapter_for_kind, mirror_snapshot
 log = logging.getLogger("airlock.execution")
 
 
-def idempotency_key_for(action_id: Any) -> str:
+def _idempotency_key_for(action_id: Any) -> str:
     """The same key for every attempt of one action (sent only to targets that honour it)."""
     return f"airlock-action-{action_id}"
 
@@ -214,7 +214,7 @@ def _send(
         return "lock_lost"
     common: dict[str, Any] = {
         "fence": fence,
-        "idempotency_key": idempotency_key_for(action.pk),
+        "idempotency_key": _idempotency_key_for(action.pk),
         "message_context": _message_context(action),
     }
     if action.operation == "create":

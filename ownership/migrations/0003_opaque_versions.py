@@ -58,7 +58,7 @@ class Migration(migrations.Migration):
             sql="""
                 UPDATE ownership_resource SET external_version = CAST(version AS TEXT)
                  WHERE kind_id IN (SELECT slug FROM ownership_resourcekind WHERE target = 'http');
-                UPDATE ownership_resourceversion v SET external_version = CAST(v.version AS TEXT)
+                UPDATE ownership_resourceversion AS v SET external_version = CAST(v.version AS TEXT)
                   FROM ownership_resource r
                  WHERE v.resource_id = r.id
                    AND r.kind_id IN (SELECT slug FROM ownership_resourcekind WHERE target = 'http');

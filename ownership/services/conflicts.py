@@ -201,6 +201,7 @@ def conflict_open_for_undo(
     group = resolver_group(cls.resolver, resource.owner_group) or resource.owner_group
     if base_version is None:
         base_version = undone_operation.result_version or resource.token
+    base_version = str(base_version)
     base = document_at(resource, base_version)
     current = copy.deepcopy(resource.document) if not resource.deleted else {}
     proposed = _undo_target_document(resource, undone_operation, undo_operation)

@@ -314,6 +314,20 @@ class Unavailable(ProblemError):
     code = "unavailable"
 
 
+class TargetUnavailable(ProblemError):
+    """502: the kind's external target (a table, an HTTP service, a repository) could not be
+    read; ask again later."""
+
+    code = "target_unavailable"
+
+
+class WeakValidator(ProblemError):
+    """502: the kind's target gave a weak or no version for the document; Airlock will not
+    write on it (never a blind write)."""
+
+    code = "weak_validator"
+
+
 def _all_subclasses(cls: type[ProblemError]) -> list[type[ProblemError]]:
     found: list[type[ProblemError]] = []
     for sub in cls.__subclasses__():
