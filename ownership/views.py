@@ -165,6 +165,7 @@ def with_undo_request(conflicts: QuerySet[Conflict]) -> QuerySet[Conflict]:
     return conflicts.annotate(
         undo_requested_by=Subquery(latest.values("outcome__requested_by")[:1]),
         undo_requested_by_type=Subquery(latest.values("outcome__requested_by_type")[:1]),
+        undo_reason=Subquery(latest.values("outcome__requested_reason")[:1]),
         undone_version=Subquery(latest.values("undo_of__result_version")[:1]),
     )
 
@@ -518,11 +519,21 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
         (messages.error if error else messages.success)(request, notice)
         return HttpResponseRedirect(reverse("resource_detail", args=[resource.identifier]))
 
-    if not UndoForm(request.POST).is_valid():
-        return respond("Tick the confirmation box to undo.", error=True, status=422)
+    form = UndoForm(request.POST)
+    if not form.is_valid():
+        problem = (
+            "The reason is longer than 500 characters."
+            if "reason" in form.errors
+            else "Tick the confirmation box to undo."
+        )
+        return respond(problem, error=True, status=422)
     try:
         # The service decides who may undo (operators, the resource's owner group).
-        action_undo_request(action_id=operation.action_id, actor=Actor.person(request.user))
+        action_undo_request(
+            action_id=operation.action_id,
+            actor=Actor.person(request.user),
+            reason=form.cleaned_data["reason"],
+        )
     except DomainError as exc:
         raise_if_denied(exc)
         return respond(exc.message, error=True, status=error_status(exc))
