@@ -9,7 +9,6 @@ import pytest
 from ownership.diff import document_diff, element_diff, side_by_side
 from tests.fixtures.console import People, World, client_for
 
-REMOVED = '<span class="visually-hidden">removed: </span><span class="mark" aria-hidden="true">\u2212</span>'
 ADDED = '<span class="visually-hidden">added: </span><span class="mark" aria-hidden="true">+</span>'
 
 
@@ -95,7 +94,7 @@ def test_a_resolved_merge_shows_the_side_kept_per_field_and_the_result(
     assert 'data-kept="proposed">proposed</td>' in html.split("<code>/channels</code>")[1]
     assert 'data-kept="current">current</td>' in html.split("<code>/oncall</code>")[1]
     kept = html.split('<ul class="kept-fields" data-resolution="merge">')[1].split("</ul>")[0]
-    assert "<code>/channels</code>: the <strong>proposed</strong> value (the agent’s)" in kept
+    assert "<code>/channels</code>: the <strong>proposed</strong> value (the agent\u2019s)" in kept
     assert "<code>/oncall</code>: the <strong>current</strong> value" in kept
     result = html.split('<pre id="result-document">')[1].split("</pre>")[0]
     assert "&quot;sms&quot;" in result and "team-b" in result and "team-a" not in result
