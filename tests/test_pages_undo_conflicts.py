@@ -134,6 +134,8 @@ def test_a_persons_own_reason_is_kept_and_shown_as_theirs(people: People, world:
     assert f"<dt>pat\u2019s reason</dt><dd data-undo-reason>{reason}</dd>" in facts
     assert "Agent\u2019s reason" not in facts and world.action.reason not in facts
 
+    action_page = operator.get(f"/actions/{world.action.pk}/").content.decode()
+    assert f"pat\u2019s reason: \u201c<span data-undo-reason>{reason}</span>\u201d" in action_page
     audit = operator.get("/audit/?event_type=undo.requested").content.decode()
     assert f"pat\u2019s reason: \u201c{reason}\u201d" in audit
 
