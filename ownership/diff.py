@@ -300,9 +300,18 @@ def _element_rows(old: list[Any], new: list[Any]) -> list[dict[str, Any]]:
     return rows
 
 
+# Beyond these sizes the pages fall back to whole values (difflib's alignment grows
+# with the product of the lengths; a page must not stall on a huge document).
+MAX_ALIGNED_ELEMENTS = 1000
+MAX_ALIGNED_LINES = 2000
+
+
 def element_diff(old: Any, new: Any) -> list[dict[str, Any]] | None:
-    """`_element_rows` when both values are arrays, else None (not a per-element case)."""
+    """`_element_rows` when both values are arrays, else None (not a per-element case,
+    or arrays too long to align on a page)."""
     if isinstance(old, list) and isinstance(new, list):
+        if len(old) + len(new) > MAX_ALIGNED_ELEMENTS:
+            return None
         return _element_rows(old, new)
     return None
 
@@ -325,6 +334,8 @@ def side_by_side(before: Any, after: Any) -> list[dict[str, Any]]:
     `{left, left_kind, right, right_kind}` (kind same | removed | added | blank)."""
     left = _pretty_lines(before)
     right = _pretty_lines(after)
+    if len(left) + len(right) > MAX_ALIGNED_LINES:
+        return []  # too long to align on a page: the toggle is not offered
     rows: list[dict[str, Any]] = []
     matcher = difflib.SequenceMatcher(a=left, b=right, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():

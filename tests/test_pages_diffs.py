@@ -26,6 +26,12 @@ def test_one_added_address_is_one_added_element() -> None:
     assert element_diff(["a"], "a") is None  # not two arrays: no per-element view
 
 
+def test_huge_arrays_and_documents_fall_back_to_whole_values() -> None:
+    big = list(range(600))
+    assert element_diff(big, [*big, 600]) is None
+    assert side_by_side({"l": big * 3}, {"l": big * 3 + [1]}) == []
+
+
 def test_a_changed_object_in_a_list_is_diffed_field_by_field() -> None:
     rows = element_diff(
         [{"to": "a", "on": True}, {"to": "b", "on": True}],
