@@ -34,6 +34,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("actions/<uuid:action_id>/", runs.action_detail, name="action_detail"),
     path("actions/<uuid:action_id>/status/", runs.action_status, name="action_status"),
     path("plans/<uuid:plan_id>/", plans.plan_page, name="plan_detail"),
+    path("plans/<uuid:plan_id>/decide/", plans.plan_decide_view, name="plan_decide"),
     path("runs/", runs.runs_list, name="runs"),
     path("runs/<uuid:run_id>/", runs.run_detail, name="run_detail"),
     path("runs/<uuid:run_id>/revoke/", runs.run_revoke_view, name="run_revoke"),

@@ -8,12 +8,15 @@ Fields are addressed by JSON pointer (RFC 6901). Objects are compared member by
 member; arrays and scalars are leaves (a list is one field: merging two edits of
 one list is a person's decision, not a guess). An absent member is reported as
 `None` together with the `*_present` flags so a page can tell "absent" from
-"null".
+"null". For display only, `element_diff` aligns two arrays element by element and
+`side_by_side` aligns two whole documents line by line (neither changes what a
+merge or the API sees).
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 from typing import Any, Literal, Protocol
 
@@ -245,3 +248,156 @@ def document_diff(before: Any, after: Any) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+# --- for the pages: per-element array diffs and whole-document side by side -------------
+
+ElementOp = Literal["same", "removed", "added", "changed"]
+
+
+def _element_rows(old: list[Any], new: list[Any]) -> list[dict[str, Any]]:
+    """Align two arrays element by element (difflib on each element's canonical JSON, so
+    one added address is one added row, not the whole array against the whole array).
+
+    Each row: `op` (same | removed | added | changed), `old` / `new` (compact JSON or
+    None) and, for a changed object, `fields` (its document_diff). A replaced run pairs
+    elements in order: two objects are one changed element, anything else is a removal
+    and an addition.
+    """
+    left = [_compact(value) for value in old]
+    right = [_compact(value) for value in new]
+    rows: list[dict[str, Any]] = []
+    matcher = difflib.SequenceMatcher(a=left, b=right, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            rows.extend(
+                {"op": "same", "old": text, "new": text, "fields": []} for text in left[i1:i2]
+            )
+            continue
+        olds, news = list(range(i1, i2)), list(range(j1, j2))
+        for index in range(max(len(olds), len(news))):
+            o = olds[index] if index < len(olds) else None
+            n = news[index] if index < len(news) else None
+            if (
+                o is not None
+                and n is not None
+                and isinstance(old[o], dict)
+                and isinstance(new[n], dict)
+            ):
+                rows.append(
+                    {
+                        "op": "changed",
+                        "old": left[o],
+                        "new": right[n],
+                        "fields": document_diff(old[o], new[n]),
+                    }
+                )
+                continue
+            if o is not None:
+                rows.append({"op": "removed", "old": left[o], "new": None, "fields": []})
+            if n is not None:
+                rows.append({"op": "added", "old": None, "new": right[n], "fields": []})
+    return rows
+
+
+# Beyond these sizes the pages fall back to whole values (difflib's alignment grows
+# with the product of the lengths; a page must not stall on a huge document).
+MAX_ALIGNED_ELEMENTS = 1000
+MAX_ALIGNED_LINES = 2000
+
+
+def element_diff(old: Any, new: Any) -> list[dict[str, Any]] | None:
+    """`_element_rows` when both values are arrays, else None (not a per-element case,
+    or arrays too long to align on a page)."""
+    if isinstance(old, list) and isinstance(new, list):
+        if len(old) + len(new) > MAX_ALIGNED_ELEMENTS:
+            return None
+        return _element_rows(old, new)
+    return None
+
+
+def element_diff_text(old: str | None, new: str | None) -> list[dict[str, Any]] | None:
+    """element_diff of two document_diff values (compact JSON text, None when absent)."""
+    if old is None or new is None:
+        return None
+    try:
+        return element_diff(json.loads(old), json.loads(new))
+    except ValueError:
+        return None
+
+
+LineKind = Literal["same", "removed", "added", "blank"]
+
+
+def side_by_side(before: Any, after: Any) -> list[dict[str, Any]]:
+    """Both whole documents, pretty-printed and aligned line by line: rows of
+    `{left, left_kind, right, right_kind}` (kind same | removed | added | blank)."""
+    left = _pretty_lines(before)
+    right = _pretty_lines(after)
+    if len(left) + len(right) > MAX_ALIGNED_LINES:
+        return []  # too long to align on a page: the toggle is not offered
+    rows: list[dict[str, Any]] = []
+    matcher = difflib.SequenceMatcher(a=left, b=right, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            rows.extend(
+                {"left": line, "left_kind": "same", "right": line, "right_kind": "same"}
+                for line in left[i1:i2]
+            )
+            continue
+        olds, news = left[i1:i2], right[j1:j2]
+        for index in range(max(len(olds), len(news))):
+            has_old, has_new = index < len(olds), index < len(news)
+            rows.append(
+                {
+                    "left": olds[index] if has_old else "",
+                    "left_kind": "removed" if has_old else "blank",
+                    "right": news[index] if has_new else "",
+                    "right_kind": "added" if has_new else "blank",
+                }
+            )
+    return rows
+
+
+def _pretty_lines(document: Any) -> list[str]:
+    if document is None or document == {}:
+        return []
+    return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False).splitlines()
+
+
+class DocumentDiff(list[dict[str, Any]]):
+    """document_diff's rows with both documents, for the pages' toggle between the field
+    list and the whole documents side by side. A list, so every page that iterates a
+    diff keeps working; the API and the stored diffs stay plain lists."""
+
+    def __init__(
+        self,
+        rows: list[dict[str, Any]],
+        *,
+        before: Any,
+        after: Any,
+        before_label: str = "Before",
+        after_label: str = "After",
+    ) -> None:
+        super().__init__(rows)
+        self.before = before
+        self.after = after
+        self.before_label = before_label
+        self.after_label = after_label
+
+    @property
+    def side_by_side(self) -> list[dict[str, Any]]:
+        return side_by_side(self.before, self.after)
+
+
+def document_diff_view(
+    before: Any, after: Any, *, before_label: str = "Before", after_label: str = "After"
+) -> DocumentDiff:
+    """document_diff(before, after) that also carries both documents (DocumentDiff)."""
+    return DocumentDiff(
+        document_diff(before, after),
+        before=before,
+        after=after,
+        before_label=before_label,
+        after_label=after_label,
+    )

@@ -34,6 +34,9 @@ class ResourceFilterForm(forms.Form):
 
 class UndoForm(forms.Form):
     confirm = forms.BooleanField(required=True)
+    # The person's own reason (optional): kept on the undo, shown on its conflict and in
+    # the audit trail as "<person>'s reason".
+    reason = forms.CharField(max_length=500, required=False)
 
 
 class CatalogRowForm(forms.Form):

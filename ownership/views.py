@@ -37,7 +37,14 @@ from console.pages import (
     render_fragment_or_page,
     render_list_page,
 )
-from ownership.diff import default_choice, document_diff, three_way_diff
+from ownership.diff import (
+    default_choice,
+    document_diff,
+    element_diff,
+    proposed_document,
+    side_by_side,
+    three_way_diff,
+)
 from ownership.forms import (
     CatalogRowForm,
     ConflictClassForm,
@@ -92,8 +99,51 @@ def _field_rows(conflict: Conflict) -> list[dict[str, Any]]:
         row["current_text"] = _show(row, "current")
         row["proposed_text"] = _show(row, "proposed")
         row["default"] = default_choice(row["change"])
+        for side in ("current", "proposed"):
+            row[f"{side}_mark"] = _mark(row, side)
+            # Two arrays: which elements this side added or removed since the base.
+            row[f"{side}_elements"] = (
+                element_diff(row["base"], row[side]) if row[f"{side}_mark"] == "changed" else None
+            )
+        row["kept"] = _kept_side(conflict, row)
         rows.append(row)
     return rows
+
+
+def _mark(row: dict[str, Any], side: str) -> str:
+    """How `side`'s value relates to the base's: same, added, removed or changed
+    (the page shows it as a word, not as a colour alone)."""
+    base_present, present = row["base_present"], row[f"{side}_present"]
+    if base_present and not present:
+        return "removed"
+    if present and not base_present:
+        return "added"
+    return "same" if row[side] == row["base"] else "changed"
+
+
+def _kept_side(conflict: Conflict, row: dict[str, Any]) -> str:
+    """A resolved conflict: which side this field took ("" while open)."""
+    if conflict.status != ConflictStatus.RESOLVED:
+        return ""
+    if conflict.resolution == ResolutionChoice.KEEP_CURRENT:
+        return "current"
+    if conflict.resolution == ResolutionChoice.TAKE_PROPOSED:
+        return "proposed"
+    choices = conflict.resolution_fields if isinstance(conflict.resolution_fields, dict) else {}
+    return str(choices.get(row["path"]) or default_choice(row["change"]))
+
+
+def _resolution_result(conflict: Conflict) -> dict[str, Any] | None:
+    """What a resolved conflict left: the document its resolution writes (None: it
+    deletes the resource), or the current document when it keeps it. None while open."""
+    if conflict.status != ConflictStatus.RESOLVED:
+        return None
+    action = conflict.resolution_action
+    if action is None:
+        return {"text": pretty(conflict.current_document), "deletes": False}
+    deletes = action.operation == "delete"
+    document = {} if deletes else proposed_document(action, conflict.current_document)
+    return {"text": pretty(document), "deletes": deletes}
 
 
 def _conflict_for(user: Any, conflict_id: uuid.UUID) -> Conflict:
@@ -116,6 +166,7 @@ def with_undo_request(conflicts: QuerySet[Conflict]) -> QuerySet[Conflict]:
     return conflicts.annotate(
         undo_requested_by=Subquery(latest.values("outcome__requested_by")[:1]),
         undo_requested_by_type=Subquery(latest.values("outcome__requested_by_type")[:1]),
+        undo_reason=Subquery(latest.values("outcome__requested_reason")[:1]),
         undone_version=Subquery(latest.values("undo_of__result_version")[:1]),
     )
 
@@ -140,6 +191,9 @@ def _conflict_context(request: HttpRequest, conflict: Conflict, **extra: Any) ->
         "resolver_group": conflict.resolver_group,
         "current_writer": current_writer,
         "preview": _preview(conflict, None),
+        # The toggle's whole documents: what is there now against what was proposed.
+        "whole_documents": side_by_side(conflict.current_document, conflict.proposed_document),
+        "result": _resolution_result(conflict),
         "form": ResolutionForm(),
         **extra,
     }
@@ -462,11 +516,21 @@ def operation_undo(request: HttpRequest, operation_id: int) -> HttpResponse:
         (messages.error if error else messages.success)(request, notice)
         return HttpResponseRedirect(reverse("resource_detail", args=[resource.identifier]))
 
-    if not UndoForm(request.POST).is_valid():
-        return respond("Tick the confirmation box to undo.", error=True, status=422)
+    form = UndoForm(request.POST)
+    if not form.is_valid():
+        problem = (
+            "The reason is longer than 500 characters."
+            if "reason" in form.errors
+            else "Tick the confirmation box to undo."
+        )
+        return respond(problem, error=True, status=422)
     try:
         # The service decides who may undo (operators, the resource's owner group).
-        action_undo_request(action_id=operation.action_id, actor=Actor.person(request.user))
+        action_undo_request(
+            action_id=operation.action_id,
+            actor=Actor.person(request.user),
+            reason=form.cleaned_data["reason"],
+        )
     except DomainError as exc:
         raise_if_denied(exc)
         return respond(exc.message, error=True, status=error_status(exc))

@@ -90,11 +90,18 @@ def test_the_inbox_shows_a_plan_as_one_card_with_every_step_its_diff_and_compens
     assert positions == sorted(positions)
     assert "Step 1: update <code>dns-record/app-a</code>" in card
     assert (
-        "<code>/ip</code>" in card and "<del>&quot;1&quot;</del> → <ins>&quot;2&quot;</ins>" in card
+        "<code>/ip</code>" in card
+        and 'removed: </span><span class="mark" aria-hidden="true">\u2212</span>&quot;1&quot;</del>'
+        in card
+        and 'added: </span><span class="mark" aria-hidden="true">+</span>&quot;2&quot;</ins>'
+        in card
     )
     assert "/ttl" not in card  # an unchanged field is not in the diff
     assert "Step 2: create <code>dns-record/app-new</code>" in card and "(new)" in card
-    assert '<span class="tag">added</span> &quot;9&quot;' in card
+    assert (
+        '<span class="tag tag-added">added</span> <ins>'
+        '<span class="mark" aria-hidden="true">+</span>&quot;9&quot;' in card
+    )
     assert "Step 3: update <code>notification-policy/prod-alerts</code>" in card
     assert "&quot;pager&quot;" in card and "replace_shared_document" in card
     # Each step's compensation: the default undo, or the agent's own write.

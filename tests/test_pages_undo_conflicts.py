@@ -100,3 +100,56 @@ def test_an_agents_stale_write_still_reads_as_the_agents(people: People, world: 
     facts = page.content.decode().split('<dl class="facts">')[1].split("</dl>")[0]
     assert "<dd data-requester>agent <code>ops-bot</code></dd>" in facts
     assert "version 1 — what the agent saw" in facts
+
+
+def test_a_persons_own_reason_is_kept_and_shown_as_theirs(people: People, world: World) -> None:
+    undone = _applied_write(world)
+    owner = client_for(people.owner)
+    too_long = owner.post(
+        f"/operations/{undone.pk}/undo/",
+        {"confirm": "on", "reason": "x" * 501},
+        headers={"HX-Request": "true"},
+    )
+    assert too_long.status_code == 422 and "longer than 500" in too_long.content.decode()
+    assert not Operation.objects.filter(undo_of=undone).exists()  # nothing half-done
+
+    form = owner.get(f"/resources/{world.resource.identifier}/").content.decode()
+    assert f'<label for="undo-reason-{undone.pk}"' in form and 'name="reason"' in form
+    reason = "the alert rule paged the whole team at night"
+    response = owner.post(f"/operations/{undone.pk}/undo/", {"confirm": "on", "reason": reason})
+    assert response.status_code == 302
+    undo_operation = Operation.objects.get(undo_of=undone)
+    assert (undo_operation.outcome or {})["requested_reason"] == reason
+    resource = _someone_writes_version_3(world)
+    conflict: Conflict = conflict_open_for_undo(
+        action=world.action,
+        resource=resource,
+        undone_operation=undone,
+        requested_by=str((undo_operation.outcome or {})["requested_by"]),
+        undo_operation=undo_operation,
+    )
+    operator = client_for(people.operator)
+    page = operator.get(f"/conflicts/{conflict.id}/").content.decode()
+    facts = page.split('<dl class="facts">')[1].split("</dl>")[0]
+    assert f"<dt>pat\u2019s reason</dt><dd data-undo-reason>{reason}</dd>" in facts
+    assert "Agent\u2019s reason" not in facts and world.action.reason not in facts
+
+    action_page = operator.get(f"/actions/{world.action.pk}/").content.decode()
+    assert f"pat\u2019s reason: \u201c<span data-undo-reason>{reason}</span>\u201d" in action_page
+    audit = operator.get("/audit/?event_type=undo.requested").content.decode()
+    assert f"pat\u2019s reason: \u201c{reason}\u201d" in audit
+
+
+def test_a_persons_undo_without_a_reason_says_none_was_given(people: People, world: World) -> None:
+    undone = _applied_write(world)
+    client_for(people.owner).post(f"/operations/{undone.pk}/undo/", {"confirm": "on"})
+    undo_operation = Operation.objects.get(undo_of=undone)
+    conflict: Conflict = conflict_open_for_undo(
+        action=world.action,
+        resource=_someone_writes_version_3(world),
+        undone_operation=undone,
+        requested_by=str((undo_operation.outcome or {})["requested_by"]),
+        undo_operation=undo_operation,
+    )
+    page = client_for(people.operator).get(f"/conflicts/{conflict.id}/").content.decode()
+    assert '<dt>pat\u2019s reason</dt><dd class="note">none given</dd>' in page

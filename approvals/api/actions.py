@@ -38,7 +38,11 @@ from approvals.services import actions as action_services
 from approvals.services import idempotency
 from approvals.services.preconditions import TagCondition, read_condition
 from approvals.services.tokens import Principal
-from approvals.services.undo import action_undo_authorise, action_undo_request
+from approvals.services.undo import (
+    UNDO_REASON_MAX,
+    action_undo_authorise,
+    action_undo_request,
+)
 from audit.services import Actor, audit_deferred
 from console.api_support import (
     NEWEST_FIRST,
@@ -219,7 +223,17 @@ _UNDO_DOC: dict[str, Any] = {
             "name": "Idempotency-Key",
             "required": True,
             "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:-]{8,255}$"},
-        }
+        },
+        {
+            "in": "header",
+            "name": "Airlock-Reason",
+            "required": False,
+            "schema": {"type": "string", "maxLength": UNDO_REASON_MAX},
+            "description": "Why you undo (a person's or the agent's own words; no secrets): "
+            "kept on the undo, shown on the conflict it may open as the requester's reason and "
+            "in the audit trail (`undo.requested` details `reason`). Longer than "
+            f"{UNDO_REASON_MAX} characters: 400 `bad_header`.",
+        },
     ],
     "responses": {
         "202": {
@@ -234,6 +248,18 @@ _UNDO_DOC: dict[str, Any] = {
         }
     },
 }
+
+
+def _undo_reason(request: HttpRequest) -> str:
+    """Airlock-Reason on an undo, as on a write: optional, at most UNDO_REASON_MAX."""
+    reason = request.headers.get("Airlock-Reason", "")
+    if len(reason) > UNDO_REASON_MAX:
+        raise ApiError(
+            f"Airlock-Reason is longer than {UNDO_REASON_MAX} characters.",
+            code="bad_header",
+            extra={"header": "Airlock-Reason"},
+        )
+    return reason
 
 
 @router.post(
@@ -259,6 +285,7 @@ def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
     _visible(principal, action_id)
     action_undo_authorise(action_id=action_id, actor=actor)
     rate_limit_writes(principal)
+    reason = _undo_reason(request)
     key = idempotency.key_check(request.headers.get("Idempotency-Key"))
     # Exactly like a write: the same key and request replay the first answer; the
     # same key for another action (another path) is 422 idempotency_key_reused.
@@ -276,7 +303,9 @@ def action_undo(request: HttpRequest, action_id: uuid.UUID) -> HttpResponse:
         # The undo request and its stored answer commit together (or neither); its event
         # is appended last, so the audit head is locked for the commit only.
         with transaction.atomic(), audit_deferred():
-            action_undo_request(action_id=action_id, actor=actor, idempotency_key=key)
+            action_undo_request(
+                action_id=action_id, actor=actor, idempotency_key=key, reason=reason
+            )
             action = action_load(action_id)
             response = action_response(action, status=202)
             store_for_replay(record_id, response, action_id=action.pk)

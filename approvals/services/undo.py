@@ -114,8 +114,11 @@ def _require_active_run(run_id: uuid.UUID) -> None:
         )
 
 
+UNDO_REASON_MAX = 500  # as Airlock-Reason on a write
+
+
 def action_undo_request(
-    *, action_id: uuid.UUID | str, actor: Actor, idempotency_key: str = ""
+    *, action_id: uuid.UUID | str, actor: Actor, idempotency_key: str = "", reason: str = ""
 ) -> Operation:
     """Ask for the undo of an applied action; returns its (single) undo operation.
 
@@ -124,7 +127,11 @@ def action_undo_request(
     UndoRefused (external target), UndoWindowExpired (409
     `undo_window_expired`), InvalidTransition (409: nothing applied to undo).
     Repeating the request returns the same undo operation, with no new audit row.
+    `reason`: the requester's own words (optional, at most UNDO_REASON_MAX characters;
+    callers validate), kept on the undo operation and in `undo.requested`'s details, so
+    a conflict it opens shows the requester's reason, never the agent's.
     """
+    reason = reason.strip()[:UNDO_REASON_MAX]
     action = action_undo_authorise(action_id=action_id, actor=actor)
     with transaction.atomic():
         if actor.type == ActorType.RUN:
@@ -155,6 +162,7 @@ def action_undo_request(
                 "requested_by_type": actor.type,
                 "requested_by_person": actor.id if actor.type == ActorType.PERSON else "",
                 "idempotency_key": idempotency_key[:255],
+                "requested_reason": reason,
             },
         )
         audit_action_event(
@@ -165,6 +173,7 @@ def action_undo_request(
                 "operation": original.pk,
                 "undo_operation": undo_op.pk,
                 "asked_again_after": latest.pk if latest is not None else None,
+                **({"reason": reason} if reason else {}),
             },
         )
         undo_id = undo_op.pk

@@ -32,7 +32,7 @@ from console import permissions
 from console.core import jsonsafe
 from console.core.errors import DomainError, NotFound
 from console.pages import EVENT_COUNTS, console_page, error_status, is_htmx, render_fragment_or_page
-from ownership.diff import document_diff, proposed_document
+from ownership.diff import document_diff_view, proposed_document
 
 EVENT_APPROVALS = "approvals-changed"
 INBOX_PAGE = 25
@@ -64,7 +64,12 @@ def _approval_rows(approvals: list[Approval], user: Any) -> list[dict[str, Any]]
                 and current.token != action.observed_version
             )
             before = current.document if current and not current.deleted else {}
-            row["diff"] = document_diff(before, proposed_document(action, before))
+            row["diff"] = document_diff_view(
+                before,
+                proposed_document(action, before),
+                before_label="Current",
+                after_label="Proposed",
+            )
             # Approve with edits: the proposed document (a PATCH's merge patch), prefilled.
             row["editable"] = action.operation != "delete"
             row["edit_text"] = json.dumps(action.payload, indent=2, ensure_ascii=False)

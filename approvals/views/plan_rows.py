@@ -9,7 +9,7 @@ from typing import Any
 from approvals.models import PlanStep, PlanStepStatus
 from approvals.selectors import plan_step_resources
 from approvals.services.plans import StepPreview, plan_step_preview
-from ownership.diff import document_diff
+from ownership.diff import DocumentDiff, document_diff_view
 from ownership.history import revision_at
 from ownership.models import Conflict, ConflictOrigin, Resource
 
@@ -54,12 +54,26 @@ def _diff(
         if after is not None:
             before = _version_document(resource, applied.base_version) or {}
             label = f"What it changed (version {applied.base_version or '(none)'} → "
-            return document_diff(before, after), f"{label}{applied.result_version})"
+            diff = document_diff_view(
+                before,
+                after,
+                before_label=f"Version {applied.base_version or '(none)'}",
+                after_label=f"Version {applied.result_version}",
+            )
+            return diff, f"{label}{applied.result_version})"
     observed = step.observed_version
     label = "What it changes (" + (
         f"version {observed} the agent observed" if observed is not None else "nothing yet"
     )
-    return preview.diff, f"{label} → result of this step)"
+    seen = f"Version {observed} (observed)" if observed is not None else "Nothing (a create)"
+    diff = DocumentDiff(
+        preview.diff,
+        before=preview.observed_document,
+        after=preview.result,
+        before_label=seen,
+        after_label="After this step",
+    )
+    return diff, f"{label} → result of this step)"
 
 
 def plan_step_rows(
@@ -90,7 +104,13 @@ def plan_step_rows(
                 compensation_method=str(compensation.get("method", "undo")),
                 compensation_payload=compensation.get("document", compensation.get("patch")),
                 compensation_class=str(compensation.get("conflict_class") or ""),
-                compensation_diff=preview.compensation_diff,
+                compensation_diff=DocumentDiff(
+                    preview.compensation_diff,
+                    before=preview.observed_document,
+                    after=preview.compensation_result,
+                    before_label="Observed",
+                    after_label="After the compensation",
+                ),
                 compensation_deletes=preview.compensation_deletes,
                 observed_recorded=preview.observed_recorded,
                 forward_conflict=found.get((step.action_id, ConflictOrigin.WRITE)),
