@@ -149,8 +149,8 @@ def _filter_approvals(qs: QuerySet[Approval], chosen: dict[str, str], user: Any)
             on_action = Q(action__kind_id=kind, action__name__startswith=name)
             steps = PlanStep.objects.filter(kind_id=kind, name__startswith=name)
         else:
-            on_action = Q(action__kind_id__startswith=kind)
-            steps = PlanStep.objects.filter(kind_id__startswith=kind)
+            on_action = Q(action__kind__slug__startswith=kind)
+            steps = PlanStep.objects.filter(kind__slug__startswith=kind)
         qs = qs.filter(on_action | Exists(steps.filter(plan_id=OuterRef("plan_id"))))
     if chosen["class"]:
         steps = PlanStep.objects.filter(
