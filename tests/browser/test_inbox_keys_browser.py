@@ -1,12 +1,11 @@
 """The keyboard-first inbox and claims in real Chromium (issues 42 §3 and 43): an operator
 clears a queue of five approvals with the keyboard alone (one approved with edits through
 `e`, one rejected through `r`); a second person sees a claim live and must take it over;
-axe-core clean at 1400×900 and 390×844."""
+axe-core clean at 1400x900 and 390x844."""
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from django.utils import timezone
