@@ -70,7 +70,7 @@
   function confirmed(dialog) {
     var card = pendingApprove ? document.getElementById(pendingApprove) : null;
     pendingApprove = null;
-    if (dialog.returnValue !== "approve" || !card) { focusCard(card); return; }
+    if (dialog.returnValue !== "yes" || !card) { focusCard(card); return; }
     var box = card.querySelector("input[name='confirm']");
     if (box) { box.checked = true; }
     var button = card.querySelector("[data-key-approve]");
