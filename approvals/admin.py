@@ -9,6 +9,7 @@ from approvals.models import (
     Approval,
     ApprovalDecision,
     AutoApproveRule,
+    Claim,
     IdempotencyRecord,
     Operation,
     PersonalToken,
@@ -51,6 +52,8 @@ register_read_only(
         AutoApproveRule: {
             "list_display": ("kind", "name_prefix", "agent", "enabled", "description"),
         },
+        # Claims change only through the audited claims service.
+        Claim: {"list_display": ("subject", "subject_id", "holder", "taken_at", "expires_at")},
         Run: {
             "list_display": ("id", "agent", "status", "created_at", "expires_at"),
             "list_filter": ("status",),

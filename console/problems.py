@@ -46,6 +46,7 @@ PROBLEMS: dict[str, tuple[int, str, bool]] = {
     "idempotency_key_in_flight": (409, "Idempotency key in flight", True),
     "invalid_transition": (409, "Invalid state transition", False),
     "already_decided": (409, "Already decided", False),
+    "claim_held": (409, "Someone else is on it", False),
     "approval_expired": (409, "Approval expired", False),
     "undo_window_expired": (409, "Undo window expired", False),
     "undo_refused": (409, "Undo refused", False),

@@ -383,6 +383,16 @@ USE_TZ = True
 AIRLOCK_MAX_BODY_BYTES = env_int("AIRLOCK_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = AIRLOCK_MAX_BODY_BYTES
 AIRLOCK_LOCK_TTL_MS = env_int("AIRLOCK_LOCK_TTL_MS", 30_000, minimum=100)
+# How long a person's claim on an approval or a conflict ("Ana is on it") lasts unless
+# released or renewed (approvals/services/claims.py).
+AIRLOCK_CLAIM_TTL_SECONDS = env_int("AIRLOCK_CLAIM_TTL_SECONDS", 15 * 60, minimum=10)
+# The inbox asks for a confirmation before approving a delete or a write of these classes
+# (comma-separated slugs; approvals/views/inbox.py), on top of the deliberate key or click.
+AIRLOCK_INBOX_CONFIRM_CLASSES = [
+    slug.strip()
+    for slug in os.environ.get("AIRLOCK_INBOX_CONFIRM_CLASSES", "access_change").split(",")
+    if slug.strip()
+]
 # How many approved writes (on distinct resources) one worker job drains in one
 # transaction (approvals/services/execution.py): its own and the next due ones. 1 = one each.
 # A batch's statements do not grow with it, so a bigger batch costs less a write; 64 rather

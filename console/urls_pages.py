@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import URLPattern, URLResolver, path
 
-from approvals.views import inbox, plans, rules, runs, tokens
+from approvals.views import claims, inbox, plans, rules, runs, tokens
 from audit import views as audit_views
 from console import people_views, views
 from ownership import views as ownership_views
@@ -21,6 +21,14 @@ urlpatterns: list[URLPattern | URLResolver] = [
     # approvals, actions, runs, tokens
     path("approvals/", inbox.approvals_inbox, name="approvals"),
     path("approvals/poll/", inbox.approvals_poll, name="approvals_poll"),
+    # claims on approvals and conflicts ("Ana is on it")
+    path("claims/<str:subject>/<uuid:item_id>/", claims.claim_box_view, name="claim_box"),
+    path("claims/<str:subject>/<uuid:item_id>/take/", claims.claim_take_view, name="claim_take"),
+    path(
+        "claims/<str:subject>/<uuid:item_id>/release/",
+        claims.claim_release_view,
+        name="claim_release",
+    ),
     path(
         "approvals/<uuid:approval_id>/decision/",
         inbox.approval_decide_view,

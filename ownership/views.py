@@ -19,7 +19,8 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from approvals.models import Operation
+from approvals.models import ClaimSubject, Operation
+from approvals.services.claims import claim_end_on_decision
 from approvals.services.undo import action_undo_request, operations_open_to_undo
 from audit.services import Actor
 from console import permissions
@@ -374,6 +375,10 @@ def conflict_resolve_view(request: HttpRequest, conflict_id: uuid.UUID) -> HttpR
             choice=choice,
             fields=fields,
             comment=form.cleaned_data["comment"],
+        )
+        # Resolved: whoever was on it is no longer (audited `claim.released`).
+        claim_end_on_decision(
+            subject=ClaimSubject.CONFLICT, subject_id=conflict.id, person=request.user
         )
     except DomainError as exc:
         context = _conflict_context(request, conflict, form=form, error=exc.message)

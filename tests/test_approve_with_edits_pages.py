@@ -111,7 +111,7 @@ def test_a_bad_edit_is_shown_in_the_card_with_the_text_as_typed_and_changes_noth
     html = response.content.decode()
     assert ("<html" in html) is not htmx  # without JavaScript: the page, this card alone
     assert 'class="error" role="alert"' in html and shown in html, html
-    assert '<details class="approve-edits" open>' in html
+    assert '<details class="approve-edits" data-key-form="edit" open>' in html
     assert text.replace('"', "&quot;") in html
     assert Action.objects.count() == actions and AuditEvent.objects.count() == events
     covered.action.refresh_from_db()

@@ -501,6 +501,7 @@ class IdempotencyRecord(models.Model):
 
 # The plan models live in their own module; imported here so Django registers them
 # with the app (approvals.models is the module it loads).
+from approvals.models.claims import Claim, ClaimSubject  # noqa: E402
 from approvals.models.plans import (  # noqa: E402
     FINAL_PLAN_STATUSES,
     CompensationStatus,
@@ -512,6 +513,8 @@ from approvals.models.plans import (  # noqa: E402
 
 __all__ = [
     "FINAL_PLAN_STATUSES",
+    "Claim",
+    "ClaimSubject",
     "CompensationStatus",
     "PayloadFormat",
     "Plan",

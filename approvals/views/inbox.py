@@ -8,8 +8,9 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
+from django.conf import settings
 from django.contrib import messages
-from django.db.models import Prefetch, Q
+from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
 from django.urls import reverse
@@ -18,8 +19,16 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_GET, require_POST
 
 from approvals.forms import DecisionForm
-from approvals.models import Approval, ApprovalDecision, ApprovalStatus, PlanStep
+from approvals.models import (
+    Agent,
+    Approval,
+    ApprovalDecision,
+    ApprovalStatus,
+    ClaimSubject,
+    PlanStep,
+)
 from approvals.selectors import approval_get_for_person, approval_list_for_person
+from approvals.services.claims import active_claims, claim_end_on_decision, claim_fingerprint
 from approvals.services.decisions import (
     APPROVE_WITH_EDITS,
     approval_decide,
@@ -33,6 +42,7 @@ from console.core import jsonsafe
 from console.core.errors import DomainError, NotFound
 from console.pages import EVENT_COUNTS, console_page, error_status, is_htmx, render_fragment_or_page
 from ownership.diff import document_diff_view, proposed_document
+from ownership.models import ConflictClass
 
 EVENT_APPROVALS = "approvals-changed"
 INBOX_PAGE = 25
@@ -41,19 +51,28 @@ INBOX_PAGE = 25
 def _approval_rows(approvals: list[Approval], user: Any) -> list[dict[str, Any]]:
     # Separation of duties: no decision is offered where the person would be refused.
     kept_out = approvals_forbidding_self(approvals=approvals, actor=Actor.person(user))
+    claims = active_claims(ClaimSubject.APPROVAL, (a.pk for a in approvals))
+    confirm_classes = set(settings.AIRLOCK_INBOX_CONFIRM_CLASSES)
     rows = []
     for approval in approvals:
         decisions = list(approval.decisions.all())
+        claim = claims.get(approval.pk)
         row: dict[str, Any] = {
             "approval": approval,
             "decisions": decisions,
             "approvals_so_far": sum(1 for d in decisions if d.decision == "approve"),
             "self_approval": approval.pk in kept_out,
+            "claim": claim,
+            "claim_fp": claim_fingerprint(claim),
         }
         if approval.plan_id is not None:
             # One card for the whole plan: every step against the document now.
             steps = PlanStep.objects.filter(plan_id=approval.plan_id).order_by("position")
             row["plan_steps"] = plan_step_rows(list(steps.select_related("applied_operation")))
+            row["destructive"] = any(
+                srow.step.operation == "delete" or srow.step.conflict_class_id in confirm_classes
+                for srow in row["plan_steps"]
+            )
         action = approval.action
         if action is not None:
             current = action.resource
@@ -73,8 +92,23 @@ def _approval_rows(approvals: list[Approval], user: Any) -> list[dict[str, Any]]
             # Approve with edits: the proposed document (a PATCH's merge patch), prefilled.
             row["editable"] = action.operation != "delete"
             row["edit_text"] = json.dumps(action.payload, indent=2, ensure_ascii=False)
+            row["destructive"] = (
+                action.operation == "delete" or action.conflict_class_id in confirm_classes
+            )
         rows.append(row)
     return rows
+
+
+def _needs_confirmation(approval: Approval) -> bool:
+    """A delete, or a class listed in AIRLOCK_INBOX_CONFIRM_CLASSES (any step of a plan)."""
+    classes = settings.AIRLOCK_INBOX_CONFIRM_CLASSES
+    if approval.plan_id is not None:
+        steps = PlanStep.objects.filter(plan_id=approval.plan_id)
+        return steps.filter(Q(operation="delete") | Q(conflict_class_id__in=classes)).exists()
+    action = approval.action
+    return action is not None and (
+        action.operation == "delete" or action.conflict_class_id in classes
+    )
 
 
 def _approvals_for(user: Any, *, status: str | None = ApprovalStatus.PENDING) -> Any:
@@ -88,12 +122,73 @@ def _approvals_for(user: Any, *, status: str | None = ApprovalStatus.PENDING) ->
     )
 
 
+# The inbox's age filter: waiting longer than this.
+INBOX_AGES = {
+    "5m": ("waiting over 5 minutes", timedelta(minutes=5)),
+    "1h": ("waiting over an hour", timedelta(hours=1)),
+    "1d": ("waiting over a day", timedelta(days=1)),
+}
+FILTER_NAMES = ("agent", "resource", "class", "age", "mine")
+
+
+def _filters(query: Any) -> dict[str, str]:
+    """The inbox's GET filters, bounded (an unknown age or a `mine` other than 1 is none)."""
+    chosen = {name: str(query.get(name, "") or "").strip()[:200] for name in FILTER_NAMES}
+    if chosen["age"] not in INBOX_AGES:
+        chosen["age"] = ""
+    if chosen["mine"] != "1":
+        chosen["mine"] = ""
+    return chosen
+
+
+def _filter_approvals(qs: QuerySet[Approval], chosen: dict[str, str], user: Any) -> Any:
+    """Agent (exact name), resource (a `kind/name` prefix: call approvals by their write,
+    plan approvals by any step; a run approval names no single resource and is left out),
+    class (the call's class or any plan step's), age, and "waiting for me": not yet
+    decided by this person (separation of duties is applied to the page's rows)."""
+    if chosen["agent"]:
+        qs = qs.filter(run__agent__name=chosen["agent"])
+    if chosen["resource"]:
+        kind, slash, name = chosen["resource"].partition("/")
+        if slash:
+            on_action = Q(action__kind_id=kind, action__name__startswith=name)
+            steps = PlanStep.objects.filter(kind_id=kind, name__startswith=name)
+        else:
+            on_action = Q(action__kind__slug__startswith=kind)
+            steps = PlanStep.objects.filter(kind__slug__startswith=kind)
+        qs = qs.filter(on_action | Exists(steps.filter(plan_id=OuterRef("plan_id"))))
+    if chosen["class"]:
+        steps = PlanStep.objects.filter(
+            plan_id=OuterRef("plan_id"), conflict_class_id=chosen["class"]
+        )
+        qs = qs.filter(Q(action__conflict_class_id=chosen["class"]) | Exists(steps))
+    if chosen["age"]:
+        qs = qs.filter(created_at__lte=timezone.now() - INBOX_AGES[chosen["age"]][1])
+    if chosen["mine"]:
+        mine = ApprovalDecision.objects.filter(approval_id=OuterRef("pk"), person_id=user.pk)
+        qs = qs.filter(~Exists(mine))
+    return qs
+
+
+def _waiting_rows(approvals: list[Approval], user: Any, chosen: dict[str, str]) -> list[Any]:
+    rows = _approval_rows(approvals, user)
+    if chosen["mine"]:
+        # "Waiting for me": what this person may decide, so not those kept from them.
+        rows = [row for row in rows if not row["self_approval"]]
+    return rows
+
+
+def _filter_query(chosen: dict[str, str]) -> str:
+    return urlencode({k: v for k, v in chosen.items() if v})
+
+
 @console_page
 @require_GET
 def approvals_inbox(request: HttpRequest) -> HttpResponse:
     user = request.user
+    chosen = _filters(request.GET)
     # Oldest first: the one waiting longest is decided first.
-    qs = _approvals_for(user).order_by("created_at", "id")
+    qs = _filter_approvals(_approvals_for(user), chosen, user).order_by("created_at", "id")
     cursor = _uuid_or_none(request.GET.get("after") or "")
     if cursor is not None:
         pivot = Approval.objects.only("created_at").filter(pk=cursor).first()
@@ -106,15 +201,26 @@ def approvals_inbox(request: HttpRequest) -> HttpResponse:
     if len(approvals) > INBOX_PAGE:
         approvals = approvals[:INBOX_PAGE]
         next_cursor = str(approvals[-1].id)
+    filter_query = _filter_query(chosen)
     context = {
         "nav": "approvals",
-        "rows": _approval_rows(approvals, user),
+        "rows": _waiting_rows(approvals, user, chosen),
         "may_decide": True,
         "is_operator": permissions.can_decide_approvals(user),
         "next_cursor": next_cursor,
         "form": DecisionForm(),
-        # The last page polls for approvals that arrive while it is open.
-        "poll_query": None if next_cursor else _poll_query(approvals, since=timezone.now()),
+        "chosen": chosen,
+        "filter_query": filter_query,
+        "filtered": any(chosen.values()),
+        "ages": [(key, label) for key, (label, _) in INBOX_AGES.items()],
+        # Selects, not free text: the agents and classes there are (small catalogues).
+        "agents": list(Agent.objects.order_by("name").values_list("name", flat=True)[:500]),
+        "classes": list(ConflictClass.objects.order_by("slug").values_list("slug", flat=True)),
+        "back": request.get_full_path(),
+        # Every page polls for its cards' claims and departures; the last page also for
+        # approvals that arrive while it is open.
+        "poll_query": _poll_query(approvals, since=timezone.now(), filter_query=filter_query)
+        + ("&arrivals=0" if next_cursor else ""),
     }
     return render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
 
@@ -123,49 +229,108 @@ def approvals_inbox(request: HttpRequest) -> HttpResponse:
 # insert time): the poll looks back this far and skips the ids the page shows.
 POLL_LOOKBACK = timedelta(seconds=120)
 POLL_BATCH = 20
+# At most this many cards' states are checked by one poll (a page shows 25 and what arrived).
+POLL_SHOWN = 200
 
 
-def _poll_query(shown: list[Approval], *, since: datetime) -> str:
+def _poll_query(shown: list[Approval], *, since: datetime, filter_query: str = "") -> str:
     """The poller's query string: the newest time seen and the ids shown within
-    the look-back window before it (so nothing is missed and nothing shown twice)."""
+    the look-back window before it (so nothing is missed and nothing shown twice),
+    and the page's filters (the refresh shows only what they let through)."""
     newest = max([since, *(a.created_at for a in shown)])
     recent = sorted(str(a.id) for a in shown if a.created_at > newest - POLL_LOOKBACK)
-    return urlencode({"since": newest.isoformat(), "seen": ",".join(recent)})
+    query = urlencode({"since": newest.isoformat(), "seen": ",".join(recent)})
+    return f"{query}&{filter_query}" if filter_query else query
+
+
+def _shown_states(value: str) -> dict[uuid.UUID, str]:
+    """`shown`: the cards still pending on the page, as `id~claim fingerprint` pairs
+    (sent by static/inbox-keys.js); malformed entries are ignored."""
+    states: dict[uuid.UUID, str] = {}
+    for entry in value.split(",")[:POLL_SHOWN]:
+        raw_id, _, fingerprint = entry.partition("~")
+        approval_id = _uuid_or_none(raw_id)
+        if approval_id is not None:
+            states[approval_id] = fingerprint[:64]
+    return states
 
 
 @console_page
 @require_GET
 def approvals_poll(request: HttpRequest) -> HttpResponse:
-    """New pending approvals for an open inbox, appended out of band without
-    touching the cards already on the page (a comment being typed survives).
+    """The open inbox's live refresh, swapped out of band without touching the cards
+    that did not change (a comment being typed, the focus, survive):
+    - new pending approvals matching the page's filters are appended;
+    - a shown card that is no longer pending (decided elsewhere, expired) is replaced
+      by its decided form;
+    - a shown card whose claim changed gets its new claim line.
 
-    204 (htmx: no swap) when nothing is new; otherwise the new cards plus a
-    fresh poller carrying the advanced cursor, and HX-Trigger for the counters.
+    204 (htmx: no swap) when nothing changed; otherwise the swaps plus a fresh poller
+    carrying the advanced cursor, and HX-Trigger for the counters.
     """
     since = parse_datetime(request.GET.get("since") or "")
     if since is None or timezone.is_naive(since):
         return HttpResponse("Bad poll cursor", status=400, content_type="text/plain")
+    user = request.user
+    chosen = _filters(request.GET)
     seen = [u for u in (_uuid_or_none(v) for v in request.GET.get("seen", "").split(",")) if u]
-    fresh = list(
-        _approvals_for(request.user)
-        .filter(created_at__gt=since - POLL_LOOKBACK)
-        .exclude(pk__in=seen[:500])
-        .order_by("created_at", "id")[:POLL_BATCH]
+    arrivals = request.GET.get("arrivals") != "0"
+    fresh = (
+        list(
+            _filter_approvals(_approvals_for(user), chosen, user)
+            .filter(created_at__gt=since - POLL_LOOKBACK)
+            .exclude(pk__in=seen[:500])
+            .order_by("created_at", "id")[:POLL_BATCH]
+        )
+        if arrivals
+        else []
     )
-    if not fresh:
+    shown = _shown_states(request.GET.get("shown", ""))
+    left: list[Approval] = []
+    claims_changed: list[dict[str, Any]] = []
+    if shown:
+        statuses = dict(Approval.objects.filter(pk__in=list(shown)).values_list("id", "status"))
+        gone = [pk for pk in shown if statuses.get(pk, ApprovalStatus.PENDING) != "pending"]
+        if gone:
+            left = list(_approvals_for(user, status=None).filter(pk__in=gone))
+        claims = active_claims(ClaimSubject.APPROVAL, (pk for pk in shown if pk not in gone))
+        claims_changed = [
+            {"id": pk, "claim": claims.get(pk), "claim_fp": claim_fingerprint(claims.get(pk))}
+            for pk, fingerprint in shown.items()
+            if pk not in gone and claim_fingerprint(claims.get(pk)) != fingerprint
+        ]
+    if not fresh and not left and not claims_changed:
         return HttpResponse(status=204)
     # Keep the ids still inside the window: those already shown and these new ones.
     still_recent = list(
         Approval.objects.filter(pk__in=seen[:500], created_at__gt=since - POLL_LOOKBACK)
     )
     context = {
-        "rows": _approval_rows(fresh, request.user),
+        "rows": _waiting_rows(fresh, user, chosen),
+        "left_rows": _approval_rows(left, user),
+        "claims_changed": claims_changed,
         "may_decide": True,
-        "poll_query": _poll_query([*still_recent, *fresh], since=since),
+        "back": reverse("approvals")
+        + ("?" + _filter_query(chosen) if any(chosen.values()) else ""),
+        "poll_query": _poll_query(
+            [*still_recent, *fresh], since=since, filter_query=_filter_query(chosen)
+        )
+        + ("" if arrivals else "&arrivals=0"),
     }
     response = render(request, "approvals/inbox.html#poll_news", context)
-    response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True})
+    if fresh or left:
+        response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True})
     return response
+
+
+def _held_by_another(approval_id: uuid.UUID, user: Any) -> str:
+    """Why `user` may not decide now: someone else's live claim (take it over first, so
+    two people never silently work the same approval). Empty when free or theirs."""
+    claim = active_claims(ClaimSubject.APPROVAL, [approval_id]).get(approval_id)
+    if claim is None or claim.holder_id == user.pk:
+        return ""
+    name = claim.holder.get_username()
+    return f"{name} is on it: take it over from {name} before deciding."
 
 
 def _uuid_or_none(value: str) -> uuid.UUID | None:
@@ -189,16 +354,36 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
     error: str | None = None
     status = 200
     if form.is_valid():
-        try:
-            approval_decide(
-                approval_id=approval.id,
-                actor=Actor.person(user),
-                decision=form.cleaned_data["decision"],
-                comment=form.cleaned_data["comment"],
+        decision = form.cleaned_data["decision"]
+        held = _held_by_another(approval.id, user)
+        if held:
+            error, status = held, 409
+        elif (
+            decision == "approve"
+            and request.POST.get("confirm") != "1"
+            and _needs_confirmation(approval)
+        ):
+            # A delete or a class marked for it: a deliberate confirmation, not one click.
+            error = (
+                "Tick “I confirm” to approve this write: it deletes or is of a class "
+                "that asks for a confirmation."
             )
-        except DomainError as exc:
-            error = exc.message
-            status = error_status(exc)
+            status = 422
+        else:
+            try:
+                approval_decide(
+                    approval_id=approval.id,
+                    actor=Actor.person(user),
+                    decision=decision,
+                    comment=form.cleaned_data["comment"],
+                )
+                # The item is decided: whoever was on it is no longer (audited).
+                claim_end_on_decision(
+                    subject=ClaimSubject.APPROVAL, subject_id=approval.id, person=user
+                )
+            except DomainError as exc:
+                error = exc.message
+                status = error_status(exc)
     else:
         error = "; ".join(str(e) for errors in form.errors.values() for e in errors)
         status = 422
@@ -234,6 +419,9 @@ def approval_edit_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResp
     error: str | None = None
     status = 200
     try:
+        held = _held_by_another(approval.id, user)
+        if held:
+            raise DomainError(held, code="claim_held")
         document = jsonsafe.loads(text, field="document")
         approval_decide_tallied(
             approval_id=approval.id,
@@ -243,6 +431,7 @@ def approval_edit_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResp
             comment=request.POST.get("comment", ""),
             edit={"document": document},
         )
+        claim_end_on_decision(subject=ClaimSubject.APPROVAL, subject_id=approval.id, person=user)
     except DomainError as exc:
         error = _edit_error(exc)
         status = error_status(exc) if exc.code != "validation_error" else 422

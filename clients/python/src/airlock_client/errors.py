@@ -314,6 +314,12 @@ class Unavailable(ProblemError):
     code = "unavailable"
 
 
+class ClaimHeld(ProblemError):
+    """409: another person has claimed this approval or conflict in the console."""
+
+    code = "claim_held"
+
+
 class TargetUnavailable(ProblemError):
     """502: the kind's external target (a table, an HTTP service, a repository) could not be
     read; ask again later."""
