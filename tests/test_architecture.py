@@ -93,6 +93,8 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.login_throttle", WEB),  # sign-in throttling beside django-axes' pair lock
     ("console.templatetags", WEB),
     ("console.templatetags.*", WEB),
+    ("*.templatetags", WEB),
+    ("*.templatetags.*", WEB),
     # wiring — settings, URL confs, app configs, process entry points: import anything.
     ("*.settings", WIRING),
     ("console.urls", WIRING),

@@ -47,7 +47,7 @@ class ClaimHeld(DomainError):
     code = "claim_held"
 
 
-def claim_ttl() -> timedelta:
+def _claim_ttl() -> timedelta:
     return timedelta(seconds=settings.AIRLOCK_CLAIM_TTL_SECONDS)
 
 
@@ -118,7 +118,7 @@ def claim_take(
     subject = _subject(subject)
     item = _workable_item(subject, subject_id, person)
     now = clock()
-    expires = now + claim_ttl()
+    expires = now + _claim_ttl()
     with transaction.atomic():
         held = (
             Claim.objects.select_for_update()
