@@ -93,8 +93,6 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.login_throttle", WEB),  # sign-in throttling beside django-axes' pair lock
     ("console.templatetags", WEB),
     ("console.templatetags.*", WEB),
-    ("*.templatetags", WEB),
-    ("*.templatetags.*", WEB),
     # wiring — settings, URL confs, app configs, process entry points: import anything.
     ("*.settings", WIRING),
     ("console.urls", WIRING),
@@ -115,6 +113,9 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.api.*", INTERFACE),
     ("*.views", INTERFACE),
     ("*.views.*", INTERFACE),
+    # an app's template tags render its pages' parts (the claim box, the diff views)
+    ("*.templatetags", INTERFACE),
+    ("*.templatetags.*", INTERFACE),
     ("console.people_views", INTERFACE),
     ("console.ops", INTERFACE),  # /healthz and /metrics
     ("console.health", INTERFACE),  # readiness (RQ's workers and cron): /readyz and doctor
