@@ -301,9 +301,8 @@ def grant_state(grant: Grant, *, now: datetime | None = None) -> str:
         return "spent"
     if grant.expires_at <= now:
         return "expired"
-    if grant.run_id is not None and (
-        grant.run.status != RunStatus.ACTIVE or grant.run.expires_at <= now
-    ):
+    run = grant.run
+    if run is not None and (run.status != RunStatus.ACTIVE or run.expires_at <= now):
         return "run_ended"
     return "live"
 
