@@ -131,6 +131,10 @@ def test_a_grant_admits_its_uses_then_the_next_write_waits_and_each_use_is_audit
     grant.refresh_from_db()
     assert grant.used == 2
     assert api.get(f"/api/v1/grants/{grant.pk}", token=operator.token).json()["state"] == "spent"
+    # The dashboard's figure: two decisions saved in the last 7 days.
+    from console.views import dashboard_counts
+
+    assert dashboard_counts(operator.user)["grant_saved_week"] == 2
 
 
 @pytest.mark.django_db(transaction=True)

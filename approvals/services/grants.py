@@ -100,7 +100,7 @@ def grant_request_checked(raw: dict[str, Any] | None) -> GrantRequest | None:
     )
 
 
-def grant_refusal(approval: Approval) -> str | None:
+def _grant_refusal(approval: Approval) -> str | None:
     """Why no grant may come from this approval's decision (None: one may): per-call
     writes only, of a class that allows grants, with a quorum of one."""
     if approval.subject != ApprovalSubject.ACTION or approval.action is None:
@@ -138,7 +138,7 @@ def grant_create_locked(
     by someone not an admin; 403 `not_in_write_set`: the prefix is wider than the run's
     write set) and ValidationFailed (422: the prefix does not cover the approved write).
     The caller's transaction then rolls the decision back with it: nothing is written."""
-    refusal = grant_refusal(approval)
+    refusal = _grant_refusal(approval)
     if refusal is not None:
         raise Forbidden(refusal, code="forbidden", extra={"reason": "grant_not_allowed"})
     if request.scope == GrantScope.AGENT and not is_admin(person):
@@ -181,12 +181,12 @@ def grant_create_locked(
         resource=f"{grant.kind_id}/{grant.name_prefix}*",
         run_id=approval.run_id,
         action_id=approval.action_id,
-        details=approval_details(approval, **grant_audit_details(grant)),
+        details=approval_details(approval, **_grant_audit_details(grant)),
     )
     return grant
 
 
-def grant_audit_details(grant: Grant) -> dict[str, Any]:
+def _grant_audit_details(grant: Grant) -> dict[str, Any]:
     return {
         "grant": grant.pk,
         "scope": grant.scope,
@@ -292,7 +292,7 @@ def grant_get_for_person(user: Any, grant_id: int) -> Grant:
     return grant
 
 
-def grant_state(grant: Grant, *, now: datetime | None = None) -> str:
+def _grant_state(grant: Grant, *, now: datetime | None = None) -> str:
     """live, revoked, expired, spent, or run_ended (a run-scoped grant whose run is over)."""
     now = now or timezone.now()
     if grant.revoked_at is not None:
@@ -355,7 +355,7 @@ def grant_as_dict(grant: Grant, *, now: datetime | None = None) -> dict[str, Any
         "seconds_left": max(int((grant.expires_at - now).total_seconds()), 0),
         "revoked_at": grant.revoked_at.isoformat() if grant.revoked_at else None,
         "revoked_by": grant.revoked_by.get_username() if grant.revoked_by else None,
-        "state": grant_state(grant, now=now),
+        "state": _grant_state(grant, now=now),
     }
 
 
