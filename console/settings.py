@@ -483,6 +483,10 @@ LOGGING = {
 # approvals services knobs (h9)
 # How long a run's approval stays open before the run expires unapproved (default 48 h).
 AIRLOCK_RUN_APPROVAL_TTL_SECONDS = env_int("AIRLOCK_RUN_APPROVAL_TTL_SECONDS", 172_800, minimum=60)
+# Standing grants ("approve and allow similar", docs/grants.md): a person's grant may not
+# exceed these many uses or this long a life.
+AIRLOCK_GRANT_MAX_USES = env_int("AIRLOCK_GRANT_MAX_USES", 50, minimum=1)
+AIRLOCK_GRANT_MAX_TTL_SECONDS = env_int("AIRLOCK_GRANT_MAX_TTL_SECONDS", 86_400, minimum=60)
 # The most steps one plan may have (approvals/services/plans.py); more is a 422.
 AIRLOCK_PLAN_MAX_STEPS = env_int("AIRLOCK_PLAN_MAX_STEPS", 10, minimum=1)
 

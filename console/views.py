@@ -24,6 +24,7 @@ from approvals.selectors import (
     plans_visible_to,
     run_list_for_actor,
 )
+from approvals.services.grants import grants_saved_since
 from audit.models import AuditEvent
 from audit.services import Actor
 from console import permissions
@@ -83,6 +84,8 @@ def dashboard_counts(user: Any) -> dict[str, Any]:
         "may_decide": may_decide,
         "conflicts_mine": open_conflict_count(user),
         "conflicts_all": conflicts_all,
+        # Per-call writes a person's standing grant admitted instead of a decision.
+        "grant_saved_week": grants_saved_since(timezone.now() - timedelta(days=7)),
         **actions,
     }
 

@@ -76,6 +76,11 @@ class ConflictClassForm(CatalogRowForm):
     escalation_seconds = forms.IntegerField(min_value=0, max_value=30 * 86400, initial=0)
     escalation_group = forms.CharField(max_length=150, required=False)
     forbid_agent_owner_approval = forms.BooleanField(required=False, initial=True)
+    grants_allowed = forms.BooleanField(
+        required=False,
+        initial=True,
+        help_text="Approvers may give standing grants (approve and allow similar) for it.",
+    )
 
     def clean_resolver(self) -> str:
         resolver: str = self.cleaned_data["resolver"].strip()

@@ -40,6 +40,9 @@ class ConflictClass(models.Model):
     escalation_group = models.CharField(max_length=150, blank=True)
     # Separation of duties: the person recorded as the agent's owner may not approve.
     forbid_agent_owner_approval = models.BooleanField(default=True)
+    # Whether a person may give a standing grant ("approve and allow similar",
+    # approvals/services/grants.py) for writes of this class.
+    grants_allowed = models.BooleanField(default=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

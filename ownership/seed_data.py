@@ -1,6 +1,7 @@
 """Reference data every Airlock database has: the five conflict classes and the role groups.
 
-Plain constants so the data migration and the test-suite re-seeding share one list.
+Plain constants so the data migration and the test-suite re-seeding share one list. A key
+added after 0002 (`grants_allowed`) is set by the migration that adds its field.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ CLASSES: list[dict[str, Any]] = [
     },
     {
         "slug": "access_change",
+        "grants_allowed": False,
         "name": "Change members or access permissions",
         "description": "Membership and permission changes. On a version conflict stop and "
         "request review by the account owners.",
@@ -52,6 +54,7 @@ CLASSES: list[dict[str, Any]] = [
     },
     {
         "slug": "replace_shared_document",
+        "grants_allowed": False,
         "name": "Delete or replace a shared configuration document",
         "description": "Full-document replacement or deletion of shared configuration. On a "
         "version conflict stop unless an explicit lease covers it; a named operator group "

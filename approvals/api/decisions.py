@@ -80,7 +80,12 @@ def _edit_of(payload: DecisionIn) -> dict[str, Any] | None:
     "/approvals/{approval_id}/decision",
     response={200: ApprovalItem, **errors(400, 401, 403, 404, 409, 413, 422, 429)},
     summary="Approve, reject, or approve with edits (409 if already decided or expired)",
-    description="`approve_with_edits` with `document` (or a merge `patch` on the proposed "
+    description="`approve` with `grant` ({uses, ttl_seconds, name_prefix, scope?, reason?}) "
+    "also grants standing approval for writes of the same kind and operation under the "
+    "prefix (docs/grants.md; 403 when the class forbids grants, the quorum is above one, the "
+    "prefix is wider than the run's write set, or `scope: agent` from a non-admin; 422 on "
+    "bad values): the grant and the approval are one transaction. "
+    "`approve_with_edits` with `document` (or a merge `patch` on the proposed "
     "document) approves an edited version of a single write: a new action, bound to the "
     "same observed version; the original ends `superseded` (its `superseded_by` links the "
     "edited action). The answer is then the edited action's approval (pending when the "
@@ -98,6 +103,7 @@ def approval_decision(
         decision=payload.decision,
         comment=payload.comment,
         edit=_edit_of(payload),
+        grant=payload.grant.model_dump() if payload.grant is not None else None,
     )
     # Rendered from the rows the decision locked (and, for a call, the resource it read
     # with them): nothing else changes them meanwhile.

@@ -226,6 +226,60 @@ class ApprovalPage(Schema):
     next: str | None
 
 
+class GrantIn(Schema):
+    """ "Approve and allow similar" (docs/grants.md): with an approval, standing approval
+    for writes of the same kind and operation whose names start with `name_prefix`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    uses: JsonInt = Field(
+        ..., ge=1, description="How many writes it admits (at most AIRLOCK_GRANT_MAX_USES)."
+    )
+    ttl_seconds: JsonInt = Field(
+        ..., ge=60, description="How long it lives (at most AIRLOCK_GRANT_MAX_TTL_SECONDS)."
+    )
+    name_prefix: str = Field(
+        ...,
+        max_length=255,
+        pattern=r"^[^\x00-\x1f\x7f]*$",
+        description="A prefix of the approved write's name, covered by one prefix entry of the "
+        "run's write set for this operation (403 not_in_write_set otherwise).",
+    )
+    scope: Literal["run", "agent"] = Field(
+        "run",
+        description="`run`: this run's writes only, ending with it; `agent`: any run of the "
+        "agent (admins only).",
+    )
+    reason: str = Field("", max_length=2000, pattern=TEXT_PATTERN)
+
+
+class GrantOut(Schema):
+    id: int
+    kind: str
+    operation: Literal["create", "update", "delete"]
+    name_prefix: str
+    scope: Literal["run", "agent"]
+    run: uuid.UUID | None
+    agent: str
+    owner: str | None
+    reason: str
+    approval: uuid.UUID | None
+    uses: int
+    used: int
+    uses_left: int
+    created_at: datetime
+    expires_at: datetime
+    seconds_left: int
+    revoked_at: datetime | None
+    revoked_by: str | None
+    state: Literal["live", "revoked", "expired", "spent", "run_ended"]
+
+
+class GrantPage(Schema):
+    items: list[GrantOut]
+    next: str | None
+
+
 class DecisionIn(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -240,6 +294,11 @@ class DecisionIn(Schema):
         None,
         description="approve_with_edits: a JSON merge patch (RFC 7396) applied to the "
         "proposed document; send `document` or `patch`, not both",
+    )
+    grant: GrantIn | None = Field(
+        None,
+        description="approve only, on a per-call approval with a quorum of one whose class "
+        "allows grants: also grant standing approval for similar writes (docs/grants.md)",
     )
 
 

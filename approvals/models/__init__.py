@@ -210,6 +210,17 @@ class Action(ConditionalWrite, Revisioned):
     )
     edited_by = _accountable_person(related_name="+")
     edit = models.JSONField(null=True, blank=True)
+    # A per-call write admitted by a person's standing grant instead of a decision
+    # (approvals/services/grants.py); the dashboard counts these.
+    grant = models.ForeignKey(
+        "approvals.Grant",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="+",
+        # No index on every action: the partial one below holds granted writes only.
+        db_index=False,
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -230,6 +241,10 @@ class Action(ConditionalWrite, Revisioned):
                     operator.or_, (Q(status=status) for status in IN_FLIGHT_STATUSES)
                 ),
                 name="action_in_flight",
+            ),
+            # Writes admitted by a standing grant, by time (the dashboard's "decisions saved").
+            models.Index(
+                fields=["created_at"], condition=Q(grant__isnull=False), name="action_granted"
             ),
         ]
         constraints = [
@@ -502,6 +517,7 @@ class IdempotencyRecord(models.Model):
 # The plan models live in their own module; imported here so Django registers them
 # with the app (approvals.models is the module it loads).
 from approvals.models.claims import Claim, ClaimSubject  # noqa: E402
+from approvals.models.grants import Grant, GrantScope  # noqa: E402
 from approvals.models.plans import (  # noqa: E402
     FINAL_PLAN_STATUSES,
     CompensationStatus,
@@ -516,6 +532,8 @@ __all__ = [
     "Claim",
     "ClaimSubject",
     "CompensationStatus",
+    "Grant",
+    "GrantScope",
     "PayloadFormat",
     "Plan",
     "PlanStatus",

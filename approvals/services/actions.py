@@ -31,6 +31,7 @@ from approvals.models import (
 from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution
 from approvals.services.approval_open import approval_open_for_action
+from approvals.services.grants import grant_use_for_proposal, grants_may_admit
 from approvals.services.preconditions import PreconditionRequired, TagCondition
 from approvals.services.queued_writes import (
     QueuedWrite,
@@ -421,6 +422,21 @@ def _record(
     after commit)."""
     identifier = proposal.resource_identifier
     per_call = conflict_class.approval_mode == "per_call"
+    # A person's standing grant may stand in for the per-call decision (one indexed
+    # statement, asked only when the class needs one and allows grants; grants.py).
+    granted = (
+        grant_use_for_proposal(
+            run=run,
+            kind=proposal.kind.slug,
+            name=proposal.name,
+            operation=proposal.operation,
+            now=timezone.now(),
+        )
+        if per_call and grants_may_admit(conflict_class)
+        else None
+    )
+    if granted is not None:
+        per_call = False
     # Under an engaged kill switch a write that needs no approval is
     # recorded `paused` (resumed in order on release), never refused.
     switch = None if per_call else engaged_switch_for(identifier)
@@ -440,6 +456,7 @@ def _record(
         reason=proposal.reason,
         idempotency_key=proposal.idempotency_key,
         request_id=current_request_id()[:128],
+        grant_id=granted.grant_id if granted is not None else None,
     )
     audit_action_event(
         action,
@@ -449,11 +466,23 @@ def _record(
             "operation": proposal.operation,
             "observed_etag": action.observed_etag,
             "conflict_class": conflict_class.slug,
-            "approval": "per_call" if per_call else "per_run",
+            "approval": "grant" if granted else "per_call" if per_call else "per_run",
             "idempotency_key": proposal.idempotency_key,
             "reason": proposal.reason,
         },
     )
+    if granted is not None:
+        audit_action_event(
+            action,
+            event_type="grant.used",
+            actor=Actor.system("grant"),
+            details={
+                "grant": granted.grant_id,
+                "owner": granted.owner_id,
+                "uses_left": granted.uses_left,
+                "observed_etag": action.observed_etag,
+            },
+        )
     if per_call:
         approval_open_for_action(action=action)
     elif switch is None:

@@ -40,6 +40,7 @@ from approvals.services.decision_rows import (
     vote_cast,
 )
 from approvals.services.edits import approval_approve_with_edits
+from approvals.services.grants import grant_create_locked, grant_request_checked
 from approvals.services.plan_state import plan_end_unapproved_locked, plan_touch
 from approvals.services.plans import (
     plan_admit_locked,
@@ -186,12 +187,18 @@ def approval_decide_tallied(
     comment: str = "",
     person: Any = None,
     edit: dict[str, Any] | None = None,
+    grant: dict[str, Any] | None = None,
 ) -> Decided:
     """Record one person's decision; at quorum admit the run or queue the action.
     Returns the approval as decided and its approving votes so far (Decided).
 
     `approve_with_edits` (`edit`: {"document": ...} or {"patch": ...}) is edits'
     (approvals/services/edits.py): the answer is then the edited action's approval.
+
+    `grant` (an approval only: {"uses", "ttl_seconds", "name_prefix", "scope"?,
+    "reason"?}): the approving person also grants standing approval for writes like this
+    one (approvals/services/grants.py), in the same transaction: refused (and nothing
+    decided) when the approval cannot grant or the grant is wider than allowed.
 
     `person`: the user `actor` names, if the caller has it loaded (saves a read).
     Takes its locks first, in the project's one order (_lock_approval_subject:
@@ -202,6 +209,11 @@ def approval_decide_tallied(
     InvalidTransition (409: already decided, expired, or this person already
     voted). Enqueues the action's job on commit.
     """
+    if grant is not None and decision != Decision.APPROVE:
+        raise ValidationFailed(
+            "`grant` goes with approve only.",
+            extra={"errors": [{"field": "grant", "message": "not expected"}]},
+        )
     if decision == APPROVE_WITH_EDITS:
         edited = approval_approve_with_edits(
             approval_id=approval_id, actor=actor, comment=comment, person=person, **(edit or {})
@@ -212,6 +224,7 @@ def approval_decide_tallied(
             "decision must be 'approve', 'reject' or 'approve_with_edits'",
             extra={"errors": [{"field": "decision", "message": "approve or reject"}]},
         )
+    grant_request = grant_request_checked(grant)
     comment = text_within(comment, field="comment", limit=MAX_COMMENT_LENGTH)
     try:
         approval_uuid = uuid.UUID(str(approval_id))
@@ -258,6 +271,15 @@ def approval_decide_tallied(
                 )
             approves += decision == Decision.APPROVE
             _act_on_vote(approval, person, (decision, comment), approves=approves, now=now)
+            if grant_request is not None:
+                # Raises (rolling the vote back with it) when this approval cannot grant.
+                grant_create_locked(
+                    approval=approval,
+                    person=person,
+                    request=grant_request,
+                    comment=comment,
+                    now=now,
+                )
     if expired:
         raise InvalidTransition("This approval has expired.", code="approval_expired")
     if call is not None:

@@ -55,6 +55,7 @@ class ConflictClassOut(Schema):
     escalation_seconds: int
     escalation_group: str
     forbid_agent_owner_approval: bool
+    grants_allowed: bool
     updated_at: datetime
 
 
@@ -119,6 +120,11 @@ class ConflictClassIn(_CatalogRowIn):
     escalation_seconds: JsonInt = Field(0, ge=0, le=2_592_000)
     escalation_group: str = Field("", pattern=r"^[A-Za-z0-9._-]{0,150}$")
     forbid_agent_owner_approval: bool = True
+    grants_allowed: bool = Field(
+        True,
+        description="Whether approvers may give standing grants (`grant` on a decision) for "
+        "writes of this class. Never applies above a quorum of one.",
+    )
 
 
 class KindClasses(Schema):

@@ -35,6 +35,7 @@ CLASS_FIELDS = (
     "escalation_seconds",
     "escalation_group",
     "forbid_agent_owner_approval",
+    "grants_allowed",
 )
 
 
@@ -153,6 +154,7 @@ def conflict_class_save(
         "escalation_seconds": data.get("escalation_seconds") or 0,
         "escalation_group": data.get("escalation_group") or "",
         "forbid_agent_owner_approval": bool(data.get("forbid_agent_owner_approval", True)),
+        "grants_allowed": bool(data.get("grants_allowed", True)),
     }
     with transaction.atomic():
         klass, created = ConflictClass.objects.update_or_create(slug=slug, defaults=values)
