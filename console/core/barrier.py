@@ -56,6 +56,7 @@ from console.core.write_rows import (
     lock_write_rows,
     run_end_status,
 )
+from console.tracing import traced
 from ownership.diff import proposed_document
 from ownership.models import Resource, ResourceVersion
 
@@ -99,6 +100,7 @@ class WriteOutcome:
         return self.refusal.reason if self.refusal else None
 
 
+@traced("airlock.barrier")
 def apply_action(
     *,
     action_id: uuid.UUID | str,

@@ -27,6 +27,7 @@ import httpx
 from django.conf import settings
 
 from console.core import jsonsafe
+from console.tracing import traced
 
 APPLIED = "applied"
 STALE = "stale"
@@ -138,6 +139,7 @@ class HttpTarget:
         except TargetOutcomeUnknown as exc:
             raise TargetNotSent(str(exc)) from exc
 
+    @traced("airlock.target_call")
     def write(
         self,
         *,
