@@ -25,6 +25,7 @@ from approvals.services.reconcile import reconcile
 from approvals.services.undo import undo_execute
 from console.ops_gauges import record_reconcile_counts
 from console.requestctx import log_fields_reset, log_fields_start
+from console.tracing import job_span
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -47,7 +48,9 @@ def _fresh_database(job: Callable[P, R]) -> Callable[P, R]:
         }
         fields = log_fields_start(job=current.id if current else "", **on)
         try:
-            return job(*args, **kwargs)
+            # A span continuing the trace its enqueue named (off: a shared no-op).
+            with job_span(current, job.__name__):
+                return job(*args, **kwargs)
         finally:
             log_fields_reset(fields)
             close_old_connections()

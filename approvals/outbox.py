@@ -28,6 +28,7 @@ from rq.utils import str_to_date
 
 from approvals.notify import action_channel, notify_action_changed
 from console.redis_clients import shared_redis
+from console.tracing import job_meta, traced_enqueue
 
 log = logging.getLogger("airlock.outbox")
 
@@ -60,6 +61,7 @@ def marker_key(kind: str, object_id: Any) -> str:
     return f"airlock:outbox:{kind}:{object_id}"
 
 
+@traced_enqueue
 def _enqueue(
     kind: str,
     object_id: Any,
@@ -96,6 +98,7 @@ def _send(
         "result_ttl": 0,
         "failure_ttl": 24 * 3600,
         "job_timeout": 120,
+        **job_meta(),  # the trace context, when tracing is on (console/tracing.py)
     }
     # One round trip for the job, its queue entry and the marker (RQ alone makes three:
     # the queue set, the job, then our marker). RQ opens the pipeline's MULTI itself, so

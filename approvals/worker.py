@@ -24,6 +24,7 @@ from rq.worker import SimpleWorker
 
 import approvals.jobs  # noqa: F401  # the job functions the outbox enqueues by dotted path
 from approvals.services.worker_presence import WorkerPresence, publishing_name
+from console import tracing
 
 
 class EngineWorker(SimpleWorker):
@@ -36,9 +37,13 @@ class EngineWorker(SimpleWorker):
         super().__init__(*args, **kwargs)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
+        # Traces when OTEL_EXPORTER_OTLP_ENDPOINT is set (console/tracing.py); the spans
+        # still buffered are sent when the worker stops.
+        tracing.setup_from_env("airlock-worker", django=False)
         presence = WorkerPresence(self.name, self.connection)
         presence.start()
         try:
             return bool(super().work(*args, **kwargs))
         finally:
             presence.stop()
+            tracing.force_flush()

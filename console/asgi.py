@@ -13,6 +13,12 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 # request's sync work runs in a thread of its own; see the Database section of settings).
 django.setup(set_prefix=False)
 
+from console import tracing  # noqa: E402
+
+# OpenTelemetry when OTEL_EXPORTER_OTLP_ENDPOINT is set: before the handler loads the
+# middleware, which Django's instrumentation adds to (console/tracing.py).
+tracing.setup_from_env("airlock-web", django=True)
+
 from approvals.api.fastpoll import PollFront  # noqa: E402  # reason: needs django.setup()
 from console.middleware import AirlockASGIHandler  # noqa: E402  # reason: needs django.setup()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from console import tracing
 from console.requestctx import current_request_id, log_fields
 
 
@@ -33,7 +34,8 @@ class BelowLevelFromLoggers(logging.Filter):
 
 class LogContext(logging.Filter):
     """Adds the current request id and the request's or job's fields (principal, run,
-    action, resource, fence, job) to every record, for the JSON lines and for `%(...)s`."""
+    action, resource, fence, job; with tracing on, the trace and span ids) to every
+    record, for the JSON lines and for `%(...)s`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         fields = {"request_id": current_request_id(), **log_fields()}
@@ -45,6 +47,9 @@ class LogContext(logging.Filter):
             principal = getattr(request, "principal", None)
             if principal is not None and "principal" not in fields:
                 fields["principal"] = f"{principal.kind}:{principal.label}"
+        ids = tracing.current_ids()  # None unless tracing is on and a span is current
+        if ids is not None:
+            fields["trace_id"], fields["span_id"] = ids
         for key, value in fields.items():
             if value and not hasattr(record, key):
                 setattr(record, key, value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import re
 import uuid
+from typing import Any
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("airlock_request_id", default="")
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -62,3 +63,18 @@ def log_fields_add(**values: str) -> None:
         _log_fields.set(added)
     else:
         current.update(added)
+
+
+def log_action(action: Any) -> None:
+    """The action a job works on, on its log lines: its id, run and resource."""
+    log_fields_add(
+        action=str(action.pk),
+        run=str(action.run_id or ""),
+        resource=str(action.resource_identifier),
+    )
+
+
+def log_fence(fence: int | None) -> None:
+    """The fence a job's write carries, on its log lines from here on."""
+    if fence is not None:
+        log_fields_add(fence=str(fence))

@@ -60,6 +60,7 @@ from console.core.errors import (
 from console.core.killswitch import engaged_switch_for
 from console.permissions import can_decide_approvals, require_person
 from console.requestctx import current_request_id
+from console.tracing import traced_propose
 from ownership.models import ConflictClass, OwnershipRecord, Resource, ResourceKind
 from ownership.reopen import conflict_reopen_for_resolution
 
@@ -219,6 +220,7 @@ def _enqueue(action_id: uuid.UUID) -> None:
         )
 
 
+@traced_propose
 def action_propose(
     *,
     run: Run,

@@ -59,6 +59,7 @@ from console.core.errors import (
 )
 from console.core.write_rows import lock_run_for_share
 from console.permissions import person_of
+from console.tracing import traced_decide
 from ownership.models import OwnershipRecord, Resource
 from ownership.reopen import conflict_reopen_for_resolution
 
@@ -179,6 +180,7 @@ def approval_decide(
     return decided.approval
 
 
+@traced_decide
 def approval_decide_tallied(
     *,
     approval_id: uuid.UUID | str,

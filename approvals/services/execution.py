@@ -67,7 +67,7 @@ from console.core.lock import FencedLock, FencedLockGroup
 from console.core.operations import open_operations
 from console.core.write_rows import lock_batch_rows
 from console.models import KillSwitch
-from console.requestctx import reset_request_id, set_request_id
+from console.requestctx import log_action, log_fence, reset_request_id, set_request_id
 from ownership.models import TargetType
 
 log = logging.getLogger("airlock.execution")
@@ -87,6 +87,7 @@ def action_execute(
     if action is None:
         return "missing"
     token = set_request_id(action.request_id or f"action-{action.pk}")
+    log_action(action)  # its run and resource on the job's log lines
     try:
         return _execute(action, connection=connection, batch=batch)
     finally:
@@ -131,6 +132,7 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
         group = FencedLockGroup(connection, [lock])
         group.join(_companions(action, connection, limit=batch - 1))  # the free ones
         fence = group.fence()
+        log_fence(fence)
     except (LockBusy, redis.RedisError, DatabaseError) as exc:
         if not isinstance(exc, LockBusy):  # what was taken before the failure goes back
             _release_quietly(lock)
@@ -153,6 +155,7 @@ def _execute_external(action: Action, *, connection: redis.Redis) -> str:
     )
     try:
         fence = acquire_taking_over(lock, wait_seconds=0.2)
+        log_fence(fence)
     except (LockBusy, redis.RedisError, DatabaseError) as exc:
         return _retry_unlocked(action, exc)
     try:

@@ -34,6 +34,7 @@ from console.core.undo import (
     UndoOutcome,
     refuse_undo,
 )
+from console.tracing import traced
 from engine.targets.base import (
     ABSENT,
     Applied,
@@ -140,6 +141,7 @@ def _restored(
     return row.document, row.deleted
 
 
+@traced("airlock.target_call")
 def _send(
     adapter: TargetAdapter,
     action: Action,

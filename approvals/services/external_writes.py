@@ -44,6 +44,7 @@ from console.core.barrier import refuse_if_run_ended
 from console.core.errors import LockLost
 from console.core.killswitch import engaged_switch_for
 from console.core.land import undo_window
+from console.tracing import traced
 from engine.targets.base import (
     ABSENT,
     Applied,
@@ -197,6 +198,7 @@ def _message_context(action: Action) -> dict[str, str]:
     }
 
 
+@traced("airlock.target_call")
 def _send(
     *,
     action: Action,

@@ -60,6 +60,8 @@ from console.core.lock import FencedLock
 from console.core.operations import applied_operation, open_operation
 from console.core.undo import RESOURCE_MOVED, STALE_FENCE, UndoOutcome, apply_undo
 from console.permissions import can_undo_as_person, require_person
+from console.requestctx import log_action, log_fence
+from console.tracing import traced
 from ownership.models import Resource, TargetType
 from ownership.services.conflicts import conflict_open_for_undo
 
@@ -117,6 +119,7 @@ def _require_active_run(run_id: uuid.UUID) -> None:
 UNDO_REASON_MAX = 500  # as Airlock-Reason on a write
 
 
+@traced("airlock.undo.request")
 def action_undo_request(
     *, action_id: uuid.UUID | str, actor: Actor, idempotency_key: str = "", reason: str = ""
 ) -> Operation:
@@ -124,7 +127,7 @@ def action_undo_request(
 
     `actor`: the action's run, or a person with the operator role or in the
     resource's owner group. Raises NotFound, Forbidden, RunNotActive,
-    UndoRefused (external target), UndoWindowExpired (409
+    UndoWindowExpired (409
     `undo_window_expired`), InvalidTransition (409: nothing applied to undo).
     Repeating the request returns the same undo operation, with no new audit row.
     `reason`: the requester's own words (optional, at most UNDO_REASON_MAX characters;
@@ -291,6 +294,7 @@ def _pause_undo(undo_op: Operation, connection: redis.Redis | None) -> str:
     return "paused"
 
 
+@traced("airlock.undo")
 def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = None) -> str:
     """The undo job: lock, fresh fence, apply_undo; a moved resource opens a conflict.
 
@@ -305,6 +309,7 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
     if undo_op is None or undo_op.status != OperationStatus.PENDING:
         return "skipped"
     action = undo_op.action  # with its kind and class (refresh_from_db drops the cache)
+    log_action(action)  # its run and resource on the job's log lines
     if engaged_switch_for(action.resource_identifier) is not None:
         return _pause_undo(undo_op, connection)
     if undo_op.paused_reason:
@@ -319,6 +324,7 @@ def undo_execute(*, undo_operation_id: int, connection: redis.Redis | None = Non
     )
     try:
         fence = acquire_taking_over(lock, wait_seconds=0.2)  # a gone worker's lock is freed
+        log_fence(fence)
     except LockBusy:
         return _retry_undo(undo_op, "lock_busy", connection, count_attempt=False)
     except (redis.RedisError, DatabaseError) as exc:

@@ -57,6 +57,7 @@ from console.core.write_rows import (
     lock_write_rows,
     run_end_status,
 )
+from console.tracing import traced
 from ownership.diff import proposed_document
 from ownership.models import Resource, ResourceVersion
 
@@ -100,6 +101,7 @@ class WriteOutcome:
         return self.refusal.reason if self.refusal else None
 
 
+@traced("airlock.barrier")
 def apply_action(
     *,
     action_id: uuid.UUID | str,

@@ -34,6 +34,7 @@ from console.core.barrier import (
 from console.core.land import Written
 from console.core.operations import EXECUTABLE_STATUSES
 from console.core.write_rows import NOT_READ, LockedRows, run_end_status
+from console.tracing import traced
 from ownership.models import Resource
 
 # The barrier's conditional UPDATE for many rows: each (id, observed version, document,
@@ -49,6 +50,7 @@ RETURNING r.id
 _ROW = "(%s::bigint, %s::bigint, %s::jsonb, %s::boolean)"
 
 
+@traced("airlock.barrier")
 def apply_locked_batch(
     writes: Sequence[LockedRows], *, fence: int, actor: Actor
 ) -> dict[uuid.UUID, WriteOutcome]:

@@ -17,6 +17,7 @@ from django.db.models import F, Max
 
 from approvals.models import Operation
 from console.models import FenceCounter
+from console.tracing import traced
 from ownership.models import OwnershipRecord, Resource
 
 FENCE_SEQUENCE = "airlock_fence_seq"
@@ -30,6 +31,7 @@ _floor_lock = threading.Lock()
 _floor_checked = False
 
 
+@traced("airlock.fence", result="airlock.fence")
 def next_fence() -> int:
     """Return a fencing token strictly greater than every token issued before.
 

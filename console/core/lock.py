@@ -20,6 +20,7 @@ from redis import Redis
 
 from console.core.errors import LockBusy, LockLost
 from console.core.fence import next_fence
+from console.tracing import traced
 
 LOCK_NAMESPACE = "airlock:lock:"
 log = logging.getLogger("airlock.lock")
@@ -85,6 +86,7 @@ class FencedLock:
 
     # -- taking and giving back ------------------------------------------------
 
+    @traced("airlock.lock", result="airlock.lock.taken")
     def try_acquire(self) -> bool:
         return bool(self.redis.set(self.redis_key, self.token, nx=True, px=self.ttl_ms))
 
@@ -232,6 +234,7 @@ class FencedLockGroup:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
+    @traced("airlock.lock.batch")
     def join(self, candidates: list[FencedLock]) -> None:
         """Try to take more locks, without waiting (one pipelined SET NX for all): those
         taken join the group, the busy ones are left out."""
