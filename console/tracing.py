@@ -376,28 +376,32 @@ def _remember_key(action_id: Any) -> str:
 
 
 def _remember(action_id: Any, current: Span) -> None:
+    from django.conf import settings
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from approvals.outbox import engine_redis
+    from console.redis_clients import shared_redis
 
     carrier: dict[str, str] = {}
     TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(current))
     if "traceparent" not in carrier:
         return
     try:
-        engine_redis().set(_remember_key(action_id), carrier["traceparent"], ex=REMEMBER_SECONDS)
+        shared_redis(settings.REDIS_URL).set(
+            _remember_key(action_id), carrier["traceparent"], ex=REMEMBER_SECONDS
+        )
     except Exception:  # a lost context only splits the trace in two
         log.warning("could not remember the trace of action %s", action_id, exc_info=True)
 
 
 def _remembered(action_id: Any) -> Context | None:
+    from django.conf import settings
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from approvals.outbox import engine_redis
+    from console.redis_clients import shared_redis
 
     try:
-        raw = engine_redis().get(_remember_key(action_id))
+        raw = shared_redis(settings.REDIS_URL).get(_remember_key(action_id))
     except Exception:
         log.warning("could not read the trace of action %s", action_id, exc_info=True)
         return None

@@ -49,6 +49,10 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("console.requestctx", BASE),
     ("console.advisory_locks", BASE),  # the advisory-lock namespaces, one place
     ("console.stale_plans", BASE),  # what a stale prepared plan's error looks like
+    # the process's pooled Redis clients (one per URL), and the spans every layer opens
+    # (OpenTelemetry, off unless configured): both below the core, which uses them
+    ("console.redis_clients", BASE),
+    ("console.tracing", BASE),
     ("audit.chain", BASE),
     ("audit.details", BASE),  # what may enter an event's details (redaction, jsonb-safe)
     ("audit.serialize", BASE),  # the one JSON shape of an event (API items, export)
@@ -71,7 +75,6 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("approvals.outbox", LEAF),
     ("approvals.notify", LEAF),
     ("notifications.outbox", LEAF),  # delivery jobs enqueued after commit (approvals' queue)
-    ("console.redis_clients", LEAF),  # the process's pooled Redis clients, one per URL
     ("ownership.reopen", LEAF),
     ("ownership.targets", LEAF),  # a kind's adapter (engine.targets) and its mirror rows
     ("console.reference", LEAF),
