@@ -69,7 +69,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # the conflict reopen, the reference rows every database must have.
     ("approvals.outbox", LEAF),
     ("approvals.notify", LEAF),
-    ("notifications.outbox", LEAF),  # delivery jobs enqueued after commit (approvals' queue)
+    ("notifications.outbox", LEAF),  # delivery jobs enqueued after commit (their own queue)
     ("console.redis_clients", LEAF),  # the process's pooled Redis clients, one per URL
     ("ownership.reopen", LEAF),
     ("console.reference", LEAF),
@@ -119,6 +119,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.admin", INTERFACE),
     ("*.jobs", INTERFACE),
     ("approvals.worker", INTERFACE),  # the Procfile's worker class (loads the jobs up front)
+    ("notifications.worker", INTERFACE),  # the Procfile's notify worker class (its jobs up front)
     ("*.cron", INTERFACE),
     ("*.management", INTERFACE),
     ("*.management.commands", INTERFACE),
