@@ -56,10 +56,11 @@ def pending_migrations(alias: str = DEFAULT_DB_ALIAS) -> list[str]:
     return [f"{m.app_label}.{m.name}" for m, _backwards in executor.migration_plan(targets)]
 
 
-def live_workers(connection: redis.Redis) -> list[BaseWorker]:
-    """RQ workers listening on the engine's queue (their keys expire without heartbeats)."""
-    queue = Queue(QUEUE_NAME, connection=connection)
-    return [w for w in Worker.all(queue=queue) if QUEUE_NAME in w.queue_names()]
+def live_workers(connection: redis.Redis, queue_name: str = QUEUE_NAME) -> list[BaseWorker]:
+    """RQ workers listening on a queue, the engine's by default (their keys expire without
+    heartbeats)."""
+    queue = Queue(queue_name, connection=connection)
+    return [w for w in Worker.all(queue=queue) if queue_name in w.queue_names()]
 
 
 def live_cron_schedulers(connection: redis.Redis, *, now: datetime | None = None) -> list[str]:

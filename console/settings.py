@@ -262,6 +262,8 @@ REDIS_IS_EMBEDDED = not os.environ.get("REDIS_URL")
 
 RQ_QUEUES = {
     "default": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 120},
+    # Notification deliveries (the Procfile's `notify` line): never the engine's workers.
+    "notifications": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 60},
 }
 RQ_SHOW_ADMIN_LINK = False
 

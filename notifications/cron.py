@@ -1,16 +1,18 @@
-"""The notifications' periodic pass: `python manage.py rqcron notifications.cron` (a cron
-process of its own beside approvals.cron's; see docs/notifications.md).
+"""The notifications' periodic pass, scheduled by the Procfile's one cron process
+(approvals/cron.py imports this module; see docs/notifications.md).
 
 Every few seconds: resend the deliveries Redis lost, send the approval reminders that
-are due, and tell of an audit chain found broken.
+are due, and tell of an audit chain found broken. These jobs go on the `notifications`
+queue (the `notify` worker's), not the engine's: none of them may take an engine worker's
+time, and with no notifications worker there is nothing they could send anyway.
 """
 
 from __future__ import annotations
 
 from rq import cron
 
-from approvals.outbox import QUEUE_NAME
 from notifications.jobs import notifications_each_minute_job, notifications_tick_job
+from notifications.outbox import QUEUE_NAME
 
 TICK_EVERY_SECONDS = 5
 BREAK_CHECK_EVERY_SECONDS = 60

@@ -1,5 +1,10 @@
 """The notifications outbox's sending side: put delivery jobs on RQ (by dotted path, like
-approvals/outbox.py, whose queue, markers and pending-job check it shares).
+approvals/outbox.py, whose Redis, markers and pending-job check it shares).
+
+Deliveries have a queue of their own, `notifications`, served by the Procfile's `notify`
+line and never by the engine's workers: a receiver that answers slowly or never holds a
+notifications worker for its timeout, and must not hold one that an approved write waits
+for (docs/notifications.md "Queues").
 
 A leaf: imports no service and no job module. PostgreSQL holds every pending delivery;
 a lost enqueue (Redis down, FLUSHALL) is resent by the reconciler
@@ -15,19 +20,20 @@ from datetime import timedelta
 from typing import Any
 
 import redis
+from rq import Queue
 
-from approvals.outbox import (
-    MARKER_TTL_SECONDS,
-    engine_queue,
-    engine_redis,
-    jobs_pending,
-    marker_key,
-)
+from approvals.outbox import MARKER_TTL_SECONDS, engine_redis, jobs_pending, marker_key
 
 log = logging.getLogger("airlock.notifications")
 
 DELIVER_JOB = "notifications.jobs.deliver_job"
 MARKER_KIND = "notify"
+QUEUE_NAME = "notifications"
+
+
+def notify_queue(connection: redis.Redis | None = None) -> Queue:
+    """The deliveries' queue (and the notifications' periodic jobs'), in the engine's Redis."""
+    return Queue(QUEUE_NAME, connection=connection or engine_redis())
 
 
 def enqueue_deliveries(delivery_ids: Sequence[Any], *, delay_seconds: float = 0.0) -> None:
@@ -37,7 +43,7 @@ def enqueue_deliveries(delivery_ids: Sequence[Any], *, delay_seconds: float = 0.
         return
     try:
         conn = engine_redis()
-        queue = engine_queue(conn)
+        queue = notify_queue(conn)
         pipe = conn.pipeline()
         for delivery_id in delivery_ids:
             job_id = f"airlock-{MARKER_KIND}-{delivery_id}-{uuid.uuid4().hex[:12]}"

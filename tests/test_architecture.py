@@ -74,7 +74,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # the conflict reopen, the reference rows every database must have.
     ("approvals.outbox", LEAF),
     ("approvals.notify", LEAF),
-    ("notifications.outbox", LEAF),  # delivery jobs enqueued after commit (approvals' queue)
+    ("notifications.outbox", LEAF),  # delivery jobs enqueued after commit (their own queue)
     ("ownership.reopen", LEAF),
     ("ownership.targets", LEAF),  # a kind's adapter (engine.targets) and its mirror rows
     ("console.reference", LEAF),
@@ -127,6 +127,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.admin", INTERFACE),
     ("*.jobs", INTERFACE),
     ("approvals.worker", INTERFACE),  # the Procfile's worker class (loads the jobs up front)
+    ("notifications.worker", INTERFACE),  # the Procfile's notify worker class (its jobs up front)
     ("*.cron", INTERFACE),
     ("*.management", INTERFACE),
     ("*.management.commands", INTERFACE),

@@ -81,7 +81,7 @@ def test_a_per_call_approval_notifies_a_subscribed_webhook_once_with_a_valid_sig
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
     approval = Approval.objects.get(action=action)
-    worker = rq_worker(**notify_settings)
+    worker = rq_worker(line="notify", **notify_settings)
     wait_for(lambda: _delivery_status() == ["delivered"], timeout=30)
     time.sleep(1.0)  # anything more would arrive now
     assert len(receiver.received) == 1, worker.output()
@@ -111,7 +111,7 @@ def test_a_receiver_failing_twice_gets_the_event_once_more_with_the_same_webhook
     engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
-    worker = rq_worker(**notify_settings)
+    worker = rq_worker(line="notify", **notify_settings)
     wait_for(lambda: _delivery_status() == ["delivered"], timeout=30)
     time.sleep(1.5)
     assert len(receiver.received) == 3, worker.output()
@@ -145,7 +145,7 @@ def test_a_redis_flushall_between_attempts_loses_nothing_and_doubles_nothing(
     engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
-    worker = rq_worker(**notify_settings)
+    worker = rq_worker(line="notify", **notify_settings)
     receiver.wait_for(1)
     wait_for(
         lambda: Delivery.objects.get().attempts == 1 and DeliveryAttempt.objects.count() == 1,
@@ -189,7 +189,7 @@ def test_a_job_lost_before_any_attempt_is_resent_by_the_reconciler(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
     engine_redis.client().flushall()  # the job enqueued at commit is gone
-    worker = rq_worker(**notify_settings)
+    worker = rq_worker(line="notify", **notify_settings)
     time.sleep(1.0)
     assert receiver.received == [] and _delivery_status() == ["pending"]
     assert deliveries_reconcile() == 1
@@ -214,7 +214,7 @@ def test_a_dead_receiver_never_delays_an_approval_or_its_decision(
         f"http://127.0.0.1:{black_hole}/hook",
         event_types=["approval.requested", "approval.decided"],
     )
-    worker = rq_worker(**notify_settings)
+    worker = rq_worker(line="notify", **notify_settings)
     started = time.monotonic()
     action = engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
@@ -239,6 +239,48 @@ def test_a_dead_receiver_never_delays_an_approval_or_its_decision(
     assert Subscription.objects.get().disabled_at is None
 
 
+def test_a_delivery_stuck_on_a_black_hole_never_delays_an_approved_write(
+    engine_world: Any, policy: Any, rq_worker: Any, black_hole: int, notify_settings: Any
+) -> None:
+    """Deliveries have their own queue and worker line: while the notifications worker waits
+    on a receiver that never answers (30 s), the engine's worker applies an approved write
+    at once. (On one shared queue, the engine worker took the delivery first and the write
+    waited for the receiver's timeout.)"""
+    _subscribe(
+        engine_world,
+        f"http://127.0.0.1:{black_hole}/hook",
+        event_types=["approval.requested", "approval.decided"],
+    )
+    held = {**notify_settings, "AIRLOCK_WEBHOOK_TIMEOUT_SECONDS": "30"}
+    rq_worker(**held)  # the engine's worker line
+    notifier = rq_worker(line="notify", **held)
+    action = engine_world.propose(
+        policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
+    )
+    # The approval.requested delivery is in the black hole: claimed, no attempt recorded.
+    wait_for(lambda: Delivery.objects.filter(claimed_until__isnull=False).exists(), timeout=15)
+    started = time.monotonic()
+    approval_decide(
+        approval_id=Approval.objects.get(action=action).pk,
+        actor=Actor.person(engine_world.operator),
+        decision="approve",
+        comment="ship it",
+    )
+    action.refresh_from_db()
+    wait_for(lambda: _status(action) == "applied", timeout=10)
+    applied_after = time.monotonic() - started
+    assert applied_after < 5.0, (applied_after, notifier.output())
+    # ... while the first delivery was still waiting on the receiver.
+    first = Delivery.objects.get(notification__type="approval.requested")
+    assert first.status == "pending" and not DeliveryAttempt.objects.filter(delivery=first).exists()
+    assert Delivery.objects.count() == 2  # the decision's too, queued behind it
+
+
+def _status(action: Any) -> str:
+    action.refresh_from_db(fields=["status"])
+    return str(action.status)
+
+
 def test_an_endpoint_answering_410_is_disabled_and_the_admins_are_told(
     engine_world: Any, policy: Any, rq_worker: Any, receiver: Receiver, notify_settings: Any
 ) -> None:
@@ -247,7 +289,7 @@ def test_an_endpoint_answering_410_is_disabled_and_the_admins_are_told(
     engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
-    rq_worker(**notify_settings)
+    rq_worker(line="notify", **notify_settings)
     wait_for(lambda: Subscription.objects.get().disabled_at is not None, timeout=20)
     assert _delivery_status() == ["disabled"]
     from audit.models import AuditEvent
@@ -268,7 +310,7 @@ def test_a_worker_killed_mid_delivery_loses_nothing_and_resends_the_same_webhook
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
     claim = {"AIRLOCK_NOTIFY_CLAIM_SECONDS": "2", "AIRLOCK_WEBHOOK_TIMEOUT_SECONDS": "30"}
-    first = rq_worker(**{**notify_settings, **claim})
+    first = rq_worker(line="notify", **{**notify_settings, **claim})
     receiver.wait_for(1)
     os.killpg(first.pid, signal.SIGKILL)  # mid-delivery: sent, outcome never recorded
     first.process.wait(timeout=5)
@@ -278,7 +320,7 @@ def test_a_worker_killed_mid_delivery_loses_nothing_and_resends_the_same_webhook
     assert not DeliveryAttempt.objects.exists()
     assert deliveries_reconcile() == 0  # the claim has not lapsed yet: it may still be alive
     wait_for(lambda: timezone.now() > Delivery.objects.get().claimed_until, timeout=5)
-    second = rq_worker(**notify_settings)
+    second = rq_worker(line="notify", **notify_settings)
     assert deliveries_reconcile() == 1
     wait_for(lambda: _delivery_status() == ["delivered"], timeout=20)
     assert deliveries_reconcile() == 0

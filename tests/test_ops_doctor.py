@@ -96,3 +96,15 @@ def test_doctor_finds_migrations_not_applied(engine_redis: Any) -> None:
     finally:
         call_command("migrate", verbosity=0)
     assert not any(p.startswith("migrations") for p in problems())
+
+
+def test_doctor_asks_for_a_notify_worker_until_one_listens_on_the_notifications_queue(
+    engine_redis: Any, rq_worker: Any
+) -> None:
+    """The engine's worker does not serve deliveries (their own queue): doctor says so, and
+    stops saying so once the Procfile's `notify` line runs."""
+    rq_worker()
+    wait_for(lambda: not [p for p in problems() if p.startswith("workers")], timeout=30)
+    assert any(p.startswith("notify workers: no worker") for p in problems())
+    rq_worker(line="notify")
+    wait_for(lambda: not [p for p in problems() if p.startswith("notify")], timeout=30)

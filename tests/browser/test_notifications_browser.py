@@ -34,6 +34,7 @@ def test_an_admin_adds_a_webhook_sends_a_test_and_sees_it_delivered_live(
     settings.AIRLOCK_WEBHOOK_ALLOW_HOSTS = ["127.0.0.1"]
     settings.AIRLOCK_NOTIFY_KEY = key
     worker = rq_worker(
+        line="notify",
         AIRLOCK_WEBHOOK_ALLOW_HTTP="true",
         AIRLOCK_WEBHOOK_ALLOW_HOSTS="127.0.0.1",
         AIRLOCK_NOTIFY_KEY=key,

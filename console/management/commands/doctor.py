@@ -22,7 +22,8 @@ from django.utils import timezone
 
 from audit.services import audit_chain_status
 from console.core.fence import current_fence, fence_floor
-from console.health import readiness
+from console.health import live_workers, readiness, redis_client
+from notifications.outbox import QUEUE_NAME as NOTIFY_QUEUE
 
 # The whole walk runs hourly (approvals/cron.py); one older than this means the job stopped.
 AUDIT_WALK_FRESH = timedelta(hours=3)
@@ -33,6 +34,7 @@ FIXES = {
     "migrations": "run `python manage.py migrate` (start-up of every process needs it done)",
     "workers": "start the Procfile's `worker` line (at least one process)",
     "cron": "start the Procfile's `cron` line (exactly one process)",
+    "notify": "start the Procfile's `notify` line (at least one process)",
 }
 
 
@@ -58,6 +60,32 @@ def service_findings() -> list[Finding]:
         shown = ", ".join(state.pending_migrations[:5])
         findings.append(Finding("problem", f"migrations not applied: {shown}", FIXES["migrations"]))
     return findings
+
+
+def notification_findings() -> list[Finding]:
+    """Deliveries have a queue of their own (`notifications`) that the engine's workers never
+    serve: without a `notify` worker nothing is sent and reminders are not made. (Not part
+    of /readyz: the engine works without it.)"""
+    try:
+        client = redis_client()
+        try:
+            workers = live_workers(client, NOTIFY_QUEUE)
+        finally:
+            client.close()
+    except Exception as exc:  # Redis is down: service_findings said so
+        return [
+            Finding("problem", f"notify workers not checked ({type(exc).__name__})", FIXES["redis"])
+        ]
+    if workers:
+        return []
+    return [
+        Finding(
+            "problem",
+            f"notify workers: no worker listens on the {NOTIFY_QUEUE!r} queue "
+            "(no notification is delivered)",
+            FIXES["notify"],
+        )
+    ]
 
 
 def engine_findings() -> list[Finding]:
@@ -127,7 +155,7 @@ def diagnose() -> list[Finding]:
     findings = service_findings()
     services_down = any(f.text.startswith(("database", "redis")) for f in findings)
     if not services_down:
-        findings += engine_findings() + audit_findings()
+        findings += engine_findings() + notification_findings() + audit_findings()
     return findings + setting_findings()
 
 
