@@ -10,6 +10,7 @@ from approvals.models import (
     ApprovalDecision,
     AutoApproveRule,
     Claim,
+    Grant,
     IdempotencyRecord,
     Operation,
     PersonalToken,
@@ -54,6 +55,11 @@ register_read_only(
         },
         # Claims change only through the audited claims service.
         Claim: {"list_display": ("subject", "subject_id", "holder", "taken_at", "expires_at")},
+        # Grants change only through the audited grants service (decision, revoke).
+        Grant: {
+            "list_display": ("id", "kind", "operation", "name_prefix", "scope", "used", "uses"),
+            "list_filter": ("scope", "operation"),
+        },
         Run: {
             "list_display": ("id", "agent", "status", "created_at", "expires_at"),
             "list_filter": ("status",),
