@@ -171,11 +171,16 @@ def _deciding_person(actor: Actor, person: Any) -> Any:
 
 
 def approval_decide(
-    *, approval_id: uuid.UUID | str, actor: Actor, decision: str, comment: str = ""
+    *,
+    approval_id: uuid.UUID | str,
+    actor: Actor,
+    decision: str,
+    comment: str = "",
+    grant: dict[str, Any] | None = None,
 ) -> Approval:
     """approval_decide_tallied, for callers that want the approval only."""
     decided = approval_decide_tallied(
-        approval_id=approval_id, actor=actor, decision=decision, comment=comment
+        approval_id=approval_id, actor=actor, decision=decision, comment=comment, grant=grant
     )
     return decided.approval
 

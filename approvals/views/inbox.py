@@ -350,7 +350,11 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
         approval = approval_get_for_person(user, approval_id)
     except NotFound as exc:
         raise Http404(exc.message) from exc
-    form = DecisionForm(request.POST)
+    granting = request.POST.get("grant") == "1"
+    # "Approve and allow similar" submits with its own button (no `decision` member).
+    form = DecisionForm(
+        {**request.POST.dict(), "decision": "approve"} if granting else request.POST
+    )
     error: str | None = None
     status = 200
     if form.is_valid():
@@ -376,6 +380,7 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
                     actor=Actor.person(user),
                     decision=decision,
                     comment=form.cleaned_data["comment"],
+                    grant=_grant_from_form(request.POST) if granting else None,
                 )
                 # The item is decided: whoever was on it is no longer (audited).
                 claim_end_on_decision(
@@ -464,3 +469,19 @@ def _edit_error(error: DomainError) -> str:
         if message and message not in error.message:
             parts.append(f"{item.get('field')}: {message}")
     return "; ".join(parts)
+
+
+def _grant_from_form(data: Any) -> dict[str, Any]:
+    """The card's grant fields as the decision service takes them (it checks and caps them;
+    a value that is not a whole number is passed on as text and refused there, 422)."""
+
+    def whole(name: str) -> Any:
+        raw = str(data.get(name) or "").strip()
+        return int(raw) if raw.isdigit() else raw
+
+    minutes = whole("grant_minutes")
+    return {
+        "uses": whole("grant_uses"),
+        "ttl_seconds": minutes * 60 if isinstance(minutes, int) else minutes,
+        "name_prefix": str(data.get("grant_prefix") or ""),
+    }

@@ -100,10 +100,13 @@ def test_an_operator_clears_five_approvals_with_the_keyboard(
     kb.type("not now")
     kb.press("Control+Enter")
     expect(page.locator(f"#approval-{queue[3].id}")).to_have_attribute("data-status", "rejected")
-    # 5: g has no grant form here and does nothing
+    # 5: g opens the grant form (its first field), Escape returns to the card, a approves
     kb.press("j")
     expect(page.locator(f"#approval-{queue[4].id}")).to_be_focused()
     kb.press("g")
+    expect(page.locator(f"#grant-prefix-{queue[4].id}")).to_be_focused()
+    kb.press("Escape")
+    expect(page.locator(f"#approval-{queue[4].id}")).to_be_focused()
     expect(page.locator(f"#approval-{queue[4].id}")).to_have_attribute("data-status", "pending")
     kb.press("a")
     expect(page.locator(f"#approval-{queue[4].id}")).to_have_attribute("data-status", "approved")

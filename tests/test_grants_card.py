@@ -1,0 +1,54 @@
+"""Issue 42 §2 in the console: the inbox card's "Approve and allow similar" form approves the
+write and grants the run standing approval for similar ones (the decision service's checks:
+caps, the prefix inside the run's write set); a bad value is a 422 on the card that decides
+nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from approvals.models import Approval, Grant
+from tests.fixtures.api import ApiClient, make_agent_with_token, make_person_with_token
+from tests.fixtures.console import client_for
+from tests.test_grants import _create, _flags_run, _pending_approval
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def flags() -> Any:
+    return _flags_run(make_agent_with_token("flag-bot").agent)
+
+
+def _post(person: Any, approval: Approval, **fields: str) -> Any:
+    data = {"comment": "same flag family", "grant": "1", "grant_prefix": "team-a-", **fields}
+    # As htmx posts it from the card: the answer is the card itself.
+    return client_for(person.user).post(
+        f"/approvals/{approval.pk}/decision/", data, headers={"HX-Request": "true"}
+    )
+
+
+def test_the_cards_grant_form_approves_and_admits_the_next_similar_write(flags: Any) -> None:
+    api = ApiClient()
+    operator = make_person_with_token("ana", "operators")
+    approval = _pending_approval(api, flags, "team-a-one")
+    response = _post(operator, approval, grant_uses="2", grant_minutes="30")
+    assert response.status_code == 200, response.content
+    approval.refresh_from_db()
+    assert approval.status == "approved"
+    grant = Grant.objects.get(approval=approval)
+    assert (grant.uses, grant.name_prefix, grant.owner_id) == (2, "team-a-", operator.user.pk)
+    assert _create(api, flags, "team-a-two").json()["status"] == "queued"  # admitted
+
+
+def test_a_bad_grant_value_on_the_card_decides_nothing(flags: Any) -> None:
+    api = ApiClient()
+    operator = make_person_with_token("ana", "operators")
+    approval = _pending_approval(api, flags, "team-a-one")
+    response = _post(operator, approval, grant_uses="lots", grant_minutes="30")
+    assert response.status_code == 422, response.content
+    assert b"uses" in response.content  # the card names the field
+    approval.refresh_from_db()
+    assert approval.status == "pending" and not Grant.objects.exists()
