@@ -70,6 +70,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("rules/<int:rule_id>/", rules.rule_update_view, name="rule_update"),
     path("rules/<int:rule_id>/enabled/", rules.rule_enable_view, name="rule_enable"),
     path("rules/<int:rule_id>/delete/", rules.rule_delete_view, name="rule_delete"),
+    path("grants/<int:grant_id>/revoke/", rules.grant_revoke_view, name="grant_revoke"),
     # people (admins manage)
     path("people/", people_views.people_page, name="people"),
     path("people/new/", people_views.person_create_view, name="person_create"),

@@ -52,3 +52,23 @@ def test_a_bad_grant_value_on_the_card_decides_nothing(flags: Any) -> None:
     assert b"uses" in response.content  # the card names the field
     approval.refresh_from_db()
     assert approval.status == "pending" and not Grant.objects.exists()
+
+
+def test_the_rules_page_lists_grants_and_their_owner_revokes_one(flags: Any) -> None:
+    api = ApiClient()
+    operator = make_person_with_token("ana", "operators")
+    approval = _pending_approval(api, flags, "team-a-one")
+    assert _post(operator, approval, grant_uses="3", grant_minutes="60").status_code == 200
+    grant = Grant.objects.get(approval=approval)
+    client = client_for(operator.user)
+    page = client.get("/rules/").content.decode()
+    row = page[page.index(f'id="grant-{grant.pk}"') :].split("</tr>")[0]
+    assert "3 of 3" in row and "min" in row and "live" in row, row
+    revoked = client.post(f"/grants/{grant.pk}/revoke/", headers={"HX-Request": "true"})
+    assert revoked.status_code == 200 and "admits nothing" in revoked.content.decode()
+    grant.refresh_from_db()
+    assert grant.revoked_at is not None
+    assert _create(api, flags, "team-a-two").json()["status"] == "pending_approval"
+    other = make_person_with_token("bo", "operators")
+    refused = client_for(other.user).post(f"/grants/{grant.pk}/revoke/")
+    assert refused.status_code in (302, 403)

@@ -10,6 +10,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from approvals.forms import AutoApproveRuleForm
 from approvals.models import AutoApproveRule
+from approvals.services import grants as grant_services
 from approvals.services import rules as rule_services
 from audit.services import Actor
 from console import permissions
@@ -46,6 +47,13 @@ def _rules_context(
             AutoApproveRule.objects.select_related("agent").order_by("kind_id", "name_prefix", "id")
         ),
         "is_admin": permissions.is_admin(request.user),
+        # Standing grants made from approvals ("approve and allow similar"), live first.
+        "grants": [
+            grant_services.grant_as_dict(grant)
+            for grant in grant_services.grants_visible_to(request.user).order_by(
+                "revoked_at", "-created_at"
+            )[:100]
+        ],
         "rule_form": form or AutoApproveRuleForm(),
         "editing": editing,
     }
@@ -152,4 +160,19 @@ def rule_delete_view(request: HttpRequest, rule_id: int) -> HttpResponse:
         actor=Actor.person(request.user), rule_id=rule_id
     )
     notice = f"Rule {rule_id} deleted." if deleted else f"Rule {rule_id} was already gone."
+    return RULES.respond(request, lambda: _rules_context(request), notice=notice)
+
+
+@console_page
+@require_POST
+def grant_revoke_view(request: HttpRequest, grant_id: int) -> HttpResponse:
+    """Revoke a standing grant (its owner or an admin; audited by the service)."""
+    forbid_unless_reader(request, _READERS_ONLY)
+    try:
+        grant_services.grant_revoke(grant_id=grant_id, person=request.user)
+    except DomainError as exc:
+        return RULES.respond(
+            request, lambda: _rules_context(request), notice=exc.message, status=error_status(exc)
+        )
+    notice = f"Grant {grant_id} revoked: it admits nothing from now on."
     return RULES.respond(request, lambda: _rules_context(request), notice=notice)
