@@ -533,3 +533,12 @@ EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
 EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
 EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "airlock@localhost")
+
+
+# OpenTelemetry traces (console/tracing.py): on only when an OTLP endpoint is set (the SDK reads
+# the rest of the standard OTEL_* variables itself); the service name defaults per process.
+OTEL_TRACES_ENDPOINT = (
+    os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+)
+OTEL_SERVICE_NAME = os.environ.get("OTEL_SERVICE_NAME", "").strip()

@@ -26,12 +26,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from django.conf import settings
+
 if TYPE_CHECKING:
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -59,8 +61,8 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-def endpoint_configured(environ: Mapping[str, str] = os.environ) -> bool:
-    return any(environ.get(name, "").strip() for name in ENDPOINT_VARIABLES)
+def endpoint_configured() -> bool:
+    return bool(settings.OTEL_TRACES_ENDPOINT)
 
 
 def setup_from_env(service_name: str, *, django: bool) -> bool:
@@ -69,12 +71,13 @@ def setup_from_env(service_name: str, *, django: bool) -> bool:
     django.setup() and before the request handler loads its middleware."""
     if _tracer is not None or not endpoint_configured():
         return _tracer is not None
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     provider = configure(
         OTLPSpanExporter(),
-        service_name=os.environ.get("OTEL_SERVICE_NAME") or service_name,
+        service_name=settings.OTEL_SERVICE_NAME or service_name,
         django=django,
     )
     trace.set_tracer_provider(provider)  # for any other library that asks the global one
@@ -93,6 +96,7 @@ def configure(
     """Tracing on, exporting to `exporter` (tests pass an InMemorySpanExporter with
     batch=False). The global provider is left alone: `shutdown` can undo all of this."""
     global _tracer, _provider
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -108,11 +112,13 @@ def configure(
 
 
 def _instrument(provider: TracerProvider, *, django: bool) -> None:
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
     from opentelemetry.instrumentation.redis import RedisInstrumentor
 
     instrumentors: list[Any] = [RedisInstrumentor(), PsycopgInstrumentor()]
     if django:
+        # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
         from opentelemetry.instrumentation.django import DjangoInstrumentor
 
         instrumentors.append(DjangoInstrumentor())
@@ -234,6 +240,7 @@ def traced_enqueue(function: Callable[P, R]) -> Callable[P, R]:
         tracer = _tracer
         if tracer is None:
             return function(*args, **kwargs)
+        # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
         from opentelemetry import trace
 
         kind, object_id = [*args, None, None][:2]
@@ -266,6 +273,7 @@ def job_meta() -> Mapping[str, Any]:
     of the current span, when tracing is on (off: an empty mapping, nothing added)."""
     if _tracer is None:
         return _NO_META
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     carrier: dict[str, str] = {}
@@ -279,6 +287,7 @@ def job_span(job: Any, function_name: str) -> contextlib.AbstractContextManager[
     tracer = _tracer
     if tracer is None:
         return _NOTHING
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -302,6 +311,7 @@ def current_ids() -> tuple[str, str] | None:
     """The current trace and span ids (hex), for log lines; None when off or outside one."""
     if _tracer is None:
         return None
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry import trace
 
     context = trace.get_current_span().get_span_context()
@@ -365,6 +375,7 @@ def _note_result(current: Span, value: Any, name: str) -> None:
 
 
 def _link_to_current() -> list[Any]:
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry import trace
 
     context = trace.get_current_span().get_span_context()
@@ -376,10 +387,11 @@ def _remember_key(action_id: Any) -> str:
 
 
 def _remember(action_id: Any, current: Span) -> None:
-    from django.conf import settings
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+    # reason: loaded only when tracing is on (this module is imported by every layer)
     from console.redis_clients import shared_redis
 
     carrier: dict[str, str] = {}
@@ -395,9 +407,10 @@ def _remember(action_id: Any, current: Span) -> None:
 
 
 def _remembered(action_id: Any) -> Context | None:
-    from django.conf import settings
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+    # reason: loaded only when tracing is on (this module is imported by every layer)
     from console.redis_clients import shared_redis
 
     try:
@@ -416,6 +429,7 @@ def _approval_subject(approval_id: Any) -> tuple[Any, int] | None:
     action's approval (one primary-key read, only when tracing is on)."""
     if approval_id is None:
         return None
+    # reason: loaded only when tracing is on (this module is imported by every layer)
     from approvals.models import Approval
 
     try:
@@ -431,6 +445,7 @@ def _approval_subject(approval_id: Any) -> tuple[Any, int] | None:
 @contextlib.contextmanager
 def in_memory(**kwargs: Any) -> Iterator[Any]:
     """Tests: tracing on into an InMemorySpanExporter (yielded), off again after."""
+    # reason: OpenTelemetry is optional and heavy: imported only when tracing is on
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     exporter = InMemorySpanExporter()

@@ -7,6 +7,7 @@ from django.urls import URLPattern, URLResolver, path
 from approvals.views import claims, inbox, plans, rules, runs, tokens
 from audit import views as audit_views
 from console import people_views, views
+from ownership import catalog_views
 from ownership import views as ownership_views
 
 urlpatterns: list[URLPattern | URLResolver] = [
@@ -99,9 +100,9 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path(
         "operations/<int:operation_id>/undo/", ownership_views.operation_undo, name="operation_undo"
     ),
-    path("catalog/", ownership_views.catalog, name="catalog"),
-    path("catalog/classes/", ownership_views.conflict_class_save, name="conflict_class_save"),
-    path("catalog/kinds/", ownership_views.resource_kind_save, name="resource_kind_save"),
+    path("catalog/", catalog_views.catalog, name="catalog"),
+    path("catalog/classes/", catalog_views.conflict_class_save, name="conflict_class_save"),
+    path("catalog/kinds/", catalog_views.resource_kind_save, name="resource_kind_save"),
     # audit
     path("audit/", audit_views.audit_list, name="audit"),
     path("audit/verify/", audit_views.audit_verify_badge, name="audit_verify"),

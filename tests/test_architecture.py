@@ -116,6 +116,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.api.*", INTERFACE),
     ("*.views", INTERFACE),
     ("*.views.*", INTERFACE),
+    ("ownership.catalog_views", INTERFACE),
     # an app's template tags render its pages' parts (the claim box, the diff views)
     ("*.templatetags", INTERFACE),
     ("*.templatetags.*", INTERFACE),

@@ -517,7 +517,7 @@ class IdempotencyRecord(models.Model):
 # The plan models live in their own module; imported here so Django registers them
 # with the app (approvals.models is the module it loads).
 from approvals.models.claims import Claim, ClaimSubject  # noqa: E402
-from approvals.models.grants import Grant, GrantScope  # noqa: E402
+from approvals.models.grants import Grant, GrantScope, GrantState  # noqa: E402
 from approvals.models.plans import (  # noqa: E402
     FINAL_PLAN_STATUSES,
     CompensationStatus,
@@ -534,6 +534,7 @@ __all__ = [
     "CompensationStatus",
     "Grant",
     "GrantScope",
+    "GrantState",
     "PayloadFormat",
     "Plan",
     "PlanStatus",

@@ -14,6 +14,16 @@ class GrantScope(models.TextChoices):
     AGENT = "agent", "the agent, across runs"
 
 
+class GrantState(models.TextChoices):
+    """Derived, never stored (approvals/services/grants.py `_grant_state`)."""
+
+    LIVE = "live", "live"
+    REVOKED = "revoked", "revoked"
+    EXPIRED = "expired", "expired"
+    SPENT = "spent", "every use spent"
+    RUN_ENDED = "run_ended", "its run ended"
+
+
 class Grant(models.Model):
     """Standing approval, given by the person who approved one per-call write, for more
     writes like it: same kind, same operation, a name starting with `name_prefix`.

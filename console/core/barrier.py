@@ -1,11 +1,9 @@
 """The write barrier: every accepted write is one conditional UPDATE (or INSERT).
 
 `apply_action` finishes an operation opened by console.core.operations, in ONE
-transaction. Lock order (the project's one order):
-the kill-switch lock SHARED (console.core.killswitch), the operation row, the
-run row FOR SHARE, the action row; then re-check the kill switch and the run
-(a revoke/finish/expiry updates the run row, so it waits for this transaction
-or this transaction waits for it and sees the end), then
+transaction. Lock order (the project's one order): the kill-switch lock SHARED, the
+operation row, the run row FOR SHARE, the action row; then re-check the kill switch and the
+run (a revoke/finish/expiry updates the run row: one of the two waits for the other), then
 
     UPDATE ownership_resource SET document, version = version + 1, last_fence = :fence
      WHERE id = :id AND version = :observed AND last_fence < :fence AND NOT deleted
