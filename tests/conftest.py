@@ -30,6 +30,7 @@ pytest_plugins = [
     "tests.fixtures.engine",
     "tests.fixtures.console",
     "tests.fixtures.plans",
+    "tests.fixtures.dav",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,21 +19,13 @@ then continued (the write lands: applied once) or killed and restarted (it never
 from __future__ import annotations
 
 import base64
-import contextlib
-import hashlib
 import logging
-import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
@@ -53,185 +45,7 @@ from engine.targets.base import (
     strong_version,
 )
 from engine.targets.http_etag import VERSION_DID_NOT_MOVE, HttpEtagSettings, HttpEtagTarget
-
-ENV = "AIRLOCK_TEST_DAV_CREDENTIALS"
-USER, PASSWORD = "alice", "Dav-Sekr1t-Pass"
-WSGIDAV = Path(sys.executable).with_name("wsgidav")
-APACHE = shutil.which("apache2") or "/usr/sbin/apache2"
-APACHE_MODULES = Path("/usr/lib/apache2/modules")
-HAVE_APACHE = Path(APACHE).exists() and APACHE_MODULES.is_dir() and os.geteuid() == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class Dav:
-    kind: str
-    root: Path
-    port: int
-    command: list[str]
-    process: subprocess.Popen[bytes] | None = None
-    scratch: list[Path] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            self.command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group: stopped and killed whole
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"{self.kind} did not start")
-
-    def _signal(self, signum: int) -> None:
-        assert self.process is not None
-        os.killpg(self.process.pid, signum)
-
-    def pause(self) -> None:
-        self._signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError):  # already gone
-                self._signal(signal.SIGKILL)
-            self.process.wait(10)
-            self.process = None
-
-
-def _wsgidav(tmp_path: Path) -> Dav:
-    root = tmp_path / "share"
-    root.mkdir()
-    port = _free_port()
-    config = tmp_path / "wsgidav.yaml"
-    config.write_text(
-        f"""host: 127.0.0.1
-port: {port}
-verbose: 0
-provider_mapping:
-  "/": "{root}"
-http_authenticator:
-  domain_controller: null
-  accept_basic: true
-  accept_digest: false
-  default_to_digest: false
-simple_dc:
-  user_mapping:
-    "*":
-      "{USER}":
-        password: "{PASSWORD}"
-"""
-    )
-    return Dav("wsgidav", root, port, [str(WSGIDAV), "-c", str(config)])
-
-
-def _apache() -> Dav:
-    # Outside pytest's private tmp folder: the server's workers run as www-data.
-    base = Path(tempfile.mkdtemp(prefix="airlock-apache-"))
-    base.chmod(0o755)
-    root, locks = base / "share", base / "locks"
-    for folder in (root, locks):
-        folder.mkdir()
-        shutil.chown(folder, "www-data", "www-data")
-    digest = base64.b64encode(hashlib.sha1(PASSWORD.encode()).digest()).decode()  # noqa: S324
-    (base / "htpasswd").write_text(f"{USER}:{{SHA}}{digest}\n")
-    port = _free_port()
-    modules = "\n".join(
-        f"LoadModule {name}_module {APACHE_MODULES}/mod_{name}.so"
-        for name in (
-            "mpm_event",
-            "authz_core",
-            "authn_core",
-            "authn_file",
-            "authz_user",
-            "auth_basic",
-            "dav",
-            "dav_fs",
-        )
-    )
-    (base / "httpd.conf").write_text(
-        f"""ServerRoot {base}
-ServerName localhost
-Listen 127.0.0.1:{port}
-PidFile {base}/httpd.pid
-ErrorLog {base}/error.log
-User www-data
-Group www-data
-{modules}
-DAVLockDB {locks}/DavLock
-DocumentRoot {root}
-<Directory {root}>
-  Dav On
-  AuthType Basic
-  AuthName "airlock-test"
-  AuthBasicProvider file
-  AuthUserFile {base}/htpasswd
-  Require valid-user
-</Directory>
-"""
-    )
-    dav = Dav("apache", root, port, [APACHE, "-f", str(base / "httpd.conf"), "-DFOREGROUND"])
-    dav.scratch.append(base)
-    return dav
-
-
-@pytest.fixture(
-    params=[
-        pytest.param("wsgidav", marks=pytest.mark.skipif(not WSGIDAV.exists(), reason="dev extra")),
-        pytest.param(
-            "apache",
-            marks=pytest.mark.skipif(
-                not HAVE_APACHE, reason="Debian's apache2 is not installed (or not root)"
-            ),
-        ),
-    ]
-)
-def dav(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Dav]:
-    server = _wsgidav(tmp_path) if request.param == "wsgidav" else _apache()
-    yield from _running(server, monkeypatch)
-
-
-@pytest.fixture
-def wsgidav(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dav]:
-    if not WSGIDAV.exists():
-        pytest.skip("wsgidav is in the dev extra")
-    yield from _running(_wsgidav(tmp_path), monkeypatch)
-
-
-@pytest.fixture
-def apache(monkeypatch: pytest.MonkeyPatch) -> Iterator[Dav]:
-    if not HAVE_APACHE:
-        pytest.skip("Debian's apache2 is not installed (or not root)")
-    yield from _running(_apache(), monkeypatch)
-
-
-def _running(server: Dav, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dav]:
-    server.start()
-    monkeypatch.setenv(ENV, f"{USER}:{PASSWORD}")
-    try:
-        yield server
-    finally:
-        server.stop()
-        for folder in server.scratch:
-            shutil.rmtree(folder, ignore_errors=True)
+from tests.fixtures.dav import ENV, PASSWORD, USER, Dav, free_port
 
 
 def _target(dav: Dav, **extra: Any) -> HttpEtagTarget:
@@ -446,7 +260,7 @@ def test_headers_of_ours_go_only_to_a_target_that_honours_them() -> None:
 def test_missing_and_weak_validators_are_refused(tmp_path: Path) -> None:
     """Python's own file server sends no ETag at all: the target cannot be governed."""
     (tmp_path / "a.json").write_text("{}")
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [
             sys.executable,
