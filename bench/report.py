@@ -62,6 +62,16 @@ GOALS: dict[str, Goal] = {
     "worker_kill_recovery_max_s": Goal(
         "recovery after a worker kill mid-write, max", "<", 30, " s"
     ),
+    # Issue 39 sets no bar for these; the core write's (Airlock's own store) is the one shown.
+    "target_write_vs_bare_postgres": Goal(
+        "approved write end to end ÷ bare conditional UPDATE, postgres target", "<=", 10
+    ),
+    "target_write_vs_bare_http_etag": Goal(
+        "approved write end to end ÷ bare PUT If-Match, http target (WsgiDAV)", "<=", 10
+    ),
+    "target_write_vs_bare_git": Goal(
+        "approved write end to end ÷ bare git commit + update-ref, git target", "<=", 10
+    ),
     "scale_poll_p50_ratio": Goal("poll p50 at scale ÷ at 10³ (each ÷ bare view)", "<=", 1.2),
     "scale_core_write_p50_ratio": Goal(
         "core write p50 at scale ÷ at 10³ (each ÷ bare UPDATE)", "<=", 1.2

@@ -81,9 +81,12 @@ def _measure(bench: Bench, only: set[str]) -> dict[str, Any]:
     # Here: they import models (Django set up in _start).
     from bench.figures import FIGURES
     from bench.scale import KEYS, scale
+    from bench.targets_e2e import KEYS as TARGET_KEYS
+    from bench.targets_e2e import target_writes
 
     out: dict[str, Any] = {}
-    for name, (measure, keys) in {**FIGURES, "scale": (scale, KEYS)}.items():
+    groups = {**FIGURES, "targets": (target_writes, TARGET_KEYS), "scale": (scale, KEYS)}
+    for name, (measure, keys) in groups.items():
         if only and name not in only:
             continue
         log(f"measuring {name}")

@@ -54,7 +54,7 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1000, 3)
 
 
-def _alternate(rounds: int, steps: dict[str, Callable[[int], None]]) -> dict[str, float]:
+def alternate(rounds: int, steps: dict[str, Callable[[int], None]]) -> dict[str, float]:
     """Each step once per round, in turn (so drift hits all alike); median ms per step."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(rounds):
@@ -135,7 +135,7 @@ def bench_postgres(rounds: int, dsn: str) -> dict[str, Any]:
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     bare(conn, "connect", i)
 
-            medians = _alternate(
+            medians = alternate(
                 rounds,
                 {
                     "adapter": _adapter_step(adapter, "adapter", versions),
@@ -157,7 +157,7 @@ def bench_postgres(rounds: int, dsn: str) -> dict[str, Any]:
 
 
 @contextmanager
-def _wsgidav(root: Path) -> Iterator[str]:
+def wsgidav_server(root: Path) -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
@@ -183,10 +183,24 @@ def _wsgidav(root: Path) -> Iterator[str]:
         process.wait(10)
 
 
+def put_if_match(url: str, name: str, version: str, i: int) -> str:
+    """One bare conditional PUT through a fresh httpx client (the adapter's transport); the
+    new tag."""
+    with httpx.Client(timeout=10) as client:
+        response = client.put(
+            f"{url}/{name}",
+            content=json.dumps({"n": i, "pad": "x" * (i % 7)}).encode(),
+            headers={"If-Match": f'"{version}"', "Content-Type": "application/json"},
+        )
+    if response.status_code >= 300:
+        raise RuntimeError(f"bare PUT answered {response.status_code}")
+    return str(response.headers["etag"]).strip('"')
+
+
 def bench_http(rounds: int) -> dict[str, Any]:
     if not Path(sys.executable).with_name("wsgidav").exists():
         return {"skipped": "wsgidav is not installed (the dev extra)"}
-    with tempfile.TemporaryDirectory() as root, _wsgidav(Path(root)) as url:
+    with tempfile.TemporaryDirectory() as root, wsgidav_server(Path(root)) as url:
         adapter = HttpEtagTarget(HttpEtagSettings.from_settings({"base_url": url}))
         versions = _Versions()
         for name in ("adapter", "bare"):
@@ -195,26 +209,49 @@ def bench_http(rounds: int) -> dict[str, Any]:
             versions.current[name] = created.version
 
         def bare(i: int) -> None:
-            with httpx.Client(timeout=10) as client:
-                response = client.put(
-                    f"{url}/bare",
-                    content=json.dumps({"n": i, "pad": "x" * (i % 7)}).encode(),
-                    headers={
-                        "If-Match": f'"{versions.current["bare"]}"',
-                        "Content-Type": "application/json",
-                    },
-                )
-            if response.status_code >= 300:
-                raise RuntimeError(f"bare PUT answered {response.status_code}")
-            versions.current["bare"] = response.headers["etag"].strip('"')
+            versions.current["bare"] = put_if_match(url, "bare", versions.current["bare"], i)
 
-        medians = _alternate(
+        medians = alternate(
             rounds, {"adapter": _adapter_step(adapter, "adapter", versions), "bare_put": bare}
         )
     return {
         **{f"{k}_ms": v for k, v in medians.items()},
         "ratio": round(medians["adapter"] / medians["bare_put"], 2),
     }
+
+
+_PEOPLE = {
+    "GIT_AUTHOR_NAME": "b",
+    "GIT_AUTHOR_EMAIL": "b@b",
+    "GIT_COMMITTER_NAME": "b",
+    "GIT_COMMITTER_EMAIL": "b@b",
+}
+
+
+def _git(
+    repo: Path, *args: str, stdin: bytes | None = None, env: dict[str, str] | None = None
+) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(repo), *args],
+        input=stdin,
+        capture_output=True,
+        check=True,
+        env={**os.environ, **(env or {})},
+    )
+    return done.stdout.decode().strip()
+
+
+def git_plumbing_commit(repo: Path, index: str, name: str, i: int) -> None:
+    """The bare git write: one single-file commit on main and its update-ref CAS (hash-object,
+    read-tree + update-index on a temporary index, write-tree, commit-tree, update-ref)."""
+    head = _git(repo, "rev-parse", "refs/heads/main")
+    blob = _git(repo, "hash-object", "-w", "--stdin", stdin=json.dumps({"n": i}).encode())
+    on_index = {"GIT_INDEX_FILE": index}
+    _git(repo, "read-tree", head, env=on_index)
+    _git(repo, "update-index", "--add", "--cacheinfo", f"100644,{blob},{name}", env=on_index)
+    tree = _git(repo, "write-tree", env=on_index)
+    commit = _git(repo, "commit-tree", tree, "-p", head, "-m", f"bare {i}", env=_PEOPLE)
+    _git(repo, "update-ref", "refs/heads/main", commit, head)
 
 
 def bench_git(rounds: int) -> dict[str, Any]:
@@ -229,39 +266,11 @@ def bench_git(rounds: int) -> dict[str, Any]:
         assert created.version is not None
         versions.current["adapter.json"] = created.version
         index = str(Path(scratch) / "index")
-        people = {
-            "GIT_AUTHOR_NAME": "b",
-            "GIT_AUTHOR_EMAIL": "b@b",
-            "GIT_COMMITTER_NAME": "b",
-            "GIT_COMMITTER_EMAIL": "b@b",
-        }
-
-        def git(*args: str, stdin: bytes | None = None, env: dict[str, str] | None = None) -> str:
-            done = subprocess.run(
-                ["git", "-C", str(repo), *args],
-                input=stdin,
-                capture_output=True,
-                check=True,
-                env={**os.environ, **(env or {})},
-            )
-            return done.stdout.decode().strip()
 
         def bare(i: int) -> None:
-            head = git("rev-parse", "refs/heads/main")
-            blob = git("hash-object", "-w", "--stdin", stdin=json.dumps({"n": i}).encode())
-            git("read-tree", head, env={"GIT_INDEX_FILE": index})
-            git(
-                "update-index",
-                "--add",
-                "--cacheinfo",
-                f"100644,{blob},bare.json",
-                env={"GIT_INDEX_FILE": index},
-            )
-            tree = git("write-tree", env={"GIT_INDEX_FILE": index})
-            commit = git("commit-tree", tree, "-p", head, "-m", f"bare {i}", env=people)
-            git("update-ref", "refs/heads/main", commit, head)
+            git_plumbing_commit(repo, index, "bare.json", i)
 
-        medians = _alternate(
+        medians = alternate(
             rounds,
             {"adapter": _adapter_step(adapter, "adapter.json", versions), "bare_commit": bare},
         )
