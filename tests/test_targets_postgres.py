@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from engine.targets import pg_pool
 from engine.targets.base import (
     ABSENT,
     Applied,
@@ -448,3 +449,113 @@ def test_a_document_that_is_not_json_fails_without_a_statement(table: str) -> No
         result = target.write("j", document, expected_version=v1, fence=2, idempotency_key=_key())
         assert result.outcome is Outcome.FAILED and "not JSON" in result.detail
     assert target.read("j").version == v1
+
+
+# --- Connections kept between calls (engine/targets/pg_pool.py): two writes share one server
+# session; a session the server ended while idle is replaced, never used for a write (the
+# write applies, once); a rotated credential in the environment gets sessions of its own.
+
+
+@pytest.fixture
+def fresh_pools() -> Iterator[None]:
+    pg_pool.close_all()
+    yield
+    pg_pool.close_all()
+
+
+@pytest.fixture
+def column_table(rows_db: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    name = f"p_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(rows_db, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} (name text PRIMARY KEY, doc jsonb NOT NULL, "
+                "version bigint NOT NULL, backend int)"
+            ).format(sql.Identifier(name))
+        )
+    monkeypatch.setenv(ENV, rows_db)
+    return name
+
+
+def _column_target(table: str) -> PostgresTarget:
+    return PostgresTarget(
+        PostgresSettings.from_settings(
+            {
+                "credentials_env": ENV,
+                "table": table,
+                "key_column": "name",
+                "columns": {"n": "doc", "backend": "backend"},
+                "version_column": "version",
+            }
+        )
+    )
+
+
+def _sessions(rows_db: str) -> list[int]:
+    """The server sessions connected to the rows database, but this one."""
+    with psycopg.connect(rows_db, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid()"
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+def _pooled_write(target: PostgresTarget, version: str, n: int) -> Any:
+    return target.write(
+        "acme",
+        {"n": {"n": n}, "backend": None},
+        expected_version=version,
+        fence=n,
+        idempotency_key=f"k-{uuid.uuid4()}",
+    )
+
+
+@pytest.mark.usefixtures("fresh_pools")
+def test_calls_share_one_session_and_a_session_ended_while_idle_is_replaced(
+    rows_db: str,
+    column_table: str,
+) -> None:
+    target = _column_target(column_table)
+    created = target.create(
+        "acme", {"n": {"n": 0}, "backend": None}, fence=1, idempotency_key="seed"
+    )
+    assert created.outcome is Outcome.APPLIED and created.version == "1"
+    first = _pooled_write(target, "1", 2)
+    assert first.outcome is Outcome.APPLIED
+    [session] = _sessions(rows_db)
+    second = _pooled_write(target, "2", 3)
+    assert second.outcome is Outcome.APPLIED
+    assert _sessions(rows_db) == [session]  # the same session carried both writes
+
+    # The server ends the idle session (a restart, a DBA, a dropped database): the next
+    # write is not sent on it; it applies once, on a new session.
+    with psycopg.connect(rows_db, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", [session])
+    third = _pooled_write(target, "3", 4)
+    assert third.outcome is Outcome.APPLIED and third.version == "4"
+    [replacement] = _sessions(rows_db)
+    assert replacement != session
+    assert target.read("acme").document == {"n": {"n": 4}, "backend": None}
+
+
+@pytest.mark.usefixtures("fresh_pools")
+def test_a_rotated_credential_gets_sessions_of_its_own(
+    rows_db: str,
+    column_table: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    target = _column_target(column_table)
+    assert target.create("acme", {"n": 1, "backend": None}, fence=1, idempotency_key="s").version
+    [before] = _sessions(rows_db)
+    # The same server under another connection string (as a rotated password would be).
+    monkeypatch.setenv(ENV, f"{rows_db}?application_name=rotated")
+    assert target.read("acme").exists
+    with psycopg.connect(rows_db, autocommit=True) as conn:
+        names = dict(
+            conn.execute(
+                "SELECT pid, application_name FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchall()
+        )
+    assert before in names and "rotated" in names.values()

@@ -57,6 +57,7 @@ from engine.targets.base import (
     refuse_unknown_settings,
     scrub,
 )
+from engine.targets.pg_pool import pooled_connection
 
 # Lower-case SQL identifiers only: no quoting games, no case surprises, at most 63 bytes.
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -171,6 +172,11 @@ class PostgresSettings:
         return made
 
 
+def _scrubbed(exc: Exception, secrets: list[str]) -> str:
+    """The error's text with the connection string and its password taken out."""
+    return scrub(f"{type(exc).__name__}: {exc}", secrets)
+
+
 def _secrets_of(dsn: str) -> list[str]:
     """The connection string and the password in it (as written and percent-decoded)."""
     found = [dsn]
@@ -181,8 +187,8 @@ def _secrets_of(dsn: str) -> list[str]:
 
 
 class PostgresTarget:
-    """One kind's table. Each call opens its own connection (autocommit: one statement is
-    one transaction) and closes it; pooling can come with the wiring."""
+    """One kind's table. Each call is one statement on an autocommit connection (one
+    statement is one transaction), kept between calls by engine/targets/pg_pool.py."""
 
     def __init__(self, settings: PostgresSettings) -> None:
         self.settings = settings
@@ -244,49 +250,38 @@ class PostgresTarget:
 
     # -- connection -----------------------------------------------------------------------
 
-    def _connect(self) -> tuple[psycopg.Connection[Any] | None, str, list[str]]:
-        """(connection or None, scrubbed reason, secrets). Never raises."""
+    def _run(self, query: sql.Composed, params: list[Any]) -> tuple[Any, WriteResult | None]:
+        """One statement's rows, or the WriteResult that says why there are none. The
+        connection comes from this process's pool for the kind's connection string
+        (engine/targets/pg_pool.py)."""
         s = self.settings
         try:
             dsn = read_credentials(s.credentials_env)
         except TargetError as exc:
-            return None, str(exc), []
+            return None, WriteResult(Outcome.NOT_SENT, detail=str(exc))
         secrets = _secrets_of(dsn)
-        reason = ""
+        options = (
+            f"-c lock_timeout={int(s.lock_timeout * 1000)} "
+            f"-c statement_timeout={int(s.statement_timeout * 1000)}"
+        )
+        sent = False
         try:
-            connection = psycopg.connect(
-                dsn,
-                autocommit=True,
-                connect_timeout=max(1, int(s.connect_timeout)),
-                options=(
-                    f"-c lock_timeout={int(s.lock_timeout * 1000)} "
-                    f"-c statement_timeout={int(s.statement_timeout * 1000)}"
-                ),
-            )
-        except Exception as exc:  # the text may hold the DSN: kept only once scrubbed
-            reason = scrub(f"{type(exc).__name__}: {exc}", secrets)
-        else:
-            return connection, "", secrets
-        return None, reason, secrets
-
-    def _run(self, query: sql.Composed, params: list[Any]) -> tuple[Any, WriteResult | None]:
-        """One statement's rows, or the WriteResult that says why there are none."""
-        connection, reason, secrets = self._connect()
-        if connection is None:
-            return None, WriteResult(Outcome.NOT_SENT, detail=reason)
-        failure: WriteResult | None = None
-        try:
-            with connection:
+            with pooled_connection(
+                dsn, connect_timeout=max(1, int(s.connect_timeout)), options=options
+            ) as connection:
+                sent = True
                 rows = connection.execute(query, params).fetchall()
-        except psycopg.Error as exc:
-            failure = self._classify(exc, secrets)
-        if failure is not None:
-            return None, failure
+        except Exception as exc:  # the text may hold the DSN: kept only once scrubbed
+            if not sent:  # no connection could be made: nothing reached the target
+                return None, WriteResult(Outcome.NOT_SENT, detail=_scrubbed(exc, secrets))
+            if not isinstance(exc, psycopg.Error):
+                raise
+            return None, self._classify(exc, secrets)
         return rows, None
 
     @staticmethod
     def _classify(exc: psycopg.Error, secrets: list[str]) -> WriteResult:
-        detail = scrub(f"{type(exc).__name__}: {exc}", secrets)
+        detail = _scrubbed(exc, secrets)
         if exc.sqlstate in _BUSY_STATES:
             return WriteResult(Outcome.LOCKED, detail=detail)
         if isinstance(exc, psycopg.OperationalError):
