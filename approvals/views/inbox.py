@@ -25,6 +25,7 @@ from approvals.models import (
     ApprovalDecision,
     ApprovalStatus,
     ClaimSubject,
+    Grant,
     PlanStep,
 )
 from approvals.selectors import approval_get_for_person, approval_list_for_person
@@ -395,7 +396,11 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
 
     def fragment() -> HttpResponse:
         fresh = _approvals_for(user, status=None).get(pk=approval.pk)
-        context = {"row": _approval_rows([fresh], user)[0], "may_decide": True, "error": error}
+        row = _approval_rows([fresh], user)[0]
+        if granting and error is None:
+            # The decided card says what the person just granted (and where to revoke it).
+            row["grant"] = Grant.objects.filter(approval_id=approval.pk).first()
+        context = {"row": row, "may_decide": True, "error": error}
         return render(request, "approvals/inbox.html#approval", context, status=status)
 
     if is_htmx(request):
