@@ -223,7 +223,13 @@ def approvals_inbox(request: HttpRequest) -> HttpResponse:
         "poll_query": _poll_query(approvals, since=timezone.now(), filter_query=filter_query)
         + ("&arrivals=0" if next_cursor else ""),
     }
-    return render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
+    response = render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
+    if is_htmx(request):
+        # The filter form sends its empty fields too: the address pushed into the history
+        # (what a bookmark keeps) names only the filters chosen.
+        url = reverse("approvals")
+        response["HX-Push-Url"] = f"{url}?{filter_query}" if filter_query else url
+    return response
 
 
 # A row can commit a little after a later-created one (created_at is set at
