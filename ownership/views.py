@@ -20,6 +20,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from approvals.models import ClaimSubject, Operation
 from approvals.services.claims import claim_end_on_decision
 from approvals.services.undo import action_undo_request, operations_open_to_undo
+from approvals.views.claims import conflict_claim_rows
 from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError, NotFound
@@ -246,7 +247,12 @@ def _conflicts_page(request: HttpRequest, query: Any, **extra: Any) -> HttpRespo
         **extra,
     }
     return render_list_page(
-        request, "ownership/conflicts.html", conflicts, context, rows="conflicts"
+        request,
+        "ownership/conflicts.html",
+        conflicts,
+        context,
+        rows="conflicts",
+        page_context=conflict_claim_rows,  # who is on each open conflict ("On it")
     )
 
 
