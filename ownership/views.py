@@ -6,6 +6,7 @@ import json
 import uuid
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.db.models import OuterRef, Q, QuerySet, Subquery
@@ -259,7 +260,15 @@ def _conflicts_page(request: HttpRequest, query: Any, **extra: Any) -> HttpRespo
 @console_page
 @require_GET
 def conflicts_list(request: HttpRequest) -> HttpResponse:
-    return _conflicts_page(request, request.GET)
+    response = _conflicts_page(request, request.GET)
+    if is_htmx(request) and request.headers.get("HX-Trigger") == "conflict-filters":
+        # The filter form sends its empty fields too: the address pushed into the history
+        # (what a bookmark keeps) names only the filters chosen. (The list's own refresh
+        # on conflicts-changed pushes nothing.)
+        chosen = {k: v for k, v in request.GET.items() if v and k != "cursor"}
+        url = reverse("conflicts")
+        response["HX-Push-Url"] = f"{url}?{urlencode(chosen)}" if chosen else url
+    return response
 
 
 # At most this many conflicts in one bulk resolution (each is its own transaction).

@@ -60,3 +60,16 @@ def test_the_poll_sends_only_changed_cells_to_people_who_see_them(
     outsider = client_for(people.outsider).get(poll_url)
     assert outsider.status_code == 204
     assert rita.get("/conflicts/claims/", {"shown": "not-a-uuid~x"}).status_code == 204
+
+
+def test_the_filter_form_pushes_only_the_chosen_filters(people: People, world: World) -> None:
+    rita = client_for(people.release_owner)
+    query = {"scope": "all", "status": "open", "class": "", "group": "", "age": ""}
+    form = {"HX-Request": "true", "HX-Trigger": "conflict-filters"}
+    answer = rita.get("/conflicts/", query, headers=form)
+    assert answer["HX-Push-Url"] == "/conflicts/?scope=all&status=open"
+    assert rita.get("/conflicts/", {"class": ""}, headers=form)["HX-Push-Url"] == "/conflicts/"
+    # The list's own refresh (conflicts-changed) and a plain page push nothing.
+    refresh = rita.get("/conflicts/", query, headers={"HX-Request": "true"})
+    assert "HX-Push-Url" not in refresh
+    assert "HX-Push-Url" not in rita.get("/conflicts/", query)

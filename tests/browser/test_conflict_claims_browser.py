@@ -1,6 +1,7 @@
 """Claims on the conflicts list in real Chromium (issue 43): while rita looks at her open
 conflicts, rob claims one on its page; rita's list names him within its 5 s refresh,
-without a reload, and says nobody once he releases it."""
+without a reload, and says nobody once he releases it. The list's filters push an address
+naming only the filters chosen, and the back button restores the list."""
 
 from __future__ import annotations
 
@@ -43,3 +44,12 @@ def test_the_conflicts_list_shows_who_is_on_each_conflict_live(
     expect(rob.locator(f"#claim-conflict-{world.conflict.id}")).to_contain_text("Nobody")
     expect(cell).to_have_text("nobody yet", timeout=12_000)
     assert rita.evaluate("window.__stayed === true")
+
+    # The list's filters push an address naming only what was chosen; back restores.
+    rita.get_by_label("Class", exact=True).select_option("add_unique")
+    rita.wait_for_url("**/conflicts/?scope=mine&status=open&class=add_unique")
+    expect(rita.get_by_text("No conflicts match these filters.")).to_be_visible()
+    rita.go_back()
+    rita.wait_for_url("**/conflicts/")
+    expect(rita.locator(f"#conflict-claim-{world.conflict.id}")).to_have_text("nobody yet")
+    expect(rita.get_by_label("Class", exact=True)).to_have_value("")
