@@ -224,7 +224,7 @@ def approvals_inbox(request: HttpRequest) -> HttpResponse:
         + ("&arrivals=0" if next_cursor else ""),
     }
     response = render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
-    if is_htmx(request):
+    if is_htmx(request) and request.headers.get("HX-Trigger") == "approval-filters":
         # The filter form sends its empty fields too: the address pushed into the history
         # (what a bookmark keeps) names only the filters chosen.
         url = reverse("approvals")
