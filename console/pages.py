@@ -268,17 +268,20 @@ def render_list_page(
     *,
     rows: str,
     fields: tuple[str, str] = ("created_at", "id"),
+    page_context: Callable[[list[Any]], dict[str, Any]] | None = None,
 ) -> HttpResponse:
     """A filtered list, newest first by `fields`: one keyset page of `queryset` as
     `rows`, the next page's cursor and the query string without it (the "next" link
     keeps the filters); the whole page, or its ``list`` partial for htmx. The
-    template's link: console/partials/_list_pager.html."""
+    template's link: console/partials/_list_pager.html. `page_context(rows)`: what the
+    page's rows alone need (one query for the page, not for the whole list)."""
     page, next_cursor = keyset_page(queryset, cursor=request.GET.get("cursor"), fields=fields)
     return render_fragment_or_page(
         request,
         template,
         {
             **context,
+            **(page_context(page) if page_context is not None else {}),
             rows: page,
             "next_cursor": next_cursor,
             "query": query_without(request, "cursor"),

@@ -79,6 +79,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("people/<int:person_id>/active/", people_views.person_active_view, name="person_active"),
     # conflicts, resources, catalog
     path("conflicts/", ownership_views.conflicts_list, name="conflicts"),
+    path("conflicts/claims/", claims.conflict_claims_poll, name="conflict_claims_poll"),
     path(
         "conflicts/keep-current/",
         ownership_views.conflicts_keep_current,

@@ -6,6 +6,7 @@ import json
 import uuid
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.db.models import OuterRef, Q, QuerySet, Subquery
@@ -20,6 +21,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from approvals.models import ClaimSubject, Operation
 from approvals.services.claims import claim_end_on_decision
 from approvals.services.undo import action_undo_request, operations_open_to_undo
+from approvals.views.claims import conflict_claim_rows
 from audit.services import Actor
 from console import permissions
 from console.core.errors import DomainError, NotFound
@@ -246,14 +248,27 @@ def _conflicts_page(request: HttpRequest, query: Any, **extra: Any) -> HttpRespo
         **extra,
     }
     return render_list_page(
-        request, "ownership/conflicts.html", conflicts, context, rows="conflicts"
+        request,
+        "ownership/conflicts.html",
+        conflicts,
+        context,
+        rows="conflicts",
+        page_context=conflict_claim_rows,  # who is on each open conflict ("On it")
     )
 
 
 @console_page
 @require_GET
 def conflicts_list(request: HttpRequest) -> HttpResponse:
-    return _conflicts_page(request, request.GET)
+    response = _conflicts_page(request, request.GET)
+    if is_htmx(request) and request.headers.get("HX-Trigger") == "conflict-filters":
+        # The filter form sends its empty fields too: the address pushed into the history
+        # (what a bookmark keeps) names only the filters chosen. (The list's own refresh
+        # on conflicts-changed pushes nothing.)
+        chosen = {k: v for k, v in request.GET.items() if v and k != "cursor"}
+        url = reverse("conflicts")
+        response["HX-Push-Url"] = f"{url}?{urlencode(chosen)}" if chosen else url
+    return response
 
 
 # At most this many conflicts in one bulk resolution (each is its own transaction).

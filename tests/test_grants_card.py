@@ -40,7 +40,13 @@ def test_the_cards_grant_form_approves_and_admits_the_next_similar_write(flags: 
     assert approval.status == "approved"
     grant = Grant.objects.get(approval=approval)
     assert (grant.uses, grant.name_prefix, grant.owner_id) == (2, "team-a-", operator.user.pk)
-    assert _create(api, flags, "team-a-two").json()["status"] == "queued"  # admitted
+    # The decided card says what was granted.
+    assert f"You granted standing grant #{grant.pk}: 2 more writes" in response.content.decode()
+    admitted = _create(api, flags, "team-a-two").json()
+    assert admitted["status"] == "queued"
+    # Its action page names the grant instead of "no per-call approval".
+    page = client_for(operator.user).get(f"/actions/{admitted['id']}/").content.decode()
+    assert f"Approved without asking by standing grant #{grant.pk} of ana" in page
 
 
 def test_a_bad_grant_value_on_the_card_decides_nothing(flags: Any) -> None:

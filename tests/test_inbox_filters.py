@@ -76,3 +76,18 @@ def test_a_delete_is_approved_only_with_the_confirmation(people: People, world: 
     assert done.status_code == 200
     world.approval.refresh_from_db()
     assert world.approval.status == "approved"
+
+
+def test_the_pushed_address_names_only_the_chosen_filters(people: People, world: World) -> None:
+    olivia = client_for(people.operator)
+    query = {"agent": "nobody", "resource": "", "class": "", "age": ""}  # as the form sends it
+    form = {"HX-Request": "true", "HX-Trigger": "approval-filters"}
+    filtered = olivia.get("/approvals/", query, headers=form)
+    assert filtered["HX-Push-Url"] == "/approvals/?agent=nobody"
+    assert "No approvals match these filters." in filtered.content.decode()
+    cleared = olivia.get("/approvals/", {"agent": ""}, headers=form)
+    assert cleared["HX-Push-Url"] == "/approvals/"
+    assert "Nothing is waiting for a decision." in cleared.content.decode()
+    # A plain page (no htmx), or htmx from anything but the form, pushes nothing.
+    assert "HX-Push-Url" not in olivia.get("/approvals/", query)
+    assert "HX-Push-Url" not in olivia.get("/approvals/", query, headers={"HX-Request": "true"})

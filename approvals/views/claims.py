@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
@@ -23,7 +24,8 @@ from approvals.services.claims import (
 )
 from console.core.errors import DomainError
 from console.pages import console_page, error_status, is_htmx, raise_if_denied
-from ownership.selectors import conflict_get_for_person
+from ownership.models import ConflictStatus
+from ownership.selectors import conflict_get_for_person, conflict_list_for_person
 
 CLAIM_BOX = "approvals/partials/_claim.html"
 
@@ -143,3 +145,64 @@ def _visible_or_404(person: Any, subject: str, item_id: uuid.UUID) -> None:
             conflict_get_for_person(person, item_id)
     except DomainError as exc:
         raise Http404(exc.message) from exc
+
+
+# --- the conflicts list's "On it" column (issue 43) -------------------------------------
+
+CONFLICT_CLAIM_CELL = "ownership/partials/_conflict_claim.html"
+# At most this many conflicts' claims are checked by one poll (a list page shows 50).
+POLL_SHOWN = 200
+
+
+def _claims_poll_query(fingerprints: dict[uuid.UUID, str]) -> str:
+    """The list's claim poller query: each open conflict shown, with what its cell shows."""
+    if not fingerprints:
+        return ""
+    shown = ",".join(f"{pk}~{fp}" for pk, fp in fingerprints.items())
+    return urlencode({"shown": shown})
+
+
+def conflict_claim_rows(conflicts: list[Any]) -> dict[str, Any]:
+    """For a conflicts list page: each conflict with who is on it (open ones only; one
+    query) as `conflict_rows`, and the query of the poller that keeps the column live."""
+    open_ids = [c.pk for c in conflicts if c.status == ConflictStatus.OPEN]
+    claims = active_claims(ClaimSubject.CONFLICT, open_ids)
+    fingerprints = {pk: claim_fingerprint(claims.get(pk)) for pk in open_ids}
+    return {
+        "conflict_rows": [(c, claims.get(c.pk), fingerprints.get(c.pk, "")) for c in conflicts],
+        "claims_poll": _claims_poll_query(fingerprints),
+    }
+
+
+def _shown_conflicts(value: str) -> dict[uuid.UUID, str]:
+    """`shown` as conflict id -> fingerprint (malformed entries ignored, at most POLL_SHOWN)."""
+    shown: dict[uuid.UUID, str] = {}
+    for entry in value.split(",")[:POLL_SHOWN]:
+        raw_id, _, fingerprint = entry.partition("~")
+        try:
+            shown[uuid.UUID(raw_id)] = fingerprint[:64]
+        except ValueError:
+            continue
+    return shown
+
+
+@console_page
+@require_GET
+def conflict_claims_poll(request: HttpRequest) -> HttpResponse:
+    """The conflicts list's live "On it" column: the cells whose claim changed since the
+    page showed them (out of band) and a fresh poller; 204 when none did. Only conflicts
+    the person may see are answered (the others are silently left out)."""
+    shown = _shown_conflicts(request.GET.get("shown", ""))
+    visible = set(
+        conflict_list_for_person(request.user)
+        .filter(pk__in=list(shown), status=ConflictStatus.OPEN)
+        .values_list("pk", flat=True)
+    )
+    claims = active_claims(ClaimSubject.CONFLICT, visible)
+    now = {pk: claim_fingerprint(claims.get(pk)) for pk in shown if pk in visible}
+    changed = [pk for pk, fp in now.items() if fp != shown[pk]]
+    if not changed:
+        return HttpResponse(status=204)
+    cells = [{"id": pk, "claim": claims.get(pk), "fp": now[pk]} for pk in changed]
+    context = {"cells": cells, "claims_poll": _claims_poll_query(now)}
+    return render(request, "ownership/partials/_conflict_claims_poll.html", context)

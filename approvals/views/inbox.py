@@ -25,6 +25,7 @@ from approvals.models import (
     ApprovalDecision,
     ApprovalStatus,
     ClaimSubject,
+    Grant,
     PlanStep,
 )
 from approvals.selectors import approval_get_for_person, approval_list_for_person
@@ -222,7 +223,13 @@ def approvals_inbox(request: HttpRequest) -> HttpResponse:
         "poll_query": _poll_query(approvals, since=timezone.now(), filter_query=filter_query)
         + ("&arrivals=0" if next_cursor else ""),
     }
-    return render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
+    response = render_fragment_or_page(request, "approvals/inbox.html", context, partial="list")
+    if is_htmx(request) and request.headers.get("HX-Trigger") == "approval-filters":
+        # The filter form sends its empty fields too: the address pushed into the history
+        # (what a bookmark keeps) names only the filters chosen.
+        url = reverse("approvals")
+        response["HX-Push-Url"] = f"{url}?{filter_query}" if filter_query else url
+    return response
 
 
 # A row can commit a little after a later-created one (created_at is set at
@@ -395,7 +402,11 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
 
     def fragment() -> HttpResponse:
         fresh = _approvals_for(user, status=None).get(pk=approval.pk)
-        context = {"row": _approval_rows([fresh], user)[0], "may_decide": True, "error": error}
+        row = _approval_rows([fresh], user)[0]
+        if granting and error is None:
+            # The decided card says what the person just granted (and where to revoke it).
+            row["grant"] = Grant.objects.filter(approval_id=approval.pk).first()
+        context = {"row": row, "may_decide": True, "error": error}
         return render(request, "approvals/inbox.html#approval", context, status=status)
 
     if is_htmx(request):

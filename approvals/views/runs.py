@@ -37,7 +37,8 @@ from ownership.models import OwnershipRecord
 
 
 def _action_for(user: Any, action_id: uuid.UUID) -> Action:
-    related = ("run", "agent", "resource", "conflict_class")
+    # The grant (and its owner) that admitted the write, named on the action page.
+    related = ("run", "agent", "resource", "conflict_class", "grant__owner")
     return get_object_or_404(actions_visible_to(user).select_related(*related), pk=action_id)
 
 
