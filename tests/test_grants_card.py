@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from approvals.models import Approval, Grant
+from ownership.models import ConflictClass
 from tests.fixtures.api import ApiClient, make_agent_with_token, make_person_with_token
 from tests.fixtures.console import client_for
 from tests.test_grants import _create, _flags_run, _pending_approval
@@ -78,3 +79,19 @@ def test_the_rules_page_lists_grants_and_their_owner_revokes_one(flags: Any) -> 
     other = make_person_with_token("bo", "operators")
     refused = client_for(other.user).post(f"/grants/{grant.pk}/revoke/")
     assert refused.status_code in (302, 403)
+
+
+def test_a_card_whose_class_forbids_grants_offers_no_grant_form(flags: Any) -> None:
+    """A form that could only be refused is not offered: the card of a write whose class
+    forbids grants (replace_shared_document by default) has no "Approve and allow
+    similar"; the card of one whose class allows them has it."""
+    api = ApiClient()
+    operator = make_person_with_token("ana", "operators")
+    approval = _pending_approval(api, flags, "team-a-one")
+    inbox = client_for(operator.user).get("/approvals/").content.decode()
+    assert f'id="grant-prefix-{approval.pk}"' in inbox
+    assert approval.action is not None
+    ConflictClass.objects.filter(pk=approval.action.conflict_class_id).update(grants_allowed=False)
+    inbox = client_for(operator.user).get("/approvals/").content.decode()
+    assert f'id="approval-{approval.pk}"' in inbox
+    assert f'id="grant-prefix-{approval.pk}"' not in inbox

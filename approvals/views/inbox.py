@@ -35,6 +35,7 @@ from approvals.services.decisions import (
     approval_decide,
     approval_decide_tallied,
 )
+from approvals.services.grants import grants_may_admit
 from approvals.services.separation import approvals_forbidding_self
 from approvals.views.plan_rows import plan_step_rows
 from audit.services import Actor
@@ -92,6 +93,10 @@ def _approval_rows(approvals: list[Approval], user: Any) -> list[dict[str, Any]]
             )
             # Approve with edits: the proposed document (a PATCH's merge patch), prefilled.
             row["editable"] = action.operation != "delete"
+            # "Approve and allow similar" only where a grant could ever admit such a write
+            # (its class allows grants, per-call, a quorum of one): never a form that can
+            # only be refused.
+            row["grantable"] = approval.plan_id is None and grants_may_admit(action.conflict_class)
             row["edit_text"] = json.dumps(action.payload, indent=2, ensure_ascii=False)
             row["destructive"] = (
                 action.operation == "delete" or action.conflict_class_id in confirm_classes
@@ -116,7 +121,7 @@ def _approvals_for(user: Any, *, status: str | None = ApprovalStatus.PENDING) ->
     """The engine's selector: approvals this person may decide, oldest first."""
     return (
         approval_list_for_person(user, status=status)
-        .select_related("action__agent", "plan")
+        .select_related("action__agent", "action__conflict_class", "plan")
         .prefetch_related(
             Prefetch("decisions", queryset=ApprovalDecision.objects.select_related("person"))
         )

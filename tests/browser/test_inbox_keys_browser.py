@@ -11,7 +11,7 @@ import pytest
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from approvals.models import Action, Approval
+from approvals.models import Action, Approval, Grant, Run
 from ownership.models import OwnershipRecord
 from tests.browser.conftest import WatchedPages, check_accessibility, sign_in
 from tests.fixtures.console import PASSWORD, People, World, make_person
@@ -59,6 +59,13 @@ def test_an_operator_clears_five_approvals_with_the_keyboard(
         expires_at=timezone.now() + timedelta(hours=1),
     )
     queue = [world.approval, *_more_call_approvals(world, 4)]
+    # The fifth is of a class that allows standing grants (replace_shared_document does not:
+    # its cards offer no grant form).
+    Action.objects.filter(pk=queue[4].action_id).update(conflict_class_id="advance_pointer")
+    # A grant is never wider than the run's write set: it declares the prod-* policies.
+    Run.objects.filter(pk=world.run.pk).update(
+        write_set=[{"resource": "notification-policy/prod-*", "operations": ["update"]}]
+    )
     # The run approval (another run's start) is not part of this queue.
     Approval.objects.filter(pk=world.run_approval.pk).update(status="cancelled")
     page = pages.new(width=1400, height=900)
@@ -100,7 +107,8 @@ def test_an_operator_clears_five_approvals_with_the_keyboard(
     kb.type("not now")
     kb.press("Control+Enter")
     expect(page.locator(f"#approval-{queue[3].id}")).to_have_attribute("data-status", "rejected")
-    # 5: g opens the grant form (its first field), Escape returns to the card, a approves
+    # 5: g opens the grant form (its first field); Escape returns to the card and leaves it
+    # pending; g again, Tab through uses and minutes to "Approve and allow similar", Enter.
     kb.press("j")
     expect(page.locator(f"#approval-{queue[4].id}")).to_be_focused()
     kb.press("g")
@@ -108,8 +116,16 @@ def test_an_operator_clears_five_approvals_with_the_keyboard(
     kb.press("Escape")
     expect(page.locator(f"#approval-{queue[4].id}")).to_be_focused()
     expect(page.locator(f"#approval-{queue[4].id}")).to_have_attribute("data-status", "pending")
-    kb.press("a")
+    kb.press("g")
+    expect(page.locator(f"#grant-prefix-{queue[4].id}")).to_be_focused()
+    kb.press("Tab")  # uses (3)
+    kb.press("Tab")  # minutes (60)
+    kb.press("Tab")  # Approve and allow similar
+    expect(page.locator(f"#approval-{queue[4].id} [data-grant-approve]")).to_be_focused()
+    kb.press("Enter")
     expect(page.locator(f"#approval-{queue[4].id}")).to_have_attribute("data-status", "approved")
+    [grant] = Grant.objects.filter(owner=people.operator)
+    assert (grant.uses, grant.used, grant.run_id) == (3, 0, queue[4].action.run_id)
     statuses = dict(
         Approval.objects.filter(pk__in=[a.pk for a in queue]).values_list("id", "status")
     )
