@@ -21,7 +21,8 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connection, transaction
-from django.db.models import QuerySet
+from django.db.models import F, Q, QuerySet, Value
+from django.db.models.functions import Length, Substr
 from django.utils import timezone
 
 from approvals.models import (
@@ -251,10 +252,11 @@ def grant_use_for_proposal(
 ) -> GrantUse | None:
     """Take one use of a live grant matching this write, in the proposal's transaction
     (the row stays locked until it commits: a revoke waits for it, then stops the next
-    one). None when no grant admits it: the write waits for a person. PostgreSQL only
-    (the embedded SQLite database has no grants at proposal)."""
+    one). None when no grant admits it: the write waits for a person. On the embedded
+    SQLite database (`make run`'s default), the same rule in two statements
+    (`_grant_use_portable`)."""
     if connection.vendor != "postgresql":
-        return None
+        return _grant_use_portable(run=run, kind=kind, name=name, operation=operation, now=now)
     with connection.cursor() as cursor:
         cursor.execute(
             _use_sql(),
@@ -272,6 +274,35 @@ def grant_use_for_proposal(
     if row is None:
         return None
     return GrantUse(grant_id=int(row[0]), owner_id=row[1], uses_left=int(row[2]))
+
+
+def _grant_use_portable(
+    *, run: Run, kind: str, name: str, operation: str, now: datetime
+) -> GrantUse | None:
+    """`_use_sql`'s rule through the ORM, for databases without it (SQLite): the matching
+    live grant, then its use counted by a conditional UPDATE that repeats the liveness
+    conditions. SQLite runs one writing transaction at a time (console/settings.py opens
+    each IMMEDIATE: the write lock from its start), so the two statements cannot interleave
+    with another proposal's; the conditional UPDATE still refuses a grant that ran out."""
+    live = Q(revoked_at__isnull=True, used__lt=F("uses"), expires_at__gt=now)
+    whose = Q(run_id=run.pk) | Q(run__isnull=True, agent_id=run.agent_id)
+    if run.token_minted_by_id is not None:
+        # Separation of duties: the minter's agent-wide grant never admits that run.
+        whose &= ~Q(run__isnull=True, owner_id=run.token_minted_by_id)
+    candidates = (
+        Grant.objects.filter(live, whose, kind_id=kind, operation=operation)
+        .filter(owner__is_active=True)
+        .annotate(head=Substr(Value(name), 1, Length("name_prefix")))
+        .filter(head=F("name_prefix"))
+        .order_by("expires_at", "id")
+        .values_list("id", "owner_id")
+    )
+    for grant_id, owner_id in candidates[:1]:
+        counted = Grant.objects.filter(live, pk=grant_id).update(used=F("used") + 1)
+        if counted:
+            left = Grant.objects.values_list("uses", "used").get(pk=grant_id)
+            return GrantUse(grant_id=grant_id, owner_id=owner_id, uses_left=left[0] - left[1])
+    return None
 
 
 # --- Reading and revoking ----------------------------------------------------------
