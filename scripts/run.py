@@ -272,6 +272,10 @@ def main() -> int:
     port = int(os.environ.setdefault("PORT", "8000"))
     venv_bin = Path(sys.executable).parent
     os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    # A terminal, not a log pipeline: plain lines unless LOG_FORMAT says otherwise — for the
+    # migration and the demo in this process (Django's settings read it at setup) as for
+    # the Procfile's processes.
+    os.environ.setdefault("LOG_FORMAT", "plain")
 
     if not port_is_free(host, port):
         say(f"{host}:{port} is already in use: stop what uses it, or run `PORT=8001 make run`")
@@ -314,8 +318,6 @@ def main() -> int:
             return 130
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        # A terminal, not a log pipeline: plain lines unless LOG_FORMAT says otherwise.
-        env.setdefault("LOG_FORMAT", "plain")
         for name, command in read_procfile(ROOT / "Procfile"):
             runner.spawn(name, command, env)
         if wait_for_port(host, port, timeout=30):

@@ -123,6 +123,10 @@ def test_make_run_boots_the_embedded_default_and_ctrl_c_stops_everything(tmp_pat
         assert "(shown once;" in text
         # A fresh database gets the demo, through the real API, on SQLite.
         assert "demo: done" in text, text
+        # A terminal, not a log pipeline: the migration's and the demo's log lines too are
+        # plain, never JSON objects.
+        json_lines = [line for line in text.splitlines() if line.lstrip().startswith('{"')]
+        assert not json_lines, json_lines[:3]
         assert (data_dir / "airlock.sqlite3").exists()
         assert (data_dir / "redis.sock").exists()
 
