@@ -34,13 +34,10 @@ again: at most twice the wait, in that one case.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import re
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, TypeVar
 
 from django.conf import settings
@@ -49,14 +46,11 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.http.request import split_domain_port, validate_host
 
 from approvals.api.actions import ActionState, action_should_hold
-from approvals.api.fastpoll_sql import Connections, Statements, connection_kwargs, model_from_row
+from approvals.api.fastpoll_routes import Read, Route, route_for, token_kind
+from approvals.api.fastpoll_sql import Connections, connection_kwargs
 from approvals.api.longpoll import hold, parse_prefer_wait
-from approvals.api.serialize import action_body
-from approvals.models import Action, Agent, Run
-from approvals.selectors import run_token_action_scope
 from approvals.services.preconditions import TagCondition, read_condition
-from approvals.services.tokens import LOOKUP_PREFIX_LENGTH, RUN_PREFIX, token_digest
-from console.auth import RUN, any_token_or_ended_run_deferred, bearer_token
+from console.auth import bearer_token
 from console.problems import ApiError
 from console.requestctx import clean_request_id
 
@@ -70,10 +64,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# The route of approvals.api.actions.action_get (console/urls_api.py mounts the API at /api/v1).
-_PATH = re.compile(
-    r"/api/v1/actions/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
-)
 # The headers Django fills in per answer; every other one is replayed as Django sent it.
 _PER_ANSWER = (b"etag", b"content-length", b"x-request-id")
 # ... and a held poll's answer, Preference-Applied (wait=N).
@@ -82,24 +72,30 @@ _PREFERENCE = b"preference-applied"
 _READ = frozenset({b"host", b"authorization", b"if-none-match", b"x-request-id", b"prefer"})
 # With one of these (or a body) Django may answer differently: it answers.
 _HANDS_OFF = frozenset({b"cookie", b"content-length", b"transfer-encoding"})
-# The bearer of action_get: the fast path serves only the run tokens it accepts, ended included.
-_BEARER = any_token_or_ended_run_deferred
+
+
+Template = tuple[str, str, int, str, bool]
 
 
 @dataclass(frozen=True)
 class Poll:
     """The parts of a request the fast path answers from."""
 
-    action_id: uuid.UUID
-    token: str
+    route: Route
+    read: Read
     condition: TagCondition | None
     request_id: str
     scheme: str  # the learned headers are per scheme (HSTS is sent over HTTPS only)
     wait: int | None  # Prefer: wait=N (None: no wait asked; 0: asked, not held)
 
-    def template(self, status: int) -> tuple[int, str, bool]:
-        """The key of the learned headers for this poll's answer with `status`."""
-        return status, self.scheme, self.wait is not None
+    @property
+    def object_id(self) -> uuid.UUID:
+        return self.read.object_id
+
+    def template(self, status: int) -> Template:
+        """The key of the learned headers for this poll's answer with `status`: per route and
+        token kind (Django's answers are learned for each), status, scheme and held or not."""
+        return self.route.name, self.read.kind, status, self.scheme, self.wait is not None
 
 
 class _HandOff(Exception):
@@ -156,9 +152,9 @@ class PollFront:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.templates: dict[tuple[int, str, bool], list[tuple[bytes, bytes]]] = {}
+        self.templates: dict[Template, list[tuple[bytes, bytes]]] = {}
         # Templates being learned now: set once Django's answer has gone out.
-        self._learning_now: dict[tuple[int, str, bool], asyncio.Event] = {}
+        self._learning_now: dict[Template, asyncio.Event] = {}
         self._learning_tasks: set[asyncio.Future[None]] = set()
         self._connections: Connections | None = None
         # The embedded default (SQLite) has no async driver here: Django answers every poll.
@@ -209,9 +205,10 @@ class PollFront:
         """The poll's parts, or None when this request is not one the fast path serves."""
         if scope["method"] != "GET" or scope.get("query_string") or scope.get("root_path"):
             return None
-        match = _PATH.fullmatch(scope["path"])
-        if match is None:
+        routed = route_for(scope["path"])
+        if routed is None:
             return None
+        route, object_id = routed
         headers: dict[bytes, str] = {}
         for raw_name, raw_value in scope["headers"]:
             name = raw_name.lower()
@@ -222,8 +219,9 @@ class PollFront:
             elif name == _proxy_ssl_header():
                 return None  # HTTPS as a proxy says: Django judges (HSTS, redirects)
         token = bearer_token(headers.get(b"authorization", ""))
+        kind = token_kind(token) if token is not None else None
         host = headers.get(b"host")
-        if token is None or not token.startswith(RUN_PREFIX) or host is None:
+        if token is None or kind is None or not route.serves(kind) or host is None:
             return None
         domain, _ = split_domain_port(host)
         if not domain or not validate_host(domain, settings.ALLOWED_HOSTS):
@@ -235,9 +233,11 @@ class PollFront:
             wait = parse_prefer_wait(headers.get(b"prefer"))
         except ApiError:
             return None  # Django's 400, after authentication
+        if wait is not None and not route.holds:
+            return None  # Django holds (or answers at once) what the front does not hold
         return Poll(
-            action_id=uuid.UUID(match.group(1)),
-            token=token,
+            route=route,
+            read=Read(object_id=object_id, token=token, kind=kind),
             condition=read_condition(headers.get(b"if-none-match")),
             request_id=clean_request_id(headers.get(b"x-request-id")),
             scheme=scheme,
@@ -251,38 +251,20 @@ class PollFront:
 
     # --- the answer -----------------------------------------------------------------------
 
-    @cached_property
-    def _sql(self) -> Statements:
-        return Statements()
-
     async def _rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         if self._connections is None:
             size = settings.AIRLOCK_FAST_POLL_CONNECTIONS
             self._connections = Connections(connection_kwargs(), size)
         return await self._connections.rows(sql, params)
 
-    def _token_run(self, rows: list[tuple[Any, ...]], token: str) -> tuple[Run, int] | None:
-        """The run whose stored hash is the token's (every candidate compared, in constant
-        time, as principal_for_token does) and its row's index."""
-        digest = token_digest(token)
-        fields = self._sql.token_fields
-        hash_at = [name for name, _ in fields].index("token_hash")
-        found: tuple[Run, int] | None = None
-        for index, row in enumerate(rows):
-            if hmac.compare_digest(row[hash_at], digest):
-                found = (model_from_row(Run, fields, row[: len(fields)]), index)
-        return found
-
     async def _answer(self, poll: Poll, scope: Scope) -> tuple[int, str, bytes] | None:
         """(status, ETag, body) of the poll, or None: Django answers. A held poll waits as
         approvals.api.actions.action_get does, then answers what it last read."""
-        if RUN not in _BEARER.kinds or not _BEARER.ended_run:
-            return None
         condition = poll.condition
         if poll.wait:
             state = await hold(
-                channel=poll.action_id,
-                run=False,
+                channel=poll.object_id,
+                run=poll.route.channel_is_run,
                 wait=poll.wait,
                 read=lambda woken: self._held_read(poll, woken, scope),
                 should_hold=lambda state: action_should_hold(state, condition),
@@ -326,52 +308,13 @@ class PollFront:
         return full
 
     async def _state(self, poll: Poll) -> ActionState | None:
-        """The action's tag and whether it is final (no body), or None: Django answers."""
-        sql = self._sql
-        prefix = poll.token[:LOOKUP_PREFIX_LENGTH]
-        rows = await self._rows(sql.state_sql, (poll.action_id, prefix))
-        found = self._token_run(rows, poll.token)
-        if found is None:
-            return None
-        run, index = found
-        action = model_from_row(Action, sql.state_fields, rows[index][len(sql.token_fields) :])
-        if not _visible(action, run):
-            return None
-        return ActionState(action.etag, action.is_final, b"")
+        """The object's tag and whether it is final (no body where the route can), or None:
+        Django answers."""
+        return await poll.route.state(self._rows, poll.read)
 
     async def _full(self, poll: Poll) -> ActionState | None:
-        """The action with its body, or None: Django answers. A body that needs another
-        read (an undo's state) raises SynchronousOnlyOperation: Django answers."""
-        sql = self._sql
-        prefix = poll.token[:LOOKUP_PREFIX_LENGTH]
-        rows = await self._rows(sql.body_sql, (poll.action_id, prefix))
-        found = self._token_run(rows, poll.token)
-        if found is None:
-            return None
-        run, index = found
-        action = self._action(rows[index])
-        if action is None or not _visible(action, run):
-            return None
-        return ActionState(action.etag, action.is_final, action_body(action))
-
-    def _action(self, row: tuple[Any, ...]) -> Action | None:
-        sql = self._sql
-        at = len(sql.token_fields)
-        parts: list[Any] = []
-        for fields in (sql.action_fields, sql.run_fields, sql.agent_fields):
-            parts.append(row[at : at + len(fields)])
-            at += len(fields)
-        if parts[0][0] is None:
-            return None  # no such action
-        action: Action = model_from_row(Action, sql.action_fields, parts[0])
-        action_run = model_from_row(Run, sql.run_fields, parts[1])
-        Run._meta.get_field("agent").set_cached_value(
-            action_run, model_from_row(Agent, sql.agent_fields, parts[2])
-        )
-        Action._meta.get_field("run").set_cached_value(action, action_run)
-        for name, value in zip(sql.fact_names, row[at:], strict=True):
-            setattr(action, name, value)
-        return action
+        """The object with its body, or None: Django answers."""
+        return await poll.route.full(self._rows, poll.read)
 
     # --- the headers, as Django sent them ----------------------------------------------------
 
@@ -389,15 +332,13 @@ class PollFront:
         self._learning_tasks.add(task)  # the loop keeps only a weak reference
         task.add_done_callback(self._learning_tasks.discard)
 
-    async def _learn_from_stand_in(
-        self, key: tuple[int, str, bool], poll: Poll, scope: Scope
-    ) -> None:
+    async def _learn_from_stand_in(self, key: Template, poll: Poll, scope: Scope) -> None:
         try:
             await self._learn_from_django(key, poll, _stand_in(scope), _empty_request(), _discard)
         except Exception:  # nothing learned: the first woken poll asks Django itself
             logger.debug("held answer's headers not learned ahead", exc_info=True)
 
-    async def _template_ready(self, key: tuple[int, str, bool]) -> bool:
+    async def _template_ready(self, key: Template) -> bool:
         """Whether the headers of answers like `key` are known, after waiting for a poll that
         is learning them now: when many held polls wake at once in a fresh process, one asks
         Django and the rest wait the few milliseconds that takes, instead of all queueing for
@@ -408,7 +349,7 @@ class PollFront:
         return key in self.templates
 
     async def _learn_from_django(
-        self, key: tuple[int, str, bool], poll: Poll, scope: Scope, receive: Receive, send: Send
+        self, key: Template, poll: Poll, scope: Scope, receive: Receive, send: Send
     ) -> None:
         learning = self._learning_now.setdefault(key, asyncio.Event())
         try:
@@ -490,12 +431,6 @@ def _empty_request() -> Receive:
 
 async def _discard(message: Message) -> None:
     """`send` of the stand-in: its answer is read for its headers only."""
-
-
-def _visible(action: Action, run: Run) -> bool:
-    """actions_visible_to(run)'s rule, checked on the row read."""
-    scope = run_token_action_scope(run)
-    return all(getattr(action, name) == value for name, value in scope.items())
 
 
 def _proxy_ssl_header() -> bytes | None:

@@ -1,20 +1,26 @@
-"""The poll front's database side (approvals/api/fastpoll.py): its two statements, built
-from the models' metadata, and the few async psycopg connections it runs them on."""
+"""The read front's database side (approvals/api/fastpoll.py): its statements, built from
+the models' metadata and the token lookups' own querysets, and the few async psycopg
+connections it runs them on."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.models import Model
 from psycopg import AsyncConnection, AsyncCursor
 
 from approvals.api.serialize import body_facts
 from approvals.models import Action, Agent, Run
+from approvals.services.tokens import agent_token_candidates
+from console.auth import AGENT, RUN
 from console.stale_plans import DEALLOCATE_ALL, is_stale_plan
 
 logger = logging.getLogger(__name__)
@@ -36,49 +42,117 @@ def _fields(
     ]
 
 
+# Stand-ins for a request's values in a statement compiled from a queryset (see
+# TokenSource.params): the statement is compiled once, the values bound per request.
+_PREFIX = "\x00token-prefix"
+_NOW = datetime(1970, 1, 1, 0, 0, 7, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class TokenSource:
+    """One token kind's candidate rows as a subquery `t` (a statement's FROM): the columns
+    `fields` names, `token_hash` among them; `params` binds a request's token prefix and
+    now."""
+
+    kind: str  # console.auth's RUN or AGENT
+    fields: list[tuple[str, str]]
+    sql: str
+    slots: tuple[str, ...]  # each parameter of `sql`: "prefix" or "now"
+
+    def params(self, prefix: str, now: datetime) -> tuple[Any, ...]:
+        return tuple(prefix if slot == "prefix" else now for slot in self.slots)
+
+
+def _run_tokens() -> TokenSource:
+    """A run token's candidates: its run (what the token check, run_effective_status and
+    the scopes read) whose agent is active (principal_for_token)."""
+    run_table, agent_table = Run._meta.db_table, Agent._meta.db_table
+    read = frozenset({"id", "agent_id", "token_hash", "status", "expires_at"})
+    columns = _fields(Run, "r", only=read)
+    sql = (
+        "("
+        + _select(columns, f'"{run_table}" r JOIN "{agent_table}" g ON g.id = r.agent_id ')
+        + "AND g.is_active WHERE r.token_prefix = %s) t"
+    )
+    # The same columns in the same (the model's) order, as the subquery `t` names them.
+    fields = _fields(Run, "t", only=read)
+    return TokenSource(kind=RUN, fields=fields, sql=sql, slots=("prefix",))
+
+
+def _agent_tokens() -> TokenSource:
+    """An agent token's candidates: tokens.agent_token_candidates' own SQL (live, agent
+    active), compiled once with stand-ins for the prefix and now."""
+    names = ("agent_id", "token_hash", "last_used_at")
+    query = agent_token_candidates(_PREFIX, _NOW).values_list(*names).query
+    sql, params = query.sql_with_params()
+    slots = []
+    for value in params:
+        if value == _PREFIX:
+            slots.append("prefix")
+        elif value == _NOW:
+            slots.append("now")
+        else:  # pragma: no cover - the queryset gained a parameter this module must learn
+            raise ImproperlyConfigured(f"agent token lookup: unexpected parameter {value!r}")
+    fields = [(name, f't."{name}"') for name in names]
+    return TokenSource(kind=AGENT, fields=fields, sql=f"({sql}) t", slots=tuple(slots))
+
+
 class Statements:
-    """The two statements of a fast poll, built once from the models' metadata."""
+    """The statements of the read front, built once from the models' metadata and the
+    token lookups: per token kind, an action's tag (the 304 check), an action with its
+    body, and a run with its agent's name."""
 
     def __init__(self) -> None:
+        self.tokens = {source.kind: source for source in (_run_tokens(), _agent_tokens())}
         run_table = Run._meta.db_table
         agent_table = Agent._meta.db_table
         action_table = Action._meta.db_table
-        # The token's run: what the token check and run_token_action_scope read.
-        self.token_fields = _fields(
-            Run, "t", only=frozenset({"id", "agent_id", "token_hash", "status", "expires_at"})
-        )
-        # A run token whose agent is inactive is no credential (principal_for_token).
-        token_from = (
-            f'FROM "{run_table}" t JOIN "{agent_table}" g ON g.id = t.agent_id AND g.is_active '
-        )
-        where = "WHERE t.token_prefix = %s"
         # The 304 check: the action's revision and who may read it.
         self.state_fields = _fields(
             Action, "a", only=frozenset({"id", "run_id", "agent_id", "status", "revision"})
         )
-        self.state_sql = (
-            f"SELECT {', '.join(c for _, c in self.token_fields + self.state_fields)} "
-            f'{token_from}LEFT JOIN "{action_table}" a ON a.id = %s {where}'
-        )
+        self.state_sql = {
+            kind: _select(
+                source.fields + self.state_fields,
+                f'{source.sql} LEFT JOIN "{action_table}" a ON a.id = %s',
+            )
+            for kind, source in self.tokens.items()
+        }
         # The 200: the row and its run's (for the body) plus the body's facts. The facts'
         # SQL names the action table itself, so the action is not aliased here.
         quoted = f'"{action_table}"'
         self.action_fields = _fields(Action, quoted, exclude=frozenset({"payload"}))
-        self.run_fields = _fields(Run, "ar", exclude=frozenset({"write_set", "task", "token_hash"}))
+        self.run_fields = _fields(Run, "ar", exclude=frozenset({"token_hash"}))
+        self.action_run_fields = _fields(
+            Run, "ar", exclude=frozenset({"write_set", "task", "token_hash"})
+        )
         self.agent_fields = [("id", "ag.id"), ("name", "ag.name")]
         facts = body_facts("postgresql")
         self.fact_names = [name for name, _ in facts]
-        columns = (
-            [c for _, c in self.token_fields + self.action_fields + self.run_fields]
-            + [c for _, c in self.agent_fields]
-            + [sql for _, sql in facts]
-        )
-        self.body_sql = (
-            f"SELECT {', '.join(columns)} {token_from}"
-            f"LEFT JOIN {quoted} ON {quoted}.id = %s "
-            f'LEFT JOIN "{run_table}" ar ON ar.id = {quoted}.run_id '
-            f'LEFT JOIN "{agent_table}" ag ON ag.id = ar.agent_id {where}'
-        )
+        body = self.action_fields + self.action_run_fields + self.agent_fields + facts
+        self.body_sql = {
+            kind: _select(
+                source.fields + body,
+                f"{source.sql} LEFT JOIN {quoted} ON {quoted}.id = %s "
+                f'LEFT JOIN "{run_table}" ar ON ar.id = {quoted}.run_id '
+                f'LEFT JOIN "{agent_table}" ag ON ag.id = ar.agent_id',
+            )
+            for kind, source in self.tokens.items()
+        }
+        # A run read: the run and its agent's name (run_json).
+        self.run_sql = {
+            kind: _select(
+                source.fields + self.run_fields + self.agent_fields,
+                f'{source.sql} LEFT JOIN "{run_table}" ar ON ar.id = %s '
+                f'LEFT JOIN "{agent_table}" ag ON ag.id = ar.agent_id',
+            )
+            for kind, source in self.tokens.items()
+        }
+
+
+def _select(fields: list[tuple[str, str]], tables: str) -> str:
+    # Model metadata, the body facts' constant SQL and the compiled token lookup only.
+    return f"SELECT {', '.join(column for _, column in fields)} FROM {tables}"  # noqa: S608
 
 
 def connection_kwargs() -> dict[str, Any]:
