@@ -61,7 +61,7 @@ def test_the_poll_body_finds_the_run_approval_by_index_among_thousands_of_call_a
     _call_approvals(run.run, polled, CALL_APPROVALS)
     # The run token's statement; the agent token's shares everything after its token lookup.
     nodes = plan_nodes(
-        Statements().body_sql[RUN], (run.run.token_prefix, polled.pk), generic=plan == "generic"
+        Statements().body_sql[RUN].sql, (run.run.token_prefix, polled.pk), generic=plan == "generic"
     )
     assert "approval_of_run" in index_names(nodes), nodes
     # Nothing in the statement reads the run's call approvals to throw them away.

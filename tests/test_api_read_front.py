@@ -23,6 +23,7 @@ from approvals.services.runs import run_finish, run_revoke
 from approvals.services.tokens import token_revoke
 from audit.services import Actor
 from tests.fixtures.api import make_active_run, make_agent_with_token, make_person_with_token
+from tests.fixtures.core import make_action, make_resource
 from tests.test_api_poll_fastpath import (
     REQUEST_ID,
     Server,
@@ -36,7 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 __all__ = ["servers"]  # the module's two servers (a fixture)
 
-ROUTES = ("action", "run")
+ROUTES = ("action", "run", "resource")
 KINDS = ("run", "agent")
 
 
@@ -60,19 +61,29 @@ def world() -> World:
         "other": _pending(other.run, "fo-1"),
     }
     runs = {"own": run.run, "sibling": sibling.run, "other": other.run}
+    # Any live token reads any resource (of a managed kind): three to read.
+    resources = {
+        which: make_resource(f"dns-record/fr-res-{which}", {"which": which, "n": [1, 2]})
+        for which in ("own", "sibling", "other")
+    }
     return World(
         tokens={
             "run": run.token,
             "agent": robot.token,
             "person": make_person_with_token("front-reader").token,
         },
-        objects={"action": actions, "run": runs},
+        objects={"action": actions, "run": runs, "resource": resources},
         agent=robot.agent,
         run=run.run,
     )
 
 
 def _path(world: World, route: str, which: str) -> str:
+    if route == "resource":
+        if which == "unknown":
+            return "/api/v1/resources/dns-record/fr-res-nowhere"
+        resource = world.objects[route][which]
+        return f"/api/v1/resources/{resource.kind_id}/{resource.name}"
     if which == "unknown":
         return f"/api/v1/{route}s/00000000-0000-4000-8000-000000000000"
     return f"/api/v1/{route}s/{world.objects[route][which].pk}"
@@ -131,6 +142,8 @@ CASES: list[tuple[str, Change | None, str, bool, dict[tuple[str, str], tuple[int
             ("action", "agent"): (200, True),
             ("run", "run"): (404, False),  # ... but only its own run
             ("run", "agent"): (200, True),
+            ("resource", "run"): (200, True),  # any live token reads any resource
+            ("resource", "agent"): (200, True),
         },
     ),
     (
@@ -138,7 +151,10 @@ CASES: list[tuple[str, Change | None, str, bool, dict[tuple[str, str], tuple[int
         None,
         "other",
         False,
-        {(r, k): (404, False) for r in ROUTES for k in KINDS},
+        {
+            **{(r, k): (404, False) for r in ("action", "run") for k in KINDS},
+            **{("resource", k): (200, True) for k in KINDS},
+        },
     ),
     ("unknown id", None, "unknown", False, {(r, k): (404, False) for r in ROUTES for k in KINDS}),
     (
@@ -151,9 +167,21 @@ CASES: list[tuple[str, Change | None, str, bool, dict[tuple[str, str], tuple[int
             ("run", "run"): (200, True),
             ("action", "agent"): (401, False),
             ("run", "agent"): (401, False),
+            ("resource", "run"): (401, False),  # ... but no resource: a dead credential there
+            ("resource", "agent"): (401, False),
         },
     ),
-    ("ended run", _finish, "own", False, {(r, k): (200, True) for r in ROUTES for k in KINDS}),
+    (
+        "ended run",
+        _finish,
+        "own",
+        False,
+        {
+            **{(r, k): (200, True) for r in ("action", "run") for k in KINDS},
+            ("resource", "run"): (401, False),
+            ("resource", "agent"): (200, True),
+        },
+    ),
     (
         "ended run, another run's",
         _finish,
@@ -164,6 +192,8 @@ CASES: list[tuple[str, Change | None, str, bool, dict[tuple[str, str], tuple[int
             ("action", "agent"): (200, True),
             ("run", "run"): (404, False),
             ("run", "agent"): (200, True),
+            ("resource", "run"): (401, False),
+            ("resource", "agent"): (200, True),
         },
     ),
     (
@@ -223,7 +253,8 @@ def test_a_personal_token_is_answered_by_django(
     path = _path(world, route, "own")
     django = _get(servers["django"], path, world.tokens["person"])
     front = _get(servers["front"], path, world.tokens["person"])
-    assert django.status_code == 404  # a person without a group reads neither
+    # A person without a group reads no action or run, and any resource.
+    assert django.status_code == (200 if route == "resource" else 404)
     assert _comparable(front) == _comparable(django)
     assert "x-test-served-by" in front.headers
 
@@ -260,3 +291,32 @@ def test_a_held_run_poll_is_left_to_django(servers: dict[str, Server], world: Wo
     assert django.status_code == 304
     assert _comparable(front) == _comparable(django)
     assert "x-test-served-by" in front.headers
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_resource_with_a_write_queued_over_it_is_answered_alike_with_the_queued_action(
+    servers: dict[str, Server], world: World, kind: str
+) -> None:
+    """Airlock-Queued-Action, present on some answers only: the front learns Django's headers
+    of such an answer once (its first is Django's) and fills in the action's id."""
+    _learn(servers, world)
+    resource = world.objects["resource"]["own"]
+    queued = make_action(
+        run=world.run,
+        identifier=f"dns-record/{resource.name}",
+        operation="update",
+        payload={"n": 3},
+        observed_version=resource.version,
+        status="queued",
+        resource=resource,
+    )
+    path, token = _path(world, "resource", "own"), world.tokens[kind]
+    etag = _get(servers["front"], path, token).headers["ETag"]
+    _get(servers["front"], path, token, **{"If-None-Match": etag})
+    for headers, status in (({}, 200), ({"If-None-Match": etag}, 304)):
+        django = _get(servers["django"], path, token, **headers)
+        front = _get(servers["front"], path, token, **headers)
+        assert django.status_code == status
+        assert django.headers["Airlock-Queued-Action"] == str(queued.pk)
+        assert _comparable(front) == _comparable(django)
+        assert "x-test-served-by" not in front.headers

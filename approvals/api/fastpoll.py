@@ -38,7 +38,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from django.conf import settings
 from django.core.exceptions import SynchronousOnlyOperation
@@ -46,7 +46,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.http.request import split_domain_port, validate_host
 
 from approvals.api.actions import ActionState, action_should_hold
-from approvals.api.fastpoll_routes import Read, Route, route_for, token_kind
+from approvals.api.fastpoll_routes import Answer, Read, Route, route_for, token_kind
 from approvals.api.fastpoll_sql import Connections, connection_kwargs
 from approvals.api.longpoll import hold, parse_prefer_wait
 from approvals.services.preconditions import TagCondition, read_condition
@@ -74,7 +74,24 @@ _READ = frozenset({b"host", b"authorization", b"if-none-match", b"x-request-id",
 _HANDS_OFF = frozenset({b"cookie", b"content-length", b"transfer-encoding"})
 
 
-Template = tuple[str, str, int, str, bool]
+Template = tuple[str, str, int, str, bool, tuple[bytes, ...]]
+
+
+class Reply(NamedTuple):
+    """The front's answer: status, ETag, body and the route's per-answer headers it has."""
+
+    status: int
+    etag: str
+    body: bytes
+    extra: tuple[tuple[bytes, bytes], ...] = ()
+
+    @property
+    def extra_names(self) -> tuple[bytes, ...]:
+        return tuple(sorted(name for name, _ in self.extra))
+
+
+def _extra(state: ActionState) -> tuple[tuple[bytes, bytes], ...]:
+    return state.headers if isinstance(state, Answer) else ()
 
 
 @dataclass(frozen=True)
@@ -90,12 +107,14 @@ class Poll:
 
     @property
     def object_id(self) -> uuid.UUID:
-        return self.read.object_id
+        object_id: uuid.UUID = self.read.path["id"]
+        return object_id
 
-    def template(self, status: int) -> Template:
+    def template(self, status: int, extra: tuple[bytes, ...] = ()) -> Template:
         """The key of the learned headers for this poll's answer with `status`: per route and
-        token kind (Django's answers are learned for each), status, scheme and held or not."""
-        return self.route.name, self.read.kind, status, self.scheme, self.wait is not None
+        token kind (Django's answers are learned for each), status, scheme, held or not, and
+        which of the route's per-answer headers the answer has."""
+        return self.route.name, self.read.kind, status, self.scheme, self.wait is not None, extra
 
 
 class _HandOff(Exception):
@@ -165,7 +184,7 @@ class PollFront:
         if poll is None:
             await self.app(scope, receive, send)
             return
-        answer: tuple[int, str, bytes] | None = None
+        answer: Reply | None = None
         # A held poll waits in front even before its answer's headers are learned.
         if poll.wait or self._learned(poll):
             watch = _DisconnectWatch(receive) if poll.wait else None
@@ -183,8 +202,7 @@ class PollFront:
         if answer is None:
             await self.app(scope, receive, self._learning(poll, send))
             return
-        status, etag, body = answer
-        key = poll.template(status)
+        key = poll.template(answer.status, answer.extra_names)
         if not await self._template_ready(key):
             # The first held answer of its kind: the wait is over, so Django answers it at
             # once (wait=0) and the front learns its headers (Preference-Applied restored).
@@ -193,11 +211,11 @@ class PollFront:
         await send(
             {
                 "type": "http.response.start",
-                "status": status,
-                "headers": self._headers(poll, status, etag, body),
+                "status": answer.status,
+                "headers": self._headers(poll, key, answer),
             }
         )
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": answer.body})
 
     # --- the request ---------------------------------------------------------------------
 
@@ -208,7 +226,7 @@ class PollFront:
         routed = route_for(scope["path"])
         if routed is None:
             return None
-        route, object_id = routed
+        route, path = routed
         headers: dict[bytes, str] = {}
         for raw_name, raw_value in scope["headers"]:
             name = raw_name.lower()
@@ -237,7 +255,7 @@ class PollFront:
             return None  # Django holds (or answers at once) what the front does not hold
         return Poll(
             route=route,
-            read=Read(object_id=object_id, token=token, kind=kind),
+            read=Read(path=path, token=token, kind=kind),
             condition=read_condition(headers.get(b"if-none-match")),
             request_id=clean_request_id(headers.get(b"x-request-id")),
             scheme=scheme,
@@ -257,8 +275,8 @@ class PollFront:
             self._connections = Connections(connection_kwargs(), size)
         return await self._connections.rows(sql, params)
 
-    async def _answer(self, poll: Poll, scope: Scope) -> tuple[int, str, bytes] | None:
-        """(status, ETag, body) of the poll, or None: Django answers. A held poll waits as
+    async def _answer(self, poll: Poll, scope: Scope) -> Reply | None:
+        """The poll's answer, or None: Django answers. A held poll waits as
         approvals.api.actions.action_get does, then answers what it last read."""
         condition = poll.condition
         if poll.wait:
@@ -270,20 +288,20 @@ class PollFront:
                 should_hold=lambda state: action_should_hold(state, condition),
             )
             if state.body and not action_should_hold(state, condition):
-                return 200, state.etag, state.body
+                return Reply(200, state.etag, state.body, _extra(state))
             # The wait is over with nothing to show: the poll's answer now, read afresh.
         if condition is not None:
             tag = await self._state(poll)
             if tag is None:
                 return None
             if condition.weak_match(tag.etag):
-                return 304, tag.etag, b""
+                return Reply(304, tag.etag, b"", _extra(tag))
         full = await self._full(poll)
         if full is None:
             return None
         if condition is not None and condition.weak_match(full.etag):
-            return 304, full.etag, b""
-        return 200, full.etag, full.body
+            return Reply(304, full.etag, b"", _extra(full))
+        return Reply(200, full.etag, full.body, _extra(full))
 
     async def _held_read(self, poll: Poll, woken: bool, scope: Scope) -> ActionState:
         """One read of a held poll. Woken by a publish (the action most likely changed):
@@ -373,23 +391,22 @@ class PollFront:
                 names = {name.lower() for name, _ in headers}
                 # A cookie belongs to one client: an answer that sets one is never replayed.
                 if names.issuperset(_PER_ANSWER) and b"set-cookie" not in names:
-                    self.templates[poll.template(message["status"])] = headers
+                    extra = tuple(sorted(names & poll.route.per_answer))
+                    self.templates[poll.template(message["status"], extra)] = headers
             await send(message)
 
         return learn
 
-    def _headers(self, poll: Poll, status: int, etag: str, body: bytes) -> list[Any]:
+    def _headers(self, poll: Poll, key: Template, answer: Reply) -> list[Any]:
         values = {
-            b"etag": etag.encode("latin-1"),
-            b"content-length": str(len(body)).encode(),
+            b"etag": answer.etag.encode("latin-1"),
+            b"content-length": str(len(answer.body)).encode(),
             b"x-request-id": poll.request_id.encode("latin-1"),
+            **dict(answer.extra),
         }
         if poll.wait is not None:
             values[_PREFERENCE] = f"wait={poll.wait}".encode()
-        return [
-            (name, values.get(name.lower(), value))
-            for name, value in self.templates[poll.template(status)]
-        ]
+        return [(name, values.get(name.lower(), value)) for name, value in self.templates[key]]
 
 
 def _waiting_no_more(scope: Scope) -> Scope:

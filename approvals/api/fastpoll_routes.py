@@ -24,7 +24,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 
 from approvals.api.actions import ActionState
-from approvals.api.fastpoll_sql import Statements, model_from_row
+from approvals.api.fastpoll_sql import Statement, Statements, model_from_row
 from approvals.api.runs import run_state_of
 from approvals.api.serialize import action_body
 from approvals.models import Action, Agent, Run
@@ -33,20 +33,30 @@ from approvals.selectors import (
     run_token_action_scope,
     token_run_scope,
 )
+from approvals.services.queued_writes import QueuedWrite, superseding_write
 from approvals.services.tokens import (
     AGENT_PREFIX,
     LOOKUP_PREFIX_LENGTH,
     RUN_PREFIX,
+    Principal,
     token_digest,
     token_needs_touch,
 )
+from console.api_support import json_bytes
 from console.auth import (
     AGENT,
     RUN,
     Bearer,
+    any_token,
     any_token_or_ended_run,
     any_token_or_ended_run_deferred,
+    run_has_ended,
 )
+from ownership.api.resources import QUEUED_ACTION_HEADER
+from ownership.api.schemas import KIND_PATTERN, NAME_PATTERN
+from ownership.api.serialize import resource_json
+from ownership.models import Resource, ResourceKind
+from ownership.targets import is_external
 
 Rows = Callable[[str, tuple[Any, ...]], Awaitable[list[tuple[Any, ...]]]]
 Reader = Run | Agent
@@ -63,11 +73,20 @@ def token_kind(token: str) -> str | None:
 
 @dataclass(frozen=True)
 class Read:
-    """What a route answers from: the object's id and the bearer's token."""
+    """What a route answers from: the path's values by name ("id", or "kind" and "name")
+    and the bearer's token."""
 
-    object_id: uuid.UUID
+    path: dict[str, Any]
     token: str
     kind: str  # RUN or AGENT
+
+
+@dataclass(frozen=True)
+class Answer(ActionState):
+    """A read's answer, with the headers it has beyond Django's constant ones and ETag (the
+    front learns Django's headers per set of these names and fills in their values)."""
+
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
 class Route:
@@ -79,12 +98,16 @@ class Route:
     bearer: Bearer
     holds: bool = False
     channel_is_run: bool = False
+    # Headers only some of its answers have (their values per answer).
+    per_answer: frozenset[bytes] = frozenset()
 
     def serves(self, kind: str) -> bool:
-        """Whether the front answers this token kind here as Django's Bearer would: a kind the
-        Bearer accepts (403 otherwise: Django's), and a run token only where an ended run's
-        is accepted too (elsewhere its run's status decides 401: Django's)."""
-        return kind in self.bearer.kinds and (kind != RUN or self.bearer.ended_run)
+        """Whether the front answers this token kind here: a kind Django's Bearer accepts
+        (403 otherwise: Django's)."""
+        return kind in self.bearer.kinds
+
+    def path_values(self, match: re.Match[str]) -> dict[str, Any]:
+        return {"id": uuid.UUID(match.group(1))}
 
     async def state(self, rows: Rows, read: Read) -> ActionState | None:
         """The object's tag (and whether it is final) without a body where that is cheaper,
@@ -103,14 +126,15 @@ def statements() -> Statements:
 
 
 async def _token_rows(
-    rows: Rows, statement: dict[str, str], read: Read
+    rows: Rows, statement: dict[str, Statement], read: Read, bearer: Bearer
 ) -> tuple[Reader, tuple[Any, ...]] | None:
     """The token's reader (its run, or its agent) and the rest of its row, or None."""
     sql = statements()
     source = sql.tokens[read.kind]
     now = timezone.now()
-    params = source.params(read.token[:LOOKUP_PREFIX_LENGTH], now)
-    found = await rows(statement[read.kind], (*params, read.object_id))
+    prefix = read.token[:LOOKUP_PREFIX_LENGTH]
+    chosen = statement[read.kind]
+    found = await rows(chosen.sql, chosen.bind({"prefix": prefix, "now": now, **read.path}))
     digest = token_digest(read.token)
     width = len(source.fields)
     hash_at = [name for name, _ in source.fields].index("token_hash")
@@ -123,7 +147,11 @@ async def _token_rows(
         return None
     token = match[:width]
     if read.kind == RUN:
-        return model_from_row(Run, source.fields, token), match[width:]
+        run: Run = model_from_row(Run, source.fields, token)
+        principal = Principal(kind=RUN, token_prefix=prefix, run=run)
+        if not bearer.ended_run and run_has_ended(principal):
+            return None  # a dead credential here: Django's 401
+        return run, match[width:]
     values = dict(zip((name for name, _ in source.fields), token, strict=True))
     if token_needs_touch(values["last_used_at"], now):
         return None  # its use must be recorded: Django's authentication writes it
@@ -154,7 +182,7 @@ class ActionRoute(Route):
 
     async def state(self, rows: Rows, read: Read) -> ActionState | None:
         sql = statements()
-        found = await _token_rows(rows, sql.state_sql, read)
+        found = await _token_rows(rows, sql.state_sql, read, self.bearer)
         if found is None:
             return None
         reader, rest = found
@@ -167,7 +195,7 @@ class ActionRoute(Route):
         """A body that needs another read (an undo's state) raises SynchronousOnlyOperation:
         Django answers."""
         sql = statements()
-        found = await _token_rows(rows, sql.body_sql, read)
+        found = await _token_rows(rows, sql.body_sql, read, self.bearer)
         if found is None:
             return None
         reader, rest = found
@@ -208,7 +236,7 @@ class RunRoute(Route):
 
     async def full(self, rows: Rows, read: Read) -> ActionState | None:
         sql = statements()
-        found = await _token_rows(rows, sql.run_sql, read)
+        found = await _token_rows(rows, sql.run_sql, read, self.bearer)
         if found is None:
             return None
         reader, rest = found
@@ -225,13 +253,57 @@ class RunRoute(Route):
         return ActionState(state.etag, False, state.body)
 
 
+class ResourceRoute(Route):
+    """`GET /api/v1/resources/{kind}/{name}` (ownership.api.resources.resource_get) of a
+    managed kind (an external kind is read through from its target: Django's), with the
+    approved write already queued over the version read (Airlock-Queued-Action:
+    queued_writes.superseding_write over in_flight_on's rows). Any live token reads any
+    resource; a run token only while its run has not ended."""
+
+    name = "resource"
+    pattern = re.compile(
+        rf"/api/v1/resources/({KIND_PATTERN.strip('^$')})/({NAME_PATTERN.strip('^$')})"
+    )
+    bearer = any_token
+    per_answer = frozenset({QUEUED_ACTION_HEADER.lower().encode()})
+
+    def path_values(self, match: re.Match[str]) -> dict[str, Any]:
+        return {"kind": match.group(1), "name": match.group(2)}
+
+    async def full(self, rows: Rows, read: Read) -> ActionState | None:
+        sql = statements()
+        found = await _token_rows(rows, sql.resource_sql, read, self.bearer)
+        if found is None:
+            return None
+        _, rest = found
+        kinds, resources = len(sql.kind_fields), len(sql.resource_fields)
+        if rest[0] is None:
+            return None  # no such kind
+        kind = model_from_row(ResourceKind, sql.kind_fields, rest[:kinds])
+        if is_external(kind) or rest[kinds] is None:
+            return None  # read through its target, or no such resource: Django's
+        resource: Resource = model_from_row(
+            Resource, sql.resource_fields, rest[kinds : kinds + resources]
+        )
+        writes = [
+            QueuedWrite(uuid.UUID(str(id_)), operation, observed)
+            for id_, operation, observed in rest[kinds + resources] or []
+        ]
+        queued = superseding_write(writes, creating=False, observed_version=resource.token)
+        extra = () if queued is None else ((self._queued, str(queued.id).encode()),)
+        body = json_bytes(resource_json(resource))
+        return Answer(resource.etag, True, body, extra)
+
+    _queued = QUEUED_ACTION_HEADER.lower().encode()
+
+
 # The table: the first route whose pattern matches the whole path answers.
-ROUTES: tuple[Route, ...] = (ActionRoute(), RunRoute())
+ROUTES: tuple[Route, ...] = (ActionRoute(), RunRoute(), ResourceRoute())
 
 
-def route_for(path: str) -> tuple[Route, uuid.UUID] | None:
+def route_for(path: str) -> tuple[Route, dict[str, Any]] | None:
     for route in ROUTES:
         match = route.pattern.fullmatch(path)
         if match is not None:
-            return route, uuid.UUID(match.group(1))
+            return route, route.path_values(match)
     return None
