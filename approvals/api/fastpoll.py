@@ -1,34 +1,42 @@
-"""The agent's poll, answered in front of Django: `GET /api/v1/actions/{id}` with a run
-token, the action visible to the run — the short poll and the held one (`Prefer: wait=N`).
+"""The agent's reads, answered in front of Django: every route of the route table
+(approvals/api/fastpoll_routes.py) — `GET /api/v1/actions/{id}` (the short poll and the held
+one, `Prefer: wait=N`), `GET /api/v1/runs/{id}` and `GET /api/v1/resources/{kind}/{name}` of
+a managed kind — with a run token (`rt_`) or an agent token (`ak_`), as each route's Bearer
+accepts them.
 
-That poll is most of an agent's traffic, and Django's ASGI path (request object, ninja,
-middlewares, a thread hop, the ORM compiling two querysets) costs several times the read
-itself. `PollFront` wraps the ASGI application: for the happy path it runs ONE prepared
-statement on a few async psycopg connections of its own (the token's run, the action's row
-and, for a 200, everything the body shows) and answers on the event loop — a 304 before any
-JSON work. Any other request, and any doubt about this one (unknown token, invisible or
-unknown action, a body that needs more reads, a database error, a header it does not parse),
-goes to Django unchanged, which then answers exactly as it always did. Rate limiting and
-audit stay off this read path, as on Django's.
+Those reads are most of an agent's traffic, and Django's ASGI path (request object, ninja,
+middlewares, a thread hop, the ORM compiling querysets) costs several times the read itself.
+`PollFront` wraps the ASGI application: for the happy path it runs ONE prepared statement on
+a few async psycopg connections of its own (the token's candidates joined with the object
+and everything its body shows) and answers on the event loop — a 304 before any JSON work
+where the route can. Any other request, and any doubt about this one (a personal or unknown
+token, an invisible or unknown object, an agent token whose use must be recorded, a body
+that needs more reads, a database error, a header it does not parse), goes to Django
+unchanged, which then answers exactly as it always did. Rate limiting and audit stay off
+this read path, as on Django's. tests/test_api_read_front.py compares the two on every
+route, token kind and case.
 
 Nothing here is a second copy of a rule: the token is parsed by `console.auth.bearer_token`
-and checked against the same SHA-256 (`token_digest`, constant-time compare), who reads what
-is `run_token_action_scope` (the rule `actions_visible_to` filters with), the ETag is
-`Action.etag`, the body `action_body` over the facts `with_body_facts` annotates, and the
-answer's headers are the ones Django itself sent for this endpoint's previous 200/304 in this
-process (middlewares' security headers, CSP, Cache-Control, Content-Type), with only ETag,
-Content-Length and X-Request-Id (`clean_request_id`) filled in per answer. Until Django has
-answered once, every poll goes to Django — but a held poll: Django answers a stand-in of the
-first one the front holds, while it waits, so the front already knows the answer's headers
-when the poll is woken.
+and checked against the same SHA-256 (`token_digest`, constant-time compare) among the
+candidates of the same lookups (an agent token's: `agent_token_candidates`' SQL), who reads
+what is the selectors' scope rules (`run_token_action_scope`, `agent_token_action_scope`,
+`token_run_scope`, `resource_live`), the bodies and ETags the API's serializers', and the
+answer's headers are the ones Django itself sent for the route's previous 200/304 with the
+same token kind in this process (middlewares' security headers, CSP, Cache-Control,
+Content-Type), with only ETag, Content-Length, X-Request-Id (`clean_request_id`) and a
+route's per-answer headers (Airlock-Queued-Action) filled in per answer. Until Django has
+answered once, every such read goes to Django — but a held poll: Django answers a stand-in
+of the first one the front holds, while it waits, so the front already knows the answer's
+headers when the poll is woken.
 
-A held poll waits as Django's does — `approvals.api.longpoll.hold` (woken by the action's
-pub/sub channel, no database connection held while waiting) with `action_should_hold` — but
-each read is the one statement on the event loop instead of the ORM behind a thread hop: an
-approval reaches a waiting agent without Django. Its answer replays Django's own held answer
-(Preference-Applied filled in). A body that needs Django (an undo's state) once the wait
-has begun hands the poll to Django, which reads again and, if the action still holds, waits
-again: at most twice the wait, in that one case.
+A held action poll waits as Django's does — `approvals.api.longpoll.hold` (woken by the
+action's pub/sub channel, no database connection held while waiting) with
+`action_should_hold` — but each read is the one statement on the event loop instead of the
+ORM behind a thread hop: an approval reaches a waiting agent without Django. Its answer
+replays Django's own held answer (Preference-Applied filled in). A body that needs Django (an
+undo's state) once the wait has begun hands the poll to Django, which reads again and, if the
+action still holds, waits again: at most twice the wait, in that one case. Held run polls
+(which also wake at the run's expiry) are Django's.
 """
 
 from __future__ import annotations
