@@ -320,3 +320,27 @@ def test_a_resource_with_a_write_queued_over_it_is_answered_alike_with_the_queue
         assert django.headers["Airlock-Queued-Action"] == str(queued.pk)
         assert _comparable(front) == _comparable(django)
         assert "x-test-served-by" not in front.headers
+
+
+@pytest.mark.parametrize(
+    ("name", "headers"),
+    [
+        ("a.b:c@d+e=f,g-h_i", {}),  # every punctuation a name may have
+        ("x" * 255, {}),  # the longest name
+        ("fr-res-own", {"If-None-Match": 'W/"1", "2", , garbage'}),
+        ("fr-res-own", {"If-None-Match": "*"}),
+        ("fr-res-own", {"Prefer": "wait=1"}),  # a resource read does not wait: Django's
+    ],
+    ids=["punctuation", "longest", "odd If-None-Match", "star", "Prefer"],
+)
+def test_odd_but_valid_resource_reads_are_answered_alike(
+    servers: dict[str, Server], world: World, name: str, headers: dict[str, str]
+) -> None:
+    if name != "fr-res-own":
+        make_resource(f"dns-record/{name}", {"odd": True})
+    _learn(servers, world)
+    path, token = f"/api/v1/resources/dns-record/{name}", world.tokens["agent"]
+    django = _get(servers["django"], path, token, **headers)
+    front = _get(servers["front"], path, token, **headers)
+    assert django.status_code in (200, 304), django.text
+    assert _comparable(front) == _comparable(django)
