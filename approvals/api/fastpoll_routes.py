@@ -136,8 +136,7 @@ async def _token_rows(
     chosen = statement[read.kind]
     found = await rows(chosen.sql, chosen.bind({"prefix": prefix, "now": now, **read.path}))
     digest = token_digest(read.token)
-    width = len(source.fields)
-    hash_at = [name for name, _ in source.fields].index("token_hash")
+    width, hash_at = len(source.fields), source.hash_at
     match: tuple[Any, ...] | None = None
     for row in found:
         # Every candidate compared, in constant time, as principal_for_token does.

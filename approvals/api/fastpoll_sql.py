@@ -9,6 +9,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cached_property
 from typing import Any
 
 import psycopg
@@ -92,6 +93,11 @@ class TokenSource:
     kind: str  # console.auth's RUN or AGENT
     fields: list[tuple[str, str]]
     rows: Statement
+
+    @cached_property
+    def hash_at(self) -> int:
+        """Where the token's stored hash is in its columns."""
+        return [name for name, _ in self.fields].index("token_hash")
 
 
 def _run_tokens() -> TokenSource:
