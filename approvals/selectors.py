@@ -79,7 +79,7 @@ def _action_list_for_actor(actor: Any) -> QuerySet[Action]:
     # An Agent or a person; a run token reads through actions_visible_to.
     qs = _actions()
     if isinstance(actor, Agent):
-        return qs.filter(agent=actor)
+        return qs.filter(**agent_token_action_scope(actor))
     if can_read_everything(actor):
         return qs
     groups = user_groups(actor)
@@ -98,10 +98,8 @@ def _action_list_for_actor(actor: Any) -> QuerySet[Action]:
 
 def run_list_for_actor(actor: Any) -> QuerySet[Run]:
     qs = Run.objects.select_related("agent")
-    if isinstance(actor, Run):
-        return qs.filter(pk=actor.pk)
-    if isinstance(actor, Agent):
-        return qs.filter(agent=actor)
+    if isinstance(actor, (Run, Agent)):
+        return qs.filter(**token_run_scope(actor))
     if can_read_everything(actor):
         return qs
     if not getattr(actor, "pk", None):
@@ -121,6 +119,15 @@ def pending_approval_count(person: Any) -> int:
     return approval_list_for_person(person, status=ApprovalStatus.PENDING).count()
 
 
+def token_run_scope(reader: Run | Agent) -> dict[str, Any]:
+    """What a run or agent token reads of runs (run_list_for_actor's rule for them), as the
+    column values a run must have: a run token its own run, an agent token its agent's runs.
+    A queryset filter here, a row check in the API's read front (approvals/api/fastpoll.py)."""
+    if isinstance(reader, Run):
+        return {"id": reader.pk}
+    return {"agent_id": reader.pk}
+
+
 # --- Who may read an action: the one rule (API and console pages) -------------------
 
 
@@ -133,6 +140,13 @@ def actions_visible_to(reader: Any) -> QuerySet[Action]:
     if not isinstance(reader, Run):
         return _action_list_for_actor(reader)
     return _actions().filter(**run_token_action_scope(reader))
+
+
+def agent_token_action_scope(agent: Agent) -> dict[str, Any]:
+    """What an agent token reads (actions_visible_to's rule for an Agent), as the column
+    values an action must have: its own actions. A queryset filter here, a row check in the
+    API's read front (approvals/api/fastpoll.py): one rule."""
+    return {"agent_id": agent.pk}
 
 
 def run_token_action_scope(run: Run) -> dict[str, Any]:

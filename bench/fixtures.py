@@ -64,6 +64,7 @@ class World:
     admin: Any
     operator: Any
     agent: Agent
+    agent_token: str  # the agent's own token (ak_): the reads measured with both token kinds
 
     def operator_tokens(self, decisions: int) -> list[str]:
         """Fresh personal tokens, enough for `decisions` within the per-token rate limit."""
@@ -103,8 +104,8 @@ def bootstrap() -> World:
             operations=["create", "update"],
             description="bench",
         )
-    agent, _secret = agent_create(name="bench-agent", actor=Actor.person(admin))
-    return World(admin=admin, operator=operator, agent=agent)
+    agent, secret = agent_create(name="bench-agent", actor=Actor.person(admin))
+    return World(admin=admin, operator=operator, agent=agent, agent_token=secret)
 
 
 def run_for(world: World, patterns: list[str], task: str) -> RunHandle:

@@ -45,6 +45,19 @@ GOALS: dict[str, Goal] = {
     "poll_vs_bare_32": Goal("poll ÷ bare token view, 32 clients (0 errors)", ">=", 0.9),
     "poll_vs_bare_128": Goal("poll ÷ bare token view, 128 clients (0 errors)", ">=", 0.9),
     "poll_304_vs_200": Goal("304 poll ÷ 200 poll", ">=", 1.5),
+    **{
+        f"{name}_vs_bare_{clients}": Goal(
+            f"{label} ÷ bare token view, {clients} clients (0 errors)", ">=", 0.9
+        )
+        for name, label in (
+            ("action_agent", "action poll, agent token"),
+            ("run_run", "run poll, run token"),
+            ("run_agent", "run poll, agent token"),
+            ("resource_run", "resource read, run token"),
+            ("resource_agent", "resource read, agent token"),
+        )
+        for clients in (8, 32, 128)
+    },
     "longpoll_held": Goal("long-polls held by the default web processes", ">=", 2000),
     "longpoll_wake_p99_ms": Goal("long-poll wake-up p99", "<", 100, " ms"),
     "approval_round_trip_p50_ms": Goal("approval round trip p50 (200 waiting)", "<", 15, " ms"),

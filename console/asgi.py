@@ -26,8 +26,9 @@ from console.middleware import AirlockASGIHandler  # noqa: E402  # reason: needs
 # collectstatic step); everything else goes to Django. Behind a reverse proxy that serves
 # /static/ itself, this wrapper is never reached for those paths.
 django_application = ASGIStaticFilesHandler(AirlockASGIHandler())
-# An agent's short poll of an action is answered in front of Django when it can be
-# (approvals/api/fastpoll.py); every other request, and any doubt, goes to Django.
+# An agent's reads (action and run polls, resource reads) are answered in front of Django
+# when they can be (approvals/api/fastpoll.py and its route table); every other request,
+# and any doubt, goes to Django.
 application = PollFront(django_application)
 
 # The modules, URL patterns and API schemas loaded by now live as long as the process: take

@@ -54,6 +54,12 @@ def open_conflict_count(person: Any) -> int:
     return conflict_list_for_person(person, mine=True, status=ConflictStatus.OPEN).count()
 
 
+def resource_live(*, kind: str, name: str) -> QuerySet[Resource]:
+    """kind/name unless deleted: what an agent reads (GET /api/v1/resources/{kind}/{name}, in
+    Django and in the read front, approvals/api/fastpoll.py, which runs its SQL)."""
+    return Resource.objects.filter(kind_id=kind, name=name, deleted=False)
+
+
 def resource_list(*, kind: str | None = None, prefix: str | None = None) -> QuerySet[Resource]:
     qs = Resource.objects.select_related("kind")
     if kind:

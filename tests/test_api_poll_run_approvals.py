@@ -14,6 +14,7 @@ from django.db import connection
 
 from approvals.api.fastpoll_sql import Statements
 from approvals.models import ActionStatus
+from console.auth import RUN
 from tests.fixtures.core import make_action
 from tests.fixtures.query_plans import index_names, plan_nodes, rows_removed_by_filter
 
@@ -58,8 +59,9 @@ def test_the_poll_body_finds_the_run_approval_by_index_among_thousands_of_call_a
         status=ActionStatus.QUEUED,
     )
     _call_approvals(run.run, polled, CALL_APPROVALS)
+    # The run token's statement; the agent token's shares everything after its token lookup.
     nodes = plan_nodes(
-        Statements().body_sql, (polled.pk, run.run.token_prefix), generic=plan == "generic"
+        Statements().body_sql[RUN].sql, (run.run.token_prefix, polled.pk), generic=plan == "generic"
     )
     assert "approval_of_run" in index_names(nodes), nodes
     # Nothing in the statement reads the run's call approvals to throw them away.

@@ -1,47 +1,52 @@
-"""The agent's poll, answered in front of Django: `GET /api/v1/actions/{id}` with a run
-token, the action visible to the run — the short poll and the held one (`Prefer: wait=N`).
+"""The agent's reads, answered in front of Django: every route of the route table
+(approvals/api/fastpoll_routes.py) — `GET /api/v1/actions/{id}` (the short poll and the held
+one, `Prefer: wait=N`), `GET /api/v1/runs/{id}` and `GET /api/v1/resources/{kind}/{name}` of
+a managed kind — with a run token (`rt_`) or an agent token (`ak_`), as each route's Bearer
+accepts them.
 
-That poll is most of an agent's traffic, and Django's ASGI path (request object, ninja,
-middlewares, a thread hop, the ORM compiling two querysets) costs several times the read
-itself. `PollFront` wraps the ASGI application: for the happy path it runs ONE prepared
-statement on a few async psycopg connections of its own (the token's run, the action's row
-and, for a 200, everything the body shows) and answers on the event loop — a 304 before any
-JSON work. Any other request, and any doubt about this one (unknown token, invisible or
-unknown action, a body that needs more reads, a database error, a header it does not parse),
-goes to Django unchanged, which then answers exactly as it always did. Rate limiting and
-audit stay off this read path, as on Django's.
+Those reads are most of an agent's traffic, and Django's ASGI path (request object, ninja,
+middlewares, a thread hop, the ORM compiling querysets) costs several times the read itself.
+`PollFront` wraps the ASGI application: for the happy path it runs ONE prepared statement on
+a few async psycopg connections of its own (the token's candidates joined with the object
+and everything its body shows) and answers on the event loop — a 304 before any JSON work
+where the route can. Any other request, and any doubt about this one (a personal or unknown
+token, an invisible or unknown object, an agent token whose use must be recorded, a body
+that needs more reads, a database error, a header it does not parse), goes to Django
+unchanged, which then answers exactly as it always did. Rate limiting and audit stay off
+this read path, as on Django's. tests/test_api_read_front.py compares the two on every
+route, token kind and case.
 
 Nothing here is a second copy of a rule: the token is parsed by `console.auth.bearer_token`
-and checked against the same SHA-256 (`token_digest`, constant-time compare), who reads what
-is `run_token_action_scope` (the rule `actions_visible_to` filters with), the ETag is
-`Action.etag`, the body `action_body` over the facts `with_body_facts` annotates, and the
-answer's headers are the ones Django itself sent for this endpoint's previous 200/304 in this
-process (middlewares' security headers, CSP, Cache-Control, Content-Type), with only ETag,
-Content-Length and X-Request-Id (`clean_request_id`) filled in per answer. Until Django has
-answered once, every poll goes to Django — but a held poll: Django answers a stand-in of the
-first one the front holds, while it waits, so the front already knows the answer's headers
-when the poll is woken.
+and checked against the same SHA-256 (`token_digest`, constant-time compare) among the
+candidates of the same lookups (an agent token's: `agent_token_candidates`' SQL), who reads
+what is the selectors' scope rules (`run_token_action_scope`, `agent_token_action_scope`,
+`token_run_scope`, `resource_live`), the bodies and ETags the API's serializers', and the
+answer's headers are the ones Django itself sent for the route's previous 200/304 with the
+same token kind in this process (middlewares' security headers, CSP, Cache-Control,
+Content-Type), with only ETag, Content-Length, X-Request-Id (`clean_request_id`) and a
+route's per-answer headers (Airlock-Queued-Action) filled in per answer. Until Django has
+answered once, every such read goes to Django — but a held poll: Django answers a stand-in
+of the first one the front holds, while it waits, so the front already knows the answer's
+headers when the poll is woken.
 
-A held poll waits as Django's does — `approvals.api.longpoll.hold` (woken by the action's
-pub/sub channel, no database connection held while waiting) with `action_should_hold` — but
-each read is the one statement on the event loop instead of the ORM behind a thread hop: an
-approval reaches a waiting agent without Django. Its answer replays Django's own held answer
-(Preference-Applied filled in). A body that needs Django (an undo's state) once the wait
-has begun hands the poll to Django, which reads again and, if the action still holds, waits
-again: at most twice the wait, in that one case.
+A held action poll waits as Django's does — `approvals.api.longpoll.hold` (woken by the
+action's pub/sub channel, no database connection held while waiting) with
+`action_should_hold` — but each read is the one statement on the event loop instead of the
+ORM behind a thread hop: an approval reaches a waiting agent without Django. Its answer
+replays Django's own held answer (Preference-Applied filled in). A body that needs Django (an
+undo's state) once the wait has begun hands the poll to Django, which reads again and, if the
+action still holds, waits again: at most twice the wait, in that one case. Held run polls
+(which also wake at the run's expiry) are Django's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import re
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from django.conf import settings
 from django.core.exceptions import SynchronousOnlyOperation
@@ -49,14 +54,11 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.http.request import split_domain_port, validate_host
 
 from approvals.api.actions import ActionState, action_should_hold
-from approvals.api.fastpoll_sql import Connections, Statements, connection_kwargs, model_from_row
+from approvals.api.fastpoll_routes import Answer, Read, Route, route_for, token_kind
+from approvals.api.fastpoll_sql import Connections, connection_kwargs
 from approvals.api.longpoll import hold, parse_prefer_wait
-from approvals.api.serialize import action_body
-from approvals.models import Action, Agent, Run
-from approvals.selectors import run_token_action_scope
 from approvals.services.preconditions import TagCondition, read_condition
-from approvals.services.tokens import LOOKUP_PREFIX_LENGTH, RUN_PREFIX, token_digest
-from console.auth import RUN, any_token_or_ended_run_deferred, bearer_token
+from console.auth import bearer_token
 from console.problems import ApiError
 from console.requestctx import clean_request_id
 
@@ -70,10 +72,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# The route of approvals.api.actions.action_get (console/urls_api.py mounts the API at /api/v1).
-_PATH = re.compile(
-    r"/api/v1/actions/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
-)
 # The headers Django fills in per answer; every other one is replayed as Django sent it.
 _PER_ANSWER = (b"etag", b"content-length", b"x-request-id")
 # ... and a held poll's answer, Preference-Applied (wait=N).
@@ -82,24 +80,49 @@ _PREFERENCE = b"preference-applied"
 _READ = frozenset({b"host", b"authorization", b"if-none-match", b"x-request-id", b"prefer"})
 # With one of these (or a body) Django may answer differently: it answers.
 _HANDS_OFF = frozenset({b"cookie", b"content-length", b"transfer-encoding"})
-# The bearer of action_get: the fast path serves only the run tokens it accepts, ended included.
-_BEARER = any_token_or_ended_run_deferred
+
+
+Template = tuple[str, str, int, str, bool, tuple[bytes, ...]]
+
+
+class Reply(NamedTuple):
+    """The front's answer: status, ETag, body and the route's per-answer headers it has."""
+
+    status: int
+    etag: str
+    body: bytes
+    extra: tuple[tuple[bytes, bytes], ...] = ()
+
+    @property
+    def extra_names(self) -> tuple[bytes, ...]:
+        return tuple(sorted(name for name, _ in self.extra))
+
+
+def _extra(state: ActionState) -> tuple[tuple[bytes, bytes], ...]:
+    return state.headers if isinstance(state, Answer) else ()
 
 
 @dataclass(frozen=True)
 class Poll:
     """The parts of a request the fast path answers from."""
 
-    action_id: uuid.UUID
-    token: str
+    route: Route
+    read: Read
     condition: TagCondition | None
     request_id: str
     scheme: str  # the learned headers are per scheme (HSTS is sent over HTTPS only)
     wait: int | None  # Prefer: wait=N (None: no wait asked; 0: asked, not held)
 
-    def template(self, status: int) -> tuple[int, str, bool]:
-        """The key of the learned headers for this poll's answer with `status`."""
-        return status, self.scheme, self.wait is not None
+    @property
+    def object_id(self) -> uuid.UUID:
+        object_id: uuid.UUID = self.read.path["id"]
+        return object_id
+
+    def template(self, status: int, extra: tuple[bytes, ...] = ()) -> Template:
+        """The key of the learned headers for this poll's answer with `status`: per route and
+        token kind (Django's answers are learned for each), status, scheme, held or not, and
+        which of the route's per-answer headers the answer has."""
+        return self.route.name, self.read.kind, status, self.scheme, self.wait is not None, extra
 
 
 class _HandOff(Exception):
@@ -156,9 +179,9 @@ class PollFront:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.templates: dict[tuple[int, str, bool], list[tuple[bytes, bytes]]] = {}
+        self.templates: dict[Template, list[tuple[bytes, bytes]]] = {}
         # Templates being learned now: set once Django's answer has gone out.
-        self._learning_now: dict[tuple[int, str, bool], asyncio.Event] = {}
+        self._learning_now: dict[Template, asyncio.Event] = {}
         self._learning_tasks: set[asyncio.Future[None]] = set()
         self._connections: Connections | None = None
         # The embedded default (SQLite) has no async driver here: Django answers every poll.
@@ -169,7 +192,7 @@ class PollFront:
         if poll is None:
             await self.app(scope, receive, send)
             return
-        answer: tuple[int, str, bytes] | None = None
+        answer: Reply | None = None
         # A held poll waits in front even before its answer's headers are learned.
         if poll.wait or self._learned(poll):
             watch = _DisconnectWatch(receive) if poll.wait else None
@@ -187,8 +210,7 @@ class PollFront:
         if answer is None:
             await self.app(scope, receive, self._learning(poll, send))
             return
-        status, etag, body = answer
-        key = poll.template(status)
+        key = poll.template(answer.status, answer.extra_names)
         if not await self._template_ready(key):
             # The first held answer of its kind: the wait is over, so Django answers it at
             # once (wait=0) and the front learns its headers (Preference-Applied restored).
@@ -197,11 +219,11 @@ class PollFront:
         await send(
             {
                 "type": "http.response.start",
-                "status": status,
-                "headers": self._headers(poll, status, etag, body),
+                "status": answer.status,
+                "headers": self._headers(poll, key, answer),
             }
         )
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": answer.body})
 
     # --- the request ---------------------------------------------------------------------
 
@@ -209,9 +231,10 @@ class PollFront:
         """The poll's parts, or None when this request is not one the fast path serves."""
         if scope["method"] != "GET" or scope.get("query_string") or scope.get("root_path"):
             return None
-        match = _PATH.fullmatch(scope["path"])
-        if match is None:
+        routed = route_for(scope["path"])
+        if routed is None:
             return None
+        route, path = routed
         headers: dict[bytes, str] = {}
         for raw_name, raw_value in scope["headers"]:
             name = raw_name.lower()
@@ -222,8 +245,9 @@ class PollFront:
             elif name == _proxy_ssl_header():
                 return None  # HTTPS as a proxy says: Django judges (HSTS, redirects)
         token = bearer_token(headers.get(b"authorization", ""))
+        kind = token_kind(token) if token is not None else None
         host = headers.get(b"host")
-        if token is None or not token.startswith(RUN_PREFIX) or host is None:
+        if token is None or kind is None or not route.serves(kind) or host is None:
             return None
         domain, _ = split_domain_port(host)
         if not domain or not validate_host(domain, settings.ALLOWED_HOSTS):
@@ -235,9 +259,11 @@ class PollFront:
             wait = parse_prefer_wait(headers.get(b"prefer"))
         except ApiError:
             return None  # Django's 400, after authentication
+        if wait is not None and not route.holds:
+            return None  # Django holds (or answers at once) what the front does not hold
         return Poll(
-            action_id=uuid.UUID(match.group(1)),
-            token=token,
+            route=route,
+            read=Read(path=path, token=token, kind=kind),
             condition=read_condition(headers.get(b"if-none-match")),
             request_id=clean_request_id(headers.get(b"x-request-id")),
             scheme=scheme,
@@ -251,57 +277,39 @@ class PollFront:
 
     # --- the answer -----------------------------------------------------------------------
 
-    @cached_property
-    def _sql(self) -> Statements:
-        return Statements()
-
     async def _rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         if self._connections is None:
             size = settings.AIRLOCK_FAST_POLL_CONNECTIONS
             self._connections = Connections(connection_kwargs(), size)
         return await self._connections.rows(sql, params)
 
-    def _token_run(self, rows: list[tuple[Any, ...]], token: str) -> tuple[Run, int] | None:
-        """The run whose stored hash is the token's (every candidate compared, in constant
-        time, as principal_for_token does) and its row's index."""
-        digest = token_digest(token)
-        fields = self._sql.token_fields
-        hash_at = [name for name, _ in fields].index("token_hash")
-        found: tuple[Run, int] | None = None
-        for index, row in enumerate(rows):
-            if hmac.compare_digest(row[hash_at], digest):
-                found = (model_from_row(Run, fields, row[: len(fields)]), index)
-        return found
-
-    async def _answer(self, poll: Poll, scope: Scope) -> tuple[int, str, bytes] | None:
-        """(status, ETag, body) of the poll, or None: Django answers. A held poll waits as
+    async def _answer(self, poll: Poll, scope: Scope) -> Reply | None:
+        """The poll's answer, or None: Django answers. A held poll waits as
         approvals.api.actions.action_get does, then answers what it last read."""
-        if RUN not in _BEARER.kinds or not _BEARER.ended_run:
-            return None
         condition = poll.condition
         if poll.wait:
             state = await hold(
-                channel=poll.action_id,
-                run=False,
+                channel=poll.object_id,
+                run=poll.route.channel_is_run,
                 wait=poll.wait,
                 read=lambda woken: self._held_read(poll, woken, scope),
                 should_hold=lambda state: action_should_hold(state, condition),
             )
             if state.body and not action_should_hold(state, condition):
-                return 200, state.etag, state.body
+                return Reply(200, state.etag, state.body, _extra(state))
             # The wait is over with nothing to show: the poll's answer now, read afresh.
         if condition is not None:
             tag = await self._state(poll)
             if tag is None:
                 return None
             if condition.weak_match(tag.etag):
-                return 304, tag.etag, b""
+                return Reply(304, tag.etag, b"", _extra(tag))
         full = await self._full(poll)
         if full is None:
             return None
         if condition is not None and condition.weak_match(full.etag):
-            return 304, full.etag, b""
-        return 200, full.etag, full.body
+            return Reply(304, full.etag, b"", _extra(full))
+        return Reply(200, full.etag, full.body, _extra(full))
 
     async def _held_read(self, poll: Poll, woken: bool, scope: Scope) -> ActionState:
         """One read of a held poll. Woken by a publish (the action most likely changed):
@@ -326,52 +334,13 @@ class PollFront:
         return full
 
     async def _state(self, poll: Poll) -> ActionState | None:
-        """The action's tag and whether it is final (no body), or None: Django answers."""
-        sql = self._sql
-        prefix = poll.token[:LOOKUP_PREFIX_LENGTH]
-        rows = await self._rows(sql.state_sql, (poll.action_id, prefix))
-        found = self._token_run(rows, poll.token)
-        if found is None:
-            return None
-        run, index = found
-        action = model_from_row(Action, sql.state_fields, rows[index][len(sql.token_fields) :])
-        if not _visible(action, run):
-            return None
-        return ActionState(action.etag, action.is_final, b"")
+        """The object's tag and whether it is final (no body where the route can), or None:
+        Django answers."""
+        return await poll.route.state(self._rows, poll.read)
 
     async def _full(self, poll: Poll) -> ActionState | None:
-        """The action with its body, or None: Django answers. A body that needs another
-        read (an undo's state) raises SynchronousOnlyOperation: Django answers."""
-        sql = self._sql
-        prefix = poll.token[:LOOKUP_PREFIX_LENGTH]
-        rows = await self._rows(sql.body_sql, (poll.action_id, prefix))
-        found = self._token_run(rows, poll.token)
-        if found is None:
-            return None
-        run, index = found
-        action = self._action(rows[index])
-        if action is None or not _visible(action, run):
-            return None
-        return ActionState(action.etag, action.is_final, action_body(action))
-
-    def _action(self, row: tuple[Any, ...]) -> Action | None:
-        sql = self._sql
-        at = len(sql.token_fields)
-        parts: list[Any] = []
-        for fields in (sql.action_fields, sql.run_fields, sql.agent_fields):
-            parts.append(row[at : at + len(fields)])
-            at += len(fields)
-        if parts[0][0] is None:
-            return None  # no such action
-        action: Action = model_from_row(Action, sql.action_fields, parts[0])
-        action_run = model_from_row(Run, sql.run_fields, parts[1])
-        Run._meta.get_field("agent").set_cached_value(
-            action_run, model_from_row(Agent, sql.agent_fields, parts[2])
-        )
-        Action._meta.get_field("run").set_cached_value(action, action_run)
-        for name, value in zip(sql.fact_names, row[at:], strict=True):
-            setattr(action, name, value)
-        return action
+        """The object with its body, or None: Django answers."""
+        return await poll.route.full(self._rows, poll.read)
 
     # --- the headers, as Django sent them ----------------------------------------------------
 
@@ -389,15 +358,13 @@ class PollFront:
         self._learning_tasks.add(task)  # the loop keeps only a weak reference
         task.add_done_callback(self._learning_tasks.discard)
 
-    async def _learn_from_stand_in(
-        self, key: tuple[int, str, bool], poll: Poll, scope: Scope
-    ) -> None:
+    async def _learn_from_stand_in(self, key: Template, poll: Poll, scope: Scope) -> None:
         try:
             await self._learn_from_django(key, poll, _stand_in(scope), _empty_request(), _discard)
         except Exception:  # nothing learned: the first woken poll asks Django itself
             logger.debug("held answer's headers not learned ahead", exc_info=True)
 
-    async def _template_ready(self, key: tuple[int, str, bool]) -> bool:
+    async def _template_ready(self, key: Template) -> bool:
         """Whether the headers of answers like `key` are known, after waiting for a poll that
         is learning them now: when many held polls wake at once in a fresh process, one asks
         Django and the rest wait the few milliseconds that takes, instead of all queueing for
@@ -408,7 +375,7 @@ class PollFront:
         return key in self.templates
 
     async def _learn_from_django(
-        self, key: tuple[int, str, bool], poll: Poll, scope: Scope, receive: Receive, send: Send
+        self, key: Template, poll: Poll, scope: Scope, receive: Receive, send: Send
     ) -> None:
         learning = self._learning_now.setdefault(key, asyncio.Event())
         try:
@@ -432,23 +399,22 @@ class PollFront:
                 names = {name.lower() for name, _ in headers}
                 # A cookie belongs to one client: an answer that sets one is never replayed.
                 if names.issuperset(_PER_ANSWER) and b"set-cookie" not in names:
-                    self.templates[poll.template(message["status"])] = headers
+                    extra = tuple(sorted(names & poll.route.per_answer))
+                    self.templates[poll.template(message["status"], extra)] = headers
             await send(message)
 
         return learn
 
-    def _headers(self, poll: Poll, status: int, etag: str, body: bytes) -> list[Any]:
+    def _headers(self, poll: Poll, key: Template, answer: Reply) -> list[Any]:
         values = {
-            b"etag": etag.encode("latin-1"),
-            b"content-length": str(len(body)).encode(),
+            b"etag": answer.etag.encode("latin-1"),
+            b"content-length": str(len(answer.body)).encode(),
             b"x-request-id": poll.request_id.encode("latin-1"),
+            **dict(answer.extra),
         }
         if poll.wait is not None:
             values[_PREFERENCE] = f"wait={poll.wait}".encode()
-        return [
-            (name, values.get(name.lower(), value))
-            for name, value in self.templates[poll.template(status)]
-        ]
+        return [(name, values.get(name.lower(), value)) for name, value in self.templates[key]]
 
 
 def _waiting_no_more(scope: Scope) -> Scope:
@@ -490,12 +456,6 @@ def _empty_request() -> Receive:
 
 async def _discard(message: Message) -> None:
     """`send` of the stand-in: its answer is read for its headers only."""
-
-
-def _visible(action: Action, run: Run) -> bool:
-    """actions_visible_to(run)'s rule, checked on the row read."""
-    scope = run_token_action_scope(run)
-    return all(getattr(action, name) == value for name, value in scope.items())
 
 
 def _proxy_ssl_header() -> bytes | None:

@@ -1,21 +1,32 @@
-"""The poll front's database side (approvals/api/fastpoll.py): its two statements, built
-from the models' metadata, and the few async psycopg connections it runs them on."""
+"""The read front's database side (approvals/api/fastpoll.py): its statements, built from
+the models' metadata and the token lookups' own querysets, and the few async psycopg
+connections it runs them on."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import cached_property
 from typing import Any
 
 import psycopg
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections
-from django.db.models import Model
+from django.db.models import Model, QuerySet
 from psycopg import AsyncConnection, AsyncCursor
 
 from approvals.api.serialize import body_facts
 from approvals.models import Action, Agent, Run
+from approvals.services.queued_writes import in_flight_on
+from approvals.services.tokens import agent_token_candidates
+from console.auth import AGENT, RUN
 from console.stale_plans import DEALLOCATE_ALL, is_stale_plan
+from ownership.models import Resource, ResourceKind
+from ownership.selectors import resource_live
 
 logger = logging.getLogger(__name__)
 
@@ -36,49 +47,178 @@ def _fields(
     ]
 
 
+# Stand-ins for a request's values in a statement compiled from a queryset (`compiled`): the
+# statement is compiled once, the request's values bound by name at each read.
+_STAND_INS: dict[str, Any] = {
+    "prefix": "\x00token-prefix",
+    "now": datetime(1970, 1, 1, 0, 0, 7, tzinfo=UTC),
+    "kind": "\x00resource-kind",
+    "name": "\x00resource-name",
+}
+
+
+@dataclass(frozen=True)
+class Statement:
+    """SQL with `%s` placeholders, and which request value each one takes (`slots`)."""
+
+    sql: str
+    slots: tuple[str, ...]
+
+    def bind(self, values: Mapping[str, Any]) -> tuple[Any, ...]:
+        return tuple(values[slot] for slot in self.slots)
+
+
+def compiled(queryset: QuerySet[Any], alias: str) -> Statement:
+    """`queryset` (built with the stand-ins of `_STAND_INS` for a request's values) as a
+    subquery named `alias`: the selector's own SQL, compiled once."""
+    sql, params = queryset.query.sql_with_params()
+    slots: list[str] = []
+    for value in params:
+        named = [slot for slot, stand_in in _STAND_INS.items() if value == stand_in]
+        if len(named) != 1:  # pragma: no cover - a parameter this module must learn
+            raise ImproperlyConfigured(f"read front: unexpected parameter {value!r} in {sql}")
+        slots.append(named[0])
+    return Statement(f"({sql}) {alias}", tuple(slots))
+
+
+def stand_in(slot: str) -> Any:
+    return _STAND_INS[slot]
+
+
+@dataclass(frozen=True)
+class TokenSource:
+    """One token kind's candidate rows as a subquery `t` (a statement's FROM): the columns
+    `fields` names, `token_hash` among them."""
+
+    kind: str  # console.auth's RUN or AGENT
+    fields: list[tuple[str, str]]
+    rows: Statement
+
+    @cached_property
+    def hash_at(self) -> int:
+        """Where the token's stored hash is in its columns."""
+        return [name for name, _ in self.fields].index("token_hash")
+
+
+def _run_tokens() -> TokenSource:
+    """A run token's candidates: its run (what the token check, run_effective_status and
+    the scopes read) whose agent is active (principal_for_token)."""
+    run_table, agent_table = Run._meta.db_table, Agent._meta.db_table
+    read = frozenset({"id", "agent_id", "token_hash", "status", "expires_at"})
+    columns = _fields(Run, "r", only=read)
+    sql = (
+        "("
+        + _select(columns, f'"{run_table}" r JOIN "{agent_table}" g ON g.id = r.agent_id ')
+        + "AND g.is_active WHERE r.token_prefix = %s) t"
+    )
+    # The same columns in the same (the model's) order, as the subquery `t` names them.
+    fields = _fields(Run, "t", only=read)
+    return TokenSource(kind=RUN, fields=fields, rows=Statement(sql, ("prefix",)))
+
+
+def _agent_tokens() -> TokenSource:
+    """An agent token's candidates: tokens.agent_token_candidates' own SQL (live, agent
+    active)."""
+    names = ("agent_id", "token_hash", "last_used_at")
+    candidates = agent_token_candidates(stand_in("prefix"), stand_in("now"))
+    fields = [(name, f't."{name}"') for name in names]
+    rows = compiled(candidates.values_list(*names), "t")
+    return TokenSource(kind=AGENT, fields=fields, rows=rows)
+
+
 class Statements:
-    """The two statements of a fast poll, built once from the models' metadata."""
+    """The statements of the read front, built once from the models' metadata, the token
+    lookups and the selectors: per token kind, an action's tag (the 304 check), an action
+    with its body, a run with its agent's name, a resource with the writes queued on it."""
 
     def __init__(self) -> None:
+        self.tokens = {source.kind: source for source in (_run_tokens(), _agent_tokens())}
         run_table = Run._meta.db_table
         agent_table = Agent._meta.db_table
         action_table = Action._meta.db_table
-        # The token's run: what the token check and run_token_action_scope read.
-        self.token_fields = _fields(
-            Run, "t", only=frozenset({"id", "agent_id", "token_hash", "status", "expires_at"})
-        )
-        # A run token whose agent is inactive is no credential (principal_for_token).
-        token_from = (
-            f'FROM "{run_table}" t JOIN "{agent_table}" g ON g.id = t.agent_id AND g.is_active '
-        )
-        where = "WHERE t.token_prefix = %s"
         # The 304 check: the action's revision and who may read it.
         self.state_fields = _fields(
             Action, "a", only=frozenset({"id", "run_id", "agent_id", "status", "revision"})
         )
-        self.state_sql = (
-            f"SELECT {', '.join(c for _, c in self.token_fields + self.state_fields)} "
-            f'{token_from}LEFT JOIN "{action_table}" a ON a.id = %s {where}'
+        self.state_sql = self._per_token(
+            self.state_fields, f'LEFT JOIN "{action_table}" a ON a.id = %s', ("id",)
         )
         # The 200: the row and its run's (for the body) plus the body's facts. The facts'
         # SQL names the action table itself, so the action is not aliased here.
         quoted = f'"{action_table}"'
         self.action_fields = _fields(Action, quoted, exclude=frozenset({"payload"}))
-        self.run_fields = _fields(Run, "ar", exclude=frozenset({"write_set", "task", "token_hash"}))
+        self.run_fields = _fields(Run, "ar", exclude=frozenset({"token_hash"}))
+        self.action_run_fields = _fields(
+            Run, "ar", exclude=frozenset({"write_set", "task", "token_hash"})
+        )
         self.agent_fields = [("id", "ag.id"), ("name", "ag.name")]
         facts = body_facts("postgresql")
         self.fact_names = [name for name, _ in facts]
-        columns = (
-            [c for _, c in self.token_fields + self.action_fields + self.run_fields]
-            + [c for _, c in self.agent_fields]
-            + [sql for _, sql in facts]
-        )
-        self.body_sql = (
-            f"SELECT {', '.join(columns)} {token_from}"
+        self.body_sql = self._per_token(
+            self.action_fields + self.action_run_fields + self.agent_fields + facts,
             f"LEFT JOIN {quoted} ON {quoted}.id = %s "
             f'LEFT JOIN "{run_table}" ar ON ar.id = {quoted}.run_id '
-            f'LEFT JOIN "{agent_table}" ag ON ag.id = ar.agent_id {where}'
+            f'LEFT JOIN "{agent_table}" ag ON ag.id = ar.agent_id',
+            ("id",),
         )
+        # A run read: the run and its agent's name (run_json).
+        self.run_sql = self._per_token(
+            self.run_fields + self.agent_fields,
+            f'LEFT JOIN "{run_table}" ar ON ar.id = %s '
+            f'LEFT JOIN "{agent_table}" ag ON ag.id = ar.agent_id',
+            ("id",),
+        )
+        self._resource_statements()
+
+    def _resource_statements(self) -> None:
+        """A resource read: its kind's target (an external kind is read through: Django's),
+        the live resource (resource_live's SQL) and the writes in flight on it
+        (in_flight_on's SQL), as [[id, operation, observed_version], ...] oldest first."""
+        kind_table = ResourceKind._meta.db_table
+        self.kind_fields = [("slug", "k.slug"), ("target", "k.target")]
+        live = resource_live(kind=stand_in("kind"), name=stand_in("name"))
+        resource = compiled(live, "res")
+        self.resource_fields = [
+            (field.attname, f'res."{field.column}"') for field in Resource._meta.concrete_fields
+        ]
+        flight = in_flight_on(stand_in("kind"), stand_in("name"))
+        writes = compiled(
+            flight.values_list("id", "operation", "observed_version", "created_at"), "q"
+        )
+        aggregate = _select(
+            [
+                (
+                    "writes",
+                    "jsonb_agg(jsonb_build_array(q.id, q.operation, q.observed_version) "
+                    "ORDER BY q.created_at, q.id) AS writes",
+                )
+            ],
+            writes.sql,
+        )
+        self.resource_sql = self._per_token(
+            [*self.kind_fields, *self.resource_fields, ("writes", "w.writes")],
+            f'LEFT JOIN "{kind_table}" k ON k.slug = %s '
+            f"LEFT JOIN LATERAL {resource.sql} ON true "
+            f"LEFT JOIN LATERAL ({aggregate}) w ON true",
+            ("kind", *resource.slots, *writes.slots),
+        )
+
+    def _per_token(
+        self, fields: list[tuple[str, str]], joins: str, slots: tuple[str, ...]
+    ) -> dict[str, Statement]:
+        """The statement, per token kind: the token's candidates joined with the object."""
+        return {
+            kind: Statement(
+                _select(source.fields + fields, f"{source.rows.sql} {joins}"),
+                source.rows.slots + slots,
+            )
+            for kind, source in self.tokens.items()
+        }
+
+
+def _select(fields: list[tuple[str, str]], tables: str) -> str:
+    # Model metadata, the body facts' constant SQL and the compiled querysets only.
+    return f"SELECT {', '.join(column for _, column in fields)} FROM {tables}"  # noqa: S608
 
 
 def connection_kwargs() -> dict[str, Any]:

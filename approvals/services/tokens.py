@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from django.contrib.auth import get_user_model
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from approvals.models import Agent, AgentToken, PersonalToken, Run
@@ -101,6 +101,19 @@ def _matching(rows: list[Any], digest: str, attr: str = "token_hash") -> Any:
     return found
 
 
+def agent_token_candidates(prefix: str, now: datetime) -> QuerySet[AgentToken]:
+    """The agent tokens a bearer token with `prefix` may be at `now`: live, their agent
+    active. principal_for_token reads them; the API's read front (approvals/api/fastpoll.py)
+    runs this queryset's SQL, compiled once."""
+    return AgentToken.objects.filter(live_token(now), prefix=prefix, agent__is_active=True)
+
+
+def token_needs_touch(last_used_at: datetime | None, now: datetime) -> bool:
+    """Whether a use of a token at `now` records itself (`last_used_at`, at most once a
+    minute): a read that does not is read-only. The read front hands such a request to Django."""
+    return last_used_at is None or now - last_used_at > _LAST_USED_RESOLUTION
+
+
 def principal_for_token(raw: str) -> Principal | None:
     """Resolve a bearer token to a Principal, or None when unknown, expired or revoked.
 
@@ -114,8 +127,8 @@ def principal_for_token(raw: str) -> Principal | None:
     digest = token_digest(raw)
     if raw.startswith(AGENT_PREFIX):
         tokens = list(
-            AgentToken.objects.select_related("agent")
-            .filter(live_token(now), prefix=prefix, agent__is_active=True)
+            agent_token_candidates(prefix, now)
+            .select_related("agent")
             .only("id", "token_hash", "last_used_at", "agent", "created_by")
         )
         token = _matching(tokens, digest)
@@ -205,7 +218,7 @@ def _personal_lookup_sql() -> str:
 
 def _touch(model: Any, pk: int, last_used_at: datetime | None, now: datetime) -> None:
     # At most one write per token per minute: the hot read path stays read-only.
-    if last_used_at is None or now - last_used_at > _LAST_USED_RESOLUTION:
+    if token_needs_touch(last_used_at, now):
         model.objects.filter(pk=pk).filter(
             Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - _LAST_USED_RESOLUTION)
         ).update(last_used_at=now)

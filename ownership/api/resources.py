@@ -46,6 +46,7 @@ from ownership.api.schemas import (
 )
 from ownership.api.serialize import resource_json
 from ownership.models import Resource, ResourceKind
+from ownership.selectors import resource_live
 from ownership.targets import is_external, mirror_is_current, read_through
 
 router = Router(tags=["resources"])
@@ -108,7 +109,7 @@ def resource_get(request: HttpRequest, kind: str = KindPath, name: str = NamePat
         mirrored = read_through(resource_kind, name)
         resource = mirrored if mirrored is not None and not mirrored.deleted else None
     else:
-        resource = Resource.objects.filter(kind_id=kind, name=name, deleted=False).first()
+        resource = resource_live(kind=kind, name=name).first()
     if resource is None:
         raise NotFound(f"{kind}/{name} does not exist.")
     response = conditional_response(
