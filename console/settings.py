@@ -507,6 +507,10 @@ AIRLOCK_WEBHOOK_TIMEOUT_SECONDS = _env_seconds("AIRLOCK_WEBHOOK_TIMEOUT_SECONDS"
 # How long a worker's claim on a delivery lasts: past it (a worker killed mid-delivery) the
 # reconciler sends it again, with the same webhook-id. Longer than any one attempt.
 AIRLOCK_NOTIFY_CLAIM_SECONDS = env_int("AIRLOCK_NOTIFY_CLAIM_SECONDS", 60, minimum=1)
+# Deliveries one `notify` worker has in flight at once (one thread and one database
+# connection each); a subscription has one at most, so a receiver that never answers holds
+# one of them for its timeout and the other subscriptions' deliveries use the rest.
+AIRLOCK_NOTIFY_CONCURRENCY = env_int("AIRLOCK_NOTIFY_CONCURRENCY", 8, minimum=1)
 # How long a rotated-out webhook secret keeps signing beside the new one.
 AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS = env_int(
     "AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS", 24 * 3600, minimum=0
