@@ -479,7 +479,11 @@ LOGGING = {
         }
     },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        # Apprise logs the URLs it loads and the tokens it refuses (notifications/).
+        "apprise": {"level": "CRITICAL"},
+    },
 }
 
 # approvals services knobs (h9)
