@@ -79,11 +79,13 @@ def _start(stack: Stack, size: Size) -> Bench:
 
 def _measure(bench: Bench, only: set[str]) -> dict[str, Any]:
     # Here: they import models (Django set up in _start).
+    from bench import notify
     from bench.figures import FIGURES
     from bench.scale import KEYS, scale
 
+    groups = {**FIGURES, "notify": (notify.black_hole_round_trip, notify.KEYS)}
     out: dict[str, Any] = {}
-    for name, (measure, keys) in {**FIGURES, "scale": (scale, KEYS)}.items():
+    for name, (measure, keys) in {**groups, "scale": (scale, KEYS)}.items():
         if only and name not in only:
             continue
         log(f"measuring {name}")

@@ -34,11 +34,16 @@ USER_AGENT = "Airlock-Webhooks/1"
 # Apprise's own generic HTTP targets would reach any address without the webhook guard (a
 # plain HTTP endpoint is a webhook subscription); syslog:// writes on the worker's host.
 APPRISE_REFUSED_SCHEMES = frozenset({"json", "jsons", "xml", "xmls", "form", "forms", "syslog"})
-# Every scheme Apprise knows, in lower case (and https, which a few of its services' own
-# URLs use): only these are ever repeated in an error or shown.
-_APPRISE_SCHEMES = frozenset(
-    {"http", "https", *(str(scheme).lower() for scheme in NotificationManager().schemas())}
-)
+
+
+def _apprise_schemes() -> frozenset[str]:
+    """Every scheme Apprise knows, in lower case (and https, which a few of its services' own
+    URLs use): only these are ever repeated in an error or shown."""
+    known = NotificationManager().schemas()  # type: ignore[no-untyped-call]  # unannotated
+    return frozenset({"http", "https", *(str(scheme).lower() for scheme in known)})
+
+
+_APPRISE_SCHEMES = _apprise_schemes()
 # Microsoft Teams is workflows:// (Power Automate): the Apprise installed here (2.3) has no
 # msteams:// any more (Microsoft retired the Office 365 connectors it used).
 _APPRISE_EXAMPLES = "slack://…, workflows://…, discord://…, mmosts://…, ntfys://…, pagerduty://…"
