@@ -398,3 +398,20 @@ def test_a_worker_killed_mid_delivery_loses_nothing_and_resends_the_same_webhook
     assert len(receiver.received) == 2, second.output()
     assert len({request.headers["webhook-id"] for request in receiver.received}) == 1
     assert list(DeliveryAttempt.objects.values_list("number", "status_code")) == [(2, 200)]
+
+
+def test_a_warm_shutdown_records_the_attempt_in_flight_before_the_worker_exits(
+    engine_world: Any, policy: Any, rq_worker: Any, receiver: Receiver, notify_settings: Any
+) -> None:
+    receiver.delay_seconds = 2.0  # the attempt is in flight when SIGTERM arrives
+    _subscribe(engine_world, receiver.url)
+    engine_world.propose(
+        policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
+    )
+    worker = rq_worker(line="notify", **notify_settings)
+    receiver.wait_for(1)
+    os.kill(worker.pid, signal.SIGTERM)
+    worker.process.wait(timeout=20)
+    delivery = Delivery.objects.get()
+    assert delivery.status == "delivered", worker.output()
+    assert list(DeliveryAttempt.objects.values_list("number", "status_code")) == [(1, 200)]
