@@ -8,16 +8,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
+import redis
 from django.contrib.auth.models import Group, User
 from django.db import connection
+from django.utils import timezone
 
 from audit.models import AuditEvent
 from audit.services import Actor
 from notifications.models import Delivery, DeliveryAttempt, Subscription
-from notifications.services.delivery import delivery_attempt
+from notifications.outbox import deliveries_with_jobs
+from notifications.services.delivery import deliveries_reconcile, delivery_attempt
 from notifications.services.subscriptions import subscription_create, subscription_test
 from tests.notify_receiver import Receiver, running_receiver
 
@@ -69,10 +73,16 @@ def _in_threads(*calls: Callable[[], str], stagger: float = 0.0) -> list[str]:
     return [outcomes[i] for i in range(len(calls))]
 
 
+def _lose_the_jobs(engine_redis: Any) -> None:
+    """What a Redis FLUSHALL does (a private server: nobody else's data)."""
+    redis.Redis.from_url(engine_redis.url).flushall()
+
+
 def test_two_deliveries_of_one_subscription_are_never_attempted_side_by_side(
-    admin: Actor, receiver: Receiver, settings: Any
+    admin: Actor, receiver: Receiver, settings: Any, engine_redis: Any
 ) -> None:
     deliveries = _two_deliveries(admin, receiver, settings)
+    _lose_the_jobs(engine_redis)
     receiver.delay_seconds = 1.0  # the first attempt is in flight when the second starts
     gate = threading.Barrier(2)
 
@@ -90,6 +100,8 @@ def test_two_deliveries_of_one_subscription_are_never_attempted_side_by_side(
     # Left as it was: due, unclaimed, no attempt counted; sent next, and then delivered.
     assert waiting.status == "pending" and waiting.attempts == 0
     assert waiting.claimed_until is None
+    # ... and its job was sent again when the attempt in flight was recorded.
+    assert deliveries_with_jobs([waiting.pk]) == {waiting.pk}
     receiver.delay_seconds = 0
     assert delivery_attempt(delivery_id=waiting.pk) == "delivered"
     assert DeliveryAttempt.objects.count() == 2
@@ -113,3 +125,17 @@ def test_two_workers_told_gone_at_once_both_finish_and_disable_it_once(
     assert set(Delivery.objects.values_list("status", flat=True)) == {"disabled"}
     assert DeliveryAttempt.objects.count() == 2
     assert AuditEvent.objects.filter(event_type="notification_subscription.disabled").count() == 1
+
+
+def test_the_reconciler_leaves_a_busy_subscriptions_deliveries_to_the_attempt_in_flight(
+    admin: Actor, receiver: Receiver, settings: Any, engine_redis: Any
+) -> None:
+    in_flight, waiting = _two_deliveries(admin, receiver, settings)
+    _lose_the_jobs(engine_redis)
+    claimed = Delivery.objects.filter(pk=in_flight.pk)
+    claimed.update(claimed_until=timezone.now() + timedelta(seconds=30), attempts=1)
+    # Resent now, it would only be found busy: it is sent when the attempt ends.
+    assert deliveries_reconcile() == 0
+    claimed.update(claimed_until=timezone.now() - timedelta(seconds=1))  # its worker died
+    assert deliveries_reconcile() == 2
+    assert deliveries_with_jobs([in_flight.pk, waiting.pk]) == {in_flight.pk, waiting.pk}
