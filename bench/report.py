@@ -85,6 +85,9 @@ GOALS: dict[str, Goal] = {
     "target_write_vs_bare_git": Goal(
         "approved write end to end ÷ bare git commit + update-ref, git target", "<=", 10
     ),
+    "notify_black_hole_round_trip_ratio": Goal(
+        "approval round trip p50 without ÷ with a black-hole webhook subscriber", ">=", 0.9
+    ),
     "scale_poll_p50_ratio": Goal("poll p50 at scale ÷ at 10³ (each ÷ bare view)", "<=", 1.2),
     "scale_core_write_p50_ratio": Goal(
         "core write p50 at scale ÷ at 10³ (each ÷ bare UPDATE)", "<=", 1.2

@@ -79,13 +79,19 @@ def _start(stack: Stack, size: Size) -> Bench:
 
 def _measure(bench: Bench, only: set[str]) -> dict[str, Any]:
     # Here: they import models (Django set up in _start).
+    from bench import notify
     from bench.figures import FIGURES
     from bench.scale import KEYS, scale
     from bench.targets_e2e import KEYS as TARGET_KEYS
     from bench.targets_e2e import target_writes
 
+    groups = {
+        **FIGURES,
+        "notify": (notify.black_hole_round_trip, notify.KEYS),
+        "targets": (target_writes, TARGET_KEYS),
+        "scale": (scale, KEYS),
+    }
     out: dict[str, Any] = {}
-    groups = {**FIGURES, "targets": (target_writes, TARGET_KEYS), "scale": (scale, KEYS)}
     for name, (measure, keys) in groups.items():
         if only and name not in only:
             continue

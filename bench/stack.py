@@ -189,11 +189,15 @@ class Stack:
         )
         self.processes.setdefault(name, []).append(process)
 
-    def start_procfile(self, name: str, count: int = 1) -> None:
-        """Start `count` copies of one Procfile line, as `make run` does (bash -c "exec …")."""
+    def start_procfile(
+        self, name: str, count: int = 1, extra_env: dict[str, str] | None = None
+    ) -> None:
+        """Start `count` copies of one Procfile line, as `make run` does (bash -c "exec …"),
+        with `extra_env` added to the product's environment."""
         command = self.procfile[name]
+        env = {**self.env, **(extra_env or {})}
         for _ in range(count):
-            self._spawn(name, ["/bin/bash", "-c", f"exec {command}"], env=self.env)
+            self._spawn(name, ["/bin/bash", "-c", f"exec {command}"], env=env)
 
     def start_web(self) -> None:
         self.start_procfile("web")

@@ -479,7 +479,11 @@ LOGGING = {
         }
     },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        # Apprise logs the URLs it loads and the tokens it refuses (notifications/).
+        "apprise": {"level": "CRITICAL"},
+    },
 }
 
 # approvals services knobs (h9)
@@ -507,6 +511,10 @@ AIRLOCK_WEBHOOK_TIMEOUT_SECONDS = _env_seconds("AIRLOCK_WEBHOOK_TIMEOUT_SECONDS"
 # How long a worker's claim on a delivery lasts: past it (a worker killed mid-delivery) the
 # reconciler sends it again, with the same webhook-id. Longer than any one attempt.
 AIRLOCK_NOTIFY_CLAIM_SECONDS = env_int("AIRLOCK_NOTIFY_CLAIM_SECONDS", 60, minimum=1)
+# Deliveries one `notify` worker has in flight at once (one thread and one database
+# connection each); a subscription has one at most, so a receiver that never answers holds
+# one of them for its timeout and the other subscriptions' deliveries use the rest.
+AIRLOCK_NOTIFY_CONCURRENCY = env_int("AIRLOCK_NOTIFY_CONCURRENCY", 8, minimum=1)
 # How long a rotated-out webhook secret keeps signing beside the new one.
 AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS = env_int(
     "AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS", 24 * 3600, minimum=0

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django import forms
 
 from notifications.models import Channel
 from notifications.services.events import NOTIFICATION_TYPES
+
+
+class UnechoedInput(forms.TextInput):
+    """A text box that never renders a submitted value back: a webhook or Apprise URL
+    carries tokens, and a refused one is typed again rather than shown in the page."""
+
+    def get_context(self, name: str, value: Any, attrs: dict[str, Any] | None) -> dict[str, Any]:
+        return super().get_context(name, None, attrs)
 
 
 class SubscriptionForm(forms.Form):
@@ -18,7 +28,10 @@ class SubscriptionForm(forms.Form):
         max_length=2000,
         required=False,
         label="URL",
-        help_text="Webhook: https://…  Apprise: slack://…, msteams://…, ntfys://…  Email: none",
+        widget=UnechoedInput(attrs={"autocomplete": "off", "spellcheck": "false"}),
+        help_text=(
+            "Webhook: https://…  Apprise: slack://…, workflows://… (Teams), ntfys://…  Email: none"
+        ),
     )
     event_types = forms.MultipleChoiceField(
         choices=[(t, t) for t in NOTIFICATION_TYPES],

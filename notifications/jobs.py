@@ -7,16 +7,13 @@ import uuid
 
 from django.db import close_old_connections
 
-from notifications.services.delivery import delivery_attempt
+from notifications.delivery_pool import delivery_start
 from notifications.services.periodic import notifications_each_minute, notifications_tick
 
 
 def deliver_job(delivery_id: str) -> str:
-    close_old_connections()
-    try:
-        return delivery_attempt(delivery_id=uuid.UUID(delivery_id))
-    finally:
-        close_old_connections()
+    # On the notify worker's pool when it has one (notifications/delivery_pool.py).
+    return delivery_start(uuid.UUID(delivery_id))
 
 
 def notifications_tick_job() -> dict[str, int]:

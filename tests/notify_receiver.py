@@ -26,6 +26,8 @@ class Receiver:
     script: list[tuple[int, dict[str, str]]] = field(default_factory=list)
     default: tuple[int, dict[str, str]] = (200, {})
     delay_seconds: float = 0.0
+    # Answer no request before this many have arrived (up to 10 s): answers at one moment.
+    together: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -61,6 +63,9 @@ def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
                 )
             if receiver.delay_seconds:
                 time.sleep(receiver.delay_seconds)
+            deadline = time.monotonic() + 10
+            while len(receiver.received) < receiver.together and time.monotonic() < deadline:
+                time.sleep(0.01)
             status, headers = receiver.answer()
             self.send_response(status)
             for name, value in headers.items():

@@ -129,6 +129,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.jobs", INTERFACE),
     ("approvals.worker", INTERFACE),  # the Procfile's worker class (loads the jobs up front)
     ("notifications.worker", INTERFACE),  # the Procfile's notify worker class (its jobs up front)
+    ("notifications.delivery_pool", INTERFACE),  # the notify worker's threads (deliveries)
     ("*.cron", INTERFACE),
     ("*.management", INTERFACE),
     ("*.management.commands", INTERFACE),

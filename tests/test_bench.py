@@ -77,6 +77,9 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
         "worker_kill_recovery_p50_s"
     ]
     assert figures["audit_appends_per_s_1"]["chain"]["chain_ok"] is True
+    # The black-hole figure's subscriber heard every timed decision and the hole was tried.
+    hole = figures["notify_black_hole_round_trip_ratio"]
+    assert hole["errors"] == 0 and hole["black_hole"]["attempted"], hole
     # What bounds the audit figure is measured beside it: the CPU an append costs.
     cpu = figures["audit_appends_per_s_1"]["detail"]["cpu"]["append"]
     assert cpu["writer_cpu_us"] > 0, cpu

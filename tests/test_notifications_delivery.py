@@ -23,7 +23,7 @@ from approvals.services.decisions import approval_decide
 from audit.services import Actor
 from notifications.models import Delivery, DeliveryAttempt, Subscription
 from notifications.services.delivery import deliveries_reconcile
-from notifications.services.subscriptions import subscription_create
+from notifications.services.subscriptions import subscription_create, subscription_test
 from tests.fixtures.engine import wait_for
 from tests.notify_receiver import Receiver, running_receiver
 
@@ -276,6 +276,76 @@ def test_a_delivery_stuck_on_a_black_hole_never_delays_an_approved_write(
     assert Delivery.objects.count() == 2  # the decision's too, queued behind it
 
 
+def test_a_black_hole_subscription_never_delays_another_subscriptions_deliveries(
+    engine_world: Any,
+    policy: Any,
+    rq_worker: Any,
+    black_hole: int,
+    receiver: Receiver,
+    notify_settings: Any,
+) -> None:
+    """Three deliveries to a receiver that never answers are queued ahead of a healthy
+    receiver's three; one notify worker with two threads. The dead one holds one thread (its
+    subscription has one attempt in flight at most), the healthy ones arrive at once on the
+    other. (One at a time, they waited 3 x 8 s; two threads without the per-subscription
+    limit, both threads sat in the black hole.)"""
+    admin = Actor.person(engine_world.person("adele", "admins"))
+    wanted = ["approval.requested", "test"]
+    dead = subscription_create(
+        actor=admin,
+        name="dead",
+        target="operators",
+        event_types=wanted,
+        channel="webhook",
+        url=f"http://127.0.0.1:{black_hole}/hook",
+    ).subscription
+    for _ in range(2):
+        subscription_test(actor=admin, subscription_id=dead.pk)
+    healthy = subscription_create(
+        actor=admin,
+        name="healthy",
+        target="operators",
+        event_types=wanted,
+        channel="webhook",
+        url=receiver.url,
+    )
+    subscription_test(actor=admin, subscription_id=healthy.subscription.pk)
+    subscription_test(actor=admin, subscription_id=healthy.subscription.pk)
+    engine_world.propose(
+        policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
+    )  # approval.requested: one delivery to each, the dead one's queued first
+    env = {
+        **notify_settings,
+        "AIRLOCK_WEBHOOK_TIMEOUT_SECONDS": "8",
+        "AIRLOCK_NOTIFY_CONCURRENCY": "2",
+    }
+    worker = rq_worker(line="notify", **env)
+    in_hole = Delivery.objects.filter(subscription=dead, claimed_until__isnull=False)
+    wait_for(in_hole.exists, timeout=20)
+    started = time.monotonic()
+    to_healthy = Delivery.objects.filter(subscription=healthy.subscription)
+    wait_for(lambda: set(to_healthy.values_list("status", flat=True)) == {"delivered"}, timeout=8)
+    elapsed = time.monotonic() - started
+    assert elapsed < 3.0, (elapsed, worker.output())
+    assert len(receiver.received) == 3
+    assert len({request.headers["webhook-id"] for request in receiver.received}) == 3
+    for request in receiver.received:
+        Webhook(healthy.secret).verify(request.body, request.headers)
+    # Meanwhile one delivery is in the black hole and the other two wait for it, unsent.
+    assert in_hole.count() == 1 and not DeliveryAttempt.objects.filter(delivery__subscription=dead)
+    attempts = Delivery.objects.filter(subscription=dead).values_list("attempts", flat=True)
+    assert sorted(attempts) == [0, 0, 1]
+    # Its attempt times out and is logged; the next one goes into the hole after it.
+    first = in_hole.get()
+    wait_for(lambda: DeliveryAttempt.objects.filter(delivery=first).exists(), timeout=15)
+    attempt = DeliveryAttempt.objects.get(delivery=first)
+    assert attempt.error == "ReadTimeout from 127.0.0.1" and attempt.status_code is None
+    assert 7500 <= attempt.latency_ms < 12000
+    first.refresh_from_db()
+    assert first.status == "pending" and first.attempts == 1
+    wait_for(lambda: in_hole.exclude(pk=first.pk).exists(), timeout=5)
+
+
 def _status(action: Any) -> str:
     action.refresh_from_db(fields=["status"])
     return str(action.status)
@@ -328,3 +398,20 @@ def test_a_worker_killed_mid_delivery_loses_nothing_and_resends_the_same_webhook
     assert len(receiver.received) == 2, second.output()
     assert len({request.headers["webhook-id"] for request in receiver.received}) == 1
     assert list(DeliveryAttempt.objects.values_list("number", "status_code")) == [(2, 200)]
+
+
+def test_a_warm_shutdown_records_the_attempt_in_flight_before_the_worker_exits(
+    engine_world: Any, policy: Any, rq_worker: Any, receiver: Receiver, notify_settings: Any
+) -> None:
+    receiver.delay_seconds = 2.0  # the attempt is in flight when SIGTERM arrives
+    _subscribe(engine_world, receiver.url)
+    engine_world.propose(
+        policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
+    )
+    worker = rq_worker(line="notify", **notify_settings)
+    receiver.wait_for(1)
+    os.kill(worker.pid, signal.SIGTERM)
+    worker.process.wait(timeout=20)
+    delivery = Delivery.objects.get()
+    assert delivery.status == "delivered", worker.output()
+    assert list(DeliveryAttempt.objects.values_list("number", "status_code")) == [(1, 200)]

@@ -8,6 +8,7 @@ Nothing sent or logged here carries a secret: errors name the host at most.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,6 +17,7 @@ from typing import Any
 
 import apprise
 import httpx
+from apprise.manager_plugins import NotificationManager
 from django.conf import settings
 from django.core.mail import EmailMessage, get_connection
 from django.utils import timezone
@@ -29,9 +31,24 @@ logging.getLogger("apprise").setLevel(logging.CRITICAL)
 
 EXCERPT_CHARS = 1000
 USER_AGENT = "Airlock-Webhooks/1"
-# Apprise's own generic HTTP targets would reach any address without the webhook guard:
-# a plain HTTP endpoint is a webhook subscription.
-APPRISE_REFUSED_SCHEMES = frozenset({"json", "jsons", "xml", "xmls", "form", "forms"})
+# Apprise's own generic HTTP targets would reach any address without the webhook guard (a
+# plain HTTP endpoint is a webhook subscription); syslog:// writes on the worker's host.
+APPRISE_REFUSED_SCHEMES = frozenset({"json", "jsons", "xml", "xmls", "form", "forms", "syslog"})
+
+
+def _apprise_schemes() -> frozenset[str]:
+    """Every scheme Apprise knows, in lower case (and https, which a few of its services' own
+    URLs use): only these are ever repeated in an error or shown."""
+    known = NotificationManager().schemas()  # type: ignore[no-untyped-call]  # unannotated
+    return frozenset({"http", "https", *(str(scheme).lower() for scheme in known)})
+
+
+_APPRISE_SCHEMES = _apprise_schemes()
+# Microsoft Teams is workflows:// (Power Automate): the Apprise installed here (2.3) has no
+# msteams:// any more (Microsoft retired the Office 365 connectors it used).
+_APPRISE_EXAMPLES = "slack://…, workflows://…, discord://…, mmosts://…, ntfys://…, pagerduty://…"
+# A host that is a DNS name (labels of letters, digits and hyphens, a letter TLD): shown.
+_DNS_NAME = re.compile(r"^(?=.{1,253}$)(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
 
 
 @dataclass(frozen=True)
@@ -134,17 +151,57 @@ def _read_excerpt(response: httpx.Response) -> str:
     return received[:EXCERPT_CHARS].decode("utf-8", errors="replace")
 
 
+def _apprise_scheme(url: str) -> str:
+    """The URL's scheme when it is one Apprise knows, else "" (so never a token typed
+    where a scheme should be)."""
+    scheme = url.strip().split("://", 1)[0].lower() if "://" in url else ""
+    return scheme if scheme in _APPRISE_SCHEMES else ""
+
+
+def _service_schemes(service: Any) -> set[str]:
+    schemes: set[str] = set()
+    for value in (service.protocol, service.secure_protocol):
+        if isinstance(value, str):
+            schemes.add(value.lower())
+        elif value:
+            schemes.update(str(item).lower() for item in value)
+    return schemes
+
+
 def apprise_url_problem(url: str) -> str:
-    """Why Apprise cannot use `url` ("" when it can): not a URL Apprise knows, or one of
-    its generic HTTP schemes (use a webhook subscription, which is address-checked)."""
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if not scheme:
-        return "an Apprise URL looks like slack://…, msteams://…, ntfys://…"
-    if scheme in APPRISE_REFUSED_SCHEMES:
-        return f"{scheme}:// reaches any address: use a webhook subscription instead"
-    if not apprise.Apprise().add(url):
-        return f"Apprise does not accept this {scheme}:// URL"
+    """Why Apprise cannot use `url` ("" when it can): it must name exactly one service
+    Apprise supports and can load here, and not one of its generic HTTP targets (use a
+    webhook subscription, which is address-checked). The message never repeats the URL
+    (it carries tokens): at most a scheme Apprise knows."""
+    scheme = _apprise_scheme(url)
+    notifier = apprise.Apprise()
+    if not notifier.add(url):
+        if scheme in ("", "http", "https"):
+            return (
+                f"not the URL of a service Apprise supports (such as {_APPRISE_EXAMPLES}); "
+                "a plain HTTPS endpoint is a webhook subscription"
+            )
+        return (
+            f"Apprise cannot read this {scheme}:// URL: check it against Apprise's {scheme}:// page"
+        )
+    if len(notifier) != 1:
+        return "one Apprise URL per subscription (this names several services)"
+    schemes = _service_schemes(notifier[0])
+    if schemes & APPRISE_REFUSED_SCHEMES:
+        refused = scheme if scheme in schemes else sorted(schemes & APPRISE_REFUSED_SCHEMES)[0]
+        return f"{refused}:// is not a chat or paging service: use a webhook subscription instead"
     return ""
+
+
+def apprise_url_display(url: str) -> str:
+    """What may be shown of an Apprise URL: its scheme, and its host only when that is a
+    DNS name (`ntfys://ntfy.example.org/…`). In many services' URLs the host's place holds
+    a token (`tgram://<bot token>/…`, `pagerduty://<key>@<key>/`), so anything else is
+    left out."""
+    scheme = _apprise_scheme(url) or "apprise"
+    rest = url.strip().split("://", 1)[1] if "://" in url else ""
+    host = rest.split("/", 1)[0].rsplit("@", 1)[-1].split(":", 1)[0].lower()
+    return f"{scheme}://{host}/…" if _DNS_NAME.match(host) else f"{scheme}://…"
 
 
 def apprise_send(*, url: str, title: str, body: str) -> Sent:

@@ -5,6 +5,13 @@ any transaction, then record the attempt and what comes next, in one transaction
   attempt; 0 rows means another worker has it, or it is no longer due. A worker killed
   mid-delivery leaves a claim that lapses (`claimed_until`), and the reconciler resends it:
   a receiver may then see the same `webhook-id` twice (at least once), never a new one.
+- One attempt in flight per subscription: the claim holds the subscription's row (FOR NO KEY
+  UPDATE, which the outbox's inserts of new deliveries do not wait for) while it checks that
+  no other delivery of it has a live claim, so a receiver that never answers holds one of
+  the notify worker's threads (notifications/delivery_pool.py), never all of them. A
+  delivery found "busy" is left due, untouched; when the attempt in flight is recorded, the
+  subscription's next due delivery is enqueued (and the reconciler skips a busy subscription's
+  deliveries, so they are not resent every pass only to be found busy again).
 - Retries: exponential backoff with full jitter (AIRLOCK_NOTIFY_BACKOFF_*), at least what
   a Retry-After asks, for AIRLOCK_NOTIFY_RETRY_WINDOW_SECONDS after the event; then
   `failed`. 410 Gone disables the subscription (audited, and told to the admins' own
@@ -22,7 +29,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from audit.services import Actor, audit_append
@@ -88,20 +95,12 @@ def backoff_seconds(attempt: int) -> float:
 
 def delivery_attempt(*, delivery_id: Any) -> str:
     """One attempt of a delivery (the RQ job's work). Returns what happened: "skipped"
-    (not ours to send now), "delivered", "retry", "failed", "disabled"."""
+    (not ours to send now), "busy" (another delivery of its subscription is in flight: sent
+    after it), "delivered", "retry", "failed", "disabled"."""
     now = timezone.now()
-    lease = timedelta(seconds=int(settings.AIRLOCK_NOTIFY_CLAIM_SECONDS))
-    claimed = Delivery.objects.filter(
-        Q(claimed_until__isnull=True) | Q(claimed_until__lt=now),
-        pk=delivery_id,
-        status=DeliveryStatus.PENDING,
-        next_attempt_at__lte=now,
-    ).update(
-        claimed_until=now + lease,
-        attempts=F("attempts") + 1,
-    )
-    if not claimed:
-        return "skipped"
+    claim = _claim(delivery_id, now)
+    if claim != "claimed":
+        return claim
     delivery = Delivery.objects.select_related("notification", "subscription").get(pk=delivery_id)
     subscription = delivery.subscription
     if subscription.paused or subscription.disabled_at is not None:
@@ -115,6 +114,58 @@ def delivery_attempt(*, delivery_id: Any) -> str:
     started = timezone.now()
     sent = _send(delivery, subscription)
     return _record(delivery, sent, started=started)
+
+
+def _in_flight(subscription_id: Any, now: datetime) -> Any:
+    """The subscription's deliveries with a live claim (an attempt in flight)."""
+    return Delivery.objects.filter(
+        subscription_id=subscription_id, status=DeliveryStatus.PENDING, claimed_until__gte=now
+    )
+
+
+def _claim(delivery_id: Any, now: datetime) -> str:
+    """Claim the delivery for one attempt (counted): "claimed", "busy" or "skipped"."""
+    lease = timedelta(seconds=int(settings.AIRLOCK_NOTIFY_CLAIM_SECONDS))
+    with transaction.atomic():
+        # Holding the subscription's row makes the check below and the claim one step for
+        # every worker: two deliveries of one subscription are never claimed side by side.
+        subscription_id = (
+            Subscription.objects.select_for_update(no_key=True, of=("self",))
+            .filter(deliveries__pk=delivery_id)
+            .values_list("pk", flat=True)
+            .first()
+        )
+        if subscription_id is None:
+            return "skipped"
+        if _in_flight(subscription_id, now).exclude(pk=delivery_id).exists():
+            return "busy"
+        claimed = Delivery.objects.filter(
+            Q(claimed_until__isnull=True) | Q(claimed_until__lt=now),
+            pk=delivery_id,
+            status=DeliveryStatus.PENDING,
+            next_attempt_at__lte=now,
+        ).update(
+            claimed_until=now + lease,
+            attempts=F("attempts") + 1,
+        )
+    return "claimed" if claimed else "skipped"
+
+
+def _send_next(subscription_id: Any) -> None:
+    """Enqueue the subscription's oldest due delivery that waited for the one just recorded
+    (after that one's commit, so nothing is found busy by the attempt that just ended)."""
+    now = timezone.now()
+    waiting = list(
+        Delivery.objects.filter(
+            Q(claimed_until__isnull=True) | Q(claimed_until__lt=now),
+            subscription_id=subscription_id,
+            status=DeliveryStatus.PENDING,
+            next_attempt_at__lte=now,
+        )
+        .order_by("next_attempt_at")
+        .values_list("pk", flat=True)[:1]
+    )
+    enqueue_deliveries(waiting)
 
 
 def _secrets(subscription: Subscription, now: datetime) -> list[str]:
@@ -207,6 +258,8 @@ def _record(delivery: Delivery, sent: Sent, *, started: datetime) -> str:
         if outcome == "retry":
             delivery_id = delivery.pk
             transaction.on_commit(lambda: enqueue_deliveries([delivery_id], delay_seconds=delay))
+        subscription_id = delivery.subscription_id
+        transaction.on_commit(lambda: _send_next(subscription_id))
     return outcome
 
 
@@ -234,9 +287,11 @@ def deliveries_reconcile(*, now: datetime | None = None, limit: int = 500) -> in
     (killed mid-delivery; RQ would still call that job "started" for its whole timeout).
     Returns how many were resent."""
     now = now or timezone.now()
+    busy = _in_flight(OuterRef("subscription_id"), now)
     due = list(
         Delivery.objects.filter(status=DeliveryStatus.PENDING, next_attempt_at__lte=now)
         .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
+        .exclude(Exists(busy))  # sent when the attempt in flight ends (_send_next)
         .order_by("next_attempt_at")
         .values_list("pk", "next_attempt_at", "claimed_until")[:limit]
     )

@@ -21,7 +21,7 @@ from console.core.errors import InvalidTransition, NotFound, ValidationFailed
 from console.permissions import is_admin, require_person
 from notifications.models import EVERYONE, Channel, Delivery, Subscription
 from notifications.services.addresses import url_display, webhook_url_check
-from notifications.services.channels import apprise_url_problem
+from notifications.services.channels import apprise_url_display, apprise_url_problem
 from notifications.services.events import (
     NOTIFICATION_TYPES,
     Facts,
@@ -119,6 +119,13 @@ def _check_url(channel: str, url: str) -> str:
     return apprise_url_problem(url)
 
 
+def _display(channel: str, url: str) -> str:
+    """What the API, the console and the audit trail may show of the URL."""
+    if not url:
+        return ""
+    return apprise_url_display(url) if channel == Channel.APPRISE else url_display(url)
+
+
 def _raise(errors: list[dict[str, str]]) -> None:
     if errors:
         raise ValidationFailed(
@@ -147,7 +154,7 @@ def subscription_create(*, actor: Actor, **fields: Unpack[SubscriptionFields]) -
             name_prefix=fields.get("name_prefix", ""),
             channel=channel,
             url_encrypted=seal(url),
-            url_display=url_display(url) if url else "",
+            url_display=_display(channel, url),
             secret_encrypted=seal(secret),
             paused=bool(fields.get("paused", False)),
             created_by=person,
@@ -198,7 +205,8 @@ def subscription_update(
             url = str(fields.get("url") or "")
             problem = _check_url(subscription.channel, url)
             _raise([{"field": "url", "message": problem}] if problem else [])
-            subscription.url_encrypted, subscription.url_display = seal(url), url_display(url)
+            subscription.url_encrypted = seal(url)
+            subscription.url_display = _display(subscription.channel, url)
         if fields.get("paused") is False and subscription.disabled_at is not None:
             subscription.disabled_at, subscription.disabled_reason = None, ""
         after = subscription_as_dict(subscription)
