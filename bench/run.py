@@ -82,8 +82,8 @@ def _measure(bench: Bench, only: set[str]) -> dict[str, Any]:
     from bench import notify
     from bench.figures import FIGURES
     from bench.scale import KEYS, scale
-    from bench.targets_e2e import KEYS as TARGET_KEYS
-    from bench.targets_e2e import target_writes
+    from bench.targets_figure import KEYS as TARGET_KEYS
+    from bench.targets_figure import target_writes
 
     groups = {
         **FIGURES,

@@ -215,39 +215,6 @@ def _measure(stack: Stack, rounds: int, scratch: Path) -> dict[str, Any]:
     return figures
 
 
-# The figures `make bench` reports (bench/run.py), one per adapter.
-KEYS = [
-    "target_write_vs_bare_postgres",
-    "target_write_vs_bare_http_etag",
-    "target_write_vs_bare_git",
-]
-
-
-def target_writes(b: Any) -> dict[str, Any]:
-    """The bench's figures: this module in a process of its own (Django set up afresh on a
-    database of its own, `<the bench's database>_targets`), `core_n` rounds per adapter."""
-    # reason: bench.report imports models' modules only after Django is set up
-    from bench.report import figure
-
-    database = b.stack.database_url.rsplit("/", 1)
-    env = {**b.stack.env, "BENCH_DATABASE_URL": f"{database[0]}/{database[1]}_targets"}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.targets_e2e", "--rounds", str(b.size.core_n)],
-        cwd=Path(__file__).resolve().parent.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"bench.targets_e2e failed: {done.stderr[-1500:]}")
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
-    return {
-        key: figure(key, measured[adapter]["ratio"], **measured[adapter])
-        for key, adapter in zip(KEYS, ("postgres", "http_etag", "git"), strict=True)
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=100)
