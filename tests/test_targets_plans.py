@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from approvals.models import Action, CompensationStatus, Operation, Plan, PlanStep
 from audit.models import AuditEvent
@@ -34,6 +31,17 @@ from ownership.targets import adapter_for_kind
 from tests.fixtures import plans as plan_fx
 from tests.fixtures.api import make_active_run, make_agent_with_token, problem
 from tests.fixtures.engine import wait_for
+from tests.fixtures.targets import (
+    ROWS_SETTINGS,
+    airlock_commits,
+    bare_repository,
+    blob_at_main,
+    file_at_main,
+    row,
+    rows_database,
+    someone_commits,
+    someone_updates_row,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -43,49 +51,16 @@ FILES = "tenant-config"
 FINAL = ("applied", "compensated", "partially_compensated")
 
 
-def _url(dbname: str) -> str:
-    base = urlsplit(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/airlock"))
-    return urlunsplit(base._replace(path=f"/{dbname}"))
-
-
 @pytest.fixture
 def rows_db(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    base = urlsplit(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/airlock"))
-    dbname = f"{base.path.lstrip('/') or 'airlock'}_plans"
-    drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname))
-    with psycopg.connect(_url("postgres"), autocommit=True) as admin:
-        admin.execute(drop)
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
-    with psycopg.connect(_url(dbname), autocommit=True) as conn:
-        conn.execute(
-            "CREATE TABLE accounts (account_id text PRIMARY KEY, settings jsonb NOT NULL, "
-            "version bigint NOT NULL, airlock_fence bigint)"
-        )
-        conn.execute(
-            "INSERT INTO accounts VALUES ('acme', %s, 1, NULL), ('globex', %s, 1, NULL)",
-            [json.dumps({"seats": 5}), json.dumps({"seats": 3})],
-        )
-    monkeypatch.setenv(ENV, _url(dbname))
-    yield _url(dbname)
-    with psycopg.connect(_url("postgres"), autocommit=True) as admin:
-        admin.execute(drop)
-
-
-def _git(*args: str, cwd: Path | None = None) -> str:
-    return subprocess.run(
-        ["git", "-c", "user.name=Someone", "-c", "user.email=someone@example.com", *args],
-        cwd=cwd,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    with rows_database("plans", {"acme": {"seats": 5}, "globex": {"seats": 3}}) as url:
+        monkeypatch.setenv(ENV, url)
+        yield url
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    bare = tmp_path / "config.git"
-    _git("init", "--bare", "--initial-branch=main", str(bare))
-    return bare
+    return bare_repository(tmp_path / "config.git")
 
 
 @pytest.fixture
@@ -103,16 +78,7 @@ def kinds(db: Any, rows_db: str, repo: Path) -> dict[str, ResourceKind]:
         defaults={
             **common,
             "target": "postgres",
-            "target_settings": {
-                "credentials_env": ENV,
-                "table": "accounts",
-                "key_column": "account_id",
-                "document_column": "settings",
-                "version_column": "version",
-                "version_type": "integer",
-                "fence_column": "airlock_fence",
-                "lock_timeout": 0.5,
-            },
+            "target_settings": {**ROWS_SETTINGS, "credentials_env": ENV, "lock_timeout": 0.5},
         },
     )
     files, _ = ResourceKind.objects.update_or_create(
@@ -144,43 +110,15 @@ def _run() -> Any:
 
 
 def _row(rows_db: str, key: str) -> tuple[dict[str, Any], int]:
-    with psycopg.connect(rows_db) as conn:
-        row = conn.execute(
-            "SELECT settings, version FROM accounts WHERE account_id = %s", [key]
-        ).fetchone()
-    assert row is not None
-    return row[0], row[1]
-
-
-def _someone_updates_row(rows_db: str, key: str, document: dict[str, Any]) -> None:
-    with psycopg.connect(rows_db, autocommit=True) as conn:
-        conn.execute(
-            "UPDATE accounts SET settings = %s, version = version + 1 WHERE account_id = %s",
-            [json.dumps(document), key],
-        )
+    return row(rows_db, key)
 
 
 def _file(repo: Path) -> Any:
-    return json.loads(_git("--git-dir", str(repo), "show", "main:t/acme.json"))
+    return file_at_main(repo, "t/acme.json")
 
 
 def _blob(repo: Path) -> str:
-    return _git("--git-dir", str(repo), "rev-parse", "main:t/acme.json")
-
-
-def _someone_commits(repo: Path, tmp_path: Path, document: Any) -> None:
-    clone = tmp_path / f"clone-{uuid.uuid4().hex[:6]}"
-    _git("clone", "--quiet", "--branch", "main", str(repo), str(clone))
-    (clone / "t" / "acme.json").write_text(json.dumps(document))
-    _git("add", "t/acme.json", cwd=clone)
-    _git("commit", "--quiet", "-m", "someone edits t/acme.json", cwd=clone)
-    _git("push", "--quiet", "origin", "main", cwd=clone)
-
-
-def _commits_of(repo: Path, action_id: Any) -> int:
-    return _git("--git-dir", str(repo), "log", "--format=%B", "main").count(
-        f"Airlock-Action: {action_id}"
-    )
+    return blob_at_main(repo, "t/acme.json")
 
 
 def _steps(repo: Path) -> list[dict[str, Any]]:
@@ -221,7 +159,7 @@ def test_a_plan_across_postgres_and_git_applies_every_step_exactly_once(
         assert action is not None and action.status == "applied"
         assert len(_events("write.applied", action)) == 1
         assert Operation.objects.filter(action=action, status="done").count() == 1
-    assert _commits_of(repo, _step(plan_id, 2).action_id) == 1
+    assert airlock_commits(repo, _step(plan_id, 2).action_id) == 1
     body = plan_fx.read_plan(api, run.token, plan_id)
     assert [s["status"] for s in body["steps"]] == ["applied"] * 3
     # What the approver saw: each step against the document the target held.
@@ -238,7 +176,7 @@ def test_a_plan_that_fails_at_step_3_compensates_steps_2_then_1_and_the_targets_
     # Someone else changes step 3's row after the proposal, before the worker runs it: its
     # conditional UPDATE is refused at the target, and its class (the agent's to retry)
     # stops the plan.
-    _someone_updates_row(rows_db, "globex", {"seats": 30})
+    someone_updates_row(rows_db, "globex", {"seats": 30})
     worker = rq_worker(**{ENV: os.environ[ENV]})
     wait_for(lambda: plan_fx.plan_status(plan_id) in FINAL, timeout=60)
     assert plan_fx.plan_status(plan_id) == "compensated", worker.output()
@@ -258,7 +196,7 @@ def test_a_plan_that_fails_at_step_3_compensates_steps_2_then_1_and_the_targets_
     assert undone[1][0].pk < undone[0][0].pk  # step 2 compensated before step 1
     for step in (first, second):
         assert len(_events("write.applied", step.action)) == 1
-    assert _commits_of(repo, second.action_id) == 2  # the write and its compensation
+    assert airlock_commits(repo, second.action_id) == 2  # the write and its compensation
     plan = Plan.objects.get(pk=plan_id)
     assert plan.error is not None and plan.error["step"] == 3
 
@@ -285,7 +223,7 @@ def test_a_compensation_that_meets_a_changed_target_is_a_conflict_never_an_overw
         assert action_3 is not None and action_3.status in ("queued", "executing")
         busy = Operation.objects.filter(action=action_3, outcome__refused__startswith="target_busy")
         assert busy.exists()  # a busy target: backed off, nothing recorded as applied
-        _someone_commits(repo, tmp_path, {"limit": 50})
+        someone_commits(repo, tmp_path, "t/acme.json", {"limit": 50})
         holder.execute(
             "UPDATE accounts SET settings = %s, version = version + 1 WHERE account_id = 'globex'",
             [json.dumps({"seats": 30})],
@@ -304,7 +242,7 @@ def test_a_compensation_that_meets_a_changed_target_is_a_conflict_never_an_overw
     assert conflict.status == "open"
     assert conflict.current_version == _blob(repo)
     assert _events("write.undone", second.action) == []
-    assert _commits_of(repo, second.action_id) == 1  # the write only: nothing overwrote
+    assert airlock_commits(repo, second.action_id) == 1  # the write only: nothing overwrote
 
 
 def test_a_step_on_an_unreachable_target_is_a_502_naming_the_step_and_records_nothing(
