@@ -26,7 +26,9 @@ import pytest
 
 from approvals.models import Action, Operation
 from approvals.services.reconcile import reconcile
+from approvals.services.undo import action_undo_request
 from audit.models import AuditEvent
+from audit.services import Actor
 from engine.targets.base import Outcome
 from ownership.models import Conflict, ResourceKind
 from ownership.targets import adapter_for_kind, read_through
@@ -38,6 +40,8 @@ from tests.fixtures.targets import (
     file_at_main,
     row,
     rows_database,
+    someone_commits,
+    someone_updates_row,
 )
 from tests.test_targets_http_etag import ENV as DAV_ENV
 from tests.test_targets_http_etag import WSGIDAV, Dav, _running, _wsgidav
@@ -84,7 +88,9 @@ class Governed:
     name: str
     worker_env: dict[str, str]
     target_document: Callable[[], Any]  # what the target holds now
-    target_effects: Callable[[Action], int]  # how many times the target took this action
+    # How many times the target took this action (a row: all UPDATEs of it, any action).
+    target_effects: Callable[[Action], int]
+    someone_writes: Callable[[Any], None] = lambda _document: None  # outside Airlock
 
 
 @pytest.fixture
@@ -99,6 +105,7 @@ def postgres_rows(monkeypatch: pytest.MonkeyPatch) -> Iterator[Governed]:
             lambda: row(url, "acme")[0],
             # The adapter advances the version once per UPDATE it makes: 1 + its effects.
             lambda _action: row(url, "acme")[1] - 1,
+            lambda document: someone_updates_row(url, "acme", document),
         )
 
 
@@ -115,6 +122,7 @@ def git_file(tmp_path: Path) -> Governed:
         {},
         lambda: file_at_main(repo, "t/acme.json"),
         lambda action: airlock_commits(repo, action.pk),
+        lambda document: someone_commits(repo, tmp_path, "t/acme.json", document),
     )
 
 
@@ -138,12 +146,18 @@ def _dav_governed(server: Dav) -> Governed:
     assert seeded.outcome is Outcome.APPLIED
     time.sleep(1.05)  # WsgiDAV's tag has whole-second mtimes: let our write move it
     path = server.root / "acme"
+
+    def someone_writes(document: Any) -> None:
+        time.sleep(1.05)  # a new mtime second: the tag moves even at the same size
+        path.write_text(json.dumps(document))
+
     return Governed(
         kind,
         "acme",
         {DAV_ENV: os.environ[DAV_ENV]},
         lambda: json.loads(path.read_text()),
         lambda _action: -1,  # WebDAV keeps no count: the document and the trail tell
+        someone_writes,
     )
 
 
@@ -261,3 +275,63 @@ def test_a_target_that_is_down_backs_off_then_fails_never_a_false_applied(
     assert all(gap >= 0.1 for gap in gaps), gaps
     assert not AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk).exists()
     assert Operation.objects.filter(action=action, status__in=("done", "unknown")).count() == 0
+
+
+@pytest.mark.parametrize("fixture", TARGETS)
+def test_two_runs_from_the_same_version_exactly_one_applies_the_other_is_routed(
+    engine_world: Any, rq_worker: Any, request: pytest.FixtureRequest, fixture: str
+) -> None:
+    """The design's collision on each target: two runs read the same version and each
+    proposes its change; the worker executes both. One applies; the other meets the target's
+    newer version and becomes a conflict routed by its class (the agent's to redo); the
+    first one's change is kept, nothing is lost."""
+    governed: Governed = request.getfixturevalue(fixture)
+    mirror = read_through(governed.kind, governed.name)
+    assert mirror is not None
+    first, second = (
+        engine_world.propose(
+            governed.kind,
+            governed.name,
+            run=run,
+            payload={"seats": seats},
+            payload_format="merge_patch",
+            observed_version=mirror.token,
+        )
+        for run, seats in ((engine_world.run, 9), (engine_world.other_run, 11))
+    )
+    worker = rq_worker(**governed.worker_env)
+    final = ("applied", "conflict", "failed")
+    wait_for(lambda: _status(first) in final and _status(second) in final, timeout=60)
+    statuses = {_status(first), _status(second)}
+    assert statuses == {"applied", "conflict"}, worker.output()
+    winner, loser = (first, second) if _status(first) == "applied" else (second, first)
+    assert governed.target_document() == {"seats": 9 if winner is first else 11}
+    if fixture == "postgres_rows":
+        assert governed.target_effects(winner) == 1  # one UPDATE of the row in all
+    elif fixture == "git_file":
+        assert (governed.target_effects(winner), governed.target_effects(loser)) == (1, 0)
+    conflict = Conflict.objects.get(action=loser, origin="write")
+    assert conflict.resolver == "agent"  # recompute_field: the agent re-reads and redoes
+    assert conflict.current_version != mirror.token  # the winner's version, not the base
+
+
+@pytest.mark.parametrize("fixture", TARGETS)
+def test_undo_after_someone_else_changed_the_target_is_a_conflict_never_an_overwrite(
+    engine_world: Any, rq_worker: Any, request: pytest.FixtureRequest, fixture: str
+) -> None:
+    governed: Governed = request.getfixturevalue(fixture)
+    worker = rq_worker(**governed.worker_env)
+    action = _propose(engine_world, governed)
+    wait_for(lambda: _status(action) in ("applied", "conflict", "failed"), timeout=60)
+    assert _status(action) == "applied", worker.output()
+    governed.someone_writes({"seats": 40})
+
+    undo = action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
+    wait_for(lambda: Operation.objects.get(pk=undo.pk).status != "pending", timeout=60)
+    undo.refresh_from_db()
+    assert undo.status == "failed" and undo.outcome["reason"] == "resource_moved", undo.outcome
+    assert governed.target_document() == {"seats": 40}  # someone's change stands
+    assert _status(action) == "applied"
+    conflict = Conflict.objects.get(action=action, origin="undo")
+    assert conflict.status == "open"
+    assert not AuditEvent.objects.filter(event_type="write.undone", action_id=action.pk).exists()
