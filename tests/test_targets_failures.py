@@ -18,17 +18,23 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from approvals.models import Action, Operation
+from approvals.services.execution import action_execute
 from approvals.services.reconcile import reconcile
+from approvals.services.runs import run_finish
 from approvals.services.undo import action_undo_request
 from audit.models import AuditEvent
 from audit.services import Actor
+from console.core.fence import next_fence
+from console.core.operations import open_operation
 from engine.targets.base import Outcome
 from ownership.models import Conflict, ResourceKind
 from ownership.targets import adapter_for_kind, read_through
@@ -335,3 +341,50 @@ def test_undo_after_someone_else_changed_the_target_is_a_conflict_never_an_overw
     conflict = Conflict.objects.get(action=action, origin="undo")
     assert conflict.status == "open"
     assert not AuditEvent.objects.filter(event_type="write.undone", action_id=action.pk).exists()
+
+
+@pytest.mark.parametrize("fixture", TARGETS)
+@pytest.mark.parametrize("reached", [True, False], ids=["reached", "never_sent"])
+def test_a_write_whose_worker_died_is_settled_by_reading_even_after_its_run_ended(
+    engine_world: Any,
+    engine_redis: Any,
+    request: pytest.FixtureRequest,
+    fixture: str,
+    reached: bool,
+) -> None:
+    """A worker died holding the write (the reconciler abandons its operation) and the run
+    finished before the next attempt. If the write reached the target it is recorded
+    `applied` (read, not sent); if it never did, it is not sent now: `cancelled`."""
+    governed: Governed = request.getfixturevalue(fixture)
+    action = _propose(engine_world, governed)
+    fence = next_fence()
+    if reached:  # the dead worker's write landed; its answer died with it
+        landed = adapter_for_kind(governed.kind).write(
+            governed.name,
+            {"seats": 9},
+            expected_version=str(action.observed_version),
+            fence=fence,
+            idempotency_key="the-dead-worker",
+        )
+        assert landed.outcome is Outcome.APPLIED
+    open_operation(action_id=action.pk, fence=fence, worker="dead", lease_seconds=1)
+    assert reconcile(now=timezone.now() + timedelta(seconds=30))["abandoned"] == 1
+    run_finish(run=engine_world.run, actor=Actor.run(engine_world.run))
+    assert _status(action) == "queued"  # may have reached the target: not cancelled yet
+    Action.objects.filter(pk=action.pk).update(not_before=None)
+
+    outcome = action_execute(action_id=action.pk)
+    if reached:
+        assert (outcome, _status(action)) == ("applied", "applied")
+        assert governed.target_document() == {"seats": 9}
+        done = Operation.objects.get(action=action, status="done")
+        assert done.outcome["settled_by_reading"] is True
+    else:
+        assert (outcome, _status(action)) == ("run_not_active", "cancelled")
+        assert governed.target_document() == {"seats": 5}  # nothing sent after the run ended
+        closed = Operation.objects.get(action=action, outcome__was_abandoned=True)
+        assert closed.outcome["settled"] == "not_applied"
+    if fixture == "git_file":
+        assert governed.target_effects(action) == 0  # the dead worker's commit named no action
+    elif fixture == "postgres_rows":
+        assert governed.target_effects(action) == int(reached)

@@ -115,6 +115,13 @@ def execute_external(*, action: Action, lock: Any, fence: int) -> str:
         settled = _settle_by_reading(action, operation, adapter, intended, fence)
         if settled is not None:
             return settled
+        # Not applied: the earlier attempts never reached the target. Closed as such, they
+        # no longer keep the action alive past its run's end — which is checked again.
+        _close_not_applied(action, operation)
+        if refuse_if_run_ended(
+            action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
+        ):
+            return "run_not_active"
     result = _send(
         action=action,
         operation=operation,
@@ -165,6 +172,31 @@ def _earlier_unknown(action: Action) -> bool:
         .filter(Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True))
         .exists()
     )
+
+
+def _close_not_applied(action: Action, operation: Operation) -> None:
+    """The earlier attempts that may have reached the target, found by reading not to
+    have: failed, `settled: not_applied` (an abandoned one keeps that it was, under
+    another name: `abandoned` marks an attempt still to settle)."""
+    earlier = (
+        Operation.objects.filter(action=action, undo_of__isnull=True)
+        .filter(Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True))
+        .exclude(pk=operation.pk)
+    )
+    now = timezone.now()
+    for row in earlier.only("pk", "outcome"):
+        before = dict(row.outcome) if isinstance(row.outcome, dict) else {}
+        was_abandoned = bool(before.pop("abandoned", False))
+        Operation.objects.filter(pk=row.pk).update(
+            status=OperationStatus.FAILED,
+            finished_at=now,
+            outcome={
+                **before,
+                "was_abandoned": was_abandoned,
+                "settled": "not_applied",
+                "by": "reading",
+            },
+        )
 
 
 def _settle_by_reading(
