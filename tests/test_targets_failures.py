@@ -388,3 +388,48 @@ def test_a_write_whose_worker_died_is_settled_by_reading_even_after_its_run_ende
         assert governed.target_effects(action) == 0  # the dead worker's commit named no action
     elif fixture == "postgres_rows":
         assert governed.target_effects(action) == int(reached)
+
+
+@pytest.mark.parametrize("fixture", TARGETS)
+def test_an_undo_whose_worker_is_killed_after_the_target_applied_it_is_recorded_once(
+    engine_world: Any, rq_worker: Any, settings: Any, request: pytest.FixtureRequest, fixture: str
+) -> None:
+    """The undo's write reached the target and the worker died before recording it: the
+    undo is delivered again, reads the target (the prior document under a new version) and
+    is recorded `undone` — not resent, not a false conflict."""
+    governed: Governed = request.getfixturevalue(fixture)
+    settings.AIRLOCK_LOCK_TTL_MS = WORKER_LOCK_TTL_MS  # the in-process reconciler's view
+    first = rq_worker(**governed.worker_env)
+    action = _propose(engine_world, governed)
+    wait_for(lambda: _status(action) in ("applied", "conflict", "failed"), timeout=60)
+    assert _status(action) == "applied", first.output()
+    first.stop()
+    if fixture == "dav_file":
+        time.sleep(1.05)  # WsgiDAV's whole-second tags: the undo's write must move it
+
+    doomed = rq_worker(
+        AIRLOCK_TEST_CRASH_AT="external_undo_after_target_applied", **governed.worker_env
+    )
+    undo = action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
+    wait_for(lambda: not doomed.alive(), timeout=30, interval=0.01)
+    assert doomed.process.returncode == -9, doomed.output()
+    assert governed.target_document() == {"seats": 5}  # undone at the target, not on record
+    assert Operation.objects.get(pk=undo.pk).status == "pending"
+
+    survivor = rq_worker(**governed.worker_env)
+
+    def settled() -> bool:
+        reconcile()  # delivers the undo again once the dead worker's lease is over
+        return Operation.objects.get(pk=undo.pk).status != "pending"
+
+    wait_for(settled, timeout=60, interval=0.2)
+    undo.refresh_from_db()
+    assert undo.status == "done", (undo.outcome, survivor.output())
+    assert _status(action) == "undone"
+    assert governed.target_document() == {"seats": 5}
+    assert AuditEvent.objects.filter(event_type="write.undone", action_id=action.pk).count() == 1
+    assert not Conflict.objects.filter(action=action).exists()
+    if fixture == "git_file":
+        assert governed.target_effects(action) == 2  # the write and one undo commit
+    elif fixture == "postgres_rows":
+        assert governed.target_effects(action) == 2  # one UPDATE each
