@@ -218,6 +218,18 @@ def read_through(kind: ResourceKind, name: str) -> Resource | None:
     return mirror_snapshot(kind, name, snapshot)
 
 
+def refresh_mirror(kind: ResourceKind, name: str, if_match_etag: str | None) -> None:
+    """Before a proposal (a single write or a plan's step) on an external kind: the mirror
+    must hold the version the agent names, so the approver sees the diff against what the
+    agent read, the precondition is checked against it and the conflict page and the undo
+    have its document. Read from the target unless the mirror already does (a create names
+    no version: always read, so a document already there refuses it now, not at execution).
+    Raises what read_through raises."""
+    mirror = Resource.objects.filter(kind=kind, name=name).first()
+    if not mirror_is_current(mirror, if_match_etag):
+        read_through(kind, name)
+
+
 def mirror_is_current(resource: Resource | None, if_match_etag: str | None) -> bool:
     """Whether the mirror already holds the version an agent names (no read needed: the
     target's own conditional write is the last word either way)."""

@@ -134,6 +134,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("*.management", INTERFACE),
     ("*.management.commands", INTERFACE),
     ("*.management.commands.*", INTERFACE),
+    ("console.management.demo_target", INTERFACE),  # the demo's git repository and kind
     ("bench", INTERFACE),
     ("bench.*", INTERFACE),
 )

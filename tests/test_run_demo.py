@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from io import StringIO
+from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.core.management import call_command
 from django.utils import timezone
 
 from approvals.models import Action, Approval, Operation, Plan
 from audit.chain import verify_rows
 from audit.models import AuditEvent
-from ownership.models import Conflict, Resource
+from console.management.demo_target import GIT_RESOURCE, demo_repository
+from ownership.models import Conflict, Resource, ResourceKind
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def demo_redis(private_redis, settings):  # type: ignore[no-untyped-def]
-    # The demo's burst worker drains the real queue: give it a Redis of its own.
+def demo_redis(private_redis, settings, tmp_path):  # type: ignore[no-untyped-def]
+    # The demo's burst worker drains the real queue: give it a Redis of its own; and a data
+    # folder of its own for the git repository it makes.
+    settings.DATA_DIR = tmp_path / "data"
     settings.REDIS_URL = private_redis.url
     settings.RQ_QUEUES = {"default": {"URL": private_redis.url, "DEFAULT_TIMEOUT": 120}}
     return private_redis
@@ -71,9 +78,9 @@ def test_the_demo_plays_the_design_collision_through_the_api(demo_redis) -> None
     assert "two steps, one approval waiting" in output
 
     # People and agents were made by their services: validated and audited as the demo.
-    for event_type in ("person.created", "agent.created"):
+    for event_type, count in (("person.created", 3), ("agent.created", 4)):
         made = AuditEvent.objects.filter(event_type=event_type)
-        assert made.count() == 3 and {e.actor_label for e in made} == {"demo"}
+        assert made.count() == count and {e.actor_label for e in made} == {"demo"}
 
     # Both attempts on prod-alerts are in a chain that verifies.
     events = AuditEvent.objects.filter(resource="notification-policy/prod-alerts")
@@ -86,3 +93,37 @@ def test_running_the_demo_twice_changes_nothing(demo_redis) -> None:  # type: ig
     actions, events = Action.objects.count(), AuditEvent.objects.count()
     assert "already loaded" in run_demo()
     assert (Action.objects.count(), AuditEvent.objects.count()) == (actions, events)
+
+
+def _git(repository: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "--git-dir", str(repository), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_the_demo_governs_a_git_repository_under_the_data_folder(demo_redis) -> None:  # type: ignore[no-untyped-def]
+    output = run_demo()
+
+    repository = demo_repository()
+    assert repository.parent == Path(settings.DATA_DIR) and (repository / "HEAD").exists()
+    kind = ResourceKind.objects.get(slug="tenant-config")
+    assert kind.target == "git" and kind.target_settings["repository"] == str(repository)
+
+    # The file was seeded by a plain commit, then changed by the real flow: read through the
+    # API, proposed, approved by ana, committed by the worker through the git adapter.
+    on_main = json.loads(_git(repository, "show", "main:tenants/acme.json"))
+    assert on_main == {"tenant": "acme", "plan": "team", "seats": 12}
+    messages = _git(repository, "log", "--format=%B", "main")
+    assert _git(repository, "rev-list", "--count", "main") == "2"
+    action = Action.objects.get(kind=kind, name="acme.json")
+    assert action.status == "applied"
+    assert f"Airlock-Action: {action.pk}" in messages and "Approved-by: ana" in messages
+    assert Approval.objects.get(action=action).status == "approved"
+
+    # Airlock's mirror holds the target's token: the file's blob id at main.
+    mirror = Resource.objects.get(kind=kind, name="acme.json")
+    assert mirror.external_version == _git(repository, "rev-parse", "main:tenants/acme.json")
+    assert mirror.document == on_main
+    done = Operation.objects.get(action=action, undo_of__isnull=True, status="done")
+    assert done.result_version == mirror.external_version
+    assert f"tenant-bot's change to {GIT_RESOURCE} approved by ana" in output

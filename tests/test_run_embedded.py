@@ -127,6 +127,22 @@ def test_make_run_boots_the_embedded_default_and_ctrl_c_stops_everything(tmp_pat
         # plain, never JSON objects.
         json_lines = [line for line in text.splitlines() if line.lstrip().startswith('{"')]
         assert not json_lines, json_lines[:3]
+        # The demo's non-managed kind works on SQLite too: a git repository under the data
+        # folder, its file changed through the real flow and committed by the worker.
+        assert "tenant-bot's change to tenant-config/acme.json approved by ana" in text, text
+        committed = subprocess.run(
+            [
+                "git",
+                "--git-dir",
+                str(data_dir / "demo-config.git"),
+                "show",
+                "main:tenants/acme.json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert json.loads(committed)["seats"] == 12
         assert (data_dir / "airlock.sqlite3").exists()
         assert (data_dir / "redis.sock").exists()
 

@@ -314,7 +314,7 @@ def _field_error(position: int, field: str, message: str) -> ValidationFailed:
 @router.post(
     "/runs/{run_id}/plans",
     auth=run_token,
-    response={202: PlanOut, **errors(400, 401, 403, 404, 409, 412, 413, 422, 423, 428, 429)},
+    response={202: PlanOut, **errors(400, 401, 403, 404, 409, 412, 413, 422, 423, 428, 429, 502)},
     summary="Propose a plan: several conditional writes approved as one, applied in order",
     description="Every step is checked like a single write (run active, write set, "
     "If-Match) and the plan is recorded whole or not at all: a step outside the write set "
@@ -323,8 +323,11 @@ def _field_error(position: int, field: str, message: str) -> ValidationFailed:
     "as the write it is: its operation in the write set (403 with `field: compensation`), "
     "its class counted with the steps'. Needs an Idempotency-Key. The plan runs at once "
     "when every step's and compensation's class is per-run; one per-call class makes the "
-    "whole plan wait for one approval with the strictest class's quorum. Poll "
-    "`GET /plans/{id}`.",
+    "whole plan wait for one approval with the strictest class's quorum. A step may be on "
+    "any target (managed, http, postgres, git; mixed): each external step's document is read "
+    "from its target first (502 `target_unavailable` / `weak_validator` naming the `step` "
+    "when it cannot be), and it executes and is compensated through the target's own "
+    "conditional write. Poll `GET /plans/{id}`.",
     openapi_extra={
         "parameters": [
             {

@@ -458,14 +458,17 @@ def run_end_exempt() -> Q:
     stop, as a filter on Action:
 
     - a conflict resolution (`parent` set): a person's decision, not the agent's;
-    - a write to an external HTTP target that may already have reached it (an
-      operation `unknown`, or abandoned by the reconciler while in flight): only
-      its replay, with the same target Idempotency-Key, settles what happened.
+    - a write to an external target that may already have reached it (an
+      operation `unknown`, or abandoned by the reconciler while in flight): only its
+      next attempt settles what happened — a replay with the same target
+      Idempotency-Key where the target honours one, else a read of the target
+      (approvals/services/external_writes.py; found not applied, it is not sent
+      again once the run has ended).
     """
     maybe_sent = Operation.objects.filter(action=OuterRef("pk"), undo_of__isnull=True).filter(
         Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True)
     )
-    return Q(parent__isnull=False) | (Q(kind__target="http") & Q(Exists(maybe_sent)))
+    return Q(parent__isnull=False) | (~Q(kind__target="managed") & Q(Exists(maybe_sent)))
 
 
 class IdempotencyStatus(models.TextChoices):

@@ -7,8 +7,11 @@ action, on the version the action produced — never an overwrite.
 
 `stale` at the target means someone changed it since: the undo's refusal and the conflict
 that hands it to a person commit together (as on Airlock's own store). An unknown answer is
-settled by reading on the next delivery, as for writes. A plan's compensation is an undo with
-an explicit document (`restore`), so plans compensate external steps the same way.
+settled by reading on the next delivery, as for writes; on a target that takes no
+idempotency key every delivery reads first (a worker killed after the target applied the
+undo leaves no `unknown` behind), so a redelivered undo is recorded, never resent. A plan's
+compensation is an undo with an explicit document (`restore`), so plans compensate external
+steps the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from approvals.services.attempts import crash_point
 from audit.services import Actor
 from console.core.action_audit import audit_action_event
 from console.core.actors import person_id
@@ -84,7 +88,11 @@ def external_undo(
         message = f"version {original.base_version} was never recorded; it cannot be restored"
         return _refused(undo_op, action, actor, (NO_PREVIOUS_VERSION, message), base)
     adapter = adapter_for_kind(action.kind)
-    if (undo_op.outcome or {}).get("unknown"):
+    # A target that takes no idempotency key is read before anything is sent: a delivery
+    # whose worker was killed after the target applied the undo left nothing on record, and
+    # a resend would meet the undo's own write as someone else's change (a false conflict).
+    # A target that takes one answers a resend with the same key as the first time.
+    if (undo_op.outcome or {}).get("unknown") or not adapter.capabilities.takes_idempotency_key:
         settled = _settle(adapter, action, original, restored, deleting_undone)
         if isinstance(settled, Applied):
             return _record_undone(
@@ -95,6 +103,7 @@ def external_undo(
     lock.check()
     result = _send(adapter, action, original, restored, deleting_undone, fence, undo_op)
     if result.outcome is Outcome.APPLIED:
+        crash_point("external_undo_after_target_applied")  # tests: killed before recording
         return _record_undone(undo_op, action, original, restored, result.version, fence, actor)
     if result.outcome is Outcome.STALE:
         return _moved(undo_op, action, original, result.current, actor, base)

@@ -6,8 +6,9 @@ right before sending (a revoke or an engage that commits while the request is in
 cannot recall it), and the target's own conditional write is the precondition — on the
 version token the agent observed, compared exactly by the target.
 
-An attempt whose outcome is unknown (sent, no answer; the worker killed after sending)
-leaves the operation `unknown`. The next attempt settles it before anything else:
+An attempt whose outcome is unknown leaves the operation `unknown` (sent, no answer) or
+`failed` with `abandoned` (its worker killed while holding it: the reconciler closes it and
+queues the action again). The next attempt settles either before anything else:
 - a target that honours our Idempotency-Key gets the same write again with the same key,
   and answers what it did the first time;
 - any other target is read (`engine.targets.base.settle_by_reading`): our document under a
@@ -24,6 +25,7 @@ from functools import partial
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, ApprovalDecision, Operation, OperationStatus
@@ -36,6 +38,7 @@ from approvals.services.attempts import (
     attempt_superseded,
     audit_worker_event,
     claim,
+    crash_point,
     operation_fail_pending,
     renew_operation_lease,
     route_refusal,
@@ -112,6 +115,13 @@ def execute_external(*, action: Action, lock: Any, fence: int) -> str:
         settled = _settle_by_reading(action, operation, adapter, intended, fence)
         if settled is not None:
             return settled
+        # Not applied: the earlier attempts never reached the target. Closed as such, they
+        # no longer keep the action alive past its run's end — which is checked again.
+        _close_not_applied(action, operation)
+        if refuse_if_run_ended(
+            action_id=action.pk, operation_id=operation.pk, fence=fence, actor=WORKER_ACTOR
+        ):
+            return "run_not_active"
     result = _send(
         action=action,
         operation=operation,
@@ -122,6 +132,8 @@ def execute_external(*, action: Action, lock: Any, fence: int) -> str:
     )
     if isinstance(result, str):
         return result
+    if result.outcome is Outcome.APPLIED:
+        crash_point("external_after_target_applied")  # tests: killed before recording it
     return _route(action, operation, adapter, intended, fence, result)
 
 
@@ -150,9 +162,41 @@ def _intended(action: Action, adapter: TargetAdapter) -> Intended | Snapshot:
 
 
 def _earlier_unknown(action: Action) -> bool:
-    return Operation.objects.filter(
-        action=action, undo_of__isnull=True, status=OperationStatus.UNKNOWN
-    ).exists()
+    """Whether an earlier attempt may have reached the target: its answer was lost
+    (`unknown`), or its worker died holding it (abandoned by the reconciler — killed after
+    the target applied, the write is there and nothing recorded it). Either is settled by
+    reading before anything is sent: a second send would meet our own write as a stale
+    version and report a false conflict."""
+    return (
+        Operation.objects.filter(action=action, undo_of__isnull=True)
+        .filter(Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True))
+        .exists()
+    )
+
+
+def _close_not_applied(action: Action, operation: Operation) -> None:
+    """The earlier attempts that may have reached the target, found by reading not to
+    have: failed, `settled: not_applied` (an abandoned one keeps that it was, under
+    another name: `abandoned` marks an attempt still to settle)."""
+    earlier = (
+        Operation.objects.filter(action=action, undo_of__isnull=True)
+        .filter(Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True))
+        .exclude(pk=operation.pk)
+    )
+    now = timezone.now()
+    for row in earlier.only("pk", "outcome"):
+        before = dict(row.outcome) if isinstance(row.outcome, dict) else {}
+        was_abandoned = bool(before.pop("abandoned", False))
+        Operation.objects.filter(pk=row.pk).update(
+            status=OperationStatus.FAILED,
+            finished_at=now,
+            outcome={
+                **before,
+                "was_abandoned": was_abandoned,
+                "settled": "not_applied",
+                "by": "reading",
+            },
+        )
 
 
 def _settle_by_reading(

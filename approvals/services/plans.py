@@ -1,11 +1,12 @@
 """Plans: one change across several resources, proposed whole, approved as one.
 
 A run proposes an ordered list of conditional writes (each exactly like a single
-write: resource, method, document or patch, If-Match / If-None-Match, its conflict
-class) and, for each, its compensation: the undo of that step (default) or an
-explicit conditional write. Everything is checked and recorded in one transaction
-before anything executes; a refusal (outside the write set, a duplicate resource,
-more than `AIRLOCK_PLAN_MAX_STEPS` steps, a stale tag) records nothing.
+write, on Airlock's own store or on an external target: resource, method, document or
+patch, If-Match / If-None-Match, its conflict class) and, for each, its compensation:
+the undo of that step (default) or an explicit conditional write. Everything is
+checked and recorded in one transaction before anything executes; a refusal (outside
+the write set, a duplicate resource, more than `AIRLOCK_PLAN_MAX_STEPS` steps, a stale
+tag) records nothing.
 
 An explicit compensation is a write like any other and is checked as the write it
 is (docs/plans-compensation.md): the run's write set must cover its operation (a
@@ -57,7 +58,8 @@ from audit.services import Actor, audit_append, audit_deferred
 from console.core.errors import DomainError, ValidationFailed
 from ownership.diff import apply_merge_patch, document_diff, proposed_document
 from ownership.history import revision_at
-from ownership.models import ApprovalMode, ConflictClass, Resource, TargetType
+from ownership.models import ApprovalMode, ConflictClass, Resource
+from ownership.targets import is_external, refresh_mirror
 
 COMPENSATION_METHODS = ("PUT", "PATCH", "DELETE")
 
@@ -144,15 +146,6 @@ def _check_shape(steps: Sequence[PlanStepSpec]) -> None:
                 "resource once",
             )
         seen[identifier] = position
-        if proposal.kind.target != TargetType.MANAGED:
-            # Not yet: a plan's steps are checked against mirrors a plan proposal does not
-            # refresh from the target (issue 39 leaves this open; a single write works).
-            raise _step_error(
-                position,
-                "resource",
-                f"{identifier} is written to an external target ({proposal.kind.target}); "
-                "plans do not take such steps yet — write it on its own",
-            )
         if proposal.operation == "create" and not proposal.create_if_absent:
             raise PreconditionRequired(
                 f"step {position}: creating needs if_none_match '*'.",
@@ -164,6 +157,24 @@ def _check_shape(steps: Sequence[PlanStepSpec]) -> None:
                 extra={"resource": identifier, "step": position},
             )
         _check_compensation(position, spec)
+
+
+def _refresh_external_mirrors(steps: Sequence[PlanStepSpec]) -> None:
+    """Each external step's mirror holds the version the agent names (read from the target
+    unless it already does), so the step's tag, the approver's diff and its compensation's
+    document are the target's — before any lock: a target's answer is never waited for
+    inside the proposal's transaction. The target's conditional write at execution stays
+    the last word."""
+    for position, spec in enumerate(steps, start=1):
+        proposal = spec.proposal
+        if not is_external(proposal.kind):
+            continue
+        tag = None if proposal.if_match is None else str(proposal.if_match.tags[0])
+        try:
+            refresh_mirror(proposal.kind, proposal.name, tag)
+        except DomainError as error:
+            error.extra = {**(error.extra or {}), "step": position}
+            raise
 
 
 def _lock_and_check_authority(run: Run, steps: Sequence[PlanStepSpec]) -> None:
@@ -392,16 +403,20 @@ def plan_propose(
 ) -> Plan:
     """Check every step and record the plan whole, in one transaction.
 
-    Raises ValidationFailed (422: no steps, too many, a duplicate resource, an HTTP
-    target, a bad compensation or one with nothing to apply to), PreconditionRequired
+    Raises ValidationFailed (422: no steps, too many, a duplicate resource, a bad
+    compensation or one with nothing to apply to), PreconditionRequired
     (428), RunNotActive (409), Forbidden `not_in_write_set` (403: a step, or its
     compensation — `field: compensation` — outside the write set), Leased (423) — each
     naming the `step` —
     and the 412 `stale_version` of the first stale step (audited
     `plan.refused_stale`, `on_refused` inside that transaction). Nothing is
     recorded on a refusal. On success `on_recorded` runs inside the transaction.
+    A step on an external target (issue 39) is checked against what the target holds:
+    its mirror is read from the target first, outside the transaction (502
+    `target_unavailable` / `weak_validator` naming the `step` when it cannot be).
     """
     _check_shape(steps)
+    _refresh_external_mirrors(steps)
     # As action_propose: the events are appended together last, so the audit head is
     # locked for the commit only, not while the answer is rendered and stored for replay.
     with transaction.atomic(), audit_deferred():

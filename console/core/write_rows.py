@@ -360,13 +360,13 @@ def run_end_status(
     carries a person's decision — and, for a quorum class, the approvals of enough
     people — not the agent's, so its run's end does not stop it: conflicts are
     often settled after the agent has gone. And a write to an external target that
-    may already have reached it (an `unknown` or abandoned attempt) is replayed
-    with the same target Idempotency-Key to settle it, never left unsettled.
+    may already have reached it (an `unknown` or abandoned attempt) is settled —
+    replayed with the same target Idempotency-Key, or read — never left unsettled.
     """
     if action.parent_id is not None:
         return None
     if (
-        action.kind.target == TargetType.HTTP
+        action.kind.target != TargetType.MANAGED
         and Action.objects.filter(pk=action.pk).filter(run_end_exempt()).exists()
     ):
         return None

@@ -47,7 +47,7 @@ from ownership.api.schemas import (
 from ownership.api.serialize import resource_json
 from ownership.models import Resource, ResourceKind
 from ownership.selectors import resource_live
-from ownership.targets import is_external, mirror_is_current, read_through
+from ownership.targets import is_external, read_through, refresh_mirror
 
 router = Router(tags=["resources"])
 
@@ -314,13 +314,8 @@ def _write(request: HttpRequest, kind: str, name: str, method: str) -> HttpRespo
 
 
 def _refresh_mirror(kind: ResourceKind, name: str, if_match: Any) -> None:
-    """Before a proposal on an external kind: the mirror must hold the version the agent
-    names, so the approver sees the diff against what the agent read and the conflict page
-    has its base. Read from the target unless it already does."""
-    tag = None if if_match is None else str(if_match.tags[0])
-    mirror = Resource.objects.filter(kind=kind, name=name).first()
-    if not mirror_is_current(mirror, tag):
-        read_through(kind, name)
+    """The mirror holds the version the agent names (ownership.targets.refresh_mirror)."""
+    refresh_mirror(kind, name, None if if_match is None else str(if_match.tags[0]))
 
 
 def _propose(run: Any, proposal: action_services.Proposal, record_id: int) -> HttpResponse:

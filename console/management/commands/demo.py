@@ -17,6 +17,11 @@ The story (the design's collision, seeds/003):
 5. `release-bot` proposes two candidates for release-pointer/prod-eu, both based on version 7;
    the first is approved and applied, the second meets version 8 at execution → an open
    conflict for the release owners.
+6. `release-bot` proposes a two-step plan: one approval waiting.
+7. A kind that is not Airlock's own store (console/management/demo_target.py): tenant-config,
+   files in a git repository under the data folder. `tenant-bot` reads tenant-config/acme.json
+   (its ETag is the file's blob id) and proposes more seats; `ana` approves; the worker commits
+   it to the repository through the git adapter.
 notification-policy/staging-alerts is left to no run: the README's quick-start writes there.
 """
 
@@ -42,6 +47,7 @@ from approvals.models import Agent
 from approvals.outbox import engine_queue
 from approvals.services.tokens import agent_create, agent_token_create, personal_token_create
 from audit.services import Actor
+from console.management.demo_target import GIT_RESOURCE, demo_repository, ensure_git_kind
 from console.people import person_create
 from console.reference import ensure_reference_data
 from ownership.models import Resource, ResourceKind, ResourceVersion
@@ -119,6 +125,7 @@ AGENTS: list[tuple[str, str]] = [
     ("alerts-bot-a", "Keeps alert routing complete (adds missing destinations)."),
     ("alerts-bot-b", "Raises alert severity during incidents."),
     ("release-bot", "Advances release pointers after green builds."),
+    ("tenant-bot", "Keeps tenants' configuration in step with their orders."),
 ]
 
 
@@ -214,6 +221,7 @@ class Command(BaseCommand):
                 )
             for spec in RESOURCES:
                 self.seed_resource(spec)
+            self.git_kind = ensure_git_kind(undo_window_seconds=UNDO_WINDOW_SECONDS)
             user_model = get_user_model()
             for username, roles, groups in PEOPLE:
                 person = user_model.objects.filter(username=username).first()
@@ -394,9 +402,13 @@ class Command(BaseCommand):
         self.collision(tokens)
         self.releases(tokens)
         self.plan(tokens)
+        if self.git_kind is not None:
+            self.git_config(tokens)
+        else:
+            self.say(f"git is not installed: {GIT_RESOURCE} (a git-backed kind) is skipped")
         self.say(
             "done — the console now shows approvals waiting (one of them a two-step plan), "
-            "an undoable write and a conflict"
+            "an undoable write, a conflict and a kind whose files live in a git repository"
         )
 
     def collision(self, tokens: dict[str, str]) -> None:
@@ -535,3 +547,27 @@ class Command(BaseCommand):
             "release-bot proposes a two-step plan",
         )
         self.say(f"release-bot proposed plan {plan['id']}: two steps, one approval waiting")
+
+    def git_config(self, tokens: dict[str, str]) -> None:
+        """Step 7: a write to a file in a git repository, approved and committed by the worker
+        (the kind's target is git: its version is the blob id, its write a commit)."""
+        run_id, token = self.start_run(
+            tokens, "tenant-bot", GIT_RESOURCE, "Acme bought 7 more seats (order 1042)"
+        )
+        etag, body = self.read(token, GIT_RESOURCE)
+        seats = int(body["document"].get("seats") or 0) + 7
+        reply = self.write(
+            token, GIT_RESOURCE, etag, patch={"seats": seats}, reason="order 1042: 7 more seats"
+        )
+        action = reply.body["id"]
+        self.decide(tokens, subject="action", match=action, what="acme's seats")
+        applied = self.wait_status(token, action, {"applied"}, "acme's seats")
+        self.expect(
+            self.api.call("POST", f"/api/v1/runs/{run_id}/finish", token=token, body={}),
+            200,
+            "tenant-bot finishes its run",
+        )
+        self.say(
+            f"tenant-bot's change to {GIT_RESOURCE} approved by ana and committed to "
+            f"{demo_repository()}: {etag} -> {applied['execution']['result_etag']}"
+        )
