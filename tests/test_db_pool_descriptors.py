@@ -167,10 +167,11 @@ def test_a_web_process_holding_1100_polls_serves_ordinary_requests_without_a_5xx
     statuses: Counter[int] = Counter()
     try:
         with held_polls(web, target.path, target.run_token, HELD_POLLS):
-            # Ordinary requests through Django (an agent token: not the poll front's), many
-            # at once, so the pool opens connections now, above descriptor 1023.
+            # Ordinary requests through Django (the agent's action list: the read front
+            # answers single reads only), many at once, so the pool opens connections now,
+            # above descriptor 1023.
             for _ in range(ROUNDS):
-                statuses += _burst(f"{web.url}{target.path}", target.tokens[0], BURST)
+                statuses += _burst(f"{web.url}/api/v1/actions", target.tokens[0], BURST)
             descriptors = _database_descriptors(web)
     finally:
         web.stop()
