@@ -2,7 +2,8 @@
 write is applied): the edited write applies, the original ends `superseded` with a link to
 it, the audit records who edited and the diff, the quorum rule holds, and every refusal
 (outside the write set, past the JSON limits, malformed, a resource that moved, a plan's
-approval) is a clear 4xx that changes nothing."""
+approval without a `step`) is a clear 4xx that changes nothing. A plan's step edited:
+tests/test_plan_edits.py."""
 
 from __future__ import annotations
 
@@ -444,9 +445,11 @@ def test_an_edit_waiting_on_a_revoke_sees_the_run_ended_and_changes_nothing(
 
 
 @pytest.mark.django_db
-def test_a_plan_approval_is_refused_422_and_stays_pending(
+def test_a_plan_approval_edited_without_a_step_is_refused_422_and_stays_pending(
     api: Any, run: Any, operator: Any, prod_alerts: Any
 ) -> None:
+    # A plan's step is edited by naming it (tests/test_plan_edits.py); without `step` the
+    # edit cannot say which of the plan's writes it replaces.
     plan_id = proposed_plan(
         api, run, [patch_step("notification-policy/prod-alerts", '"41"', {"severity": "error"})]
     )
@@ -454,7 +457,8 @@ def test_a_plan_approval_is_refused_422_and_stays_pending(
     events = AuditEvent.objects.count()
     response = _edit(api, operator, approval, document={"severity": "info"})
     body = problem(response, 422, "validation_error")
-    assert "not a plan's" in body["detail"]
+    assert "name the `step`" in body["detail"]
+    assert body["errors"][0]["field"] == "step"
     assert Approval.objects.get(pk=approval.pk).status == "pending"
     assert plan_status(plan_id) == "pending_approval"
     assert AuditEvent.objects.count() == events

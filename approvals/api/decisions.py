@@ -59,15 +59,19 @@ def approval_get(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
 def _edit_of(payload: DecisionIn) -> dict[str, Any] | None:
     """approve_with_edits' document or patch (as sent: the service says which is missing);
     the other decisions take neither."""
-    edit = {
+    edit: dict[str, Any] = {
         name: value
-        for name, value in (("document", payload.document), ("patch", payload.patch))
+        for name, value in (
+            ("document", payload.document),
+            ("patch", payload.patch),
+            ("step", payload.step),
+        )
         if value is not None
     }
     if payload.decision != "approve_with_edits":
         if edit:
             raise ApiError(
-                "`document` and `patch` go with approve_with_edits only.",
+                "`document`, `patch` and `step` go with approve_with_edits only.",
                 code="validation_error",
                 status=422,
                 extra={"errors": [{"field": next(iter(edit)), "message": "not expected"}]},
@@ -90,7 +94,15 @@ def _edit_of(payload: DecisionIn) -> dict[str, Any] | None:
     "same observed version; the original ends `superseded` (its `superseded_by` links the "
     "edited action). The answer is then the edited action's approval (pending when the "
     "quorum needs another person). The edited write is checked as the agent's would be "
-    "(403 not_in_write_set, 409 run_not_active, 412 stale_version, 413, 422).",
+    "(403 not_in_write_set, 409 run_not_active, 412 stale_version, 413, 422). On a plan's "
+    "approval, `approve_with_edits` also names the `step` (its position) whose `document` or "
+    "`patch` this is: the edited plan is a new plan in the same run, every step bound to the "
+    "version the agent observed and checked as `POST /runs/{id}/plans` checks it (a refusal "
+    "names the `step`; a delete step, an unknown step or no `step` at all: 422); the "
+    "original ends `superseded` (its `superseded_by` links the edited plan, whose `edited` "
+    "names the editor, the step and the diff), and the answer is the edited plan's "
+    "approval, approved (the plan executes) or pending another person when the quorum is "
+    "above one.",
 )
 def approval_decision(
     request: HttpRequest, approval_id: uuid.UUID, payload: DecisionIn

@@ -126,6 +126,22 @@ class PlanStepOut(Schema):
     error: dict[str, Any] | None
 
 
+class PlanLink(Schema):
+    id: uuid.UUID
+    url: str
+
+
+class PlanEditOut(Schema):
+    model_config = ConfigDict(extra="allow")
+
+    by: str | None
+    supersedes: uuid.UUID
+    step: int
+    resource: str
+    comment: str
+    diff: list[dict[str, Any]]
+
+
 class PlanOut(Schema):
     id: uuid.UUID
     url: str
@@ -141,10 +157,21 @@ class PlanOut(Schema):
         "rejected",
         "expired",
         "cancelled",
+        "superseded",
     ]
     reason: str
     error: dict[str, Any] | None
     approval: dict[str, Any] | None
+    superseded_by: PlanLink | None = Field(
+        None,
+        description="A `superseded` plan: the plan a person approved with one step edited "
+        "instead (nothing of this one ran); follow it",
+    )
+    edited: PlanEditOut | None = Field(
+        None,
+        description="A plan a person edited before approving: who, the plan it replaced, "
+        "the step and the diff from the agent's step to the approved one",
+    )
     steps: list[PlanStepOut]
     created_at: datetime
     updated_at: datetime
@@ -217,6 +244,14 @@ def _step_json(step: PlanStep, conflicts: dict[Any, Any], preview: StepPreview) 
     }
 
 
+def _edit_json(plan: Plan) -> dict[str, Any] | None:
+    """Who edited the plan and how (approvals/services/plan_edits.py): None if nobody did."""
+    if not isinstance(plan.edit, dict):
+        return None
+    keys = ("by", "supersedes", "step", "resource", "comment", "diff")
+    return {key: plan.edit.get(key) for key in keys}
+
+
 def plan_json(plan: Plan) -> dict[str, Any]:
     detail = plan_detail(plan)
     approval = detail["approval"]
@@ -244,6 +279,12 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             if approval is not None
             else None
         ),
+        "superseded_by": (
+            {"id": str(plan.superseded_by_id), "url": f"/api/v1/plans/{plan.superseded_by_id}"}
+            if plan.superseded_by_id
+            else None
+        ),
+        "edited": _edit_json(plan),
         "steps": [
             _step_json(
                 step,
@@ -428,7 +469,9 @@ def _plan_state(
     summary="Read a plan (long-poll with Prefer: wait=N)",
     description="The plan with every step's state, its approval and compensations. Held "
     "with `Prefer: wait=N` while the ETag still matches If-None-Match, or (without it) "
-    "while the plan has not ended (`applied`, `compensated`, `rejected`, `expired`, `cancelled`).",
+    "while the plan has not ended (`applied`, `compensated`, `rejected`, `expired`, `cancelled`, "
+    "`superseded`: a person approved it with a step edited, and `superseded_by` links the "
+    "edited plan).",
 )
 async def plan_get(request: HttpRequest, plan_id: uuid.UUID) -> HttpResponse:
     wait = parse_prefer_wait(request.headers.get("Prefer"))

@@ -295,6 +295,14 @@ class DecisionIn(Schema):
         description="approve_with_edits: a JSON merge patch (RFC 7396) applied to the "
         "proposed document; send `document` or `patch`, not both",
     )
+    step: int | None = Field(
+        None,
+        ge=1,
+        le=32767,
+        description="approve_with_edits on a plan's approval: the position (from 1) of the "
+        "step whose `document` or `patch` this is; the edited plan replaces the proposed one "
+        "(docs/plans.md). Not with a single write's approval",
+    )
     grant: GrantIn | None = Field(
         None,
         description="approve only, on a per-call approval with a quorum of one whose class "

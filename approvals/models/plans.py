@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+from django.conf import settings
 from django.db import models
 
 from approvals.models.writes import ConditionalWrite, Revisioned
@@ -21,6 +22,9 @@ class PlanStatus(models.TextChoices):
     REJECTED = "rejected", "rejected"
     EXPIRED = "expired", "expired"
     CANCELLED = "cancelled", "cancelled"  # its run ended before the plan was approved
+    # A person approved it with one step edited: the edited plan (superseded_by) replaced
+    # it, and nothing of it ran (approvals/services/plan_edits.py).
+    SUPERSEDED = "superseded", "superseded"
 
 
 FINAL_PLAN_STATUSES = frozenset(
@@ -30,6 +34,7 @@ FINAL_PLAN_STATUSES = frozenset(
         PlanStatus.REJECTED,
         PlanStatus.EXPIRED,
         PlanStatus.CANCELLED,
+        PlanStatus.SUPERSEDED,
     }
 )
 
@@ -53,6 +58,21 @@ class Plan(Revisioned):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     ended_at = models.DateTimeField(null=True, blank=True)
+    # Approve with edits (approvals/services/plan_edits.py), as on Action: the original,
+    # `superseded`, names the edited plan that replaced it; the edited plan names the
+    # person who edited it and what changed ({"by", "supersedes", "step", "diff", ...}).
+    superseded_by = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="supersedes"
+    )
+    # As Action.edited_by: optional, and the row outlives its editor.
+    edited_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    edit = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

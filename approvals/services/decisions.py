@@ -39,8 +39,9 @@ from approvals.services.decision_rows import (
     settle_call,
     vote_cast,
 )
-from approvals.services.edits import approval_approve_with_edits
+from approvals.services.edits import Edited, approval_approve_with_edits
 from approvals.services.grants import grant_create_locked, grant_request_checked
+from approvals.services.plan_edits import PlanEdited, plan_approve_with_edits
 from approvals.services.plan_state import plan_end_unapproved_locked, plan_touch
 from approvals.services.plans import (
     plan_admit_locked,
@@ -200,7 +201,9 @@ def approval_decide_tallied(
     Returns the approval as decided and its approving votes so far (Decided).
 
     `approve_with_edits` (`edit`: {"document": ...} or {"patch": ...}) is edits'
-    (approvals/services/edits.py): the answer is then the edited action's approval.
+    (approvals/services/edits.py): the answer is then the edited action's approval; with
+    `"step": <position>` in `edit`, a plan's step is edited (approvals/services/
+    plan_edits.py) and the answer is the edited plan's approval.
 
     `grant` (an approval only: {"uses", "ttl_seconds", "name_prefix", "scope"?,
     "reason"?}): the approving person also grants standing approval for writes like this
@@ -222,8 +225,16 @@ def approval_decide_tallied(
             extra={"errors": [{"field": "grant", "message": "not expected"}]},
         )
     if decision == APPROVE_WITH_EDITS:
-        edited = approval_approve_with_edits(
-            approval_id=approval_id, actor=actor, comment=comment, person=person, **(edit or {})
+        edit = edit or {}
+        # With a `step`, one step of a plan's approval; without, a single write's.
+        edited: Edited | PlanEdited = (
+            plan_approve_with_edits(
+                approval_id=approval_id, actor=actor, comment=comment, person=person, **edit
+            )
+            if "step" in edit
+            else approval_approve_with_edits(
+                approval_id=approval_id, actor=actor, comment=comment, person=person, **edit
+            )
         )
         return Decided(approval=edited.approval, approvals_so_far=edited.approvals_so_far)
     if decision not in (Decision.APPROVE, Decision.REJECT):

@@ -8,7 +8,8 @@ code (actions.proposal_checked_locked: run active, write set, leases, the kind's
 its operation, the bound version, writes queued over it), and the JSON and size limits of
 an API body (console/core/jsonsafe, AIRLOCK_MAX_BODY_BYTES). The editor's decision is the
 edited action's first vote: with a quorum of one it approves it, above one another person
-must approve the edited version. Only a single write's approval can be edited.
+must approve the edited version. A plan's step is edited by approvals/services/
+plan_edits.py, the same way.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _invalid(message: str, *, field: str) -> ValidationFailed:
     return ValidationFailed(message, extra={"errors": [{"field": field, "message": message}]})
 
 
-def _edited_payload(*, proposed: Any, document: Any = None, patch: Any = None) -> dict[str, Any]:
+def edited_payload(*, proposed: Any, document: Any = None, patch: Any = None) -> dict[str, Any]:
     """The write as the person approves it: `document` in place of the proposed one, or
     the merge patch `patch` applied to it. Held to an API body's limits: a JSON object,
     within jsonsafe's limits (checked on its encoding, whoever built it) and at most
@@ -144,9 +145,16 @@ def approval_approve_with_edits(
         raise NotFound("No such approval.")
     subject, action_id = found
     if subject != ApprovalSubject.ACTION or action_id is None:
+        if subject == ApprovalSubject.PLAN:
+            # A plan is edited one step at a time (approvals/services/plan_edits.py).
+            raise _invalid(
+                "A plan's approval is edited one step at a time: name the `step` (its "
+                "position) whose document or patch you send.",
+                field="step",
+            )
         raise _invalid(
-            f"Only a single write's approval can be approved with edits, not a {subject}'s; "
-            "approve or reject it as proposed.",
+            f"Only a single write's or a plan step's approval can be approved with edits, "
+            f"not a {subject}'s; approve or reject it as proposed.",
             field="decision",
         )
     unlocked = Action.objects.select_related(
@@ -160,7 +168,7 @@ def approval_approve_with_edits(
             "A conflict resolution cannot be edited; reject it and resolve the conflict again.",
             field="decision",
         )
-    payload = _edited_payload(proposed=unlocked.payload, document=document, patch=patch)
+    payload = edited_payload(proposed=unlocked.payload, document=document, patch=patch)
     with transaction.atomic(), audit_deferred():
         lock_kind_for_proposal(unlocked.kind_id)
         lock_resource_for_proposal(unlocked.kind_id, unlocked.name)

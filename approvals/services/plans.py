@@ -121,7 +121,7 @@ def _check_compensation(position: int, spec: PlanStepSpec) -> None:
         raise _step_error(position, "compensation", f"{method} takes only {needs or 'no body'}")
 
 
-def _check_shape(steps: Sequence[PlanStepSpec]) -> None:
+def plan_steps_shape_check(steps: Sequence[PlanStepSpec]) -> None:
     """Count, duplicates, preconditions and compensations: 422 / 428, before any lock."""
     if not steps:
         raise ValidationFailed(
@@ -159,7 +159,7 @@ def _check_shape(steps: Sequence[PlanStepSpec]) -> None:
         _check_compensation(position, spec)
 
 
-def _refresh_external_mirrors(steps: Sequence[PlanStepSpec]) -> None:
+def plan_mirrors_refresh(steps: Sequence[PlanStepSpec]) -> None:
     """Each external step's mirror holds the version the agent names (read from the target
     unless it already does), so the step's tag, the approver's diff and its compensation's
     document are the target's — before any lock: a target's answer is never waited for
@@ -178,14 +178,23 @@ def _refresh_external_mirrors(steps: Sequence[PlanStepSpec]) -> None:
 
 
 def _lock_and_check_authority(run: Run, steps: Sequence[PlanStepSpec]) -> None:
+    """plan_steps_lock, then each step's write set and lease check."""
+    plan_steps_authority_check(run, plan_steps_lock(run, steps), steps)
+
+
+def plan_steps_lock(run: Run, steps: Sequence[PlanStepSpec]) -> str:
     """The single write's locks in the one lock order, for every step at once: the
-    kinds (shared), the resources (sorted), then the run FOR SHARE; then each step's
-    write set and lease check."""
+    kinds (shared), the resources (sorted), then the run FOR SHARE (its status returned)."""
     proposals = [spec.proposal for spec in steps]
     lock_kinds({p.kind.slug for p in proposals}, shared=True)
     for kind, name in sorted({(p.kind.slug, p.name) for p in proposals}):
         lock_resource_for_proposal(kind, name)
-    status = run_status_for_share(run.pk)
+    return run_status_for_share(run.pk)
+
+
+def plan_steps_authority_check(run: Run, status: str, steps: Sequence[PlanStepSpec]) -> None:
+    """Each step's (and explicit compensation's) write set and lease check, the locks of
+    plan_steps_lock held; a refusal names its `step`."""
     for position, spec in enumerate(steps, start=1):
         proposal = spec.proposal
         writes = [("", proposal.operation)]
@@ -209,7 +218,7 @@ def _lock_and_check_authority(run: Run, steps: Sequence[PlanStepSpec]) -> None:
                 raise
 
 
-def _observed_versions(steps: Sequence[PlanStepSpec]) -> list[str | None] | DomainError:
+def plan_observed_versions(steps: Sequence[PlanStepSpec]) -> list[str | None] | DomainError:
     """Each step's observed version, or the 412 of the first stale step (`step` named)."""
     observed: list[str | None] = []
     for position, spec in enumerate(steps, start=1):
@@ -227,7 +236,7 @@ def _observed_versions(steps: Sequence[PlanStepSpec]) -> list[str | None] | Doma
     return observed
 
 
-def _strictest(classes: Sequence[ConflictClass]) -> dict[str, Any]:
+def plan_strictest_terms(classes: Sequence[ConflictClass]) -> dict[str, Any]:
     """What the plan's approval asks: the highest quorum, the shortest TTL and
     escalation, separation of duties if any class asks for it."""
     escalations = [c.escalation_seconds for c in classes if c.escalation_seconds]
@@ -289,26 +298,39 @@ def plan_forbids_owner_approval(plan: Plan) -> bool:
     return any(c.forbid_agent_owner_approval for c in _plan_classes(plan))
 
 
-def _record(
+@dataclass(frozen=True)
+class RecordedPlan:
+    """A plan's rows as plan_rows_create wrote them: the plan, every class its steps and
+    explicit compensations are (what its approval asks), and the steps as the trail
+    records them."""
+
+    plan: Plan
+    classes: list[ConflictClass]
+    steps: list[dict[str, Any]]
+
+    @property
+    def needs_approval(self) -> bool:
+        return any(c.approval_mode == ApprovalMode.PER_CALL for c in self.classes)
+
+
+def plan_rows_create(
     run: Run,
     steps: Sequence[PlanStepSpec],
     observed: list[str | None],
     *,
-    reason: str,
-    idempotency_key: str,
-) -> Plan:
+    status: str | None = None,
+    **plan_fields: Any,
+) -> RecordedPlan:
+    """The plan row (`status`, else by its classes: waiting for approval or executing)
+    and its steps, each bound to its `observed` version and its kind's class now."""
     classes = [spec.proposal.kind.class_for(spec.proposal.operation) for spec in steps]
     compensations = [_recorded_compensation(spec) for spec in steps]
     # A compensation is a write like any other: its class counts with the steps'.
     every_class = classes + [cls for _, cls in compensations if cls is not None]
     needs_approval = any(c.approval_mode == ApprovalMode.PER_CALL for c in every_class)
-    plan = Plan.objects.create(
-        run=run,
-        agent_id=run.agent_id,
-        status=PlanStatus.PENDING_APPROVAL if needs_approval else PlanStatus.EXECUTING,
-        reason=reason,
-        idempotency_key=idempotency_key,
-    )
+    if status is None:
+        status = PlanStatus.PENDING_APPROVAL if needs_approval else PlanStatus.EXECUTING
+    plan = Plan.objects.create(run=run, agent_id=run.agent_id, status=status, **plan_fields)
     PlanStep.objects.bulk_create(
         PlanStep(
             plan=plan,
@@ -320,30 +342,46 @@ def _record(
         )
         for position, spec in enumerate(steps, start=1)
     )
+    summary = [
+        {
+            "position": position,
+            "resource": spec.proposal.resource_identifier,
+            "operation": spec.proposal.operation,
+            "observed_version": observed[position - 1],
+            "conflict_class": classes[position - 1].slug,
+            "compensation": _compensation_summary(compensations[position - 1]),
+        }
+        for position, spec in enumerate(steps, start=1)
+    ]
+    return RecordedPlan(plan=plan, classes=every_class, steps=summary)
+
+
+def _record(
+    run: Run,
+    steps: Sequence[PlanStepSpec],
+    observed: list[str | None],
+    *,
+    reason: str,
+    idempotency_key: str,
+) -> Plan:
+    recorded = plan_rows_create(
+        run, steps, observed, reason=reason, idempotency_key=idempotency_key
+    )
+    plan = recorded.plan
     audit_append(
         event_type="plan.proposed",
         actor=Actor.run(run),
         run_id=run.pk,
         details={
             "plan": str(plan.pk),
-            "steps": [
-                {
-                    "position": position,
-                    "resource": spec.proposal.resource_identifier,
-                    "operation": spec.proposal.operation,
-                    "observed_version": observed[position - 1],
-                    "conflict_class": classes[position - 1].slug,
-                    "compensation": _compensation_summary(compensations[position - 1]),
-                }
-                for position, spec in enumerate(steps, start=1)
-            ],
-            "approval": "per_call" if needs_approval else "per_run",
+            "steps": recorded.steps,
+            "approval": "per_call" if recorded.needs_approval else "per_run",
             "idempotency_key": idempotency_key,
             "reason": reason,
         },
     )
-    if needs_approval:
-        _approval_open_for_plan(plan, every_class)
+    if recorded.needs_approval:
+        _approval_open_for_plan(plan, recorded.classes)
     else:
         plan_id = plan.pk
         transaction.on_commit(lambda: enqueue_plan_advance(plan_id))
@@ -368,7 +406,7 @@ def _compensation_summary(
 
 def _approval_open_for_plan(plan: Plan, classes: Sequence[ConflictClass]) -> Approval:
     """One pending approval for the whole plan, with its strictest class's terms."""
-    strictest = _strictest(classes)
+    strictest = plan_strictest_terms(classes)
     now = timezone.now()
     escalation = strictest["escalation_seconds"]
     approval = Approval.objects.create(
@@ -415,13 +453,13 @@ def plan_propose(
     its mirror is read from the target first, outside the transaction (502
     `target_unavailable` / `weak_validator` naming the `step` when it cannot be).
     """
-    _check_shape(steps)
-    _refresh_external_mirrors(steps)
+    plan_steps_shape_check(steps)
+    plan_mirrors_refresh(steps)
     # As action_propose: the events are appended together last, so the audit head is
     # locked for the commit only, not while the answer is rendered and stored for replay.
     with transaction.atomic(), audit_deferred():
         _lock_and_check_authority(run, steps)
-        observed = _observed_versions(steps)
+        observed = plan_observed_versions(steps)
         if not isinstance(observed, DomainError):
             plan = _record(run, steps, observed, reason=reason, idempotency_key=idempotency_key)
             if on_recorded is not None:

@@ -429,14 +429,16 @@ def approval_decide_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpRe
 @console_page
 @require_POST
 def approval_edit_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
-    """Approve with edits from a call approval's card: the edited document (JSON, through
-    the one parser) and a comment. Errors are shown in the card, the text kept as typed."""
+    """Approve with edits from a call approval's card (or one step of a plan's: `step`):
+    the edited document (JSON, through the one parser) and a comment. Errors are shown in
+    the card, a call's text kept as typed."""
     user = request.user
     try:
         approval = approval_get_for_person(user, approval_id)
     except NotFound as exc:
         raise Http404(exc.message) from exc
     text = request.POST.get("document", "")
+    step = request.POST.get("step")
     error: str | None = None
     status = 200
     try:
@@ -444,13 +446,18 @@ def approval_edit_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResp
         if held:
             raise DomainError(held, code="claim_held")
         document = jsonsafe.loads(text, field="document")
+        edit: dict[str, Any] = {"document": document}
+        if step is not None:
+            # A plan card's step form; a position that is not a whole number is refused
+            # by the service (422), as through the API.
+            edit["step"] = int(step) if step.isdigit() else step
         approval_decide_tallied(
             approval_id=approval.id,
             actor=Actor.person(user),
             person=user,
             decision=APPROVE_WITH_EDITS,
             comment=request.POST.get("comment", ""),
-            edit={"document": document},
+            edit=edit,
         )
         claim_end_on_decision(subject=ClaimSubject.APPROVAL, subject_id=approval.id, person=user)
     except DomainError as exc:
@@ -468,8 +475,9 @@ def approval_edit_view(request: HttpRequest, approval_id: uuid.UUID) -> HttpResp
             response["HX-Trigger"] = json.dumps({EVENT_COUNTS: True, EVENT_APPROVALS: True})
         return response
     if error is None:
+        replaced = "plan" if step is not None else "write"
         messages.success(
-            request, "Approved with your edits: the edited write replaces the agent's."
+            request, f"Approved with your edits: the edited {replaced} replaces the agent's."
         )
         return HttpResponseRedirect(reverse("approvals"))
     # Without JavaScript: the inbox page with this card alone, its error and the text as typed.

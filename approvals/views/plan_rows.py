@@ -3,6 +3,7 @@ compensation. Shared by the plan page and the approvals inbox (no view here)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,9 @@ class StepRow:
     observed_recorded: bool
     forward_conflict: Conflict | None
     undo_conflict: Conflict | None
+    # Approve with one step edited (approvals/services/plan_edits.py): the step's document
+    # or merge patch as the agent proposed it, prefilled in the inbox's form ("" a delete).
+    edit_text: str = ""
 
 
 def _version_document(resource: Resource | None, version: str | None) -> dict[str, Any] | None:
@@ -118,6 +122,11 @@ def plan_step_rows(
                     found.get((applied.action_id, ConflictOrigin.UNDO))
                     if applied is not None
                     else None
+                ),
+                edit_text=(
+                    ""
+                    if step.payload is None
+                    else json.dumps(step.payload, indent=2, ensure_ascii=False)
                 ),
             )
         )

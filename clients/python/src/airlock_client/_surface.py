@@ -10,6 +10,7 @@ only the transport, `close`, and how the background heartbeat waits.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeAlias, TypeVar
 
@@ -88,8 +89,14 @@ class Reader:
         self, plan: Plan | str, *, timeout: float = 60.0, until: Until[Plan] = None
     ) -> Op[Plan]:
         """Long-poll until the plan is final (or `until(plan)`), at most `timeout`
-        seconds; returns its latest state either way (check `.is_final`)."""
-        return protocol.wait_for_plan(self.token, _id_of(plan), timeout, until)
+        seconds; returns its latest state either way (check `.is_final`). A `superseded`
+        plan (a person approved it with a step edited) is followed to the edited plan."""
+        deadline = time.monotonic() + timeout
+        found = yield from protocol.wait_for_plan(self.token, _id_of(plan), timeout, until)
+        while found.status == "superseded" and found.superseded_by:  # each edit: a new plan
+            left = deadline - time.monotonic()
+            found = yield from protocol.wait_for_plan(self.token, found.superseded_by, left, until)
+        return found
 
 
 Session = TypeVar("Session", bound="SessionCore[Any]")

@@ -135,6 +135,11 @@ def _plan_next(plan: Plan) -> str:
         return "Nobody approved the plan in time; nothing was written."
     if plan.status == "cancelled":
         return "The run ended before the plan was approved; nothing was written."
+    if plan.status == "superseded":
+        return (
+            f"A person approved this plan with a step edited: plan {plan.superseded_by} "
+            "replaced it and nothing of this one ran. Call wait_for_plan with that id."
+        )
     return f"The plan is {plan.status}."
 
 
@@ -151,5 +156,10 @@ def plan_view(plan: Plan) -> dict[str, Any]:
         view["error"] = plan.error
     if plan.replayed:
         view["replayed"] = True
+    if plan.superseded_by:
+        view["superseded_by"] = plan.superseded_by
+    if plan.edited:
+        # Applied as a person edited it, not as you proposed it: see the step and diff.
+        view["edited"] = plan.edited
     view["next"] = _plan_next(plan)
     return view

@@ -198,7 +198,10 @@ class Action:
 
 #: A plan that will not move any more. `partially_compensated` is not among them: its
 #: blocked compensations are conflicts a person settles, which finishes the plan.
-FINAL_PLAN_STATUSES = frozenset({"applied", "compensated", "rejected", "expired", "cancelled"})
+#: `superseded`: a person approved it with a step edited (`Plan.superseded_by`).
+FINAL_PLAN_STATUSES = frozenset(
+    {"applied", "compensated", "rejected", "expired", "cancelled", "superseded"}
+)
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,20 @@ class Plan:
     compensated = _StatusIn("compensated")
     #: Some compensations became conflicts that a person decides (`conflicts`).
     partially_compensated = _StatusIn("partially_compensated")
+
+    @property
+    def superseded_by(self) -> str | None:
+        """A `superseded` plan: the id of the plan a person approved with one step edited
+        instead (nothing of this one ran). `wait_for_plan` follows it."""
+        link = self.raw.get("superseded_by")
+        return str(link["id"]) if isinstance(link, dict) and link.get("id") else None
+
+    @property
+    def edited(self) -> dict[str, Any] | None:
+        """A plan a person edited before approving: `by`, `supersedes` (the agent's plan),
+        `step`, `resource`, `comment` and the `diff` from the agent's step."""
+        edit = self.raw.get("edited")
+        return dict(edit) if isinstance(edit, dict) else None
 
     @property
     def failed_step(self) -> PlanStep | None:
