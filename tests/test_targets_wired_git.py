@@ -5,10 +5,7 @@ settled by reading (one commit, never two); undo commits the prior content condi
 
 from __future__ import annotations
 
-import json
-import subprocess
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,25 +19,15 @@ from audit.services import Actor
 from engine.targets.base import Outcome, WriteResult
 from engine.targets.git import GitTarget
 from ownership.targets import adapter_for_kind, read_through
+from tests.fixtures.targets import airlock_commits, bare_repository, file_at_main, someone_commits
 
 pytestmark = pytest.mark.django_db
-
-
-def _git(*args: str, cwd: Path | None = None) -> str:
-    return subprocess.run(
-        ["git", "-c", "user.name=Someone", "-c", "user.email=someone@example.com", *args],
-        cwd=cwd,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     bare = tmp_path / "config.git"
-    _git("init", "--bare", "--initial-branch=main", str(bare))
-    return bare
+    return bare_repository(bare)
 
 
 @pytest.fixture
@@ -56,23 +43,8 @@ def git_kind(engine_world: Any, engine_redis: Any, repo: Path) -> Any:
     return kind
 
 
-def _someone_commits(repo: Path, tmp_path: Path, path: str, document: Any) -> None:
-    clone = tmp_path / f"clone-{uuid.uuid4().hex[:6]}"
-    _git("clone", "--quiet", "--branch", "main", str(repo), str(clone))
-    (clone / path).parent.mkdir(parents=True, exist_ok=True)
-    (clone / path).write_text(json.dumps(document))
-    _git("add", path, cwd=clone)
-    _git("commit", "--quiet", "-m", f"someone edits {path}", cwd=clone)
-    _git("push", "--quiet", "origin", "main", cwd=clone)
-
-
-def _file(repo: Path) -> Any:
-    return json.loads(_git("--git-dir", str(repo), "show", "main:tenants/acme.json"))
-
-
-def _airlock_commits(repo: Path, action: Action) -> int:
-    log = _git("--git-dir", str(repo), "log", "--format=%B", "main")
-    return log.count(f"Airlock-Action: {action.pk}")
+def _acme(repo: Path) -> Any:
+    return file_at_main(repo, "tenants/acme.json")
 
 
 def _wait_until_due(action: Action) -> None:
@@ -89,24 +61,24 @@ def test_a_change_to_the_same_file_is_a_conflict_a_commit_elsewhere_is_not_and_u
     seen = read_through(git_kind, "acme.json")  # what the agent read: the blob id
     assert seen is not None and seen.document == {"limit": 1}
     blob = seen.token
-    _someone_commits(repo, tmp_path, "tenants/acme.json", {"limit": 5})
+    someone_commits(repo, tmp_path, "tenants/acme.json", {"limit": 5})
     stale = engine_world.propose(git_kind, "acme.json", payload={"limit": 2}, observed_version=blob)
     assert action_execute(action_id=stale.pk) == "conflict"
-    assert _file(repo) == {"limit": 5}  # the other person's change stands
+    assert _acme(repo) == {"limit": 5}  # the other person's change stands
 
     fresh = read_through(git_kind, "acme.json")
     assert fresh is not None and fresh.token != blob
     action = engine_world.propose(
         git_kind, "acme.json", payload={"limit": 3}, observed_version=fresh.token
     )
-    _someone_commits(repo, tmp_path, "tenants/other.json", {"x": 1})  # elsewhere: no conflict
+    someone_commits(repo, tmp_path, "tenants/other.json", {"x": 1})  # elsewhere: no conflict
     assert action_execute(action_id=action.pk) == "applied"
-    assert _file(repo) == {"limit": 3} and _airlock_commits(repo, action) == 1
-    assert json.loads(_git("--git-dir", str(repo), "show", "main:tenants/other.json")) == {"x": 1}
+    assert _acme(repo) == {"limit": 3} and airlock_commits(repo, action.pk) == 1
+    assert file_at_main(repo, "tenants/other.json") == {"x": 1}
 
     undo = action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
     assert undo_execute(undo_operation_id=undo.pk) == "undone"
-    assert _file(repo) == {"limit": 5}
+    assert _acme(repo) == {"limit": 5}
     action.refresh_from_db()
     assert action.status == "undone"
 
@@ -136,6 +108,6 @@ def test_an_answer_lost_after_the_branch_moved_is_settled_by_reading_one_commit(
     assert action_execute(action_id=action.pk) == "unknown"
     _wait_until_due(action)
     assert action_execute(action_id=action.pk) == "applied"  # settled by reading, not resent
-    assert _file(repo) == {"limit": 7}
-    assert _airlock_commits(repo, action) == 1
+    assert _acme(repo) == {"limit": 7}
+    assert airlock_commits(repo, action.pk) == 1
     assert len(calls) == 1  # the second attempt read the file and sent nothing

@@ -302,9 +302,10 @@ def _lock_original(action_id: uuid.UUID, approval_id: uuid.UUID) -> tuple[Action
     return original, approval
 
 
-def _check_decidable(approval: Approval, original: Action, person: Any) -> None:
-    """Separation of duties as for approving, then: still pending, not expired, this
-    person has not voted on it, and the action still waits for approval."""
+def check_vote_open(approval: Approval, person: Any) -> None:
+    """What any edit of an approval's subject needs before anything else: separation of
+    duties as for approving, the approval still pending and not expired, and this person
+    not yet counted on it (the single write's edit here, a plan step's in plan_edits)."""
     check_separation_of_duties(approval=approval, person=person)
     if approval.status != ApprovalStatus.PENDING:
         raise InvalidTransition(
@@ -319,6 +320,11 @@ def _check_decidable(approval: Approval, original: Action, person: Any) -> None:
             "You have already decided this approval; a person counts once.",
             code="already_decided",
         )
+
+
+def _check_decidable(approval: Approval, original: Action, person: Any) -> None:
+    """check_vote_open, then: the action still waits for approval."""
+    check_vote_open(approval, person)
     if original.status != ActionStatus.PENDING_APPROVAL:
         raise InvalidTransition(
             f"Action {original.pk} is {original.status}; only a write awaiting approval "

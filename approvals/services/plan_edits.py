@@ -39,7 +39,7 @@ from approvals.models import (
 )
 from approvals.services.actions import Proposal
 from approvals.services.approval_open import approval_details
-from approvals.services.edits import MAX_COMMENT_LENGTH, edited_payload
+from approvals.services.edits import MAX_COMMENT_LENGTH, check_vote_open, edited_payload
 from approvals.services.plan_state import plan_touch
 from approvals.services.plans import (
     PlanStepSpec,
@@ -54,7 +54,6 @@ from approvals.services.plans import (
     plan_strictest_terms,
 )
 from approvals.services.preconditions import parse_tag_condition
-from approvals.services.separation import check_separation_of_duties
 from audit.services import Actor, audit_append, audit_deferred
 from console.core.errors import (
     DomainError,
@@ -258,22 +257,8 @@ def _lock_original(plan_id: uuid.UUID, approval_id: uuid.UUID) -> tuple[Plan, Ap
 
 
 def _check_decidable(approval: Approval, original: Plan, person: Any) -> None:
-    """Separation of duties as for approving the plan, then: still pending, not expired,
-    this person has not voted on it, and the plan still waits for approval."""
-    check_separation_of_duties(approval=approval, person=person)
-    if approval.status != ApprovalStatus.PENDING:
-        raise InvalidTransition(
-            f"This approval is already {approval.status}.",
-            code="already_decided",
-            extra={"approval_status": approval.status},
-        )
-    if approval.expires_at <= timezone.now():
-        raise InvalidTransition("This approval has expired.", code="approval_expired")
-    if ApprovalDecision.objects.filter(approval=approval, person=person).exists():
-        raise InvalidTransition(
-            "You have already decided this approval; a person counts once.",
-            code="already_decided",
-        )
+    """edits.check_vote_open, then: the plan still waits for approval."""
+    check_vote_open(approval, person)
     if original.status != PlanStatus.PENDING_APPROVAL:
         raise InvalidTransition(
             f"Plan {original.pk} is {original.status}; only a plan awaiting approval can be "
