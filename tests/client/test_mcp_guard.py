@@ -145,7 +145,8 @@ def test_with_a_token_every_http_request_must_carry_it(live_without_worker: Live
 
 def test_the_token_can_be_given_on_the_command_line(live_without_worker: Live) -> None:
     token = secrets.token_urlsafe(24)
-    with http_mcp(live_without_worker, "--token", token) as (process, port):
+    # "--token=VALUE": a token_urlsafe may begin with "-", which argparse takes for an option.
+    with http_mcp(live_without_worker, f"--token={token}") as (process, port):
         wait_listening(process, port)
         url = f"http://127.0.0.1:{port}/mcp"
         assert httpx.post(url, json=INITIALIZE, headers=MCP_HEADERS).status_code == 401
