@@ -35,6 +35,47 @@ def test_the_tab_title_counts_what_waits_for_me(
     expect(page).to_have_title(re.compile(rf"^(\({waiting - 1}\) )?Approvals · Airlock$"))
 
 
+def test_a_refresh_asked_for_while_a_badge_is_swapped_in_is_not_lost(
+    pages: WatchedPages, people: People, world: World
+) -> None:
+    """The collision behind an earlier flaky CI run: counts-changed fired while a badge's
+    answer was being swapped in. Here the first refresh is answered with the count as it
+    was (2) and, in the same step, the approval is decided; the page asks again from the
+    swap's own afterSwap event, the tightest moment. The second answer must land."""
+    waiting = pending_approval_count(people.operator) + open_conflict_count(people.operator)
+    page = pages.new()
+    sign_in(page, "olivia", PASSWORD)
+    page.goto("/approvals/")
+    expect(page).to_have_title(f"({waiting}) Approvals · Airlock")
+    answered: list[str] = []
+
+    def first_answer_stale_then_decide(route: Any) -> None:
+        if answered:
+            route.continue_()
+            return
+        stale = route.fetch()
+        world.approval.status = "expired"
+        world.approval.save(update_fields=["status"])
+        answered.append("stale")
+        route.fulfill(response=stale)
+
+    page.route("**/nav/counts/approvals/", first_answer_stale_then_decide)
+    page.evaluate(
+        """() => {
+          let asked = false;
+          document.body.addEventListener("htmx:afterSwap", (event) => {
+            if (!asked && event.target.id === "nav-count-approvals") {
+              asked = true;
+              htmx.trigger(document.body, "counts-changed");
+            }
+          });
+          htmx.trigger(document.body, "counts-changed");
+        }"""
+    )
+    expect(page).to_have_title(re.compile(rf"^(\({waiting - 1}\) )?Approvals · Airlock$"))
+    assert answered == ["stale"]
+
+
 def test_relative_times_keep_current(pages: WatchedPages, people: People, world: World) -> None:
     page = pages.new()
     sign_in(page, "olivia", PASSWORD)
