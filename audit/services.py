@@ -37,7 +37,6 @@ from audit.chain import (
     hashed_fields,
 )
 from audit.details import clean_details, storable
-from audit.hooks import after_append as _after_append
 from audit.models import ActorType, AuditEvent, AuditHead
 from audit.verify import audit_head, verify_chain
 from console.advisory_locks import AUDIT_HEAD_QUEUE
@@ -281,8 +280,6 @@ def audit_deferred() -> Iterator[DeferredAppends]:
     finally:
         _DEFERRED.reset(token)
     _chain_and_insert(held.items)
-    for _, event in held.items:
-        _after_append(event)
 
 
 def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
@@ -298,7 +295,7 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
         deferred.items.append((prepared, placeholder))
         return placeholder
     if connection.vendor != "postgresql":
-        return _after_append(_append_batch([prepared])[0])
+        return _append_batch([prepared])[0]
     params = _append_params(prepared)
     # One statement is atomic by itself: no BEGIN/COMMIT round trips of our own
     # when the caller is in autocommit (inside its transaction it is simply the
@@ -308,9 +305,7 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
         AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
         row = _execute_append(params)
     assert row is not None
-    return _after_append(
-        _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
-    )
+    return _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
 
 
 @dataclass(frozen=True)
@@ -326,8 +321,7 @@ class GuardedAppend:
         did not hold, or the head row is missing: then call audit_append)."""
         if row is None:
             return None
-        event = _event(self.prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
-        return _after_append(event)
+        return _event(self.prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
 
 
 def audit_append_if(
@@ -385,7 +379,7 @@ def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:
     """Append several events (each audit_append's keyword arguments), in order,
     with one head lock (one statement a chunk). Same locking rule as audit_append.
     """
-    return [_after_append(event) for event in _append_batch([_prepare(e) for e in events])]
+    return _append_batch([_prepare(e) for e in events])
 
 
 def _append_batch(prepared: list[_Prepared]) -> list[AuditEvent]:

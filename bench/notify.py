@@ -7,9 +7,10 @@ an admin's webhook subscription to every event, for everyone, points at it. The 
 http (AIRLOCK_WEBHOOK_ALLOW_HTTP, AIRLOCK_WEBHOOK_ALLOW_HOSTS; otherwise it would refuse
 the address at once instead of waiting on it), so its attempts really sit in the hole for
 their timeout while the bench decides approvals. Rounds alternate (order flipped every other
-round) between the subscription paused — nobody listens, so an event costs the capture no
-SQL — and active, when every decision writes a notification and its delivery in the
-decision's transaction and enqueues it after commit. Each round is bench.loadgen's round
+round) between the subscription paused — the notify worker's reader of the audit chain
+finds nobody to tell — and active, when it writes every decision's notification and delivery
+(after the decision committed: docs/notifications.md "Outbox") and its pool's attempts sit in
+the hole. Each round is bench.loadgen's round
 trip (decision sent → the waiting agent's long-poll answered); the figure is the median of
 the per-round ratios p50 without ÷ p50 with (≥ 0.9: within 10 %). One short active run
 before the rounds is not counted (warm-up).

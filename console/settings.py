@@ -515,6 +515,10 @@ AIRLOCK_NOTIFY_CLAIM_SECONDS = env_int("AIRLOCK_NOTIFY_CLAIM_SECONDS", 60, minim
 # connection each); a subscription has one at most, so a receiver that never answers holds
 # one of them for its timeout and the other subscriptions' deliveries use the rest.
 AIRLOCK_NOTIFY_CONCURRENCY = env_int("AIRLOCK_NOTIFY_CONCURRENCY", 8, minimum=1)
+# How often the `notify` worker reads the audit chain for events to tell while it is idle
+# (it reads again at once while there is a backlog): the delay between a decision's commit
+# and its notification, at most.
+AIRLOCK_NOTIFY_DISPATCH_SECONDS = _env_seconds("AIRLOCK_NOTIFY_DISPATCH_SECONDS", 0.25)
 # How long a rotated-out webhook secret keeps signing beside the new one.
 AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS = env_int(
     "AIRLOCK_WEBHOOK_SECRET_OVERLAP_SECONDS", 24 * 3600, minimum=0

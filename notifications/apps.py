@@ -11,11 +11,6 @@ class NotificationsConfig(AppConfig):
     name = "notifications"
 
     def ready(self) -> None:
-        # reason: models and the audit seam are ready only now (AppConfig.ready)
-        from audit.hooks import audit_after_append
-        from notifications.services.events import AUDIT_TO_NOTIFICATION, notification_capture
-
-        audit_after_append(AUDIT_TO_NOTIFICATION, notification_capture)
         checks.register(notify_key_check, checks.Tags.security, deploy=True)
 
 

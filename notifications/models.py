@@ -1,9 +1,12 @@
 """Notifications: who hears what (Subscription), what happened (Notification), and the
 outbox of one Delivery per subscription per event with every attempt (DeliveryAttempt).
 
-PostgreSQL is the outbox: a Delivery row is written in the transaction of the event that
-caused it, and stays `pending` until a worker delivers it, the retry window closes, or its
-subscription is disabled. Secrets (webhook signing keys, Apprise URLs, webhook URLs) are
+The audit chain is the outbox: an event commits with the change it records, and the
+`notify` process reads the chain after its cursor (DispatchCursor) and writes each event's
+Notification and Deliveries, advancing the cursor in the same transaction — exactly once, and
+nothing on the path of the decision or write that caused it (notifications/services/
+dispatch.py). A Delivery stays `pending` until a worker delivers it, the retry window closes,
+or its subscription is disabled. Secrets (webhook signing keys, Apprise URLs, webhook URLs) are
 stored encrypted (notifications/services/secrets.py) and never leave through the API.
 """
 
@@ -160,3 +163,16 @@ class DeliveryAttempt(models.Model):
 
     def __str__(self) -> str:
         return f"attempt {self.number} of {self.delivery_id}"
+
+
+class DispatchCursor(models.Model):
+    """How far the notifications have read the audit chain: every event up to `audit_seq`
+    has been turned into its notification (or found to need none). One row, locked by the
+    pass that advances it."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    audit_seq = models.BigIntegerField(default=0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"notifications read the audit chain up to #{self.audit_seq}"

@@ -19,6 +19,7 @@ from notifications.models import (
     DeliveryStatus,
     Subscription,
 )
+from notifications.services.dispatch import dispatch_lag
 
 
 def subscription_list() -> list[Subscription]:
@@ -122,6 +123,7 @@ def _delivery_totals() -> dict[str, Any]:
         "latency_ms": latency["total"] or 0,
         "n": latency["n"],
         "oldest_pending": oldest,
+        "unread": dispatch_lag(),
     }
     with _metrics_lock:
         _metrics_cache = (time.monotonic(), totals)
@@ -156,5 +158,9 @@ def notification_metrics() -> list[str]:
         f"{_METRICS_CACHE_SECONDS:.0f} s).",
         "# TYPE airlock_notification_oldest_pending_seconds gauge",
         f"airlock_notification_oldest_pending_seconds {age:.3f}",
+        "# HELP airlock_notification_unread_audit_events Audit events committed that the "
+        "notify worker has not read for notifications yet (stays high: no notify worker).",
+        "# TYPE airlock_notification_unread_audit_events gauge",
+        f"airlock_notification_unread_audit_events {totals['unread']}",
     ]
     return lines

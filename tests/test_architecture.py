@@ -63,7 +63,6 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("audit.services", FLOOR),
     ("audit.services.*", FLOOR),
     ("audit.verify", FLOOR),  # the chain walk under the checkpoint in audit.services
-    ("audit.hooks", FLOOR),  # after-append callbacks: the seam notifications registers on
     ("ownership.diff", FLOOR),
     ("ownership.history", FLOOR),  # a resource's documents by version token (issue 39)
     # core — lock, fence, barrier, undo, targets, the kill-switch check. No web, no service.
@@ -130,6 +129,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("approvals.worker", INTERFACE),  # the Procfile's worker class (loads the jobs up front)
     ("notifications.worker", INTERFACE),  # the Procfile's notify worker class (its jobs up front)
     ("notifications.delivery_pool", INTERFACE),  # the notify worker's threads (deliveries)
+    ("notifications.dispatcher", INTERFACE),  # the notify worker's reader of the audit chain
     ("*.cron", INTERFACE),
     ("*.management", INTERFACE),
     ("*.management.commands", INTERFACE),

@@ -1,10 +1,10 @@
-"""Which events become notifications, in the event's own transaction: the audit seam's
-cost, who hears what (group, type, kind, prefix), email to the group's active members,
-reminders at shares of the TTL and the escalation, with time passed as `now`."""
+"""Which events become notifications, read from the committed audit chain after a cursor
+(each once, none on the event's own transaction), who hears what (group, type, kind,
+prefix), email to the group's active members, reminders at shares of the TTL and the
+escalation, with time passed as `now`."""
 
 from __future__ import annotations
 
-import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -18,9 +18,10 @@ from approvals.models import Approval
 from approvals.services.decisions import approval_decide, approval_expire_due
 from audit.services import Actor, audit_append, audit_deferred
 from console.services import kill_switch_set
-from notifications.models import Delivery, Notification, Subscription
+from notifications.models import Delivery, DispatchCursor, Notification
 from notifications.services import events
 from notifications.services.delivery import delivery_attempt
+from notifications.services.dispatch import notifications_dispatch, notifications_dispatch_all
 from notifications.services.periodic import notifications_tick
 from notifications.services.subscriptions import subscription_create
 from ownership.models import ConflictClass
@@ -40,79 +41,91 @@ def _subscribe(admin: Actor, **fields: Any) -> Any:
 
 
 def _types() -> list[str]:
-    return list(Notification.objects.order_by("created_at").values_list("type", flat=True))
+    return list(Notification.objects.order_by("audit_seq").values_list("type", flat=True))
 
 
-def test_an_event_no_one_could_hear_costs_the_append_no_query(
-    engine_world: Any, django_assert_num_queries: Any
-) -> None:
-    with django_assert_num_queries(1):
-        audit_append(event_type="token.created", actor=Actor.system())
+def told() -> int:
+    """What the notify worker's reader of the audit chain does a few times a second: read
+    the events committed since its cursor and write their notifications. The number read."""
+    return notifications_dispatch_all()
 
 
-def test_a_notifiable_event_without_subscriptions_costs_one_query_then_none(
-    engine_world: Any, django_assert_num_queries: Any
-) -> None:
-    with django_assert_num_queries(2):  # the append, and the subscriptions' lookup
-        audit_append(event_type="kill_switch.engaged", actor=Actor.system(), resource="*")
-    with django_assert_num_queries(1):  # "nobody listens" is remembered
-        audit_append(event_type="kill_switch.released", actor=Actor.system(), resource="*")
-    assert not Notification.objects.exists()
-
-
-def test_a_new_subscription_is_heard_at_once_by_this_process_and_after_commit_by_others(
+def test_a_notifiable_event_costs_its_transaction_nothing_but_the_append(
     engine_world: Any, admin: Actor, django_assert_num_queries: Any
 ) -> None:
-    from django.conf import settings
-
-    from console.redis_clients import shared_redis
-    from notifications.services.events import _VERSION_KEY, subscriptions_active
-
-    assert subscriptions_active() == []  # remembered
-    _subscribe(admin, target="operators")  # this process forgets at once
-    assert len(subscriptions_active()) == 1
-    Subscription.objects.all().delete()  # as a rollback would: nobody told
-    assert subscriptions_active() == []
-    # Another process's change reaches this one through the Redis key.
-    Subscription.objects.create(name="x", channel="email", target="*")
-    with django_assert_num_queries(0):
-        assert subscriptions_active() == []  # still remembered...
-    elsewhere = f"changed elsewhere {uuid.uuid4().hex}"
-    shared_redis(settings.REDIS_URL, timeout=2.0).set(_VERSION_KEY, elsewhere)
-    assert len(subscriptions_active()) == 1  # ...until the key moves
+    """Subscribed or not, the event's own transaction writes the audit row and nothing
+    else: the notification is written by the chain's reader, after the commit."""
+    _subscribe(admin, target="operators")
+    with django_assert_num_queries(1):
+        audit_append(event_type="kill_switch.engaged", actor=Actor.system(), resource="*")
+    assert not Notification.objects.exists()
+    assert told() == 1
+    assert Notification.objects.get().type == "kill_switch.engaged"
 
 
-def test_a_rolled_back_event_leaves_no_notification(engine_world: Any, admin: Actor) -> None:
+def test_each_event_is_told_once_whatever_reads_it_and_however_often(
+    engine_world: Any, admin: Actor
+) -> None:
+    _subscribe(admin, target="operators")
+    for reason in ("one", "two"):
+        kill_switch_set(
+            scope="*", engaged=reason == "one", reason=reason, actor=Actor.system("tests")
+        )
+    first = notifications_dispatch(limit=1)  # a full batch: the cursor stops at its event
+    assert (first.read, first.told) == (1, 1)
+    assert notifications_tick()["read"] == 1  # the cron's tick reads the rest
+    assert notifications_dispatch().read == 0 and told() == 0  # nothing twice
+    # A cursor set back (a restored backup) reads the events again and tells none twice.
+    DispatchCursor.objects.update(audit_seq=0)
+    assert told() >= 2
+    assert sorted(_types()) == ["kill_switch.engaged", "kill_switch.released"]
+    assert Delivery.objects.count() == 2
+
+
+def test_a_subscription_hears_what_is_read_after_it_exists(engine_world: Any, admin: Actor) -> None:
+    kill_switch_set(scope="*", engaged=True, reason="before", actor=Actor.system("tests"))
+    assert told() == 1 and not Notification.objects.exists()  # read: nobody listened
+    _subscribe(admin, target="operators")
+    kill_switch_set(scope="*", engaged=False, reason="after", actor=Actor.system("tests"))
+    assert told() == 1 and _types() == ["kill_switch.released"]
+
+
+def test_a_rolled_back_event_is_never_told(engine_world: Any, admin: Actor) -> None:
     _subscribe(admin, target="operators")
     with pytest.raises(RuntimeError), transaction.atomic():
         kill_switch_set(
             scope="*", engaged=True, reason="drill", actor=Actor.person(engine_world.operator)
         )
-        assert Delivery.objects.count() == 1  # written with the event...
         raise RuntimeError("the caller fails after the event")
-    assert not Notification.objects.exists() and not Delivery.objects.exists()  # ...and undone
+    assert told() == 0
+    assert not Notification.objects.exists() and not Delivery.objects.exists()
 
 
-def test_a_failing_capture_never_fails_the_events_transaction(
+def test_an_event_that_cannot_be_told_holds_back_neither_its_change_nor_the_next_events(
     engine_world: Any, admin: Actor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _subscribe(admin, target="operators")
-
+    real_facts = events._facts
     calls: list[str] = []
 
-    def broken(event: Any, kind: str) -> Any:
+    def broken_once(event: Any, kind: str) -> Any:
         calls.append(kind)
-        raise ValueError("a bug in the notifications")
+        if kind == "kill_switch.engaged":
+            raise ValueError("a bug in the notifications")
+        return real_facts(event, kind)
 
-    monkeypatch.setattr(events, "_facts", broken)
+    monkeypatch.setattr(events, "_facts", broken_once)
     switch = kill_switch_set(
         scope="*", engaged=True, reason="drill", actor=Actor.person(engine_world.operator)
     )
-    assert calls == ["kill_switch.engaged"]  # the capture ran, failed, and was contained
-    assert switch.engaged and not Notification.objects.exists()
+    kill_switch_set(scope="*", engaged=False, reason="over", actor=Actor.system("tests"))
+    assert switch.engaged  # the change never depended on its notification
+    assert notifications_dispatch().read == 2
+    assert calls == ["kill_switch.engaged", "kill_switch.released"]
+    assert _types() == ["kill_switch.released"]  # the one after it was told
 
 
-def test_events_held_by_audit_deferred_are_captured_at_its_end(
+def test_events_held_by_audit_deferred_are_told_once_appended(
     engine_world: Any, admin: Actor
 ) -> None:
     _subscribe(admin, target="operators")
@@ -123,7 +136,8 @@ def test_events_held_by_audit_deferred_are_captured_at_its_end(
             resource="*",
             details={"scope": "*", "reason": "r"},
         )
-        assert not Notification.objects.exists()
+        assert told() == 0
+    assert told() == 1
     notification = Notification.objects.get()
     assert notification.type == "kill_switch.engaged" and notification.audit_seq
 
@@ -146,6 +160,7 @@ def test_subscriptions_filter_by_group_type_kind_and_prefix(
     action = engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
+    told()
     notification = Notification.objects.get()
     assert notification.type == "approval.requested"
     assert set(Delivery.objects.values_list("subscription_id", flat=True)) == {s.pk for s in hears}
@@ -170,6 +185,7 @@ def test_email_reaches_the_groups_active_members_with_the_deep_link(
     action = engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
+    told()
     approval = Approval.objects.get(action=action)
     assert delivery_attempt(delivery_id=Delivery.objects.get().pk) == "delivered"
     assert [message.to for message in mail.outbox] == [["ana@example.org"]]
@@ -188,7 +204,8 @@ def test_a_decision_and_a_conflict_are_told_with_their_pages(
         {"severity": "critical"},
         {"severity": "low"},
     )
-    decided, opened = Notification.objects.order_by("created_at")
+    told()
+    decided, opened = Notification.objects.order_by("audit_seq")
     assert decided.type == "approval.decided" and decided.data["decision"] == "approved"
     assert decided.data["link"].endswith(f"/actions/{conflicted.pk}/")
     assert opened.type == "conflict.opened"
@@ -204,6 +221,7 @@ def test_reminders_fire_at_the_configured_shares_once_each(
     action = engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
+    told()
     approval = Approval.objects.get(action=action)
     ttl = approval.expires_at - approval.created_at
     assert notifications_tick(now=approval.created_at + ttl * 0.4)["reminders"] == 0
@@ -231,8 +249,10 @@ def test_an_escalation_reaches_the_escalation_group(
     engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
+    told()
     assert not Delivery.objects.filter(subscription=owners).exists()
     assert approval_expire_due(now=timezone.now() + timedelta(seconds=61))["escalated"] == 1
+    told()
     escalated = Notification.objects.get(type="approval.escalated")
     assert escalated.data["escalation_group"] == "owners"
     assert list(
@@ -291,6 +311,7 @@ def test_the_deep_link_opens_the_card_after_sign_in(
     action = engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
+    told()
     approval = Approval.objects.get(action=action)
     link = urlsplit(Notification.objects.get().data["link"])
     assert (link.scheme, link.netloc, link.path) == ("https", "airlock.example.org", "/approvals/")
@@ -317,6 +338,7 @@ def test_run_approvals_failures_unknown_outcomes_and_compensated_plans_are_told(
     action = engine_world.propose(
         policy, "prod-alerts", payload={"severity": "critical"}, observed_version=1
     )
+    told()
     worker = Actor.system("worker")
     with transaction.atomic():
         audit_action_event(
@@ -334,8 +356,9 @@ def test_run_approvals_failures_unknown_outcomes_and_compensated_plans_are_told(
         audit_append(
             event_type="plan.ended", actor=worker, details={"plan": "p2", "status": "compensated"}
         )
-    told = {n.type: n for n in Notification.objects.all()}
-    assert set(told) == {
+    notifications_dispatch_all()
+    notified = {n.type: n for n in Notification.objects.all()}
+    assert set(notified) == {
         "approval.requested",
         "action.failed",
         "action.unknown",
@@ -347,9 +370,9 @@ def test_run_approvals_failures_unknown_outcomes_and_compensated_plans_are_told(
         if n.data["subject"] == "run"
     ]
     assert requested[0].data["approval"] == str(run_approval.pk)
-    assert told["action.failed"].data["error"] == "target said 500"
-    assert told["action.failed"].data["link"].endswith(f"/actions/{action.pk}/")
-    assert told["action.unknown"].data["error"] == "timeout after send"
-    assert "owners" in told["action.failed"].audience  # the kind's owner group
+    assert notified["action.failed"].data["error"] == "target said 500"
+    assert notified["action.failed"].data["link"].endswith(f"/actions/{action.pk}/")
+    assert notified["action.unknown"].data["error"] == "timeout after send"
+    assert "owners" in notified["action.failed"].audience  # the kind's owner group
     assert Delivery.objects.filter(subscription=owners).count() == 2  # failed and unknown
-    assert told["plan.compensated"].data["plan"] == "p2"
+    assert notified["plan.compensated"].data["plan"] == "p2"

@@ -116,6 +116,15 @@ def test_metrics_count_deliveries_by_channel_and_outcome(
     )
     assert float(oldest.split()[1]) >= 90
     assert "airlock_notification_attempt_latency_seconds_count 0" in text
+    # Nothing has read the audit chain yet (no notify worker here): the gauge says how far
+    # behind it is, and 0 once a pass has read it.
+    unread = "airlock_notification_unread_audit_events "
+    assert int(next(line for line in text.splitlines() if line.startswith(unread)).split()[1]) > 0
+    from notifications.services.dispatch import notifications_dispatch_all
+
+    notifications_dispatch_all()
+    monkeypatch.setattr(selectors, "_metrics_cache", None)
+    assert f"{unread}0" in Client().get("/metrics").content.decode().splitlines()
 
 
 def test_a_person_sees_what_reaches_them(people: People) -> None:

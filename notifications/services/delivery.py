@@ -45,7 +45,6 @@ from notifications.models import (
 )
 from notifications.outbox import deliveries_with_jobs, enqueue_deliveries
 from notifications.services.channels import Sent, apprise_send, email_send, webhook_send
-from notifications.services.events import listeners_changed
 from notifications.services.secrets import unseal
 
 log = logging.getLogger("airlock.notifications")
@@ -270,7 +269,6 @@ def _subscription_disable(subscription_id: int, *, reason: str) -> None:
     )
     if not disabled:
         return
-    listeners_changed()
     Delivery.objects.filter(subscription_id=subscription_id, status=DeliveryStatus.PENDING).update(
         status=DeliveryStatus.DISABLED, finished_at=now, last_error=reason
     )

@@ -1,19 +1,16 @@
 """Which audit events become notifications, what they carry, and who hears them.
 
-`notification_capture` runs inside the transaction that appended the audit event (the
-audit app calls it: notifications/apps.py registers it for AUDIT_TO_NOTIFICATION's types
-only, so every other event costs the audit append one set lookup). With no subscription
-that could hear the type it costs one indexed query; otherwise it reads the event's
-subject, writes the Notification and one Delivery per matching subscription — the outbox
-rows commit or roll back with the event — and enqueues the deliveries after commit.
+The audit chain's reader (notifications/services/dispatch.py) calls `event_notify` for each
+committed event of AUDIT_TO_NOTIFICATION's types: it reads the event's subject, writes the
+Notification and one Delivery per matching subscription, and enqueues the deliveries after
+its pass commits. The periodic pass (reminders, a broken chain) and an admin's test event
+write theirs through `notification_record` too.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,12 +20,10 @@ from typing import Any
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
-from redis.exceptions import RedisError
 
 from approvals.models import Action, ApprovalSubject
 from audit.models import AuditEvent
 from console.permissions import ROLE_ADMIN, ROLE_AUDITOR, ROLE_OPERATOR, resolver_group
-from console.redis_clients import shared_redis
 from notifications.models import EVERYONE, Subscription
 from notifications.outbox import enqueue_deliveries
 from ownership.models import Conflict
@@ -115,8 +110,8 @@ class Listener:
         )
 
 
-# Raw statements on the capture path: it runs inside the event's transaction (an approval's,
-# a decision's), where the ORM's query building cost more than the queries themselves.
+# Raw statements: the chain's reader runs them for every event it tells, and the ORM's query
+# building cost more than the queries themselves.
 _LISTENERS = """
 SELECT id, target, event_types, kind, name_prefix FROM notifications_subscription
  WHERE NOT paused AND disabled_at IS NULL
@@ -126,6 +121,7 @@ WITH notification AS (
     INSERT INTO notifications_notification
         (id, type, created_at, data, audit_seq, audience, dedupe_key)
     VALUES (%s, %s, %s, %s::jsonb, %s::bigint, %s::jsonb, %s::varchar)
+    ON CONFLICT (dedupe_key) DO NOTHING
     RETURNING id
 )
 INSERT INTO notifications_delivery (id, notification_id, subscription_id, webhook_id, status,
@@ -136,64 +132,9 @@ RETURNING id
 """
 
 
-# "No subscription can hear anything" is remembered per process, so that an event costs the
-# transaction no statement while nobody subscribes. It holds while a Redis key keeps the
-# value it had when the answer was read (every change of a subscription sets a new one,
-# after commit), and for _NOBODY_MAX_AGE at most (a change whose Redis write was lost).
-# Only the empty answer is remembered: a rollback or a flush can only remove subscriptions.
-_VERSION_KEY = "airlock:notify:subscriptions:version"
-_NOBODY_MAX_AGE = 30.0
-_nobody_lock = threading.Lock()
-_nobody: tuple[bytes, float] | None = None
-
-
-def listeners_changed() -> None:
-    """A subscription was created, changed or deleted (inside the writing transaction):
-    this process forgets at once, the others once it commits."""
-    global _nobody
-    with _nobody_lock:
-        _nobody = None
-    transaction.on_commit(_version_bump)
-
-
-def _version_bump() -> None:
-    try:
-        shared_redis(settings.REDIS_URL, timeout=2.0).set(_VERSION_KEY, uuid.uuid4().hex)
-    except RedisError:
-        log.warning("could not tell other processes that the subscriptions changed")
-
-
-def _version() -> bytes | None:
-    try:
-        client = shared_redis(settings.REDIS_URL, timeout=2.0)
-        value: Any = client.get(_VERSION_KEY)
-        if value is None:  # a new Redis, or a FLUSHALL
-            client.set(_VERSION_KEY, uuid.uuid4().hex, nx=True)
-            value = client.get(_VERSION_KEY)
-    except RedisError:
-        return None
-    return bytes(value) if value is not None else None
-
-
 def subscriptions_active() -> list[Listener]:
-    """The subscriptions that can hear anything: one statement on a partial index, or
-    none while this process knows there are none (see _VERSION_KEY)."""
-    global _nobody
-    version = _version()
-    if version is not None:
-        with _nobody_lock:
-            known = _nobody
-        fresh = known is not None and time.monotonic() - known[1] < _NOBODY_MAX_AGE
-        if fresh and known is not None and known[0] == version:
-            return []
-    listeners = _listeners_read()
-    if not listeners and version is not None:
-        with _nobody_lock:
-            _nobody = (version, time.monotonic())
-    return listeners
-
-
-def _listeners_read() -> list[Listener]:
+    """The subscriptions that can hear anything (not paused, not disabled): one statement
+    on a small table, read once per pass of the chain's reader."""
     with connection.cursor() as cursor:
         cursor.execute(_LISTENERS)
         rows = cursor.fetchall()
@@ -224,23 +165,27 @@ def _hears_type(listener: Listener, kind: str) -> bool:
     return not listener.event_types or kind in listener.event_types
 
 
-def notification_capture(event: AuditEvent) -> None:
-    """The audit app's after-append callback (see the module docstring). A failure here is
-    logged and rolled back to a savepoint: it never fails the event's own transaction."""
+def event_notify(event: AuditEvent, listeners: Iterable[Listener]) -> bool:
+    """Write the notification of one committed audit event for the subscriptions among
+    `listeners` that hear it (the chain's reader calls this, in its pass's transaction).
+    False when there is nothing to tell. A failure is logged and rolled back to a savepoint:
+    one event that cannot be told never holds back the ones after it."""
     kind = AUDIT_TO_NOTIFICATION.get(event.event_type)
     if kind is None or (kind == "plan.compensated" and _plan_status(event) not in _COMPENSATED):
-        return
-    if connection.vendor != "postgresql":
-        return  # the outbox statements are PostgreSQL's: the SQLite trial run tells no one
-    listening = [listener for listener in subscriptions_active() if _hears_type(listener, kind)]
+        return False
+    listening = [listener for listener in listeners if _hears_type(listener, kind)]
     if not listening:
-        return
+        return False
     try:
         with transaction.atomic():
             facts = _facts(event, kind)
-            notification_record(facts, listening, audit_seq=event.seq or None)
+            recorded = notification_record(
+                facts, listening, audit_seq=event.seq or None, dedupe_key=f"audit:{event.seq}"
+            )
     except Exception:
         log.exception("could not record the %s notification of audit event %s", kind, event.seq)
+        return False
+    return recorded is not None
 
 
 def notification_record(
@@ -254,7 +199,7 @@ def notification_record(
     """Store the notification and a pending Delivery per subscription that hears it (all
     of `listeners` when `matched`) in one statement, in the caller's transaction; the
     deliveries are enqueued after commit. Returns the notification's id; None when no
-    subscription hears it (nothing stored). A taken `dedupe_key` raises IntegrityError."""
+    subscription hears it or `dedupe_key` is taken (told before): nothing stored."""
     hearing = [item.id for item in listeners if matched or _subscription_hears(item, facts)]
     if not hearing:
         return None
@@ -276,6 +221,8 @@ def notification_record(
     with connection.cursor() as cursor:
         cursor.execute(_RECORD, params)
         ids = [row[0] for row in cursor.fetchall()]
+    if not ids:
+        return None
     transaction.on_commit(lambda: enqueue_deliveries(ids))
     return notification_id
 

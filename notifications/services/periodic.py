@@ -1,6 +1,6 @@
 """The notifications' periodic pass (notifications/cron.py), computed from PostgreSQL so a
-restart loses no timer: the reconciler, approval reminders at shares of their TTL, and the
-audit chain's break.
+restart loses no timer: the audit chain's reader (a safety net beside the notify worker's
+thread), the reconciler, approval reminders at shares of their TTL, and the chain's break.
 
 Time comes from `now` (default django.utils.timezone.now()): tests pass a later `now`
 instead of sleeping, as approvals' approval_expire_due does.
@@ -20,6 +20,7 @@ from approvals.models import Approval, ApprovalStatus
 from audit.services import audit_chain_status
 from notifications.models import Notification
 from notifications.services.delivery import deliveries_reconcile
+from notifications.services.dispatch import notifications_dispatch_all
 from notifications.services.events import (
     ApprovalRow,
     Facts,
@@ -38,9 +39,12 @@ VERIFY_FAILED = "audit.verify_failed"
 
 
 def notifications_tick(*, now: datetime | None = None) -> dict[str, int]:
-    """The cron's every-few-seconds work."""
+    """The cron's every-few-seconds work. Reading the audit chain is the notify worker's
+    own thread's job (notifications/dispatcher.py); the tick reads too, so nothing waits
+    on that thread alone."""
     now = now or timezone.now()
     return {
+        "read": notifications_dispatch_all(),
         "resent": deliveries_reconcile(now=now),
         "reminders": _approval_reminders_due(now=now),
     }

@@ -27,7 +27,6 @@ from notifications.services.events import (
     Facts,
     Listener,
     deep_link,
-    listeners_changed,
     notification_record,
 )
 from notifications.services.secrets import seal, webhook_secret_new
@@ -159,7 +158,6 @@ def subscription_create(*, actor: Actor, **fields: Unpack[SubscriptionFields]) -
             paused=bool(fields.get("paused", False)),
             created_by=person,
         )
-        listeners_changed()
         audit_append(
             event_type="notification_subscription.created",
             actor=actor,
@@ -213,7 +211,6 @@ def subscription_update(
         if after == before and not url_changed:
             return subscription, False
         subscription.save()
-        listeners_changed()
         changed = {k: {"from": before[k], "to": after[k]} for k in after if before[k] != after[k]}
         if url_changed:
             changed["url"] = {"from": before["url"], "to": after["url"], "replaced": True}
@@ -235,7 +232,6 @@ def subscription_delete(*, actor: Actor, subscription_id: int) -> bool:
             return False
         details = subscription_as_dict(subscription)
         subscription.delete()
-        listeners_changed()
         audit_append(event_type="notification_subscription.deleted", actor=actor, details=details)
     return True
 
