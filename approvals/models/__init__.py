@@ -453,22 +453,36 @@ class Operation(models.Model):
         return f"operation {self.pk} (fence {self.fence})"
 
 
+def unsettled_attempt() -> Q:
+    """A write's attempt that may have reached its target and is not settled yet, as a
+    filter on Operation: its answer was lost (`unknown`), or its worker died holding it
+    (abandoned by the reconciler — killed after the target applied, the write is there and
+    nothing recorded it). Only a read of the target (or a replay of its Idempotency-Key)
+    tells what it did (approvals/services/external_writes.py)."""
+    return Q(undo_of__isnull=True) & (
+        Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True)
+    )
+
+
+def maybe_reached_target() -> Q:
+    """Writes to an external target with an unsettled attempt (`unsettled_attempt`), as a
+    filter on Action."""
+    maybe_sent = Operation.objects.filter(unsettled_attempt(), action=OuterRef("pk"))
+    return ~Q(kind__target="managed") & Q(Exists(maybe_sent))
+
+
 def run_end_exempt() -> Q:
     """Actions a run's end (finish, expiry, revoke, rejection) and its token may not
     stop, as a filter on Action:
 
     - a conflict resolution (`parent` set): a person's decision, not the agent's;
-    - a write to an external target that may already have reached it (an
-      operation `unknown`, or abandoned by the reconciler while in flight): only its
-      next attempt settles what happened — a replay with the same target
-      Idempotency-Key where the target honours one, else a read of the target
-      (approvals/services/external_writes.py; found not applied, it is not sent
+    - a write to an external target that may already have reached it
+      (`maybe_reached_target`): only its next attempt settles what happened — a replay
+      with the same target Idempotency-Key where the target honours one, else a read of
+      the target (approvals/services/external_writes.py; found not applied, it is not sent
       again once the run has ended).
     """
-    maybe_sent = Operation.objects.filter(action=OuterRef("pk"), undo_of__isnull=True).filter(
-        Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True)
-    )
-    return Q(parent__isnull=False) | (~Q(kind__target="managed") & Q(Exists(maybe_sent)))
+    return Q(parent__isnull=False) | maybe_reached_target()
 
 
 class IdempotencyStatus(models.TextChoices):

@@ -5,6 +5,12 @@ job and the reconciler. Every state change goes through
 action_status.action_transition (a conditional UPDATE) inside a short transaction
 with its audit event; a stale attempt (abandoned by the reconciler, or
 superseded by a newer one) records nothing.
+
+Attempts that run out end the action `failed` — except a write to an external target one
+of whose attempts may have reached it (its answer lost, its worker killed): "failed" would
+put on record that the target does not hold a write it may hold (and leave it without an
+undo). That write gets one last read first (`schedule_last_read`; the delivery that reads
+is external_writes._last_read), and is ended by what the read shows.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from approvals.models import (
     ActionStatus,
     Operation,
     OperationStatus,
+    maybe_reached_target,
 )
 from approvals.notify import notify_action_changed
 from approvals.outbox import enqueue_action_execution, notify_action_on_commit
@@ -44,6 +51,9 @@ from ownership.services.conflicts import conflict_open_for_action
 log = logging.getLogger("airlock.execution")
 
 WORKER_ACTOR = Actor.system("worker")
+
+# `error.last_read` of an action queued for its last read (schedule_last_read).
+LAST_READ_DUE = "due"
 
 
 def crash_point(name: str) -> None:
@@ -180,7 +190,8 @@ def action_retry_later(
     count_attempt: bool = True,
     operation_id: int | None = None,
 ) -> str:
-    """Back to `queued` with a backoff delay, or `failed` once attempts run out.
+    """Back to `queued` with a backoff delay, or `failed` once attempts run out (or
+    `queued` for a last read first: schedule_last_read).
 
     Closes the attempt's pending operation (if any) as failed first. Returns the
     new status ("queued" / "failed" / "" when the action had moved on).
@@ -202,14 +213,23 @@ def action_retry_later(
         # write is failing: allow it a much longer wait before giving up.
         limit = max_attempts() * 4 if reason == "lock_busy" else max_attempts()
         if attempts >= limit:
+            error = {"code": "attempts_exhausted", "reason": reason, "attempts": attempts}
+            if last_read_owed(action):
+                schedule_last_read(
+                    action, from_statuses=from_statuses, attempts=attempts, error=error
+                )
+                return ActionStatus.QUEUED
+            unsettled = unsettled_outcome(action)
             action_transition(
                 action_id=action_id,
                 from_statuses=from_statuses,
                 to_status=ActionStatus.FAILED,
                 attempts=attempts,
-                error={"code": "attempts_exhausted", "reason": reason, "attempts": attempts},
+                error={**error, **unsettled},
             )
-            audit_worker_event("action.failed", action, {"reason": reason, "attempts": attempts})
+            audit_worker_event(
+                "action.failed", action, {"reason": reason, "attempts": attempts, **unsettled}
+            )
             return ActionStatus.FAILED
         delay = backoff_seconds(attempts or 1)
         action_transition(
@@ -226,6 +246,62 @@ def action_retry_later(
         )
         enqueue_on_commit(action_id, delay)
     return ActionStatus.QUEUED
+
+
+def last_read_due(error: Any) -> bool:
+    """Whether an action's `error` says its last read is due (schedule_last_read): its
+    next delivery reads the target and sends nothing."""
+    return isinstance(error, dict) and error.get("last_read") == LAST_READ_DUE
+
+
+def last_read_owed(action: Action) -> bool:
+    """Inside a transaction, `action` locked, its attempts just run out: does it get a last
+    read before it ends? A write to an external target with an attempt that may have
+    reached it (approvals.models.maybe_reached_target) does — once: a delivery that was
+    itself the last read ends the action."""
+    if last_read_due(action.error):
+        return False
+    return Action.objects.filter(pk=action.pk).filter(maybe_reached_target()).exists()
+
+
+def schedule_last_read(
+    action: Action,
+    *,
+    from_statuses: tuple[str, ...],
+    attempts: int,
+    error: dict[str, Any],
+    actor: Actor = WORKER_ACTOR,
+) -> None:
+    """Inside the caller's transaction (`action` locked; last_read_owed said yes): back to
+    `queued` once more, marked in `error` (the exhaustion's code and reason, and
+    `last_read: due`), for a delivery that only reads the target
+    (external_writes._last_read). After a backoff, as any attempt: the answer lost a moment
+    ago may belong to a write the target is still carrying out."""
+    delay = backoff_seconds(attempts or 1)
+    action_transition(
+        action_id=action.pk,
+        from_statuses=from_statuses,
+        to_status=ActionStatus.QUEUED,
+        attempts=attempts,
+        not_before=timezone.now() + timedelta(seconds=delay),
+        error={**error, "last_read": LAST_READ_DUE},
+    )
+    audit_action_event(
+        action,
+        event_type="action.last_read_scheduled",
+        actor=actor,
+        details={**error, "delay_seconds": round(delay, 3)},
+    )
+    enqueue_on_commit(action.pk, delay)
+
+
+def unsettled_outcome(action: Action) -> dict[str, str]:
+    """What an action ending `failed` says of its write when its last read was due and
+    decided nothing (the target could not be read, or the read could not be made): the
+    outcome is unknown — the target may hold it. Empty for any other failure."""
+    if last_read_due(action.error):
+        return {"outcome": "unknown", "last_read": "unsettled"}
+    return {}
 
 
 def action_fail(

@@ -15,6 +15,8 @@ queues the action again). The next attempt settles either before anything else:
   new version → applied, once; still the version we wrote on → not applied, send again;
   anything else → someone else changed it: a conflict routed by class. Never a second blind
   attempt.
+When the attempts run out with such an attempt unsettled, the action is not ended `failed`
+blind: one last delivery reads the target the same way and sends nothing (`_last_read`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,16 @@ from functools import partial
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
-from approvals.models import Action, ActionStatus, ApprovalDecision, Operation, OperationStatus
+from approvals.models import (
+    Action,
+    ActionStatus,
+    ApprovalDecision,
+    Operation,
+    OperationStatus,
+    unsettled_attempt,
+)
 from approvals.services.action_status import action_transition
 from approvals.services.attempts import (
     WORKER_ACTOR,
@@ -39,6 +47,7 @@ from approvals.services.attempts import (
     audit_worker_event,
     claim,
     crash_point,
+    last_read_due,
     operation_fail_pending,
     renew_operation_lease,
     route_refusal,
@@ -111,9 +120,11 @@ def execute_external(*, action: Action, lock: Any, fence: int) -> str:
     intended = _intended(action, adapter)
     if isinstance(intended, Snapshot):  # the version moved before we could even build it
         return _record_stale(action=action, operation=operation, current=intended)
+    if last_read_due(action.error):  # the attempts ran out: read, never send
+        return _last_read(action, operation, adapter, intended, fence)
     if not adapter.capabilities.takes_idempotency_key and _earlier_unknown(action):
         settled = _settle_by_reading(action, operation, adapter, intended, fence)
-        if settled is not None:
+        if not isinstance(settled, NotApplied):
             return settled
         # Not applied: the earlier attempts never reached the target. Closed as such, they
         # no longer keep the action alive past its run's end — which is checked again.
@@ -167,22 +178,14 @@ def _earlier_unknown(action: Action) -> bool:
     the target applied, the write is there and nothing recorded it). Either is settled by
     reading before anything is sent: a second send would meet our own write as a stale
     version and report a false conflict."""
-    return (
-        Operation.objects.filter(action=action, undo_of__isnull=True)
-        .filter(Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True))
-        .exists()
-    )
+    return Operation.objects.filter(unsettled_attempt(), action=action).exists()
 
 
 def _close_not_applied(action: Action, operation: Operation) -> None:
     """The earlier attempts that may have reached the target, found by reading not to
     have: failed, `settled: not_applied` (an abandoned one keeps that it was, under
     another name: `abandoned` marks an attempt still to settle)."""
-    earlier = (
-        Operation.objects.filter(action=action, undo_of__isnull=True)
-        .filter(Q(status=OperationStatus.UNKNOWN) | Q(outcome__abandoned=True))
-        .exclude(pk=operation.pk)
-    )
+    earlier = Operation.objects.filter(unsettled_attempt(), action=action).exclude(pk=operation.pk)
     now = timezone.now()
     for row in earlier.only("pk", "outcome"):
         before = dict(row.outcome) if isinstance(row.outcome, dict) else {}
@@ -200,10 +203,17 @@ def _close_not_applied(action: Action, operation: Operation) -> None:
 
 
 def _settle_by_reading(
-    action: Action, operation: Operation, adapter: TargetAdapter, intended: Intended, fence: int
-) -> str | None:
-    """An earlier attempt's unknown outcome, settled from what the target holds. None: it was
-    not applied, send the write again."""
+    action: Action,
+    operation: Operation,
+    adapter: TargetAdapter,
+    intended: Intended,
+    fence: int,
+    *,
+    last_read: bool = False,
+) -> str | NotApplied:
+    """An earlier attempt's unknown outcome, settled from what the target holds: the
+    attempt's short outcome, or NotApplied (with what the target holds) — the write did not
+    happen, the caller decides what follows (send it again; or, the last read, end it)."""
     try:
         settled = settle_by_reading(
             adapter,
@@ -213,12 +223,14 @@ def _settle_by_reading(
             deleted=intended.deleted,
         )
     except TargetError as exc:
-        action_retry_later(
+        # Nothing settled. The last read's own delivery ends here: action_retry_later finds
+        # its attempts spent and the last read made, and records the outcome as unknown.
+        status = action_retry_later(
             action_id=action.pk, reason=f"target_unreadable: {exc}", operation_id=operation.pk
         )
-        return "retry"
+        return "failed" if status == ActionStatus.FAILED else "retry"
     if isinstance(settled, NotApplied):
-        return None
+        return settled
     if isinstance(settled, Applied):
         return _record_applied(
             action=action,
@@ -227,8 +239,61 @@ def _settle_by_reading(
             version=settled.version,
             intended=intended,
             settled_by_reading=True,
+            last_read=last_read,
         )
     return _record_stale(action=action, operation=operation, current=settled.current)
+
+
+def _last_read(
+    action: Action, operation: Operation, adapter: TargetAdapter, intended: Intended, fence: int
+) -> str:
+    """The delivery after the attempts ran out with one that may have reached the target
+    (attempts.schedule_last_read): the target is read as the next attempt would read it —
+    on every target, also one that takes an Idempotency-Key (a replay would be a send) —
+    and nothing is sent. Ours → applied; someone else's → a conflict, as the next attempt
+    would route it; the version we wrote on → failed, with what the read saw; unreadable →
+    failed, the outcome unknown (_settle_by_reading)."""
+    settled = _settle_by_reading(action, operation, adapter, intended, fence, last_read=True)
+    if isinstance(settled, NotApplied):
+        return _fail_not_applied(action, operation, settled.current)
+    return settled
+
+
+def _fail_not_applied(action: Action, operation: Operation, current: Snapshot) -> str:
+    """The last read found the target still at the version we wrote on: no attempt reached
+    it. The earlier attempts close as not applied (_close_not_applied), and the action ends
+    `failed` — its error and audit event keep why the attempts ran out and say what the read
+    saw, the evidence for "not applied"."""
+    evidence = {"last_read": "not_applied", "current_version": current.version}
+    with transaction.atomic():
+        if attempt_superseded(operation.pk):
+            return "superseded"
+        locked = (
+            Action.objects.select_for_update(of=("self",))
+            .filter(pk=action.pk, status=ActionStatus.EXECUTING)
+            .first()
+        )
+        if locked is None:
+            return "superseded"
+        _close_not_applied(locked, operation)
+        operation_fail_pending(operation.pk, evidence)
+        exhausted = dict(locked.error) if isinstance(locked.error, dict) else {}
+        action_transition(
+            action_id=action.pk,
+            from_statuses=(ActionStatus.EXECUTING,),
+            to_status=ActionStatus.FAILED,
+            error={**exhausted, **evidence},
+        )
+        audit_worker_event(
+            "action.failed",
+            locked,
+            {
+                "reason": exhausted.get("reason", exhausted.get("code", "")),
+                "attempts": locked.attempts,
+                **evidence,
+            },
+        )
+    return "failed"
 
 
 def _message_context(action: Action) -> dict[str, str]:
@@ -367,7 +432,10 @@ def _record_applied(
     version: str | None,
     intended: Intended,
     settled_by_reading: bool = False,
+    last_read: bool = False,
 ) -> str:
+    # The last read's settlement is said so in the operation and the audit event.
+    by_last_read = {"last_read": True} if last_read else {}
     now = timezone.now()
     with transaction.atomic():
         # Lock this attempt's operation, then the action (the barrier's and the reconciler's
@@ -413,6 +481,7 @@ def _record_applied(
                 "target": action.kind.target,
                 "settled_by": operation.pk if effect_op.pk != operation.pk else None,
                 "settled_by_reading": settled_by_reading,
+                **by_last_read,
             },
         )
         if not settled:  # cannot happen under the locks above; never record twice
@@ -435,6 +504,7 @@ def _record_applied(
                 "from_version": action.observed_version,
                 "to_version": version,
                 "settled_by_reading": settled_by_reading,
+                **by_last_read,
             },
         )
     return "applied"

@@ -37,7 +37,14 @@ from approvals.outbox import (
     jobs_pending,
 )
 from approvals.services.action_status import action_transition
-from approvals.services.attempts import enqueue_on_commit, max_attempts, operation_lease_seconds
+from approvals.services.attempts import (
+    enqueue_on_commit,
+    last_read_owed,
+    max_attempts,
+    operation_lease_seconds,
+    schedule_last_read,
+    unsettled_outcome,
+)
 from approvals.services.plan_engine import plans_resume
 from approvals.services.worker_presence import workers_gone
 from audit.services import Actor
@@ -45,6 +52,8 @@ from console.core.action_audit import audit_action_event
 from console.models import KillSwitch
 
 log = logging.getLogger("airlock.execution")
+
+RECONCILER = Actor.system("reconciler")
 
 # How long after its last transition a queued action may lack a job before the
 # reconciler resends it (covers the gap between commit and on_commit enqueue).
@@ -117,7 +126,8 @@ def _lease_holders(now: datetime) -> set[str]:
 def _abandon_stale_operations(now: datetime, orphaned: Q) -> int:
     """Operations a dead worker left `pending` — past their lease, or held by a worker
     that is gone (`orphaned`: no presence, see worker_presence) — failed (abandoned), their
-    action queued again for a new fence (or failed once attempts run out)."""
+    action queued again for a new fence (or, once attempts run out, failed — or read once more
+    first: _end_worker_lost)."""
     count = 0
     stale = Q(lease_expires_at__lt=now) | orphaned
     stale_ops = list(
@@ -145,34 +155,50 @@ def _abandon_stale_operations(now: datetime, orphaned: Q) -> int:
                 continue
             action = Action.objects.select_for_update(of=("self",)).get(pk=action_id)
             attempts = action.attempts + 1
-            if attempts >= max_attempts():
-                # A delivery that keeps killing its worker is not retried forever.
-                action_transition(
-                    action_id=action_id,
-                    from_statuses=(ActionStatus.EXECUTING,),
-                    to_status=ActionStatus.FAILED,
-                    attempts=attempts,
-                    error={"code": "worker_lost", "attempts": attempts},
-                )
-                moved = False
-            else:
-                moved = action_transition(
-                    action_id=action_id,
-                    from_statuses=(ActionStatus.EXECUTING,),
-                    to_status=ActionStatus.QUEUED,
-                    attempts=attempts,
-                    not_before=None,
-                )
+            moved = attempts < max_attempts() and action_transition(
+                action_id=action_id,
+                from_statuses=(ActionStatus.EXECUTING,),
+                to_status=ActionStatus.QUEUED,
+                attempts=attempts,
+                not_before=None,
+            )
             audit_action_event(
                 action,
                 event_type="operation.abandoned",
-                actor=Actor.system("reconciler"),
+                actor=RECONCILER,
                 details={"operation": operation_id, "requeued": moved, "attempts": attempts},
             )
+            if attempts >= max_attempts():
+                _end_worker_lost(action, attempts)
             if moved:
                 enqueue_on_commit(action_id)
                 count += 1
     return count
+
+
+def _end_worker_lost(action: Action, attempts: int) -> None:
+    """Inside the caller's transaction (`action` locked, `executing`): its attempts were spent
+    by workers that died. A delivery that keeps killing its worker is not retried forever:
+    `failed` — but a write to an external target whose worker may have died after the target
+    took it is read once more first (attempts.schedule_last_read): never `failed` on record
+    for a write the target may hold."""
+    error = {"code": "worker_lost", "attempts": attempts}
+    if last_read_owed(action):
+        schedule_last_read(
+            action,
+            from_statuses=(ActionStatus.EXECUTING,),
+            attempts=attempts,
+            error=error,
+            actor=RECONCILER,
+        )
+        return
+    action_transition(
+        action_id=action.pk,
+        from_statuses=(ActionStatus.EXECUTING,),
+        to_status=ActionStatus.FAILED,
+        attempts=attempts,
+        error={**error, **unsettled_outcome(action)},
+    )
 
 
 def _requeue_orphans(now: datetime) -> int:
