@@ -36,6 +36,7 @@ from bench.report import figure
 from bench.stack import log
 from notifications.models import Delivery, DeliveryAttempt, Subscription
 from notifications.outbox import QUEUE_NAME
+from notifications.services.dispatch import dispatch_lag
 from notifications.services.subscriptions import (
     subscription_create,
     subscription_delete,
@@ -72,11 +73,20 @@ def _notify_line(b: Bench, **env: str) -> None:
         time.sleep(0.2)
 
 
+def _caught_up(timeout: float = 30.0) -> None:
+    """Wait until the notify worker has read the audit chain to its head: a subscription is
+    matched when an event is read, so pausing it first would drop the last run's events."""
+    deadline = time.monotonic() + timeout
+    while dispatch_lag() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _round(b: Bench, samples: int, subscription: Subscription, *, active: bool) -> dict[str, Any]:
     """One timed run. Its approvals are opened while the subscription is paused (the agents'
     proposals are not what is timed, and their notifications would only add a burst of jobs
     to the notify worker's start of the run), then the subscription is set."""
     admin = Actor.person(b.world.admin)
+    _caught_up()
     subscription_update(actor=admin, subscription_id=subscription.pk, paused=True)
     names = [f"nb-{uuid.uuid4().hex[:6]}-{i}" for i in range(_WAITING + samples)]
     items = b.decision_items(fixtures.pending(b.main, "bench-wait", names))
@@ -125,6 +135,7 @@ def black_hole_round_trip(b: Bench) -> dict[str, Any]:
                     f"{pair['without']['decision_request_p50_ms']} / "
                     f"{pair['with']['decision_request_p50_ms']} ms)"
                 )
+            _caught_up()
             subscription_update(actor=admin, subscription_id=subscription.pk, paused=True)
             hole = _what_the_hole_got(subscription)
         finally:
