@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import httpx
 import redis
 from django.db.models import Max, Min
 from rq import Queue
@@ -31,7 +30,6 @@ from bench.fixtures import Pending, RunHandle, World
 from bench.report import figure
 from bench.sizes import Size
 from bench.stack import PY, ROOT, Stack, log, raise_nofile
-from bench.wrk import WrkResult, run_wrk
 from ownership.models import Resource
 
 # The Procfile's worker line, started twice (as `honcho start -c worker=2` would).
@@ -93,90 +91,7 @@ def _tag() -> str:
     return uuid.uuid4().hex[:6]
 
 
-# --- polls ---------------------------------------------------------------------------------
-
-
-def _first_answers(targets: dict[str, tuple[str, str, str]]) -> str:
-    """Every GET answers 200 before any load; returns the action poll's ETag."""
-    for name, (url, token, _) in targets.items():
-        answer = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-        if answer.status_code != 200:
-            raise RuntimeError(f"{name}: {answer.status_code} {answer.text[:300]}")
-    poll_url, token, _ = targets["poll"]
-    answer = httpx.get(poll_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    return str(answer.headers.get("etag", ""))
-
-
-# Every agent-facing GET measured beside the action poll with the run token (`poll`), each
-# with both token kinds the contract allows: (figure name, path, which token).
-AGENT_GETS = (
-    ("action_agent", "action", "agent"),
-    ("run_run", "run", "run"),
-    ("run_agent", "run", "agent"),
-    ("resource_run", "resource", "run"),
-    ("resource_agent", "resource", "agent"),
-)
-
-
-def _get_targets(b: Bench) -> dict[str, tuple[str, str, str]]:
-    """{name: (url, token, If-None-Match)} of the bare view, the poll, its 304 and each GET."""
-    resource = f"read-{_tag()}"
-    fixtures.create_resources(b.core, "bench-core", [resource], {"n": 0})
-    action = b.poll_action.action_id
-    paths = {
-        "action": f"/api/v1/actions/{action}",
-        "run": f"/api/v1/runs/{b.main.run_id}",
-        "resource": f"/api/v1/resources/bench-core/{resource}",
-    }
-    tokens = {"run": b.main.token, "agent": b.world.agent_token}
-    bare_url = f"{b.stack.bare_base}/bench/bare/actions/{action}"
-    targets = {
-        "bare": (bare_url, b.main.token, ""),
-        "poll": (f"{b.stack.base}{paths['action']}", b.main.token, ""),
-    }
-    for name, path, token in AGENT_GETS:
-        targets[name] = (f"{b.stack.base}{paths[path]}", tokens[token], "")
-    return targets
-
-
-def poll(b: Bench) -> dict[str, Any]:
-    """Bare, product and 304 runs interleaved per round (order flipped every other round),
-    so drift on a shared machine hits all of them; each figure is the median per-round ratio.
-    Beside the action poll with the run token: every agent-facing GET with each token kind."""
-    targets = _get_targets(b)
-    url, token, _ = targets["poll"]
-    targets["304"] = (url, token, _first_answers(targets))
-    rounds: dict[int, list[dict[str, WrkResult]]] = {c: [] for c in b.size.clients}
-    for number in range(b.size.poll_rounds):
-        for clients in b.size.clients:
-            order = list(targets) if number % 2 == 0 else list(reversed(targets))
-            results: dict[str, WrkResult] = {}
-            for name in order:
-                target, token, inm = targets[name]
-                results[name] = run_wrk(
-                    target, clients=clients, seconds=b.size.poll_seconds, token=token, etag=inm
-                )
-            rounds[clients].append(results)
-            log(f"poll c={clients}: " + ", ".join(f"{k} {v.rps}/s" for k, v in results.items()))
-    out: dict[str, Any] = {}
-    for clients, runs in rounds.items():
-        for name in ("poll", *(get for get, _, _ in AGENT_GETS)):
-            out[f"{name}_vs_bare_{clients}"] = figure(
-                f"{name}_vs_bare_{clients}",
-                rounded_median([r[name].rps / r["bare"].rps for r in runs if r["bare"].rps]),
-                errors=sum(r[name].errors + r["bare"].errors for r in runs),
-                rounds=[{k: r[k].as_dict() for k in ("bare", name)} for r in runs],
-            )
-    all_runs = [r for runs in rounds.values() for r in runs]
-    not_304 = sum(r["304"].requests - r["304"].statuses.get("304", 0) for r in all_runs)
-    out["poll_304_vs_200"] = figure(
-        "poll_304_vs_200",
-        rounded_median([r["304"].rps / r["poll"].rps for r in all_runs if r["poll"].rps]),
-        errors=sum(r["304"].errors for r in all_runs),
-        answers_not_304=not_304,
-        note="If-None-Match was not answered 304" if not_304 else "",
-    )
-    return out
+# --- long-polls ----------------------------------------------------------------------------
 
 
 def longpoll(b: Bench) -> dict[str, Any]:
@@ -543,14 +458,9 @@ def hot_resource(b: Bench) -> dict[str, Any]:
     }
 
 
-GET_FIGURES = [
-    f"{name}_vs_bare_{clients}"
-    for name in ("poll", *(get for get, _, _ in AGENT_GETS))
-    for clients in (8, 32, 128)
-]
-# Every group but the last, scale: bench/scale.py imports this module, so bench.run appends it.
+# Every group but the GETs under wrk (bench/gets.py) and the last, scale: both import this
+# module, so bench.run puts the GETs first and appends scale.
 FIGURES = {
-    "poll": (poll, [*GET_FIGURES, "poll_304_vs_200"]),
     "longpoll": (longpoll, ["longpoll_held", "longpoll_wake_p99_ms"]),
     "roundtrip": (round_trip, ["approval_round_trip_p50_ms", "approval_round_trip_p99_ms"]),
     "drain": (drain, ["approved_writes_vs_noop_jobs", "approved_writes_per_s"]),

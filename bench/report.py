@@ -55,6 +55,8 @@ GOALS: dict[str, Goal] = {
             ("run_agent", "run poll, agent token"),
             ("resource_run", "resource read, run token"),
             ("resource_agent", "resource read, agent token"),
+            ("list_run", "resource list page (50 items), run token"),
+            ("list_agent", "resource list page (50 items), agent token"),
         )
         for clients in (8, 32, 128)
     },

@@ -81,11 +81,13 @@ def _measure(bench: Bench, only: set[str]) -> dict[str, Any]:
     # Here: they import models (Django set up in _start).
     from bench import notify
     from bench.figures import FIGURES
+    from bench.gets import GROUPS as GETS
     from bench.scale import KEYS, scale
     from bench.targets_figure import KEYS as TARGET_KEYS
     from bench.targets_figure import target_writes
 
     groups = {
+        **GETS,
         **FIGURES,
         "notify": (notify.black_hole_round_trip, notify.KEYS),
         "targets": (target_writes, TARGET_KEYS),

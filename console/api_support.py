@@ -261,6 +261,9 @@ class RoleBearer(Bearer):
 # last `kind/name` for resources.
 TIME_CURSOR_PATTERN = r"^[0-9]{1,16}\.[0-9a-f]{32}$"
 RESOURCE_CURSOR_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}/[A-Za-z0-9][A-Za-z0-9._:@+=,-]{0,254}$"
+# A list's `?limit=`: the page size when none is asked, and the most one page holds.
+PAGE_LIMIT_DEFAULT = 50
+PAGE_LIMIT_MAX = 200
 
 
 def _time_encode(values: list[Any]) -> str:
@@ -322,6 +325,24 @@ def _after(keyset: Keyset, values: list[Any]) -> Q:
     return condition
 
 
+def keyset_page_query(queryset: Any, *, keyset: Keyset, after: list[Any] | None, limit: int) -> Any:
+    """The rows of one page in the keyset's order, after the position `after` (a cursor's
+    decoded values; None: the first page), and one more: whether a next page exists. The
+    statement the read front compiles too (approvals/api/fastpoll_routes.py)."""
+    if after is not None:
+        queryset = queryset.filter(_after(keyset, after))
+    order = [f"-{field}" if keyset.descending else field for field in keyset.fields]
+    return queryset.order_by(*order)[: limit + 1]
+
+
+def keyset_page(rows: list[Any], *, keyset: Keyset, limit: int) -> tuple[list[Any], str | None]:
+    """`keyset_page_query`'s rows as one page and the cursor of the next (None: the last)."""
+    if len(rows) <= limit:
+        return rows, None
+    page = rows[:limit]
+    return page, keyset.encode([getattr(page[-1], field) for field in keyset.fields])
+
+
 def keyset_paginate(
     queryset: Any, *, keyset: Keyset, cursor: str | None, limit: int, lenient: bool = False
 ) -> tuple[list[Any], str | None]:
@@ -330,18 +351,22 @@ def keyset_paginate(
     Keyset, not OFFSET: page N costs what page 1 costs on a large table. A cursor
     this list did not issue is a 422, or (``lenient``, the console pages) starts over.
     """
+    after = None
     if cursor:
         try:
-            queryset = queryset.filter(_after(keyset, keyset.decode(cursor)))
+            after = keyset.decode(cursor)
         except ApiError:
             if not lenient:
                 raise
-    order = [f"-{field}" if keyset.descending else field for field in keyset.fields]
-    page = list(queryset.order_by(*order)[: limit + 1])
-    if len(page) <= limit:
-        return page, None
-    page = page[:limit]
-    return page, keyset.encode([getattr(page[-1], field) for field in keyset.fields])
+    rows = list(keyset_page_query(queryset, keyset=keyset, after=after, limit=limit))
+    return keyset_page(rows, keyset=keyset, limit=limit)
+
+
+def page_json(
+    page: list[Any], next_cursor: str | None, render: Callable[[Any], dict[str, Any]]
+) -> dict[str, Any]:
+    """A list endpoint's body: `{"items": [...], "next": cursor or null}`."""
+    return {"items": [render(row) for row in page], "next": next_cursor}
 
 
 def page_response(
@@ -352,9 +377,9 @@ def page_response(
     limit: int,
     render: Callable[[Any], dict[str, Any]],
 ) -> HttpResponse:
-    """A list endpoint's answer: `{"items": [...], "next": cursor or null}`."""
+    """A list endpoint's answer: `page_json` of the page."""
     page, next_cursor = keyset_paginate(queryset, keyset=keyset, cursor=cursor, limit=limit)
-    return json_response({"items": [render(row) for row in page], "next": next_cursor})
+    return json_response(page_json(page, next_cursor, render))
 
 
 def cursor_encode(values: list[Any]) -> str:

@@ -60,6 +60,18 @@ def resource_live(*, kind: str, name: str) -> QuerySet[Resource]:
     return Resource.objects.filter(kind_id=kind, name=name, deleted=False)
 
 
+def resources_listed(*, kind: str | None, prefix: str | None) -> QuerySet[Resource]:
+    """The live resources of `kind` whose name starts with `prefix` (either may be absent):
+    what an agent lists (GET /api/v1/resources, in Django and in the read front,
+    approvals/api/fastpoll_routes.py, which runs its SQL). Any live token lists them all."""
+    resources = Resource.objects.filter(deleted=False)
+    if kind:
+        resources = resources.filter(kind_id=kind)
+    if prefix:
+        resources = resources.filter(name__startswith=prefix)
+    return resources
+
+
 def resource_list(*, kind: str | None = None, prefix: str | None = None) -> QuerySet[Resource]:
     qs = Resource.objects.select_related("kind")
     if kind:

@@ -3,7 +3,8 @@ every route it serves, with every token kind, exactly as Django does — status,
 but Date, body bytes — on real uvicorn servers (the product's Django application on one, the
 front over the same application on the other, its Django answers marked), for every case:
 200, 304 (If-None-Match), an object the token may not read, an unknown id, a revoked or
-expired token, an ended run, a deactivated agent, a personal token. The answers the front
+expired token, an ended run, a deactivated agent, a personal token; and the resource list's
+pages (filters, limits, cursors, a deleted resource, bad parameters). The answers the front
 gives itself are exactly the ones it should (`by_front`): a test of which side answered as
 well as of what was answered."""
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -37,7 +39,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 __all__ = ["servers"]  # the module's two servers (a fixture)
 
-ROUTES = ("action", "run", "resource")
+ROUTES = ("action", "run", "resource", "list")
+# The resource list's page of the world's three resources (no ETag: If-None-Match is ignored).
+LIST_PATH = "/api/v1/resources?kind=dns-record&prefix=fr-res-"
 KINDS = ("run", "agent")
 
 
@@ -79,6 +83,8 @@ def world() -> World:
 
 
 def _path(world: World, route: str, which: str) -> str:
+    if route == "list":
+        return LIST_PATH  # any live token lists every resource: `which` changes nothing
     if route == "resource":
         if which == "unknown":
             return "/api/v1/resources/dns-record/fr-res-nowhere"
@@ -101,8 +107,13 @@ def _learn(servers: dict[str, Server], world: World) -> None:
     for route in ROUTES:
         for kind in KINDS:
             path = _path(world, route, "own")
-            etag = _get(servers["front"], path, world.tokens[kind]).headers["ETag"]
+            etag = _etag(_get(servers["front"], path, world.tokens[kind]))
             _get(servers["front"], path, world.tokens[kind], **{"If-None-Match": etag})
+
+
+def _etag(response: httpx.Response) -> str:
+    """The answer's ETag; a list's answer has none (an If-None-Match then changes nothing)."""
+    return response.headers.get("ETag", '"1"')
 
 
 def _revoke(world: World, kind: str) -> None:
@@ -213,6 +224,18 @@ CASES: list[tuple[str, Change | None, str, bool, dict[tuple[str, str], tuple[int
 ]
 
 
+def _listed(expected: dict[tuple[str, str], tuple[int, bool]]) -> None:
+    """The list answers as the resource read with the same token (the same Bearer), with a
+    page where the read has a 304 (no ETag) or a 404 (`which` changes no list)."""
+    for kind in KINDS:
+        status, by_front = expected[("resource", kind)]
+        expected[("list", kind)] = (200, True) if status in (200, 304, 404) else (status, by_front)
+
+
+for _case in CASES:
+    _listed(_case[4])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize(
@@ -236,7 +259,7 @@ def test_the_front_answers_every_route_and_token_kind_exactly_as_django_does(
     path, token = _path(world, route, which), world.tokens[kind]
     headers: dict[str, str] = {}
     if conditional:
-        headers["If-None-Match"] = _get(servers["django"], path, token).headers["ETag"]
+        headers["If-None-Match"] = _etag(_get(servers["django"], path, token))
     django = _get(servers["django"], path, token, **headers)
     front = _get(servers["front"], path, token, **headers)
     status, by_front = expected[(route, kind)]
@@ -254,7 +277,7 @@ def test_a_personal_token_is_answered_by_django(
     django = _get(servers["django"], path, world.tokens["person"])
     front = _get(servers["front"], path, world.tokens["person"])
     # A person without a group reads no action or run, and any resource.
-    assert django.status_code == (200 if route == "resource" else 404)
+    assert django.status_code == (200 if route in ("resource", "list") else 404)
     assert _comparable(front) == _comparable(django)
     assert "x-test-served-by" in front.headers
 
@@ -344,3 +367,145 @@ def test_odd_but_valid_resource_reads_are_answered_alike(
     front = _get(servers["front"], path, token, **headers)
     assert django.status_code in (200, 304), django.text
     assert _comparable(front) == _comparable(django)
+
+
+# --- the resource list (GET /api/v1/resources) -----------------------------------------------
+
+# Names whose order in the database's collation is not their bytes' order, one with `_` (a
+# LIKE wildcard unless escaped), digits, every punctuation a name may have.
+LISTED = (
+    "fr-list-a",
+    "fr-list-A",
+    "fr-list-a.b",
+    "fr-list-a-c",
+    "fr-list-a_b",
+    "fr-list-ab",
+    "fr-list-aXb",
+    "fr-list-a:1@x+y=z,w",
+    "fr-list-10",
+    "fr-list-9",
+    "fr-list-Z",
+)
+
+
+@pytest.fixture
+def listed(world: World) -> list[str]:
+    """LISTED as dns-record resources (one a mirror with its target's version, documents of
+    every JSON type), a deleted one and another kind's with the same prefix."""
+    for at, name in enumerate(LISTED):
+        document = {"at": at, "f": 1.5, "u": "é€", "n": None, "l": [True, {"x": []}]}
+        resource = make_resource(f"dns-record/{name}", document, version=at + 1)
+        if at == 3:
+            resource.external_version = "etag-from-a-target"
+            resource.save(update_fields=["external_version"])
+    gone = make_resource("dns-record/fr-list-deleted", {"gone": True})
+    gone.deleted = True
+    gone.save(update_fields=["deleted"])
+    make_resource("notification-policy/fr-list-a", {"other": "kind"})
+    return list(LISTED)
+
+
+def _pages(
+    servers: dict[str, Server], token: str, query: str, **headers: str
+) -> list[dict[str, Any]]:
+    """Every page of `query`, following `next`: each answered alike and by the front."""
+    pages: list[dict[str, Any]] = []
+    cursor = ""
+    while True:
+        path = f"/api/v1/resources?{query}{cursor}"
+        django = _get(servers["django"], path, token, **headers)
+        front = _get(servers["front"], path, token, **headers)
+        assert django.status_code == 200, django.text
+        assert _comparable(front) == _comparable(django), path
+        assert "x-test-served-by" not in front.headers, path
+        pages.append(front.json())
+        if pages[-1]["next"] is None:
+            return pages
+        cursor = f"&cursor={quote(pages[-1]['next'], safe='')}"  # `+` would be a space
+        assert len(pages) < 50
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "query",
+    [
+        "kind=dns-record&prefix=fr-list-",
+        "prefix=fr-list-",  # every kind's
+        "kind=dns-record&prefix=fr-list-a_",  # `_` is itself, not any one character
+        "kind=dns-record",
+        "",  # every live resource there is
+    ],
+    ids=["kind and prefix", "prefix", "underscore", "kind", "everything"],
+)
+def test_the_front_pages_through_the_resource_list_exactly_as_django_does(
+    servers: dict[str, Server], world: World, listed: list[str], kind: str, query: str
+) -> None:
+    _learn(servers, world)
+    token = world.tokens[kind]
+    by_three = _pages(servers, token, f"{query}&limit=3" if query else "limit=3")
+    whole = _pages(servers, token, query)  # the default limit, 50
+    largest = _pages(servers, token, f"{query}&limit=200" if query else "limit=200")
+    items = [item for page in by_three for item in page["items"]]
+    assert items == [item for page in whole for item in page["items"]]
+    assert items == [item for page in largest for item in page["items"]]
+    assert all(len(page["items"]) == 3 for page in by_three[:-1])
+    names = [(item["kind"], item["name"]) for item in items]
+    assert ("dns-record", "fr-list-deleted") not in names  # deleted: not listed
+    if query.startswith("kind=dns-record&prefix=fr-list-a_"):
+        assert names == [("dns-record", "fr-list-a_b")]
+    elif query.startswith("kind=dns-record&prefix="):
+        assert sorted(name for _, name in names) == sorted(listed)
+    elif query.startswith("prefix="):
+        assert ("notification-policy", "fr-list-a") in names and len(names) == len(listed) + 1
+
+
+@pytest.mark.parametrize(
+    ("query", "headers", "status", "by_front"),
+    [
+        # Valid, the front's: written otherwise, or a page past the end, or no such kind.
+        ("kind=dns%2Drecord&prefix=fr%2Dlist%2D&limit=%32", {}, 200, True),
+        ("kind=dns-record&limit=2&cursor=dns-record%2Ffr-list-a", {}, 200, True),
+        ("limit=2&cursor=zzz/zzz", {}, 200, True),
+        ("kind=no-such-kind", {}, 200, True),
+        ("limit=1", {}, 200, True),
+        ("prefix=fr-list-", {"If-None-Match": "*"}, 200, True),  # no ETag: ignored
+        # Refused by the view: Django's problem+json.
+        ("limit=0", {}, 422, False),
+        ("limit=201", {}, 422, False),
+        ("limit=9999999999999999999999", {}, 422, False),
+        ("limit=two", {}, 422, False),
+        ("kind=DNS", {}, 422, False),
+        ("cursor=no-slash", {}, 422, False),
+        ("prefix=fr-list-%C3%A9", {}, 422, False),
+        ("prefix=fr+list", {}, 422, False),  # `+` is a space
+        # What the front leaves to Django (a limit written otherwise, an empty, repeated or
+        # unknown parameter, a held read, a byte that is not UTF-8), answered alike.
+        ("limit=050", {}, 200, False),
+        ("limit=", {}, 422, False),
+        ("kind=", {}, 422, False),
+        ("prefix=", {}, 200, False),
+        ("cursor=", {}, 422, False),
+        ("kind=dns-record&kind=dns-record", {}, 200, False),
+        ("prefix=fr-list-&other=1", {}, 200, False),
+        ("prefix=fr-list-", {"Prefer": "wait=1"}, 200, False),
+        ("prefix=fr-list-%FF", {}, 422, False),
+    ],
+)
+def test_odd_and_bad_resource_list_queries_are_answered_alike(
+    servers: dict[str, Server],
+    world: World,
+    listed: list[str],
+    query: str,
+    headers: dict[str, str],
+    status: int,
+    by_front: bool,
+) -> None:
+    _learn(servers, world)
+    path, token = f"/api/v1/resources?{query}", world.tokens["agent"]
+    django = _get(servers["django"], path, token, **headers)
+    front = _get(servers["front"], path, token, **headers)
+    assert django.status_code == status, django.text
+    assert _comparable(front) == _comparable(django)
+    assert ("x-test-served-by" not in front.headers) is by_front
+    if status == 422:
+        assert django.headers["Content-Type"] == "application/problem+json"

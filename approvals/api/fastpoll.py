@@ -1,7 +1,8 @@
 """The agent's reads, answered in front of Django: every route of the route table
 (approvals/api/fastpoll_routes.py) — `GET /api/v1/actions/{id}` (the short poll and the held
-one, `Prefer: wait=N`), `GET /api/v1/runs/{id}` and `GET /api/v1/resources/{kind}/{name}` of
-a managed kind — with a run token (`rt_`) or an agent token (`ak_`), as each route's Bearer
+one, `Prefer: wait=N`), `GET /api/v1/runs/{id}`, `GET /api/v1/resources/{kind}/{name}` of a
+managed kind and the resource list's pages (`GET /api/v1/resources?kind=…&prefix=…&limit=…&
+cursor=…`) — with a run token (`rt_`) or an agent token (`ak_`), as each route's Bearer
 accepts them.
 
 Those reads are most of an agent's traffic, and Django's ASGI path (request object, ninja,
@@ -11,8 +12,8 @@ a few async psycopg connections of its own (the token's candidates joined with t
 and everything its body shows) and answers on the event loop — a 304 before any JSON work
 where the route can. Any other request, and any doubt about this one (a personal or unknown
 token, an invisible or unknown object, an agent token whose use must be recorded, a body
-that needs more reads, a database error, a header it does not parse), goes to Django
-unchanged, which then answers exactly as it always did. Rate limiting and audit stay off
+that needs more reads, a database error, a header or a query it does not parse), goes to
+Django unchanged, which then answers exactly as it always did. Rate limiting and audit stay off
 this read path, as on Django's. tests/test_api_read_front.py compares the two on every
 route, token kind and case.
 
@@ -20,14 +21,15 @@ Nothing here is a second copy of a rule: the token is parsed by `console.auth.be
 and checked against the same SHA-256 (`token_digest`, constant-time compare) among the
 candidates of the same lookups (an agent token's: `agent_token_candidates`' SQL), who reads
 what is the selectors' scope rules (`run_token_action_scope`, `agent_token_action_scope`,
-`token_run_scope`, `resource_live`), the bodies and ETags the API's serializers', and the
-answer's headers are the ones Django itself sent for the route's previous 200/304 with the
-same token kind in this process (middlewares' security headers, CSP, Cache-Control,
-Content-Type), with only ETag, Content-Length, X-Request-Id (`clean_request_id`) and a
-route's per-answer headers (Airlock-Queued-Action) filled in per answer. Until Django has
-answered once, every such read goes to Django — but a held poll: Django answers a stand-in
-of the first one the front holds, while it waits, so the front already knows the answer's
-headers when the poll is woken.
+`token_run_scope`, `resource_live`, `resources_listed`), a list's order and pages the
+view's (`keyset_page_query`, `keyset_page`), the bodies and ETags the API's serializers', and
+the answer's headers are the ones Django itself sent for the route's previous 200/304 with
+the same token kind in this process (middlewares' security headers, CSP, Cache-Control,
+Content-Type), with only ETag (where the route has one), Content-Length, X-Request-Id
+(`clean_request_id`) and a route's per-answer headers (Airlock-Queued-Action) filled in per
+answer. Until Django has answered once, every such read goes to Django — but a held poll:
+Django answers a stand-in of the first one the front holds, while it waits, so the front
+already knows the answer's headers when the poll is woken.
 
 A held action poll waits as Django's does — `approvals.api.longpoll.hold` (woken by the
 action's pub/sub channel, no database connection held while waiting) with
@@ -74,6 +76,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # The headers Django fills in per answer; every other one is replayed as Django sent it.
 _PER_ANSWER = (b"etag", b"content-length", b"x-request-id")
+# ... on a route whose answers carry no ETag (Route.tagged: the resource list).
+_PER_UNTAGGED_ANSWER = (b"content-length", b"x-request-id")
 # ... and a held poll's answer, Preference-Applied (wait=N).
 _PREFERENCE = b"preference-applied"
 # Headers the fast path reads; a request repeating one of them goes to Django.
@@ -229,9 +233,9 @@ class PollFront:
 
     def _parse(self, scope: Scope) -> Poll | None:
         """The poll's parts, or None when this request is not one the fast path serves."""
-        if scope["method"] != "GET" or scope.get("query_string") or scope.get("root_path"):
+        if scope["method"] != "GET" or scope.get("root_path"):
             return None
-        routed = route_for(scope["path"])
+        routed = route_for(scope["path"], scope.get("query_string") or b"")
         if routed is None:
             return None
         route, path = routed
@@ -264,7 +268,8 @@ class PollFront:
         return Poll(
             route=route,
             read=Read(path=path, token=token, kind=kind),
-            condition=read_condition(headers.get(b"if-none-match")),
+            # Where Django's answers have no ETag, its view never reads If-None-Match.
+            condition=read_condition(headers.get(b"if-none-match")) if route.tagged else None,
             request_id=clean_request_id(headers.get(b"x-request-id")),
             scheme=scheme,
             wait=wait,
@@ -397,8 +402,9 @@ class PollFront:
                     headers = [(n, applied if n.lower() == _PREFERENCE else v) for n, v in headers]
                     message = {**message, "headers": headers}
                 names = {name.lower() for name, _ in headers}
+                filled = _PER_ANSWER if poll.route.tagged else _PER_UNTAGGED_ANSWER
                 # A cookie belongs to one client: an answer that sets one is never replayed.
-                if names.issuperset(_PER_ANSWER) and b"set-cookie" not in names:
+                if names.issuperset(filled) and b"set-cookie" not in names:
                     extra = tuple(sorted(names & poll.route.per_answer))
                     self.templates[poll.template(message["status"], extra)] = headers
             await send(message)

@@ -3,11 +3,12 @@ answers, with the Bearer of Django's own view (which token kinds it accepts), th
 it reads and the serializer it renders with — the ones Django's view uses.
 
 A route reads in ONE statement the token's candidates (console.auth's rule: the run token's
-run, or the agent token's live token, its agent active) joined with the object, checks the
-token's hash in constant time and who may read the object with the selectors' own scope
-rules, and renders the body with the API's serializer. Anything it cannot answer as Django
-would — an unknown token, an invisible object, an agent token whose use must be recorded
-(`last_used_at`), a body that needs another read — is None: Django answers.
+run, or the agent token's live token, its agent active) joined with the object (the resource
+list: with the page), checks the token's hash in constant time and who may read the object
+with the selectors' own scope rules, and renders the body with the API's serializer. Anything
+it cannot answer as Django would — an unknown token, an invisible object, an agent token whose
+use must be recorded (`last_used_at`), a body that needs another read — is None: Django
+answers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from django.core.exceptions import TooManyFieldsSent
 from django.db import DEFAULT_DB_ALIAS
+from django.http import QueryDict
 from django.utils import timezone
 
 from approvals.api.actions import ActionState
@@ -42,7 +45,14 @@ from approvals.services.tokens import (
     token_digest,
     token_needs_touch,
 )
-from console.api_support import json_bytes
+from console.api_support import (
+    PAGE_LIMIT_DEFAULT,
+    PAGE_LIMIT_MAX,
+    RESOURCE_CURSOR_PATTERN,
+    json_bytes,
+    keyset_page,
+    page_json,
+)
 from console.auth import (
     AGENT,
     RUN,
@@ -52,8 +62,8 @@ from console.auth import (
     any_token_or_ended_run_deferred,
     run_has_ended,
 )
-from ownership.api.resources import QUEUED_ACTION_HEADER
-from ownership.api.schemas import KIND_PATTERN, NAME_PATTERN
+from ownership.api.resources import BY_KIND_AND_NAME, QUEUED_ACTION_HEADER
+from ownership.api.schemas import KIND_PATTERN, NAME_PATTERN, PREFIX_PATTERN
 from ownership.api.serialize import resource_json
 from ownership.models import Resource, ResourceKind
 from ownership.targets import is_external
@@ -100,11 +110,20 @@ class Route:
     channel_is_run: bool = False
     # Headers only some of its answers have (their values per answer).
     per_answer: frozenset[bytes] = frozenset()
+    # Whether its answers carry an ETag (and If-None-Match gets a 304): the headers the front
+    # fills in per answer are these and the ones every answer has (Content-Length,
+    # X-Request-Id).
+    tagged: bool = True
 
     def serves(self, kind: str) -> bool:
         """Whether the front answers this token kind here: a kind Django's Bearer accepts
         (403 otherwise: Django's)."""
         return kind in self.bearer.kinds
+
+    def values(self, match: re.Match[str], query: bytes) -> dict[str, Any] | None:
+        """What the read is of: the path's values (and the query's), or None: Django answers
+        (here, any query string)."""
+        return None if query else self.path_values(match)
 
     def path_values(self, match: re.Match[str]) -> dict[str, Any]:
         return {"id": uuid.UUID(match.group(1))}
@@ -126,36 +145,44 @@ def statements() -> Statements:
 
 
 async def _token_rows(
-    rows: Rows, statement: dict[str, Statement], read: Read, bearer: Bearer
-) -> tuple[Reader, tuple[Any, ...]] | None:
-    """The token's reader (its run, or its agent) and the rest of its row, or None."""
-    sql = statements()
-    source = sql.tokens[read.kind]
+    rows: Rows, chosen: Statement, read: Read, bearer: Bearer
+) -> tuple[Reader, list[tuple[Any, ...]]] | None:
+    """The token's reader (its run, or its agent) and the rest of each of its rows (one, or
+    a list's page), or None."""
+    source = statements().tokens[read.kind]
     now = timezone.now()
     prefix = read.token[:LOOKUP_PREFIX_LENGTH]
-    chosen = statement[read.kind]
     found = await rows(chosen.sql, chosen.bind({"prefix": prefix, "now": now, **read.path}))
     digest = token_digest(read.token)
     width, hash_at = len(source.fields), source.hash_at
-    match: tuple[Any, ...] | None = None
-    for row in found:
-        # Every candidate compared, in constant time, as principal_for_token does.
-        if hmac.compare_digest(row[hash_at], digest):
-            match = row
-    if match is None:
+    # Every candidate's every row compared, in constant time, as principal_for_token does.
+    matched = [row for row in found if hmac.compare_digest(row[hash_at], digest)]
+    if not matched:
         return None
-    token = match[:width]
+    token = matched[0][:width]
+    rest = [row[width:] for row in matched]
     if read.kind == RUN:
         run: Run = model_from_row(Run, source.fields, token)
         principal = Principal(kind=RUN, token_prefix=prefix, run=run)
         if not bearer.ended_run and run_has_ended(principal):
             return None  # a dead credential here: Django's 401
-        return run, match[width:]
+        return run, rest
     values = dict(zip((name for name, _ in source.fields), token, strict=True))
     if token_needs_touch(values["last_used_at"], now):
         return None  # its use must be recorded: Django's authentication writes it
     agent = Agent.from_db(DEFAULT_DB_ALIAS, ["id"], [values["agent_id"]])
-    return agent, match[width:]
+    return agent, rest
+
+
+async def _token_row(
+    rows: Rows, statement: dict[str, Statement], read: Read, bearer: Bearer
+) -> tuple[Reader, tuple[Any, ...]] | None:
+    """The token's reader and the rest of its one row (a statement per token kind), or None."""
+    found = await _token_rows(rows, statement[read.kind], read, bearer)
+    if found is None:
+        return None
+    reader, rest = found
+    return reader, rest[-1]
 
 
 def _within(row: Any, scope: dict[str, Any]) -> bool:
@@ -181,7 +208,7 @@ class ActionRoute(Route):
 
     async def state(self, rows: Rows, read: Read) -> ActionState | None:
         sql = statements()
-        found = await _token_rows(rows, sql.state_sql, read, self.bearer)
+        found = await _token_row(rows, sql.state_sql, read, self.bearer)
         if found is None:
             return None
         reader, rest = found
@@ -194,7 +221,7 @@ class ActionRoute(Route):
         """A body that needs another read (an undo's state) raises SynchronousOnlyOperation:
         Django answers."""
         sql = statements()
-        found = await _token_rows(rows, sql.body_sql, read, self.bearer)
+        found = await _token_row(rows, sql.body_sql, read, self.bearer)
         if found is None:
             return None
         reader, rest = found
@@ -235,7 +262,7 @@ class RunRoute(Route):
 
     async def full(self, rows: Rows, read: Read) -> ActionState | None:
         sql = statements()
-        found = await _token_rows(rows, sql.run_sql, read, self.bearer)
+        found = await _token_row(rows, sql.run_sql, read, self.bearer)
         if found is None:
             return None
         reader, rest = found
@@ -271,7 +298,7 @@ class ResourceRoute(Route):
 
     async def full(self, rows: Rows, read: Read) -> ActionState | None:
         sql = statements()
-        found = await _token_rows(rows, sql.resource_sql, read, self.bearer)
+        found = await _token_row(rows, sql.resource_sql, read, self.bearer)
         if found is None:
             return None
         _, rest = found
@@ -296,13 +323,79 @@ class ResourceRoute(Route):
     _queued = QUEUED_ACTION_HEADER.lower().encode()
 
 
+class ListRoute(Route):
+    """`GET /api/v1/resources` (ownership.api.resources.resource_list): a page of the live
+    resources (resources_listed), by kind and name (BY_KIND_AND_NAME, keyset_page_query and
+    keyset_page, the view's), rendered by page_json with resource_json. Any live token lists
+    every resource; a run token only while its run has not ended. No ETag: If-None-Match
+    changes nothing, as on Django's.
+
+    The query is parsed by Django's own QueryDict; the front answers only a query whose every
+    parameter is the view's, given once, non-empty and valid by the view's own patterns (a
+    limit in plain digits within its bounds). Anything else — another parameter, an empty or
+    repeated one, a value the view would refuse (422), a limit written otherwise — is
+    Django's."""
+
+    name = "resources"
+    pattern = re.compile(r"/api/v1/resources")
+    bearer = any_token
+    tagged = False
+    # The view's query parameters: (the front's name for the value, its pattern).
+    parameters = {
+        "kind": ("kind", re.compile(KIND_PATTERN)),
+        "prefix": ("name_prefix", re.compile(PREFIX_PATTERN)),
+        "cursor": ("cursor", re.compile(RESOURCE_CURSOR_PATTERN)),
+        "limit": ("limit", re.compile(r"^[1-9][0-9]{0,2}$")),
+    }
+
+    def values(self, match: re.Match[str], query: bytes) -> dict[str, Any] | None:
+        try:
+            query_dict = QueryDict(query.decode("ascii"))
+        except (UnicodeDecodeError, TooManyFieldsSent):
+            return None
+        values: dict[str, Any] = {"limit": PAGE_LIMIT_DEFAULT}
+        for parameter, sent in query_dict.lists():
+            known = self.parameters.get(parameter)
+            if known is None or len(sent) != 1 or not sent[0]:
+                return None
+            name, valid = known
+            if not valid.fullmatch(sent[0]):
+                return None
+            values[name] = sent[0]
+        values["limit"] = int(values["limit"])
+        if values["limit"] > PAGE_LIMIT_MAX:
+            return None
+        cursor = values.pop("cursor", None)
+        if cursor is not None:  # a position after which the page starts: the view's decode
+            for at, value in enumerate(BY_KIND_AND_NAME.decode(cursor)):
+                values[f"after{at}"] = value
+        given = {name for name in ("kind", "name_prefix") if name in values}
+        values["given"] = frozenset(given | ({"after"} if cursor is not None else set()))
+        return values
+
+    async def full(self, rows: Rows, read: Read) -> ActionState | None:
+        limit: int = read.path["limit"]
+        statement = statements().listing(read.kind, read.path["given"], limit)
+        found = await _token_rows(rows, statement, read, self.bearer)
+        if found is None:
+            return None
+        _, rest = found
+        fields = statements().listed_fields
+        listed = [model_from_row(Resource, fields, row) for row in rest if row[0] is not None]
+        page, next_cursor = keyset_page(listed, keyset=BY_KIND_AND_NAME, limit=limit)
+        return ActionState("", True, json_bytes(page_json(page, next_cursor, resource_json)))
+
+
 # The table: the first route whose pattern matches the whole path answers.
-ROUTES: tuple[Route, ...] = (ActionRoute(), RunRoute(), ResourceRoute())
+ROUTES: tuple[Route, ...] = (ActionRoute(), RunRoute(), ResourceRoute(), ListRoute())
 
 
-def route_for(path: str) -> tuple[Route, dict[str, Any]] | None:
+def route_for(path: str, query: bytes = b"") -> tuple[Route, dict[str, Any]] | None:
+    """The route that answers `path` with the query string `query`, and what it reads; or
+    None: Django answers."""
     for route in ROUTES:
         match = route.pattern.fullmatch(path)
         if match is not None:
-            return route, route.path_values(match)
+            values = route.values(match, query)
+            return None if values is None else (route, values)
     return None

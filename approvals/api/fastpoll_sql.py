@@ -1,6 +1,6 @@
 """The read front's database side (approvals/api/fastpoll.py): its statements, built from
-the models' metadata and the token lookups' own querysets, and the few async psycopg
-connections it runs them on."""
+the models' metadata and the token lookups' and selectors' own querysets, and the few async
+psycopg connections it runs them on."""
 
 from __future__ import annotations
 
@@ -17,16 +17,19 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.models import Model, QuerySet
+from django.db.models.lookups import StartsWith
 from psycopg import AsyncConnection, AsyncCursor
 
 from approvals.api.serialize import body_facts
 from approvals.models import Action, Agent, Run
 from approvals.services.queued_writes import in_flight_on
 from approvals.services.tokens import agent_token_candidates
+from console.api_support import keyset_page_query
 from console.auth import AGENT, RUN
 from console.stale_plans import DEALLOCATE_ALL, is_stale_plan
+from ownership.api.resources import BY_KIND_AND_NAME
 from ownership.models import Resource, ResourceKind
-from ownership.selectors import resource_live
+from ownership.selectors import resource_live, resources_listed
 
 logger = logging.getLogger(__name__)
 
@@ -54,27 +57,52 @@ _STAND_INS: dict[str, Any] = {
     "now": datetime(1970, 1, 1, 0, 0, 7, tzinfo=UTC),
     "kind": "\x00resource-kind",
     "name": "\x00resource-name",
+    "name_prefix": "\x00resource-name-prefix",
+    # A keyset's position after which a page starts (a cursor's values), by place.
+    "after0": "\x00keyset-after-0",
+    "after1": "\x00keyset-after-1",
 }
+# A value bound to `name__startswith`: Django binds the pattern (its own escaping, then the
+# lookup's wildcard, as lookups.PatternLookup.process_rhs does), not the value.
+_STARTSWITH = "__startswith"
+
+
+def _startswith_pattern(value: str) -> str:
+    return StartsWith.param_pattern % connections[DEFAULT_DB_ALIAS].ops.prep_for_like_query(value)
 
 
 @dataclass(frozen=True)
 class Statement:
-    """SQL with `%s` placeholders, and which request value each one takes (`slots`)."""
+    """SQL with `%s` placeholders, and which request value each one takes (`slots`; a slot
+    ending in `__startswith` takes the value's LIKE pattern)."""
 
     sql: str
     slots: tuple[str, ...]
 
     def bind(self, values: Mapping[str, Any]) -> tuple[Any, ...]:
-        return tuple(values[slot] for slot in self.slots)
+        return tuple(
+            _startswith_pattern(values[slot.removesuffix(_STARTSWITH)])
+            if slot.endswith(_STARTSWITH)
+            else values[slot]
+            for slot in self.slots
+        )
 
 
 def compiled(queryset: QuerySet[Any], alias: str) -> Statement:
     """`queryset` (built with the stand-ins of `_STAND_INS` for a request's values) as a
     subquery named `alias`: the selector's own SQL, compiled once."""
     sql, params = queryset.query.sql_with_params()
+    forms = dict(_STAND_INS)
+    forms.update(
+        {
+            slot + _STARTSWITH: _startswith_pattern(stand_in)
+            for slot, stand_in in _STAND_INS.items()
+            if isinstance(stand_in, str)
+        }
+    )
     slots: list[str] = []
     for value in params:
-        named = [slot for slot, stand_in in _STAND_INS.items() if value == stand_in]
+        named = [slot for slot, form in forms.items() if value == form]
         if len(named) != 1:  # pragma: no cover - a parameter this module must learn
             raise ImproperlyConfigured(f"read front: unexpected parameter {value!r} in {sql}")
         slots.append(named[0])
@@ -169,6 +197,11 @@ class Statements:
             ("id",),
         )
         self._resource_statements()
+        # A page of the resource list: the rows as the list's queryset selects them.
+        self.listed_fields = [
+            (field.attname, f'p."{field.column}"') for field in Resource._meta.concrete_fields
+        ]
+        self._listings: dict[tuple[str, frozenset[str], int], Statement] = {}
 
     def _resource_statements(self) -> None:
         """A resource read: its kind's target (an external kind is read through: Django's),
@@ -202,6 +235,42 @@ class Statements:
             f"LEFT JOIN LATERAL ({aggregate}) w ON true",
             ("kind", *resource.slots, *writes.slots),
         )
+
+    def listing(self, kind: str, given: frozenset[str], limit: int) -> Statement:
+        """A page of the resource list (GET /api/v1/resources) beside a token kind's
+        candidates: keyset_page_query over resources_listed — the view's own queryset — with
+        the filters `given` ("kind", "name_prefix", "after": a cursor) and `limit` (Django
+        writes LIMIT as a literal: one statement per limit asked, compiled at its first
+        use), every candidate's rows in the page's order (or one row of NULLs: no page)."""
+        key = (kind, given, limit)
+        statement = self._listings.get(key)
+        if statement is not None:
+            return statement
+        page = keyset_page_query(
+            resources_listed(
+                kind=stand_in("kind") if "kind" in given else None,
+                prefix=stand_in("name_prefix") if "name_prefix" in given else None,
+            ),
+            keyset=BY_KIND_AND_NAME,
+            after=[stand_in(f"after{at}") for at, _ in enumerate(BY_KIND_AND_NAME.fields)]
+            if "after" in given
+            else None,
+            limit=limit,
+        )
+        rows = compiled(page, "p")
+        direction = "DESC" if BY_KIND_AND_NAME.descending else "ASC"
+        columns = dict(self.listed_fields)
+        order = ", ".join(f"{columns[name]} {direction}" for name in BY_KIND_AND_NAME.fields)
+        source = self.tokens[kind]
+        statement = Statement(
+            _select(
+                source.fields + self.listed_fields,
+                f"{source.rows.sql} LEFT JOIN {rows.sql} ON true ORDER BY {order}",
+            ),
+            source.rows.slots + rows.slots,
+        )
+        self._listings[key] = statement
+        return statement
 
     def _per_token(
         self, fields: list[tuple[str, str]], joins: str, slots: tuple[str, ...]

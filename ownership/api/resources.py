@@ -21,6 +21,8 @@ from approvals.services.preconditions import TagCondition
 from approvals.services.queued_writes import queued_write_over
 from audit.services import Actor
 from console.api_support import (
+    PAGE_LIMIT_DEFAULT,
+    PAGE_LIMIT_MAX,
     RESOURCE_CURSOR_PATTERN,
     Keyset,
     conditional_response,
@@ -45,8 +47,8 @@ from ownership.api.schemas import (
     ResourcePage,
 )
 from ownership.api.serialize import resource_json
-from ownership.models import Resource, ResourceKind
-from ownership.selectors import resource_live
+from ownership.models import ResourceKind
+from ownership.selectors import resource_live, resources_listed
 from ownership.targets import is_external, read_through, refresh_mirror
 
 router = Router(tags=["resources"])
@@ -54,8 +56,9 @@ router = Router(tags=["resources"])
 # On a read: the approved write already queued to replace the version read (its id).
 QUEUED_ACTION_HEADER = "Airlock-Queued-Action"
 
-# By kind, then name; the cursor is the last `kind/name` (RESOURCE_CURSOR_PATTERN).
-_BY_KIND_AND_NAME = Keyset(
+# By kind, then name; the cursor is the last `kind/name` (RESOURCE_CURSOR_PATTERN). The
+# list's order in Django and in the read front (approvals/api/fastpoll_routes.py).
+BY_KIND_AND_NAME = Keyset(
     ("kind_id", "name"),
     False,
     lambda values: f"{values[0]}/{values[1]}",
@@ -134,16 +137,17 @@ def resource_list(
     request: HttpRequest,
     kind: str | None = Query(None, pattern=KIND_PATTERN),
     prefix: str | None = Query(None, pattern=PREFIX_PATTERN),
-    limit: int = Query(50, ge=1, le=200),
+    limit: int = Query(PAGE_LIMIT_DEFAULT, ge=1, le=PAGE_LIMIT_MAX),
     cursor: str | None = Query(None, pattern=RESOURCE_CURSOR_PATTERN),
 ) -> HttpResponse:
-    resources = Resource.objects.filter(deleted=False)
-    if kind:
-        resources = resources.filter(kind_id=kind)
-    if prefix:
-        resources = resources.filter(name__startswith=prefix)
+    """Also answered in front of Django (approvals/api/fastpoll_routes.py `ListRoute`) for run
+    and agent tokens, with this view's parameters, selector, order and serializer."""
     return page_response(
-        resources, keyset=_BY_KIND_AND_NAME, cursor=cursor, limit=limit, render=resource_json
+        resources_listed(kind=kind, prefix=prefix),
+        keyset=BY_KIND_AND_NAME,
+        cursor=cursor,
+        limit=limit,
+        render=resource_json,
     )
 
 
