@@ -161,16 +161,32 @@ def round_trip(b: Bench) -> dict[str, Any]:
             "back_to_back": samples,
             "wait": 60,
             "settle": 1.0,
+            "bare": {
+                "port": b.stack.bare_port,
+                "path": f"/bench/bare/actions/{b.poll_action.action_id}",
+                "token": b.main.token,
+            },
         }
     )
     rushed = result["back_to_back"]
+    decision, bare = result["decision_request_p50_ms"], result["bare_request_p50_ms"]
     log(
         f"round trip: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms "
-        f"(back to back: {rushed['p50_ms']} / {rushed['p99_ms']} ms)"
+        f"(back to back: {rushed['p50_ms']} / {rushed['p99_ms']} ms); decision request p50 "
+        f"{decision} ms, bare token view p50 {bare} ms"
     )
     detail = {"waiting": b.size.roundtrip_waiting, "samples": result["samples"]}
     errors = result["missed"]
     return {
+        "decision_request_vs_bare_p50": figure(
+            "decision_request_vs_bare_p50",
+            round(decision / bare, 2) if decision and bare else None,
+            errors=errors,
+            note=f"decision request p50 {decision} ms, bare token view p50 {bare} ms",
+            decision_request_p50_ms=decision,
+            decision_request_p99_ms=result["decision_request_p99_ms"],
+            bare_request_p50_ms=bare,
+        ),
         "approval_round_trip_p50_ms": figure(
             "approval_round_trip_p50_ms",
             result["p50_ms"],
@@ -347,7 +363,29 @@ def audit(b: Bench) -> dict[str, Any]:
         log(f"audit CPU at {writers} writers: {run['cpu']}")
     low, high = min(rates), max(rates)
     size_note = "" if high == 8 else f"size {b.size.name}: {high} writers, not 8; "
+    vs_bare = {
+        writers: round(rates[writers] / run["bare_commit_floor_per_s"], 2)
+        if run.get("bare_commit_floor_per_s")
+        else None
+        for writers, run in runs.items()
+    }
     return {
+        # Issue 41's goal: this machine's own commit rate is the bar (the same writers'
+        # bare INSERT + COMMIT of one row, measured in the same rounds).
+        "audit_appends_vs_bare_1": figure(
+            "audit_appends_vs_bare_1",
+            vs_bare[low],
+            errors=int(not verified.ok),
+            note=f"{rates[low]:,.0f}/s ÷ bare {runs[low]['bare_commit_floor_per_s']:,.0f}/s",
+        ),
+        "audit_appends_vs_bare_8": figure(
+            "audit_appends_vs_bare_8",
+            vs_bare[high],
+            errors=int(not verified.ok),
+            writers=high,
+            note=size_note
+            + f"{rates[high]:,.0f}/s ÷ bare {runs[high]['bare_commit_floor_per_s']:,.0f}/s",
+        ),
         "audit_appends_per_s_1": figure(
             "audit_appends_per_s_1",
             rates[low],
@@ -462,10 +500,25 @@ def hot_resource(b: Bench) -> dict[str, Any]:
 # module, so bench.run puts the GETs first and appends scale.
 FIGURES = {
     "longpoll": (longpoll, ["longpoll_held", "longpoll_wake_p99_ms"]),
-    "roundtrip": (round_trip, ["approval_round_trip_p50_ms", "approval_round_trip_p99_ms"]),
+    "roundtrip": (
+        round_trip,
+        [
+            "decision_request_vs_bare_p50",
+            "approval_round_trip_p50_ms",
+            "approval_round_trip_p99_ms",
+        ],
+    ),
     "drain": (drain, ["approved_writes_vs_noop_jobs", "approved_writes_per_s"]),
     "core": (core_write, ["core_write_vs_bare_update"]),
-    "audit": (audit, ["audit_appends_per_s_1", "audit_appends_per_s_8"]),
+    "audit": (
+        audit,
+        [
+            "audit_appends_vs_bare_1",
+            "audit_appends_vs_bare_8",
+            "audit_appends_per_s_1",
+            "audit_appends_per_s_8",
+        ],
+    ),
     "hot": (hot_resource, ["hot_resource_lost_updates", "hot_resource_vs_single"]),
     "recovery": (recovery.worker_kill_recovery, recovery.KEYS),
 }

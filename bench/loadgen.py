@@ -338,6 +338,22 @@ async def _trip(conn: Connection, waiters: Waiters, item: dict[str, str], trips:
         trips.missed += 1
 
 
+async def _bare_p50(host: str, bare: dict[str, Any], samples: int) -> float | None:
+    """The bare token view's p50, asked as the decisions were (this client, one request at a
+    time, kept alive), while the same agents wait: the decision request's baseline."""
+    conn = Connection(host, int(bare["port"]))
+    auth = {"Authorization": f"Bearer {bare['token']}"}
+    times: list[float] = []
+    try:
+        for _ in range(samples):
+            started = time.perf_counter()
+            if (await conn.request("GET", str(bare["path"]), auth)).status == 200:
+                times.append(time.perf_counter() - started)
+    finally:
+        await conn.close()
+    return _ms(percentile(times, 0.50))
+
+
 async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
     """Decision sent → the waiting agent's poll answered with the new status, one at a time
     while the others keep waiting. A trip times one decision: the next is sent once the
@@ -362,6 +378,8 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
             _count(finals, final)
         for item in items[samples : samples + back_to_back]:
             await _trip(person, waiters, item, rushed)
+        bare = spec.get("bare")
+        bare_p50 = await _bare_p50(waiters.host, bare, max(samples, 50)) if bare else None
     finally:
         await person.close()
         await agent.close()
@@ -370,6 +388,7 @@ async def run_roundtrip(spec: dict[str, Any]) -> dict[str, Any]:
         "waiting": len(items),
         "held": held,
         **paced.summary(),
+        "bare_request_p50_ms": bare_p50,
         "paced_on": finals,
         # Where the tail comes from: [round trip ms, its decision request's ms]. A trip much
         # longer than its request waited on the waiter's side (wake-up, its process busy).

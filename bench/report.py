@@ -64,11 +64,20 @@ GOALS: dict[str, Goal] = {
     "longpoll_wake_p99_ms": Goal("long-poll wake-up p99", "<", 100, " ms"),
     "approval_round_trip_p50_ms": Goal("approval round trip p50 (200 waiting)", "<", 15, " ms"),
     "approval_round_trip_p99_ms": Goal("approval round trip p99 (200 waiting)", "<", 40, " ms"),
+    "decision_request_vs_bare_p50": Goal(
+        "approval decision request p50 ÷ bare token view p50 (same client, same run)", "<=", 3
+    ),
     "approved_writes_vs_noop_jobs": Goal("approved-write drain ÷ RQ no-op job rate", ">=", 0.5),
     "approved_writes_per_s": Goal("approved writes drained per second", ">=", 500, "/s"),
     "core_write_vs_bare_update": Goal("core write p50 ÷ bare conditional UPDATE", "<=", 10),
     "audit_appends_per_s_1": Goal("audit appends/s, 1 writer (chain verified)", ">=", 5000, "/s"),
     "audit_appends_per_s_8": Goal("audit appends/s, 8 writers (chain verified)", ">=", 10000, "/s"),
+    "audit_appends_vs_bare_1": Goal(
+        "audit appends ÷ bare INSERT+COMMIT, 1 writer (chain verified)", ">=", 0.8
+    ),
+    "audit_appends_vs_bare_8": Goal(
+        "audit appends ÷ bare INSERT+COMMIT, 8 writers (chain verified)", ">=", 0.5
+    ),
     "hot_resource_lost_updates": Goal("hot resource: lost updates", "==", 0),
     "hot_resource_vs_single": Goal("hot resource: accepted/s ÷ one agent's", ">=", 0.5),
     "worker_kill_recovery_p50_s": Goal(
