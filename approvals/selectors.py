@@ -23,8 +23,8 @@ from approvals.models import (
     RunStatus,
 )
 from approvals.services.runs import run_effective_status
-from console.core.errors import NotFound
 from console.permissions import can_decide_approvals, can_read_everything, user_groups
+from engine.core.errors import NotFound
 from ownership.models import Conflict, Resource
 
 

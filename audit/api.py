@@ -17,9 +17,9 @@ from audit.serialize import event_json
 from audit.services import audit_chain_status
 from console.api_support import iso, json_response
 from console.auth import person_token, principal_of
-from console.core.errors import Forbidden
 from console.permissions import can_read_everything
 from console.problems import errors
+from engine.core.errors import Forbidden
 
 router = Router(auth=person_token, tags=["audit"])
 

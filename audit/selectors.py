@@ -13,7 +13,7 @@ from django.db import connection
 from django.db.models import Q, QuerySet
 
 from audit.models import ActorType, AuditEvent
-from console.core.errors import ValidationFailed
+from engine.core.errors import ValidationFailed
 
 _MAX_LIMIT = 200
 

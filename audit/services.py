@@ -329,7 +329,7 @@ def audit_append_if(
 ) -> GuardedAppend | None:
     """audit_append as ONE statement that appends only if the SQL condition `guard` (its
     placeholders filled from `guard_params`) holds when it runs: for a caller that sends it
-    in the same round trip as the statement it records (console/core/land.py), so that a
+    in the same round trip as the statement it records (engine/core/land.py), so that a
     change that did not happen is not recorded. The same lock rule as audit_append; the
     head (its queue and its row) is locked only when the guard holds. None where an append
     is not one statement (inside audit_deferred, or not PostgreSQL): the caller calls

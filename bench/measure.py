@@ -37,9 +37,9 @@ from audit.models import AuditEvent  # noqa: E402
 from audit.services import Actor, audit_append  # noqa: E402
 from bench import seed  # noqa: E402
 from console.advisory_locks import AUDIT_HEAD_QUEUE  # noqa: E402
-from console.core.barrier import apply_action  # noqa: E402
-from console.core.lock import FencedLock  # noqa: E402
-from console.core.operations import open_operation  # noqa: E402
+from engine.core.barrier import apply_action  # noqa: E402
+from engine.core.lock import FencedLock  # noqa: E402
+from engine.core.operations import open_operation  # noqa: E402
 from ownership.models import Resource  # noqa: E402
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # Per resource kind (approvals/services/write_sets.py): key = crc32 of the kind.
 KIND_LOCKS = 7171
-# Every write against every kill-switch engage/release (console/core/killswitch.py): key 1.
+# Every write against every kill-switch engage/release (engine/core/killswitch.py): key 1.
 KILL_SWITCH = 7172
 # Per proposed resource (approvals/services/queued_writes.py): key = crc32 of kind/name.
 PROPOSALS = 7173

@@ -33,9 +33,6 @@ from console.api_support import (
     writing_principal,
 )
 from console.auth import any_token, principal_of
-from console.core import jsonsafe
-from console.core.errors import DomainError
-from console.core.killswitch import SCOPE_MAX_LENGTH, SCOPE_PATTERN
 from console.models import KillSwitch
 from console.permissions import is_operator
 from console.problems import (
@@ -48,6 +45,9 @@ from console.problems import (
     validation_errors_from_ninja,
 )
 from console.services import kill_switch_set
+from engine.core import jsonsafe
+from engine.core.errors import DomainError
+from engine.core.killswitch import SCOPE_MAX_LENGTH, SCOPE_PATTERN
 from notifications.api import router as notifications_router
 from ownership.api import router as ownership_router
 
@@ -106,7 +106,7 @@ class OfflineSwagger(DocsBase):
 
 
 class SafeJsonParser(Parser):
-    """Ninja's body parser, through the one JSON parser (console/core/jsonsafe.py):
+    """Ninja's body parser, through the one JSON parser (engine/core/jsonsafe.py):
     depth, length, NaN and lone-surrogate limits for every schema-typed body too."""
 
     def parse_body(self, request: HttpRequest) -> dict[str, Any]:

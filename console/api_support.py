@@ -27,10 +27,10 @@ from approvals.services.preconditions import TagCondition
 from approvals.services.tokens import Principal
 from audit.services import Actor
 from console.auth import PERSON, Bearer, principal_of
-from console.core import jsonsafe
-from console.core.errors import DomainError, Forbidden
 from console.problems import ApiError, problem_from_error
 from console.redis_clients import shared_redis
+from engine.core import jsonsafe
+from engine.core.errors import DomainError, Forbidden
 
 logger = logging.getLogger("airlock.api")
 
@@ -220,7 +220,7 @@ def parse_json_object(
             status=422,
             extra={"errors": [{"field": field, "message": "required"}]},
         )
-    # Malformed -> 400, past the depth/length limits -> 422 (console/core/jsonsafe.py).
+    # Malformed -> 400, past the depth/length limits -> 422 (engine/core/jsonsafe.py).
     value = jsonsafe.loads(body, field=field)
     if not isinstance(value, dict):
         raise ApiError(

@@ -10,7 +10,7 @@ class ConsoleConfig(AppConfig):
 
     def ready(self) -> None:
         from console import checks  # noqa: F401  (registers the deploy checks)
-        from console.core.fence import ensure_fence_floor_after_migrate
+        from engine.core.fence import ensure_fence_floor_after_migrate
 
         # Once per `migrate` (sent for this app after every app has migrated).
         post_migrate.connect(

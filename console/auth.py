@@ -26,8 +26,8 @@ from ninja.security import HttpBearer
 from approvals.models import Agent, Run, RunStatus
 from approvals.services.runs import run_effective_status
 from approvals.services.tokens import Principal, principal_for_token
-from console.core.errors import Forbidden
 from console.requestctx import log_fields_add
+from engine.core.errors import Forbidden
 
 AGENT = "agent"
 RUN = "run"

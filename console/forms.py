@@ -7,7 +7,7 @@ from typing import Any
 
 from django import forms
 
-from console.core.killswitch import SCOPE_HELP, SCOPE_MAX_LENGTH, scope_is_valid
+from engine.core.killswitch import SCOPE_HELP, SCOPE_MAX_LENGTH, scope_is_valid
 
 
 class KillSwitchForm(forms.Form):

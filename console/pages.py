@@ -26,9 +26,9 @@ from django.utils.cache import patch_vary_headers
 
 from console import permissions
 from console.api_support import keyset_paginate, opaque_keyset
-from console.core.errors import DomainError
 from console.problems import status_for_code
 from console.requestctx import log_fields_add
+from engine.core.errors import DomainError
 
 V = TypeVar("V", bound=Callable[..., HttpResponseBase])
 

@@ -20,8 +20,8 @@ from django.db import IntegrityError, transaction
 
 from audit.models import ActorType
 from audit.services import Actor, audit_append
-from console.core.errors import Forbidden, NotFound, ValidationFailed
 from console.permissions import ROLES, is_admin
+from engine.core.errors import Forbidden, NotFound, ValidationFailed
 
 GROUP_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,150}$")
 USERNAME_PATTERN = re.compile(r"^[\w.@+-]{1,150}$")

@@ -11,7 +11,6 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET, require_POST
 
 from console import permissions
-from console.core.errors import DomainError
 from console.forms import PersonCreateForm, PersonUpdateForm
 from console.pages import (
     EditablePage,
@@ -21,6 +20,7 @@ from console.pages import (
     render_fragment_or_page,
 )
 from console.people import person_create, person_groups, person_set_active, person_update
+from engine.core.errors import DomainError
 
 PEOPLE = EditablePage(template="console/people.html", url_name="people", event="people-changed")
 PEOPLE_PAGE_SIZE = 100

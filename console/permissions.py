@@ -16,7 +16,7 @@ from django.db.models.expressions import RawSQL
 
 from audit.models import ActorType
 from audit.services import Actor
-from console.core.errors import Forbidden
+from engine.core.errors import Forbidden
 
 ROLE_OPERATOR = "operators"
 ROLE_OWNER = "owners"

@@ -17,8 +17,8 @@ from ninja import Schema
 from psycopg_pool import PoolTimeout
 from pydantic import ConfigDict, Field
 
-from console.core.errors import DomainError
 from console.requestctx import current_request_id
+from engine.core.errors import DomainError
 
 logger = logging.getLogger("airlock.api")
 

@@ -1,7 +1,7 @@
 """Kill switch: engage and release (shared by the API and the console pages).
 
 Engaging pauses queued work in the scope at once (`paused` with the reason).
-An engage first takes the kill-switch lock exclusively (console.core.killswitch):
+An engage first takes the kill-switch lock exclusively (engine.core.killswitch):
 it waits for write transactions already past their kill-switch check (they hold
 it shared until commit), and barriers that start later wait for the engage to
 commit and then see it, so no managed write commits after an engage returned.
@@ -26,10 +26,10 @@ from approvals.outbox import (
     notify_action_on_commit,
 )
 from audit.services import Actor, audit_append
-from console.core.errors import ValidationFailed, text_within
-from console.core.killswitch import lock_switches_exclusive, scope_is_valid
 from console.models import KillSwitch
 from console.permissions import is_operator, require_person
+from engine.core.errors import ValidationFailed, text_within
+from engine.core.killswitch import lock_switches_exclusive, scope_is_valid
 
 MAX_REASON = 1000
 

@@ -28,7 +28,6 @@ from approvals.services.grants import grants_saved_since
 from audit.models import AuditEvent
 from audit.services import Actor
 from console import permissions
-from console.core.errors import DomainError
 from console.forms import KillSwitchForm
 from console.models import KillSwitch
 from console.pages import (
@@ -39,6 +38,7 @@ from console.pages import (
     render_fragment_or_page,
 )
 from console.services import kill_switch_set
+from engine.core.errors import DomainError
 from ownership.models import ConflictStatus
 from ownership.selectors import conflict_list_for_person, open_conflict_count, resource_list
 

@@ -1,2 +1,4 @@
-"""The execution engine (issue 39): today only its target adapters (`engine.targets`); the
-execution core in `console/core` moves here when the adapters are wired in."""
+"""The execution engine (issue 39 §2 "A home for the core"): the core in `engine.core` —
+fenced lock, fence, write barrier, operations, undo, kill-switch check — and the target
+adapters in `engine.targets`, one module per real system. `console/` keeps the project's
+wiring and web plumbing."""

@@ -24,9 +24,9 @@ from console.api_support import (
     page_response,
     writing_principal,
 )
-from console.core.errors import NotFound
 from console.permissions import is_admin
 from console.problems import errors
+from engine.core.errors import NotFound
 from notifications.selectors import (
     delivery_as_dict,
     delivery_list,

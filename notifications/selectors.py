@@ -9,8 +9,8 @@ from typing import Any
 from django.db.models import Count, Min, QuerySet, Sum
 from django.utils import timezone
 
-from console.core.errors import NotFound
 from console.permissions import ROLE_ADMIN, user_groups
+from engine.core.errors import NotFound
 from notifications.models import (
     EVERYONE,
     Channel,

@@ -11,7 +11,6 @@ from django.views.decorators.http import require_GET, require_POST
 
 from audit.services import Actor
 from console import permissions
-from console.core.errors import DomainError
 from console.pages import (
     EditablePage,
     console_page,
@@ -21,6 +20,7 @@ from console.pages import (
     is_htmx,
     render_fragment_or_page,
 )
+from engine.core.errors import DomainError
 from notifications.forms import SubscriptionForm
 from notifications.selectors import delivery_list, subscription_list, subscriptions_reaching
 from notifications.services import subscriptions as services

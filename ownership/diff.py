@@ -2,7 +2,7 @@
 field-level two-way diff the pages show, the three-way diff and per-field merge.
 
 The one copy of each rule. A pure leaf: it imports no model and no service, so
-console/core (the barrier), the services and the pages all import it.
+engine/core (the barrier), the services and the pages all import it.
 
 Fields are addressed by JSON pointer (RFC 6901). Objects are compared member by
 member; arrays and scalars are leaves (a list is one field: merging two edits of

@@ -123,7 +123,7 @@ class Resource(models.Model):
     """A durable `kind/name` with a JSON document and a monotonically rising version.
 
     `version` and `last_fence` are only ever changed by the write barrier's
-    conditional UPDATE (console.core.barrier). A deleted resource keeps its row
+    conditional UPDATE (engine.core.barrier). A deleted resource keeps its row
     (a tombstone, `deleted=True`) so versions keep rising and undo can restore it.
     """
 

@@ -26,7 +26,7 @@ from django.utils import timezone
 from approvals.models import Action
 from approvals.outbox import notify_action_on_commit
 from audit.services import Actor
-from console.core.action_audit import audit_action_event
+from engine.core.action_audit import audit_action_event
 from ownership.diff import three_way_diff
 from ownership.models import Conflict, ConflictStatus
 

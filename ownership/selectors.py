@@ -7,8 +7,8 @@ from typing import Any
 
 from django.db.models import Q, QuerySet
 
-from console.core.errors import NotFound
 from console.permissions import can_read_everything, user_groups
+from engine.core.errors import NotFound
 from ownership.models import Conflict, ConflictStatus, Resource
 
 

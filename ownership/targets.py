@@ -17,7 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from console.core.errors import DomainError
+from engine.core.errors import DomainError
 from engine.targets import registry
 from engine.targets.base import (
     Snapshot,

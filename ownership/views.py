@@ -24,7 +24,6 @@ from approvals.services.undo import action_undo_request, operations_open_to_undo
 from approvals.views.claims import conflict_claim_rows
 from audit.services import Actor
 from console import permissions
-from console.core.errors import DomainError, NotFound
 from console.pages import (
     EVENT_COUNTS,
     after_post,
@@ -37,6 +36,7 @@ from console.pages import (
     render_fragment_or_page,
     render_list_page,
 )
+from engine.core.errors import DomainError, NotFound
 from ownership.diff import (
     default_choice,
     document_diff,

@@ -19,7 +19,7 @@ from approvals.services.preconditions import parse_write_if_match
 from approvals.services.queued_writes import lock_resource_for_proposal
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import DomainError
+from engine.core.errors import DomainError
 from ownership.models import Resource, ResourceKind
 from tests.fixtures.core import make_action, make_resource
 from tests.races import (

@@ -97,7 +97,7 @@ def _config(run_token: str, lifecycle_token: str, agent_token: str, admin_token:
                 missing_header_statuses=(404, 409, 423),
                 negative_statuses=(423,),
             ),
-            # JSON safety (console/core/jsonsafe.py, issue 9) refuses U+0000 and lone
+            # JSON safety (engine/core/jsonsafe.py, issue 9) refuses U+0000 and lone
             # surrogates in any key or string with a 422: stricter than JSON Schema can say,
             # so a schema-valid body carrying them is a legitimate 422 wherever text is taken.
             _operation_block("^POST /api/v1/runs/[^/]+/revoke$", admin_token, (422,)),

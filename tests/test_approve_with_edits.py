@@ -16,7 +16,7 @@ from approvals.models import Action, Approval, ApprovalDecision
 from approvals.services.decisions import approval_decide_tallied
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import DomainError, InvalidTransition
+from engine.core.errors import DomainError, InvalidTransition
 from ownership.models import ConflictClass, OwnershipRecord, Resource
 from ownership.services.resolution import conflict_resolve
 from tests.fixtures.api import (

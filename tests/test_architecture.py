@@ -44,8 +44,8 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("notifications", BASE),
     ("*.models", BASE),
     ("*.models.*", BASE),  # a models package split by sub-domain (approvals.models.plans)
-    ("console.core.errors", BASE),  # the one DomainError hierarchy: every layer raises it
-    ("console.core.jsonsafe", BASE),
+    ("engine.core.errors", BASE),  # the one DomainError hierarchy: every layer raises it
+    ("engine.core.jsonsafe", BASE),
     ("console.requestctx", BASE),
     ("console.advisory_locks", BASE),  # the advisory-lock namespaces, one place
     ("console.stale_plans", BASE),  # what a stale prepared plan's error looks like
@@ -57,7 +57,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("audit.details", BASE),  # what may enter an event's details (redaction, jsonb-safe)
     ("audit.serialize", BASE),  # the one JSON shape of an event (API items, export)
     ("ownership.seed_data", BASE),
-    # floor — what console.core itself calls: the audit append (the barrier writes its
+    # floor — what engine.core itself calls: the audit append (the barrier writes its
     # event in the same transaction) and the document rules (merge patch, diff,
     # proposed_document) the barrier applies.
     ("audit.services", FLOOR),
@@ -66,9 +66,9 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("ownership.diff", FLOOR),
     ("ownership.history", FLOOR),  # a resource's documents by version token (issue 39)
     # core — lock, fence, barrier, undo, targets, the kill-switch check. No web, no service.
-    ("console.core", CORE),
-    ("console.core.*", CORE),
-    ("engine.*", CORE),  # the target adapters (issue 39); the core moves here when wired
+    ("engine.core", CORE),
+    ("engine.core.*", CORE),
+    ("engine.*", CORE),  # the target adapters (issue 39)
     # leaves — shared by services, import no service: delivery after commit, wake-ups,
     # the conflict reopen, the reference rows every database must have.
     ("approvals.outbox", LEAF),
@@ -225,7 +225,7 @@ def test_no_module_imports_a_higher_layer() -> None:
     assert not offenders, report(
         "Imports from a lower layer to a higher one",
         offenders,
-        "Move the code down to the lowest layer that needs it (a leaf, console/core, the "
+        "Move the code down to the lowest layer that needs it (a leaf, engine/core, the "
         "models), pass the value in as an argument, or enqueue by dotted path.",
     )
 

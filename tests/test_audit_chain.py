@@ -28,7 +28,7 @@ from audit.services import (
     audit_deferred,
 )
 from audit.verify import verify_chain
-from console.core.errors import ValidationFailed
+from engine.core.errors import ValidationFailed
 from tests.conftest import ROOT, subprocess_env
 from tests.fixtures.core import spawn_worker
 

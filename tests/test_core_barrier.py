@@ -12,11 +12,11 @@ from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.models import AuditEvent
 from audit.services import Actor
 from audit.verify import verify_chain
-from console.core.barrier import apply_action
-from console.core.errors import InvalidTransition, KillSwitchEngaged
-from console.core.fence import next_fence
-from console.core.operations import open_operation
 from console.models import KillSwitch
+from engine.core.barrier import apply_action
+from engine.core.errors import InvalidTransition, KillSwitchEngaged
+from engine.core.fence import next_fence
+from engine.core.operations import open_operation
 from ownership.diff import apply_merge_patch, proposed_document
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.core import execute, make_action, make_resource, make_run, prod_alerts_action
@@ -386,7 +386,7 @@ def test_two_concurrent_creates_of_one_name_leave_one_row() -> None:
 def test_open_operation_claims_only_executable_actions(prod_alerts: Any) -> None:
     import uuid
 
-    from console.core.errors import NotFound
+    from engine.core.errors import NotFound
 
     run = make_run()
     waiting = prod_alerts_action(run, payload={}, status="pending_approval")
@@ -438,7 +438,7 @@ def test_an_operation_closed_by_the_reconciler_never_writes(prod_alerts: Any) ->
 
 
 def test_engaged_switch_for_matches_global_prefix_and_exact_scopes() -> None:
-    from console.core.killswitch import engaged_switch_for
+    from engine.core.killswitch import engaged_switch_for
 
     assert engaged_switch_for("dns-record/www") is None
     KillSwitch.objects.create(scope="dns-record/www", engaged=True, reason="exact")

@@ -18,15 +18,15 @@ import redis
 from approvals.models import Operation, OperationStatus
 from audit.models import AuditEvent
 from audit.verify import verify_chain
-from console.core.errors import LockBusy, LockLost
-from console.core.fence import (
+from engine.core.errors import LockBusy, LockLost
+from engine.core.fence import (
     current_fence,
     ensure_fence_floor,
     ensure_fence_floor_once,
     fence_floor,
     next_fence,
 )
-from console.core.lock import FencedLock, FencedLockGroup, lock_key
+from engine.core.lock import FencedLock, FencedLockGroup, lock_key
 from ownership.models import Resource
 from tests.conftest import PrivateRedis
 from tests.fixtures.core import execute, make_action, make_resource, make_run, spawn_worker

@@ -13,8 +13,8 @@ from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.models import AuditEvent
 from audit.services import Actor
 from audit.verify import verify_chain
-from console.core.errors import KillSwitchEngaged
 from console.models import KillSwitch
+from engine.core.errors import KillSwitchEngaged
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.core import execute, make_action, make_resource, make_run, undo
 from tests.test_core_barrier import _race

@@ -13,7 +13,7 @@ from approvals.services.decisions import approval_decide, approval_expire_due
 from approvals.services.execution import action_execute
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import Forbidden, InvalidTransition, ValidationFailed
+from engine.core.errors import Forbidden, InvalidTransition, ValidationFailed
 from ownership.models import ConflictClass, Resource, ResourceVersion
 from tests.fixtures.engine import reject
 

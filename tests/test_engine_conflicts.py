@@ -13,7 +13,7 @@ from approvals.services.execution import action_execute
 from approvals.services.undo import action_undo_request, undo_execute
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import Forbidden, InvalidTransition, UndoWindowExpired, ValidationFailed
+from engine.core.errors import Forbidden, InvalidTransition, UndoWindowExpired, ValidationFailed
 from ownership.diff import apply_merge_patch, merge_documents, three_way_diff
 from ownership.models import Conflict, Resource
 from ownership.selectors import conflict_list_for_person

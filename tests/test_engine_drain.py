@@ -19,11 +19,11 @@ from approvals.services.execution import action_execute
 from approvals.services.reconcile import reconcile
 from audit.models import AuditEvent
 from audit.services import audit_chain_verify
-from console.core import barrier, batch_write
-from console.core.fence import next_fence
-from console.core.lock import FencedLockGroup
-from console.core.operations import open_operations
-from console.core.write_rows import lock_batch_rows
+from engine.core import barrier, batch_write
+from engine.core.fence import next_fence
+from engine.core.lock import FencedLockGroup
+from engine.core.operations import open_operations
+from engine.core.write_rows import lock_batch_rows
 from ownership.models import Resource, ResourceVersion
 from tests.fixtures.engine import wait_for
 from tests.races import WAIT, Holder, Worker
@@ -99,7 +99,7 @@ def test_a_batch_of_plain_writes_costs_the_same_statements_whatever_its_size(
     engine_world: Any, engine_redis: Any
 ) -> None:
     """The plain updates of a batch land with one conditional UPDATE and are recorded with
-    one statement per table (console/core/batch_write.py), not four statements a write."""
+    one statement per table (engine/core/batch_write.py), not four statements a write."""
     statements = []
     for size in (3, 12):
         actions = _queued_updates(engine_world, size, prefix=f"s{size}")

@@ -26,13 +26,13 @@ from approvals.services.execution import action_execute
 from approvals.services.reconcile import reconcile
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.barrier import RUN_NOT_ACTIVE, apply_action
-from console.core.errors import KillSwitchEngaged
-from console.core.fence import next_fence
-from console.core.lock import lock_key
-from console.core.operations import open_operation
 from console.models import KillSwitch
 from console.services import kill_switch_set
+from engine.core.barrier import RUN_NOT_ACTIVE, apply_action
+from engine.core.errors import KillSwitchEngaged
+from engine.core.fence import next_fence
+from engine.core.lock import lock_key
+from engine.core.operations import open_operation
 from ownership.models import Resource
 from tests.races import WAIT, Holder, Worker, wait_for_lock_waiters
 from tests.targetserver import TargetServer

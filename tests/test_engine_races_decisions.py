@@ -25,7 +25,7 @@ from approvals.services.decisions import approval_decide
 from approvals.services.execution import action_execute
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import InvalidTransition
+from engine.core.errors import InvalidTransition
 from ownership.models import Conflict, ConflictClass, Resource
 from ownership.services.resolution import conflict_resolve
 from tests.races import WAIT, Holder, Worker, finish_each, wait_for_lock_waiters

@@ -18,7 +18,7 @@ from approvals.services.housekeeping import housekeeping_run
 from approvals.services.reconcile import reconcile
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.lock import FencedLock
+from engine.core.lock import FencedLock
 from ownership.models import OwnershipRecord, Resource, ResourceVersion
 from tests.fixtures.engine import wait_for
 
@@ -111,8 +111,8 @@ def test_housekeeping_expires_leases_and_closes_undo_windows_once(
 def test_reconcile_takes_back_an_operation_whose_lease_expired(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    from console.core.fence import next_fence
-    from console.core.operations import open_operation
+    from engine.core.fence import next_fence
+    from engine.core.operations import open_operation
 
     action = engine_world.proposed_update("a", {"n": 0}, {"n": 1})
     operation = open_operation(
@@ -125,7 +125,7 @@ def test_reconcile_takes_back_an_operation_whose_lease_expired(
     assert _status(action) == "queued"
     # the ghost wakes up and tries to write with its old operation: refused, nothing written
     from audit.services import Actor
-    from console.core.barrier import apply_action
+    from engine.core.barrier import apply_action
 
     outcome = apply_action(
         action_id=action.pk, operation_id=operation.pk, fence=operation.fence, actor=Actor.system()
@@ -170,8 +170,8 @@ def test_an_action_that_keeps_losing_its_worker_fails_instead_of_looping(
     engine_world: Any, engine_redis: Any
 ) -> None:
     from approvals.services.attempts import max_attempts
-    from console.core.fence import next_fence
-    from console.core.operations import open_operation
+    from engine.core.fence import next_fence
+    from engine.core.operations import open_operation
 
     action = engine_world.proposed_update("poison", {"n": 0}, {"n": 1})
     Action.objects.filter(pk=action.pk).update(attempts=max_attempts() - 1)
@@ -307,7 +307,7 @@ def test_a_paused_action_whose_switch_is_gone_resumes_however_much_work_stays_pa
 def test_a_paused_undo_whose_switch_is_gone_resumes_however_many_undos_stay_parked(
     engine_world: Any, engine_redis: Any
 ) -> None:
-    from console.core.fence import next_fence
+    from engine.core.fence import next_fence
 
     kind = engine_world.kind("cfg", update="recompute_field")
     names = [f"held-{i:04d}" for i in range(PARKED)] + ["free"]

@@ -14,13 +14,13 @@ from approvals.services.execution import action_execute
 from approvals.services.runs import RunNotActive
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.barrier import apply_action
-from console.core.errors import Forbidden, NotFound, ValidationFailed
-from console.core.fence import next_fence
-from console.core.lock import FencedLock
-from console.core.operations import open_operation
 from console.models import KillSwitch
 from console.services import kill_switch_set
+from engine.core.barrier import apply_action
+from engine.core.errors import Forbidden, NotFound, ValidationFailed
+from engine.core.fence import next_fence
+from engine.core.lock import FencedLock
+from engine.core.operations import open_operation
 from ownership.models import Resource
 from ownership.selectors import conflict_get_for_person
 

@@ -20,7 +20,7 @@ from approvals.services.tokens import (
 )
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import Forbidden, ValidationFailed
+from engine.core.errors import Forbidden, ValidationFailed
 from ownership.models import ConflictClass
 from tests.fixtures.console import People, World
 

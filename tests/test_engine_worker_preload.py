@@ -13,7 +13,7 @@ import redis
 from rq import Queue
 from rq.job import Job, JobStatus
 
-ENGINE_MODULES = ["approvals.jobs", "approvals.services.execution", "console.core.barrier"]
+ENGINE_MODULES = ["approvals.jobs", "approvals.services.execution", "engine.core.barrier"]
 
 
 def test_a_started_worker_has_the_engine_loaded_before_its_first_job(

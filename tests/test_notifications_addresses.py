@@ -13,7 +13,7 @@ from django.contrib.auth.models import Group, User
 
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import ValidationFailed
+from engine.core.errors import ValidationFailed
 from notifications.models import Delivery, DeliveryAttempt, Subscription
 from notifications.services.delivery import delivery_attempt
 from notifications.services.subscriptions import subscription_create, subscription_test

@@ -329,7 +329,7 @@ def test_run_approvals_failures_unknown_outcomes_and_compensated_plans_are_told(
     engine_world: Any, policy: Any, admin: Actor
 ) -> None:
     from approvals.services.approval_open import approval_open_for_run
-    from console.core.action_audit import audit_action_event
+    from engine.core.action_audit import audit_action_event
 
     _subscribe(admin, target="operators")
     owners = _subscribe(admin, name="owners", target="owners")

@@ -16,7 +16,7 @@ import pytest
 from django.db import connection
 
 from approvals.services.execution import action_execute
-from console.core.fence import FENCE_SEQUENCE, fence_floor
+from engine.core.fence import FENCE_SEQUENCE, fence_floor
 from tests.conftest import ROOT, subprocess_env, test_database_url
 from tests.deployload import script_json
 

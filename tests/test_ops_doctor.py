@@ -16,8 +16,8 @@ from django.core.management import call_command
 from django.db import connection
 from django.test import Client
 
-from console.core.fence import FENCE_SEQUENCE, ensure_fence_floor, fence_floor
 from console.management.commands.doctor import diagnose
+from engine.core.fence import FENCE_SEQUENCE, ensure_fence_floor, fence_floor
 from ownership.models import Resource
 from tests.conftest import ROOT, subprocess_env
 from tests.fixtures.core import make_kind

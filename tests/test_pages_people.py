@@ -10,8 +10,8 @@ from django.test import Client
 from approvals.services.tokens import personal_token_create, principal_for_token
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import Forbidden, ValidationFailed
 from console.people import person_create, person_groups, person_set_active, person_update
+from engine.core.errors import Forbidden, ValidationFailed
 from tests.fixtures.console import People, client_for, post_form
 
 pytestmark = pytest.mark.django_db

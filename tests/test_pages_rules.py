@@ -16,7 +16,7 @@ from approvals.services.rules import (
 )
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import Forbidden, ValidationFailed
+from engine.core.errors import Forbidden, ValidationFailed
 from tests.fixtures.console import People, World, client_for, post_form
 
 pytestmark = pytest.mark.django_db

@@ -10,12 +10,12 @@ import pytest
 
 from approvals.models import Action
 from audit.services import Actor
-from console.core.errors import DomainError, ValidationFailed
 from console.forms import KillSwitchForm
 from console.models import KillSwitch
 from console.pages import error_status
 from console.problems import PROBLEMS, problem_from_error
 from console.services import kill_switch_set
+from engine.core.errors import DomainError, ValidationFailed
 from ownership.diff import document_diff, proposed_document
 from tests.fixtures.api import ApiClient, Person
 from tests.fixtures.console import People, World, client_for

@@ -20,7 +20,7 @@ from approvals.models import Action, Approval, ApprovalDecision, Plan, PlanStep
 from approvals.services.decisions import approval_decide_tallied
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import DomainError
+from engine.core.errors import DomainError
 from ownership.models import ConflictClass, OwnershipRecord
 from tests.fixtures.api import (
     make_active_run,

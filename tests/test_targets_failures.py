@@ -33,8 +33,8 @@ from approvals.services.runs import run_finish
 from approvals.services.undo import action_undo_request
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.fence import next_fence
-from console.core.operations import open_operation
+from engine.core.fence import next_fence
+from engine.core.operations import open_operation
 from engine.targets.base import Outcome
 from ownership.models import Conflict, ResourceKind
 from ownership.targets import adapter_for_kind, read_through

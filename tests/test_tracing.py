@@ -195,8 +195,8 @@ def test_the_jobs_log_lines_carry_action_run_resource_and_trace(
 ) -> None:
     """A real line the job logs (the fence floor's first check in a process) carries the
     job, action, run, resource and, with tracing on, the job's trace id."""
-    from console.core.fence import forget_fence_floor_check
     from console.logging_filters import LogContext
+    from engine.core.fence import forget_fence_floor_check
 
     caplog.set_level("INFO", logger="airlock")
     caplog.handler.addFilter(LogContext())

@@ -17,8 +17,8 @@ from approvals.services.worker_presence import (
     release_lock_of_gone_worker,
     workers_gone,
 )
-from console.core.errors import LockBusy
-from console.core.lock import FencedLock
+from engine.core.errors import LockBusy
+from engine.core.lock import FencedLock
 
 pytestmark = pytest.mark.django_db(transaction=True)  # a lock draws its fence from PostgreSQL
 

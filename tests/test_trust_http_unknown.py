@@ -65,7 +65,7 @@ def test_an_unknown_http_write_survives_the_run_end_and_its_replay_settles_it_on
 def test_an_http_write_abandoned_in_flight_survives_the_run_end(
     engine_world: Any, engine_redis: Any, target: TargetServer, settings: Any
 ) -> None:
-    from console.core.operations import open_operation
+    from engine.core.operations import open_operation
 
     settings.AIRLOCK_TARGET_TIMEOUT_SECONDS = 0.5
     kind = engine_world.kind("ext-policy", update="recompute_field", target_url=target.url)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from console.core import jsonsafe
+from engine.core import jsonsafe
 from engine.targets.base import TargetError
 from engine.targets.http_etag import HttpEtagSettings, HttpEtagTarget
 from ownership.models import ConflictClass, Resource
@@ -177,7 +177,7 @@ def test_the_idempotency_fingerprint_survives_hostile_bytes() -> None:
 
 def test_a_hostile_api_cursor_is_a_422(api: Any, operator: Any) -> None:
     from console.api_support import cursor_decode
-    from console.core.errors import DomainError
+    from engine.core.errors import DomainError
 
     cursor = base64.urlsafe_b64encode(DEEP).decode().rstrip("=")
     with pytest.raises(DomainError) as refused:

@@ -18,7 +18,7 @@ from approvals.services.decisions import approval_decide
 from approvals.services.runs import run_create
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import Forbidden, InvalidTransition
+from engine.core.errors import Forbidden, InvalidTransition
 from ownership.models import ConflictClass, OwnershipRecord
 from tests.fixtures.api import AgentActor, Person, make_person_with_token
 from tests.races import Holder, Worker, wait_for_lock_waiters

@@ -18,7 +18,7 @@ from approvals.services.runs import run_expire_due, run_finish, run_revoke
 from approvals.services.undo import action_undo_request
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.errors import Forbidden
+from engine.core.errors import Forbidden
 from ownership.models import ConflictClass, Resource, ResourceVersion
 from ownership.services.resolution import conflict_resolve
 from tests.fixtures.api import make_active_run

@@ -22,7 +22,7 @@ from audit.models import AuditEvent, AuditHead
 from audit.services import Actor, audit_append
 from audit.verify import verify_chain
 from console import ops
-from console.core.fence import FENCE_SEQUENCE, current_fence, forget_fence_floor_check
+from engine.core.fence import FENCE_SEQUENCE, current_fence, forget_fence_floor_check
 from ownership.models import Resource
 from tests.conftest import ROOT, subprocess_env
 from tests.fixtures.audit import assert_an_ordinary_role_is_refused

@@ -206,7 +206,7 @@ def test_a_minter_cannot_resolve_the_agents_conflict_where_the_class_forbids_it(
     from approvals.services.decisions import approval_decide
     from approvals.services.execution import action_execute
     from approvals.services.tokens import agent_token_create
-    from console.core.errors import Forbidden
+    from engine.core.errors import Forbidden
     from ownership.models import Conflict, Resource, ResourceVersion
     from ownership.services.resolution import conflict_resolve
 
@@ -436,7 +436,7 @@ def test_the_minter_stays_out_of_resolving_a_conflict_of_that_run_after_revoking
     from approvals.services.decisions import approval_decide
     from approvals.services.execution import action_execute
     from approvals.services.tokens import agent_token_create, token_revoke
-    from console.core.errors import Forbidden
+    from engine.core.errors import Forbidden
     from ownership.models import Conflict, Resource, ResourceVersion
     from ownership.services.resolution import conflict_resolve
 

@@ -23,8 +23,8 @@ from approvals.services.reconcile import reconcile
 from approvals.services.undo import _retry_undo, action_undo_request, undo_execute
 from audit.models import AuditEvent
 from audit.services import Actor
-from console.core.lock import FencedLock
 from console.services import kill_switch_set
+from engine.core.lock import FencedLock
 from ownership.models import ResourceVersion
 from tests.fixtures.engine import wait_for
 

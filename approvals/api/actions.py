@@ -63,8 +63,8 @@ from console.auth import (
     reader_of,
     run_or_person_token,
 )
-from console.core.errors import NotFound
 from console.problems import ApiError, errors
+from engine.core.errors import NotFound
 
 router = Router()
 

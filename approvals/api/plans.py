@@ -57,8 +57,8 @@ from console.auth import (
     reader_of,
     run_token,
 )
-from console.core.errors import DomainError, NotFound, ValidationFailed
 from console.problems import errors
+from engine.core.errors import DomainError, NotFound, ValidationFailed
 from ownership.api.schemas import STRONG_ETAG_PATTERN
 from ownership.models import ConflictOrigin, ResourceKind
 

@@ -20,9 +20,9 @@ from console.api_support import (
     page_response,
     writing_principal,
 )
-from console.core.errors import NotFound
 from console.permissions import can_read_everything, is_admin
 from console.problems import errors
+from engine.core.errors import NotFound
 
 router = Router(tags=["auto-approve rules"])
 

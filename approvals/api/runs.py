@@ -51,9 +51,9 @@ from console.auth import (
     principal_of,
     reader_of,
 )
-from console.core.errors import DomainError, NotFound
 from console.permissions import can_decide_approvals
 from console.problems import errors
+from engine.core.errors import DomainError, NotFound
 
 router = Router(tags=["runs"])
 

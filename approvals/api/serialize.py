@@ -34,7 +34,7 @@ from approvals.services.plans import plan_step_preview
 from approvals.services.runs import run_effective_status
 from approvals.services.undo import undo_status
 from console.api_support import iso, json_bytes, json_response
-from console.core.errors import NotFound
+from engine.core.errors import NotFound
 from ownership.diff import proposed_document, three_way_diff
 from ownership.models import Conflict, ConflictClass, Resource
 

@@ -49,18 +49,18 @@ from approvals.services.runs import (
 from approvals.services.write_sets import lock_kind_for_proposal, names_overlap
 from audit.models import ActorType
 from audit.services import Actor, audit_append, audit_deferred
-from console.core.action_audit import audit_action_event
-from console.core.errors import (
+from console.permissions import can_decide_approvals, require_person
+from console.requestctx import current_request_id
+from console.tracing import traced_propose
+from engine.core.action_audit import audit_action_event
+from engine.core.errors import (
     DomainError,
     Forbidden,
     InvalidTransition,
     NotFound,
     ValidationFailed,
 )
-from console.core.killswitch import engaged_switch_for
-from console.permissions import can_decide_approvals, require_person
-from console.requestctx import current_request_id
-from console.tracing import traced_propose
+from engine.core.killswitch import engaged_switch_for
 from ownership.models import ConflictClass, OwnershipRecord, Resource, ResourceKind
 from ownership.reopen import conflict_reopen_for_resolution
 

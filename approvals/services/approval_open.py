@@ -24,7 +24,7 @@ from approvals.models import (
 )
 from approvals.services.run_policy import classes_for_write_set, run_quorum
 from audit.services import Actor, audit_append
-from console.core.action_audit import audit_action_event
+from engine.core.action_audit import audit_action_event
 from ownership.models import ApprovalMode, Conflict, ConflictClass
 
 

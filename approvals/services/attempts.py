@@ -42,10 +42,10 @@ from approvals.outbox import enqueue_action_execution, notify_action_on_commit
 from approvals.services.action_status import action_transition
 from approvals.services.worker_presence import worker_name as presence_worker_name
 from audit.services import Actor
-from console.core.action_audit import audit_action_event
-from console.core.errors import DomainError
-from console.core.killswitch import engaged_switch_for
-from console.core.operations import open_operation
+from engine.core.action_audit import audit_action_event
+from engine.core.errors import DomainError
+from engine.core.killswitch import engaged_switch_for
+from engine.core.operations import open_operation
 from ownership.services.conflicts import conflict_open_for_action
 
 log = logging.getLogger("airlock.execution")

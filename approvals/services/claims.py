@@ -32,8 +32,8 @@ from approvals.models import Approval, ApprovalStatus, Claim, ClaimSubject
 from approvals.selectors import approval_get_for_person
 from approvals.services.separation import approvals_forbidding_self
 from audit.services import Actor, audit_append
-from console.core.errors import DomainError, Forbidden, NotFound, ValidationFailed
 from console.permissions import can_decide_approvals
+from engine.core.errors import DomainError, Forbidden, NotFound, ValidationFailed
 from ownership.models import Conflict, ConflictStatus
 from ownership.selectors import conflict_get_for_person, conflict_may_resolve
 

@@ -43,7 +43,7 @@ from approvals.models import (
     Decision,
     Run,
 )
-from console.core.raw_rows import Column, from_row, model_columns, select_list
+from engine.core.raw_rows import Column, from_row, model_columns, select_list
 from ownership.models import ConflictClass, Resource
 
 # What deciding a call reads of the run: its agent and the minter of the token that

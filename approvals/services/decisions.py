@@ -51,16 +51,16 @@ from approvals.services.runs import run_activate, run_reject
 from approvals.services.separation import check_separation_of_duties
 from approvals.services.write_sets import entries_of, lock_kinds
 from audit.services import Actor, audit_append, audit_deferred
-from console.core.action_audit import audit_action_event
-from console.core.errors import (
+from console.permissions import person_of
+from console.tracing import traced_decide
+from engine.core.action_audit import audit_action_event
+from engine.core.errors import (
     InvalidTransition,
     NotFound,
     ValidationFailed,
     text_within,
 )
-from console.core.write_rows import lock_run_for_share
-from console.permissions import person_of
-from console.tracing import traced_decide
+from engine.core.write_rows import lock_run_for_share
 from ownership.models import OwnershipRecord, Resource
 from ownership.reopen import conflict_reopen_for_resolution
 

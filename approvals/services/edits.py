@@ -6,7 +6,7 @@ original ends `superseded` with a link to it (its long-poll wakes through the st
 change). The edited write passes every check an agent's write passes, through the same
 code (actions.proposal_checked_locked: run active, write set, leases, the kind's class for
 its operation, the bound version, writes queued over it), and the JSON and size limits of
-an API body (console/core/jsonsafe, AIRLOCK_MAX_BODY_BYTES). The editor's decision is the
+an API body (engine/core/jsonsafe, AIRLOCK_MAX_BODY_BYTES). The editor's decision is the
 edited action's first vote: with a quorum of one it approves it, above one another person
 must approve the edited version. A plan's step is edited by approvals/services/
 plan_edits.py, the same way.
@@ -41,18 +41,18 @@ from approvals.services.queued_writes import lock_resource_for_proposal
 from approvals.services.separation import check_separation_of_duties
 from approvals.services.write_sets import lock_kind_for_proposal
 from audit.services import Actor, audit_deferred
-from console.core import jsonsafe
-from console.core.action_audit import audit_action_event
-from console.core.errors import (
+from console.permissions import person_of
+from console.requestctx import current_request_id
+from engine.core import jsonsafe
+from engine.core.action_audit import audit_action_event
+from engine.core.errors import (
     DomainError,
     InvalidTransition,
     NotFound,
     ValidationFailed,
     text_within,
 )
-from console.core.write_rows import lock_run_for_share
-from console.permissions import person_of
-from console.requestctx import current_request_id
+from engine.core.write_rows import lock_run_for_share
 from ownership.diff import apply_merge_patch, document_diff
 
 # As decisions.MAX_COMMENT_LENGTH (a decision's comment).

@@ -8,10 +8,10 @@ Flow of one delivery (`action_execute`):
   4. the drain (`batch` > 1, the worker's job): the next due queued writes on other
      resources whose locks are free join, all under one fence (FencedLockGroup);
   5. the claim: one short transaction moves every write of the batch still `queued`
-     to `executing` with a pending operation (console.core.operations.open_operations);
+     to `executing` with a pending operation (engine.core.operations.open_operations);
      the batched actions' own jobs are taken off the queue;
   6. the apply: ONE transaction — the plain updates and deletes together
-     (console.core.batch_write: one conditional UPDATE, one statement per table to record
+     (engine.core.batch_write: one conditional UPDATE, one statement per table to record
      them), anything else through `apply_action` (the barrier); a failing write makes the
      batch redo itself a write at a time, each in its own savepoint; the audit events are
      appended together last (audit_deferred);
@@ -59,15 +59,15 @@ from approvals.services.external_writes import execute_external
 from approvals.services.plan_engine import plan_after_action
 from approvals.services.worker_presence import acquire_taking_over, release_lock_of_gone_worker
 from audit.services import audit_deferred
-from console.core.barrier import WriteOutcome, apply_action
-from console.core.batch_write import apply_locked_batch
-from console.core.errors import KillSwitchEngaged, LockBusy, LockLost
-from console.core.killswitch import engaged_switch_for
-from console.core.lock import FencedLock, FencedLockGroup
-from console.core.operations import open_operations
-from console.core.write_rows import lock_batch_rows
 from console.models import KillSwitch
 from console.requestctx import log_action, log_fence, reset_request_id, set_request_id
+from engine.core.barrier import WriteOutcome, apply_action
+from engine.core.batch_write import apply_locked_batch
+from engine.core.errors import KillSwitchEngaged, LockBusy, LockLost
+from engine.core.killswitch import engaged_switch_for
+from engine.core.lock import FencedLock, FencedLockGroup
+from engine.core.operations import open_operations
+from engine.core.write_rows import lock_batch_rows
 from ownership.models import TargetType
 
 log = logging.getLogger("airlock.execution")

@@ -25,10 +25,11 @@ from django.utils import timezone
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from approvals.services.attempts import crash_point
 from audit.services import Actor
-from console.core.action_audit import audit_action_event
-from console.core.actors import person_id
-from console.core.errors import DomainError
-from console.core.undo import (
+from console.tracing import traced
+from engine.core.action_audit import audit_action_event
+from engine.core.actors import person_id
+from engine.core.errors import DomainError
+from engine.core.undo import (
     ALREADY_UNDONE,
     NO_PREVIOUS_VERSION,
     NOT_APPLIED,
@@ -38,7 +39,6 @@ from console.core.undo import (
     UndoOutcome,
     refuse_undo,
 )
-from console.tracing import traced
 from engine.targets.base import (
     ABSENT,
     Applied,

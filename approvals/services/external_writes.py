@@ -52,11 +52,11 @@ from approvals.services.attempts import (
     renew_operation_lease,
     route_refusal,
 )
-from console.core.barrier import refuse_if_run_ended
-from console.core.errors import LockLost
-from console.core.killswitch import engaged_switch_for
-from console.core.land import undo_window
 from console.tracing import traced
+from engine.core.barrier import refuse_if_run_ended
+from engine.core.errors import LockLost
+from engine.core.killswitch import engaged_switch_for
+from engine.core.land import undo_window
 from engine.targets.base import (
     ABSENT,
     Applied,

@@ -37,8 +37,8 @@ from approvals.models import (
 from approvals.services.approval_open import approval_details
 from approvals.services.write_sets import entries_of
 from audit.services import Actor, audit_append
-from console.core.errors import Forbidden, NotFound, ValidationFailed
 from console.permissions import can_read_everything, is_admin
+from engine.core.errors import Forbidden, NotFound, ValidationFailed
 from ownership.models import ApprovalMode, ConflictClass
 
 MAX_PREFIX_LENGTH = 255

@@ -19,7 +19,7 @@ from approvals.services.decisions import approval_expire_due
 from approvals.services.idempotency import idempotency_prune
 from approvals.services.runs import run_expire_due
 from audit.services import Actor
-from console.core.action_audit import audit_action_event
+from engine.core.action_audit import audit_action_event
 from ownership.models import OwnershipRecord
 
 log = logging.getLogger("airlock.housekeeping")

@@ -50,8 +50,8 @@ from approvals.models import IdempotencyRecord, IdempotencyStatus
 from approvals.outbox import engine_redis
 from audit.models import ActorType
 from audit.services import Actor
-from console.core import jsonsafe
-from console.core.errors import DomainError
+from engine.core import jsonsafe
+from engine.core.errors import DomainError
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{8,255}$")
 # An in-flight record older than this belongs to a request that died mid-way;

@@ -44,9 +44,9 @@ from approvals.models import (
 from approvals.outbox import enqueue_undo_execution
 from approvals.services.plan_state import plan_end, plan_event
 from approvals.services.plans import compensation_operation
-from console.core.fence import next_fence
-from console.core.operations import applied_operation
-from console.core.undo import ALREADY_UNDONE, RESOURCE_MOVED
+from engine.core.fence import next_fence
+from engine.core.operations import applied_operation
+from engine.core.undo import ALREADY_UNDONE, RESOURCE_MOVED
 from ownership.diff import apply_merge_patch
 from ownership.history import base_token, revision_at
 from ownership.models import (

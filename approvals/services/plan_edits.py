@@ -55,14 +55,14 @@ from approvals.services.plans import (
 )
 from approvals.services.preconditions import parse_tag_condition
 from audit.services import Actor, audit_append, audit_deferred
-from console.core.errors import (
+from console.permissions import person_of
+from engine.core.errors import (
     DomainError,
     InvalidTransition,
     NotFound,
     ValidationFailed,
     text_within,
 )
-from console.permissions import person_of
 from ownership.diff import document_diff
 
 # What an explicit compensation is as the agent sent it (the recorded one adds the write

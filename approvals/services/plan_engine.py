@@ -54,7 +54,7 @@ from approvals.services.plan_compensation import (
     resolution_trail,
 )
 from approvals.services.plan_state import plan_end, plan_event, plan_touch
-from console.core.operations import applied_operation
+from engine.core.operations import applied_operation
 from ownership.models import Conflict, ConflictOrigin, Resource
 
 log = logging.getLogger("airlock.plans")

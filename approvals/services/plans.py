@@ -55,7 +55,7 @@ from approvals.services.queued_writes import lock_resource_for_proposal, writes_
 from approvals.services.runs import run_status_for_share
 from approvals.services.write_sets import lock_kinds
 from audit.services import Actor, audit_append, audit_deferred
-from console.core.errors import DomainError, ValidationFailed
+from engine.core.errors import DomainError, ValidationFailed
 from ownership.diff import apply_merge_patch, document_diff, proposed_document
 from ownership.history import revision_at
 from ownership.models import ApprovalMode, ConflictClass, Resource

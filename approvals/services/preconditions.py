@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from console.core.errors import DomainError
+from engine.core.errors import DomainError
 
 
 class HeaderSyntaxError(DomainError):

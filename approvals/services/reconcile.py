@@ -48,8 +48,8 @@ from approvals.services.attempts import (
 from approvals.services.plan_engine import plans_resume
 from approvals.services.worker_presence import workers_gone
 from audit.services import Actor
-from console.core.action_audit import audit_action_event
 from console.models import KillSwitch
+from engine.core.action_audit import audit_action_event
 
 log = logging.getLogger("airlock.execution")
 

@@ -17,8 +17,8 @@ from django.db import transaction
 from approvals.models import Agent, AutoApproveRule
 from approvals.services.write_sets import OPERATIONS
 from audit.services import Actor, audit_append
-from console.core.errors import NotFound, ValidationFailed
 from console.permissions import is_admin, require_person
+from engine.core.errors import NotFound, ValidationFailed
 from ownership.models import ResourceKind
 
 

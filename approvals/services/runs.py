@@ -45,9 +45,9 @@ from approvals.services.write_sets import (
 )
 from audit.models import ActorType
 from audit.services import Actor, audit_append
-from console.core.errors import DomainError, InvalidTransition, NotFound, ValidationFailed
-from console.core.write_rows import lock_run_for_share
 from console.permissions import can_decide_approvals, require_person
+from engine.core.errors import DomainError, InvalidTransition, NotFound, ValidationFailed
+from engine.core.write_rows import lock_run_for_share
 from ownership.models import OwnershipRecord
 
 MIN_TTL_SECONDS = 60

@@ -19,9 +19,9 @@ from approvals.services.plans import plan_forbids_owner_approval
 from approvals.services.run_policy import classes_for_write_set
 from approvals.services.tokens import live_token
 from audit.services import Actor
-from console.core.actors import person_id
-from console.core.errors import Forbidden
 from console.permissions import can_decide_approvals
+from engine.core.actors import person_id
+from engine.core.errors import Forbidden
 
 
 def answers_for_agent(

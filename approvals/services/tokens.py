@@ -23,9 +23,9 @@ from django.utils import timezone
 
 from approvals.models import Agent, AgentToken, PersonalToken, Run
 from audit.services import Actor, audit_append
-from console.core.actors import person_id
-from console.core.errors import ValidationFailed
 from console.permissions import group_names_of, is_admin, remember_groups, require_person
+from engine.core.actors import person_id
+from engine.core.errors import ValidationFailed
 
 AGENT_PREFIX = "ak_"
 RUN_PREFIX = "rt_"

@@ -45,8 +45,11 @@ from approvals.services.runs import RunNotActive, run_require_own_active, run_st
 from approvals.services.worker_presence import acquire_taking_over
 from audit.models import ActorType
 from audit.services import Actor
-from console.core.action_audit import audit_action_event
-from console.core.errors import (
+from console.permissions import can_undo_as_person, require_person
+from console.requestctx import log_action, log_fence
+from console.tracing import traced
+from engine.core.action_audit import audit_action_event
+from engine.core.errors import (
     Forbidden,
     InvalidTransition,
     KillSwitchEngaged,
@@ -54,14 +57,11 @@ from console.core.errors import (
     NotFound,
     UndoWindowExpired,
 )
-from console.core.fence import next_fence
-from console.core.killswitch import engaged_switch_for, hold_switches_shared
-from console.core.lock import FencedLock
-from console.core.operations import applied_operation, open_operation
-from console.core.undo import RESOURCE_MOVED, STALE_FENCE, UndoOutcome, apply_undo
-from console.permissions import can_undo_as_person, require_person
-from console.requestctx import log_action, log_fence
-from console.tracing import traced
+from engine.core.fence import next_fence
+from engine.core.killswitch import engaged_switch_for, hold_switches_shared
+from engine.core.lock import FencedLock
+from engine.core.operations import applied_operation, open_operation
+from engine.core.undo import RESOURCE_MOVED, STALE_FENCE, UndoOutcome, apply_undo
 from ownership.models import Resource, TargetType
 from ownership.services.conflicts import conflict_open_for_undo
 

@@ -38,8 +38,8 @@ from collections.abc import Collection
 import redis
 
 from approvals.outbox import engine_redis
-from console.core.errors import LockBusy
-from console.core.lock import FencedLock
+from engine.core.errors import LockBusy
+from engine.core.lock import FencedLock
 
 log = logging.getLogger("airlock.presence")
 

@@ -28,8 +28,8 @@ from django.utils import timezone
 from approvals.models import Action, ActionStatus, Agent, AutoApproveRule, Run, RunStatus
 from approvals.services.run_policy import classes_for_write_set, run_quorum
 from console.advisory_locks import KIND_LOCKS
-from console.core.errors import DomainError, ValidationFailed
-from console.core.fence import next_fence
+from engine.core.errors import DomainError, ValidationFailed
+from engine.core.fence import next_fence
 from ownership.models import OwnershipRecord, ResourceKind
 
 OPERATIONS = ("create", "update", "delete")

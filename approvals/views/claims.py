@@ -22,8 +22,8 @@ from approvals.services.claims import (
     claim_release,
     claim_take,
 )
-from console.core.errors import DomainError
 from console.pages import console_page, error_status, is_htmx, raise_if_denied
+from engine.core.errors import DomainError
 from ownership.models import ConflictStatus
 from ownership.selectors import conflict_get_for_person, conflict_list_for_person
 

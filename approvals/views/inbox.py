@@ -40,9 +40,9 @@ from approvals.services.separation import approvals_forbidding_self
 from approvals.views.plan_rows import plan_step_rows
 from audit.services import Actor
 from console import permissions
-from console.core import jsonsafe
-from console.core.errors import DomainError, NotFound
 from console.pages import EVENT_COUNTS, console_page, error_status, is_htmx, render_fragment_or_page
+from engine.core import jsonsafe
+from engine.core.errors import DomainError, NotFound
 from ownership.diff import document_diff_view, proposed_document
 from ownership.models import ConflictClass
 

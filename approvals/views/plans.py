@@ -22,7 +22,6 @@ from approvals.views.inbox import EVENT_APPROVALS
 from approvals.views.plan_rows import plan_step_rows
 from audit.services import Actor
 from console import permissions
-from console.core.errors import DomainError, NotFound
 from console.pages import (
     EVENT_COUNTS,
     console_page,
@@ -31,6 +30,7 @@ from console.pages import (
     pretty,
     render_fragment_or_page,
 )
+from engine.core.errors import DomainError, NotFound
 
 
 def _may_decide(request: HttpRequest, approval: Approval | None, voted: bool) -> bool:

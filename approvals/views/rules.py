@@ -14,7 +14,6 @@ from approvals.services import grants as grant_services
 from approvals.services import rules as rule_services
 from audit.services import Actor
 from console import permissions
-from console.core.errors import DomainError
 from console.pages import (
     EditablePage,
     console_page,
@@ -23,6 +22,7 @@ from console.pages import (
     forbid_unless_reader,
     render_fragment_or_page,
 )
+from engine.core.errors import DomainError
 
 RULES = EditablePage(template="approvals/rules.html", url_name="rules", event="rules-changed")
 

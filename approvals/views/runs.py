@@ -20,7 +20,6 @@ from approvals.selectors import actions_visible_to, plans_visible_to, run_list_f
 from approvals.services.runs import run_revoke
 from audit.services import Actor
 from console import permissions
-from console.core.errors import DomainError
 from console.pages import (
     EVENT_COUNTS,
     console_page,
@@ -31,6 +30,7 @@ from console.pages import (
     render_fragment_or_page,
     render_list_page,
 )
+from engine.core.errors import DomainError
 from ownership.models import OwnershipRecord
 
 # --- actions ---------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from approvals.services import tokens as token_services
 from approvals.services.tokens import token_revoke
 from audit.services import Actor
 from console import permissions
-from console.core.errors import DomainError
 from console.pages import (
     console_page,
     error_status,
@@ -31,6 +30,7 @@ from console.pages import (
     render_fragment_or_page,
     signed_in,
 )
+from engine.core.errors import DomainError
 
 
 def _tokens_context(request: HttpRequest, **extra: Any) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """Airlock's own store (`ResourceKind.target = managed`) — NOT an adapter yet.
 
-Today a managed kind's writes go through the existing write barrier
-(`console/core/barrier.py` `apply_action`: one conditional UPDATE of `ownership_resource`
-with the fence, the `ResourceVersion`, the operation, the action and the audit event in one
-transaction) and undo through `console/core/undo.py`. Those modules are being changed by
-other work this session, so they are not wrapped here: a wrapper now would be a second path
-to the same rows. When the core moves to `engine/` (issue 39 §2 "A home for the core"),
-this module becomes the managed adapter: its version is the integer counter as text
-(`"41"`), it holds the fence (`last_fence`) and its write is the barrier's own statement.
+A managed kind's writes go through the write barrier (`engine/core/barrier.py`
+`apply_action`: one conditional UPDATE of `ownership_resource` with the fence, the
+`ResourceVersion`, the operation, the action and the audit event in one transaction) and
+undo through `engine/core/undo.py`. The core now lives beside the adapters (issue 39 §2 "A
+home for the core"); what remains is this module becoming the managed adapter — its version
+the integer counter as text (`"41"`), holding the fence (`last_fence`), its write the
+barrier's own statement — and the barrier, executor, undo, plan engine and conflict pages
+calling only the adapter interface (docs/targets.md "What remains").
 """

@@ -1,7 +1,7 @@
 """From a kind's target name and settings to its adapter, and the settings check the kind
 API will call before it stores them (issue 39 §2: refused with a clear error).
 
-`managed` and today's `http` (Airlock's own dialect, console/core/targets.py) are not here:
+`managed` and today's `http` (Airlock's own dialect, engine/core/targets.py) are not here:
 they are still executed by the barrier and approvals/services/http_writes.py.
 """
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
-from console.core.errors import ValidationFailed
+from engine.core.errors import ValidationFailed
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

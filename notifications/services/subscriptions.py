@@ -17,8 +17,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit.services import Actor, audit_append
-from console.core.errors import InvalidTransition, NotFound, ValidationFailed
 from console.permissions import is_admin, require_person
+from engine.core.errors import InvalidTransition, NotFound, ValidationFailed
 from notifications.models import EVERYONE, Channel, Delivery, Subscription
 from notifications.services.addresses import url_display, webhook_url_check
 from notifications.services.channels import apprise_url_display, apprise_url_problem

@@ -16,9 +16,9 @@ from ninja import Router, Schema
 from audit.services import Actor
 from console.api_support import RoleBearer, json_response, writing_principal
 from console.auth import any_token
-from console.core.errors import NotFound
 from console.permissions import is_admin
 from console.problems import errors
+from engine.core.errors import NotFound
 from ownership.api.schemas import (
     ConflictClassIn,
     ConflictClassList,

@@ -35,8 +35,8 @@ from console.api_support import (
     read_body,
 )
 from console.auth import any_token, principal_of, run_token
-from console.core.errors import NotFound
 from console.problems import ApiError, errors
+from engine.core.errors import NotFound
 from ownership.api.schemas import (
     KIND_PATTERN,
     PREFIX_PATTERN,

@@ -12,9 +12,9 @@ from typing import Any
 from django.db import transaction
 
 from audit.services import Actor, audit_append
-from console.core.actors import acting_person
-from console.core.errors import Forbidden, ValidationFailed
 from console.permissions import is_admin
+from engine.core.actors import acting_person
+from engine.core.errors import Forbidden, ValidationFailed
 from engine.targets.base import TargetConfigError, TargetError, WeakValidator
 from ownership.models import ApprovalMode, ConflictClass, OnConflict, ResourceKind, TargetType
 from ownership.targets import adapter_for_kind, adapter_for_settings

@@ -27,8 +27,8 @@ from approvals.models import IN_FLIGHT_STATUSES, Action, ActionStatus, Operation
 from approvals.outbox import notify_action_on_commit
 from approvals.services.action_status import action_transition
 from audit.services import Actor
-from console.core.action_audit import audit_action_event
 from console.permissions import resolver_group
+from engine.core.action_audit import audit_action_event
 from ownership.diff import proposed_document, three_way_diff
 from ownership.history import NO_VERSION, base_token, document_at
 from ownership.models import (

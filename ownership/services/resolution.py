@@ -38,9 +38,9 @@ from approvals.services.decisions import MAX_COMMENT_LENGTH
 from approvals.services.separation import answers_for_agent
 from audit.models import ActorType, AuditEvent
 from audit.services import Actor
-from console.core.action_audit import audit_action_event
-from console.core.actors import acting_person
-from console.core.errors import (
+from engine.core.action_audit import audit_action_event
+from engine.core.actors import acting_person
+from engine.core.errors import (
     Forbidden,
     InvalidTransition,
     NotFound,

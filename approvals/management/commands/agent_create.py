@@ -11,8 +11,8 @@ from django.core.management.base import CommandError, CommandParser
 from approvals.models import Agent
 from approvals.services.tokens import agent_create, agent_token_create
 from audit.services import Actor
-from console.core.errors import ValidationFailed
 from console.management import PrincipalCommand
+from engine.core.errors import ValidationFailed
 
 
 class Command(PrincipalCommand):

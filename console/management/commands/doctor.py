@@ -21,8 +21,8 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.utils import timezone
 
 from audit.services import audit_chain_status
-from console.core.fence import current_fence, fence_floor
 from console.health import live_workers, readiness, redis_client
+from engine.core.fence import current_fence, fence_floor
 from notifications.outbox import QUEUE_NAME as NOTIFY_QUEUE
 
 # The whole walk runs hourly (approvals/cron.py); one older than this means the job stopped.

@@ -13,10 +13,10 @@ from django.db import transaction
 
 from approvals.services.tokens import personal_token_create
 from audit.services import Actor
-from console.core.errors import DomainError
 from console.management import PrincipalCommand
 from console.people import person_create
 from console.permissions import ROLES
+from engine.core.errors import DomainError
 
 
 class Command(PrincipalCommand):

@@ -1,6 +1,6 @@
 """Opening an operation: the record of one execution attempt, made before the write.
 
-The barrier (console/core/barrier.py) and the undo (console/core/undo.py) then
+The barrier (engine/core/barrier.py) and the undo (engine/core/undo.py) then
 finish it exactly once, under its row lock.
 """
 
@@ -15,7 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
-from console.core.errors import InvalidTransition, NotFound
+from engine.core.errors import InvalidTransition, NotFound
 
 # An action may be (re-)executed from these statuses.
 EXECUTABLE_STATUSES = (ActionStatus.QUEUED, ActionStatus.PAUSED, ActionStatus.EXECUTING)

@@ -1,4 +1,4 @@
-"""The rows a write locks before it writes, in the one lock order (console/core/barrier.py):
+"""The rows a write locks before it writes, in the one lock order (engine/core/barrier.py):
 the kill-switch lock SHARED, the operation row, the run row FOR SHARE, the action row.
 
 `lock_write_rows` locks them for one write (the barrier's own first step);
@@ -32,9 +32,9 @@ from approvals.models import (
     WriteOperation,
     run_end_exempt,
 )
-from console.core.errors import NotFound
-from console.core.killswitch import SWITCH_LOCK_SHARED, any_engaged, hold_switches_shared
-from console.core.raw_rows import from_row, model_columns, select_list
+from engine.core.errors import NotFound
+from engine.core.killswitch import SWITCH_LOCK_SHARED, any_engaged, hold_switches_shared
+from engine.core.raw_rows import from_row, model_columns, select_list
 from ownership.models import ConflictClass, Resource, ResourceKind, TargetType
 
 # `LockedRows.resource` when the resource was not read with the rows (the barrier reads it).

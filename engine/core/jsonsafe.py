@@ -25,7 +25,7 @@ import math
 import re
 from typing import Any
 
-from console.core.errors import DomainError
+from engine.core.errors import DomainError
 
 MAX_DEPTH = 64
 MAX_KEY_CHARS = 256

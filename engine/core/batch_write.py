@@ -2,7 +2,7 @@
 conditional UPDATE and are recorded with one statement per table (barrier.record_applied),
 instead of four statements a write.
 
-The rule is the barrier's (console/core/barrier.py): a write lands only while its row is at
+The rule is the barrier's (engine/core/barrier.py): a write lands only while its row is at
 the observed version, not a tombstone, and its last fence is older than the batch's fence.
 Every row the batch writes under was locked by lock_batch_rows in the caller's transaction.
 A write that is not plain — a create, an operation already finished, an action no longer
@@ -23,7 +23,8 @@ from django.utils import timezone
 
 from approvals.models import Action, Operation, OperationStatus, WriteOperation
 from audit.services import Actor
-from console.core.barrier import (
+from console.tracing import traced
+from engine.core.barrier import (
     WriteOutcome,
     apply_action,
     classify_miss,
@@ -31,10 +32,9 @@ from console.core.barrier import (
     record_applied,
     record_refusal,
 )
-from console.core.land import Written
-from console.core.operations import EXECUTABLE_STATUSES
-from console.core.write_rows import NOT_READ, LockedRows, run_end_status
-from console.tracing import traced
+from engine.core.land import Written
+from engine.core.operations import EXECUTABLE_STATUSES
+from engine.core.write_rows import NOT_READ, LockedRows, run_end_status
 from ownership.models import Resource
 
 # The barrier's conditional UPDATE for many rows: each (id, observed version, document,

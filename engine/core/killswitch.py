@@ -13,8 +13,8 @@ import re
 from django.db import connection
 
 from console.advisory_locks import KILL_SWITCH
-from console.core.errors import KillSwitchEngaged
 from console.models import KillSwitch
+from engine.core.errors import KillSwitchEngaged
 
 # The one rule for a scope, used by the service, the API schema and the form:
 # `*`, or a kind slug, `/`, and a resource-name prefix with an optional `*`.

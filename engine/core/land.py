@@ -1,11 +1,11 @@
 """A single update or delete landing in ONE statement (PostgreSQL).
 
-The barrier's conditional UPDATE (console/core/barrier.py: `WHERE id AND version =
+The barrier's conditional UPDATE (engine/core/barrier.py: `WHERE id AND version =
 :observed AND last_fence < :fence AND NOT deleted`) and what records the write — the new
 ResourceVersion, the operation `done`, the action `applied` — as one statement of
 data-modifying CTEs: the three records are written only when the UPDATE returned the row,
 so a miss changes nothing and is classified afterwards, as before. The operation and
-action rows are already locked by this transaction (console/core/write_rows.py), so the
+action rows are already locked by this transaction (engine/core/write_rows.py), so the
 statement takes no lock the one lock order does not already hold, except the resource
 row's, which the UPDATE takes first. The audit event stays a statement of its own, run
 after this one (it locks the audit head, always last), but is sent with it: one round trip.

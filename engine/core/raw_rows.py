@@ -1,7 +1,7 @@
 """Model instances from raw SQL rows, as the ORM would build them.
 
 The hot paths that send their own statements (the barrier's locks in
-`console/core/write_rows.py`, a decision's in `approvals/services/decision_rows.py`) select a
+`engine/core/write_rows.py`, a decision's in `approvals/services/decision_rows.py`) select a
 model's columns by name and turn the row back into instances here: the column list and the
 per-field conversions (a JSONField decodes its text) are worked out once per model and
 column set, not per row.

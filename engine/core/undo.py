@@ -29,11 +29,11 @@ from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.services import Actor
-from console.core.action_audit import audit_action_event
-from console.core.actors import person_id
-from console.core.errors import NotFound
-from console.core.killswitch import hold_switches_shared, refuse_if_engaged
-from console.core.versions import counter
+from engine.core.action_audit import audit_action_event
+from engine.core.actors import person_id
+from engine.core.errors import NotFound
+from engine.core.killswitch import hold_switches_shared, refuse_if_engaged
+from engine.core.versions import counter
 from ownership.models import Resource, ResourceVersion
 
 WINDOW_EXPIRED = "window_expired"

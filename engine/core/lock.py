@@ -18,9 +18,9 @@ from typing import Any
 
 from redis import Redis
 
-from console.core.errors import LockBusy, LockLost
-from console.core.fence import next_fence
 from console.tracing import traced
+from engine.core.errors import LockBusy, LockLost
+from engine.core.fence import next_fence
 
 LOCK_NAMESPACE = "airlock:lock:"
 log = logging.getLogger("airlock.lock")

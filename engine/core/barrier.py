@@ -1,6 +1,6 @@
 """The write barrier: every accepted write is one conditional UPDATE (or INSERT).
 
-`apply_action` finishes an operation opened by console.core.operations, in ONE
+`apply_action` finishes an operation opened by engine.core.operations, in ONE
 transaction. Lock order (the project's one order): the kill-switch lock SHARED, the
 operation row, the run row FOR SHARE, the action row; then re-check the kill switch and the
 run (a revoke/finish/expiry updates the run row: one of the two waits for the other), then
@@ -43,19 +43,19 @@ from approvals.models import (
     WriteOperation,
 )
 from audit.services import Actor, EventSpec, audit_append
-from console.core.action_audit import action_event
-from console.core.killswitch import refuse_if_engaged
-from console.core.land import Written, land_write, undo_window
-from console.core.operations import EXECUTABLE_STATUSES
-from console.core.versions import counter, token
-from console.core.write_rows import (
+from console.tracing import traced
+from engine.core.action_audit import action_event
+from engine.core.killswitch import refuse_if_engaged
+from engine.core.land import Written, land_write, undo_window
+from engine.core.operations import EXECUTABLE_STATUSES
+from engine.core.versions import counter, token
+from engine.core.write_rows import (
     NOT_READ,
     LockedRows,
     lock_run_for_share,
     lock_write_rows,
     run_end_status,
 )
-from console.tracing import traced
 from ownership.diff import proposed_document
 from ownership.models import Resource, ResourceVersion
 
