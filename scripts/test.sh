@@ -19,11 +19,15 @@ fi
 # Debian packages the suite drives as real peers, installed when missing (one apt run):
 # wrk (the deployment load tests), pgbouncer (tests/test_db_pgbouncer.py serves the web line
 # through a transaction-mode PgBouncer), apache2 (mod_dav: a WebDAV server with strong ETags
-# nobody here wrote, for the HTTP target adapter; also git's smart HTTP for the git adapter).
+# nobody here wrote, for the HTTP target adapter; also git's smart HTTP for the git adapter),
+# openssh-server + openssh-client (sshd serving the git adapter's ssh remotes; ssh-keygen
+# makes the test's host and client keys: tests/fixtures/sshd.py).
 missing=()
 command -v wrk >/dev/null 2>&1 || missing+=(wrk)
 command -v pgbouncer >/dev/null 2>&1 || [[ -x /usr/sbin/pgbouncer ]] || missing+=(pgbouncer)
 command -v apache2 >/dev/null 2>&1 || [[ -x /usr/sbin/apache2 ]] || missing+=(apache2)
+[[ -x /usr/sbin/sshd ]] || missing+=(openssh-server)
+{ command -v ssh && command -v ssh-keygen; } >/dev/null 2>&1 || missing+=(openssh-client)
 if (( ${#missing[@]} )); then
   if [[ "$(id -u)" -ne 0 ]]; then SUDO=sudo; else SUDO=; fi
   $SUDO apt-get update -qq

@@ -365,8 +365,9 @@ def test_a_file_that_is_not_a_document_is_an_error_on_read(
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"repository": "ssh://host/x.git", "mirror": "/m"}, "ssh is not supported yet"),
-        ({"repository": "git@github.com:x/y.git", "mirror": "/m"}, "ssh"),
+        ({"repository": "ssh://host/x.git", "mirror": "/m"}, "ssh_key_env"),
+        ({"repository": "git@github.com:x/y.git", "mirror": "/m"}, "ssh_key_env"),
+        ({"repository": "git://host/x.git", "mirror": "/m"}, "ssh:// URL"),
         ({"repository": "https://u:p@host/x.git", "mirror": "/m"}, "no user or password"),
         ({"repository": "https://host/x.git"}, "mirror"),
         ({"repository": "https://host/x.git", "mirror": "m"}, "mirror"),

@@ -5,6 +5,8 @@ A kind's settings (`GitSettings.from_settings`):
     repository   a local path to a repository (bare or not), or a remote URL (below)
     mirror       a remote repository's local bare mirror (an absolute path; created on use)
     credentials_env  an http(s) remote's credentials variable (user:password or a token)
+    ssh_key_env, ssh_known_hosts_env   an ssh remote's variables: the private key's text,
+                 and the known_hosts line(s) pinning the server's host key (both required)
     branch       the branch the documents live on (created by the first create if absent)
     path_prefix  optional folder inside the repository ("config/tenants/")
     author_name, author_email   who the commits are by (default "Airlock")
@@ -28,12 +30,14 @@ own. The check and the branch move are one unit because the CAS names the head t
 read. Commits made outside Airlock carry no fence (0). Reading that last commit walks the
 history of one path (`git log -1 -- <path>`), which costs more on a long history.
 
-A remote repository (`file://`, `http://`, `https://`; ssh is not supported yet) is worked
+A remote repository (`file://`, `http://`, `https://`, `ssh://` or `user@host:path`) is worked
 on through a local bare `mirror`: `ls-remote` + `fetch` read the branch, the commit is built
 in the mirror the same way, and `push --force-with-lease=<ref>:<head>` moves the branch by
 compare-and-swap on the remote (engine/targets/git_remote.py). `credentials_env` (http(s)
 only) holds `user:password` or a token, handed to git by a credential helper through the
-child's environment. A push with no answer for our ref is `unknown`: settle by reading.
+child's environment; an ssh remote's key and pinned host keys reach git's ssh through
+GIT_SSH_COMMAND, host key checking always strict (engine/targets/git_ssh.py). A push with no
+answer for our ref is `unknown`: settle by reading.
 
 A non-bare repository whose working tree has the branch checked out is left behind by
 `update-ref` (its files look modified): point Airlock at a bare repository or another branch.
@@ -73,6 +77,7 @@ from engine.targets.git_remote import (
     RemoteUnreachable,
     check_remote_url,
 )
+from engine.targets.git_ssh import is_ssh_url
 
 MAX_REBASES = 8
 ZERO = "0" * 40
@@ -80,6 +85,8 @@ _KNOWN = (
     "repository",
     "mirror",
     "credentials_env",
+    "ssh_key_env",
+    "ssh_known_hosts_env",
     "branch",
     "path_prefix",
     "author_name",
@@ -107,10 +114,12 @@ class GitSettings:
     timeout: float = 30.0
     mirror: str | None = None  # a remote repository's local bare mirror
     credentials_env: str | None = None  # an http(s) remote's user:password (or token)
+    ssh_key_env: str | None = None  # an ssh remote's private key (its text)
+    ssh_known_hosts_env: str | None = None  # an ssh remote's pinned host key line(s)
 
     @property
     def is_remote(self) -> bool:
-        return "://" in self.repository
+        return "://" in self.repository or is_ssh_url(self.repository)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> GitSettings:
@@ -122,7 +131,9 @@ class GitSettings:
             raise TargetConfigError("repository: the path of a local git repository")
         mirror = settings.get("mirror")
         credentials_env = settings.get("credentials_env")
-        if "://" in repository or repository.startswith("git@"):
+        ssh_key_env = settings.get("ssh_key_env")
+        ssh_known_hosts_env = settings.get("ssh_known_hosts_env")
+        if "://" in repository or is_ssh_url(repository) or repository.startswith("git@"):
             problem = check_remote_url(repository)
             if problem:
                 raise TargetConfigError(problem)
@@ -132,13 +143,25 @@ class GitSettings:
                 )
             if credentials_env is not None:
                 if not repository.startswith(("http://", "https://")):
-                    raise TargetConfigError("credentials_env: only for http(s) remotes")
+                    raise TargetConfigError(
+                        "credentials_env: only for http(s) remotes "
+                        "(an ssh remote names ssh_key_env and ssh_known_hosts_env)"
+                    )
                 check_env_name(credentials_env)
+            if is_ssh_url(repository):
+                check_env_name(ssh_key_env, "ssh_key_env")
+                check_env_name(ssh_known_hosts_env, "ssh_known_hosts_env")
+            elif ssh_key_env is not None or ssh_known_hosts_env is not None:
+                raise TargetConfigError("ssh_key_env and ssh_known_hosts_env: only for ssh remotes")
         else:
             if not os.path.isabs(repository):
                 raise TargetConfigError("repository: an absolute path")
-            if mirror is not None or credentials_env is not None:
-                raise TargetConfigError("mirror and credentials_env: only for a remote repository")
+            if any(
+                v is not None for v in (mirror, credentials_env, ssh_key_env, ssh_known_hosts_env)
+            ):
+                raise TargetConfigError(
+                    "mirror, credentials_env and ssh_*_env: only for a remote repository"
+                )
         branch = settings.get("branch", "main")
         if not isinstance(branch, str) or not _BRANCH.match(branch) or branch.endswith(".lock"):
             raise TargetConfigError(f"branch: {branch!r} is not a plain branch name")
@@ -156,7 +179,18 @@ class GitSettings:
         timeout = settings.get("timeout", 30.0)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise TargetConfigError("timeout: a positive number of seconds")
-        return cls(repository, branch, prefix, name, email, float(timeout), mirror, credentials_env)
+        return cls(
+            repository=repository,
+            branch=branch,
+            path_prefix=prefix,
+            author_name=name,
+            author_email=email,
+            timeout=float(timeout),
+            mirror=mirror,
+            credentials_env=credentials_env,
+            ssh_key_env=ssh_key_env,
+            ssh_known_hosts_env=ssh_known_hosts_env,
+        )
 
 
 def _check_path(path: str, what: str) -> None:

@@ -9,6 +9,11 @@ Credentials (`credentials_env`, for http(s) remotes): the variable holds `user:p
 a bare token. They reach git through a credential helper that reads them from the child
 process's environment — never from the URL, the command line (visible in `ps`), the mirror's
 config or a file — and every message is scrubbed of them.
+
+ssh remotes (`ssh://`, `user@host:path`; engine/targets/git_ssh.py): `ssh_key_env` and
+`ssh_known_hosts_env` reach git's ssh through `GIT_SSH_COMMAND` for each fetch and push, host
+key checking always strict. ssh saying nothing was sent (no connection → not sent; an unknown
+host key or a refused key → failed) decides a push with no answer for our ref.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
 from engine.targets.base import TargetError, child_environment, read_credentials, scrub
+from engine.targets.git_ssh import UNREACHABLE as SSH_UNREACHABLE
+from engine.targets.git_ssh import check_ssh_url, is_ssh_url, ssh_access, ssh_complaint
 
 # Git runs a `!`-helper with the shell; the values come from the environment git inherits.
 _HELPER = (
@@ -29,14 +37,16 @@ _HELPER = (
     'echo "username=$AIRLOCK_GIT_USERNAME"; echo "password=$AIRLOCK_GIT_PASSWORD"; }; f'
 )
 MOVED, LOST, UNKNOWN = "moved", "lost", "unknown"
-# What git (curl) says when the remote could not be reached at all: nothing was sent.
+# What git (curl, ssh) says when the remote could not be reached at all: nothing was sent.
 _UNREACHABLE = (
     "Failed to connect",
     "Could not resolve host",
     "Connection refused",
     "Connection timed out",
     "Operation timed out",
+    *SSH_UNREACHABLE,
 )
+_NETWORK = frozenset({"fetch", "push", "ls-remote"})
 
 
 class RemoteUnreachable(TargetError):
@@ -52,6 +62,12 @@ class RemoteSettings(Protocol):
     def mirror(self) -> str | None: ...
     @property
     def credentials_env(self) -> str | None: ...
+    @property
+    def ssh_key_env(self) -> str | None: ...
+    @property
+    def ssh_known_hosts_env(self) -> str | None: ...
+    @property
+    def timeout(self) -> float: ...
 
 
 Runner = Callable[..., subprocess.CompletedProcess[bytes]]
@@ -74,9 +90,23 @@ class GitRemote:
         env |= {"AIRLOCK_GIT_USERNAME": user, "AIRLOCK_GIT_PASSWORD": password}
         return ["-c", "credential.helper=", "-c", _HELPER], env, [secret, password]
 
-    def _git(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+    @contextmanager
+    def _access(self, command: str) -> Iterator[tuple[list[str], dict[str, str], list[str]]]:
+        """(config args, child environment, secrets) for one git command; an ssh remote's
+        key files exist only while a fetch or push runs."""
         pre, env, secrets = self._credentials()
-        done = self._run(*args, pre=pre, env=env)
+        s = self.settings
+        if command not in _NETWORK or not is_ssh_url(s.repository):
+            yield pre, env, secrets
+            return
+        if s.ssh_key_env is None or s.ssh_known_hosts_env is None:
+            raise TargetError("an ssh remote needs ssh_key_env and ssh_known_hosts_env")
+        with ssh_access(s.ssh_key_env, s.ssh_known_hosts_env, s.timeout) as (ssh_env, keys):
+            yield pre, env | ssh_env, secrets + keys
+
+    def _git(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+        with self._access(args[0]) as (pre, env, secrets):
+            done = self._run(*args, pre=pre, env=env)
         if secrets:  # nothing of the secret leaves in what git printed
             done.stdout = scrub(done.stdout.decode(errors="replace"), secrets).encode()
             done.stderr = scrub(done.stderr.decode(errors="replace"), secrets).encode()
@@ -138,7 +168,9 @@ class GitRemote:
             if "couldn't find remote ref" in message:
                 return None
             lines = message.strip().splitlines()
-            text = f"git fetch failed: {lines[-1] if lines else done.returncode}"
+            said = ssh_complaint(message)
+            reason = said[1] if said else lines[-1] if lines else done.returncode
+            text = f"git fetch failed: {reason}"
             if any(sign in message for sign in _UNREACHABLE):
                 raise RemoteUnreachable(text)
             raise TargetError(text)
@@ -157,7 +189,16 @@ class GitRemote:
             self.settings.repository,
             f"{commit}:{ref}",
         )
-        return classify_push(done.stdout.decode(errors="replace"), done.returncode, ref)
+        result = classify_push(done.stdout.decode(errors="replace"), done.returncode, ref)
+        if result == UNKNOWN and is_ssh_url(self.settings.repository):
+            # ssh never got to send anything: say so rather than settle by reading.
+            said = ssh_complaint(done.stderr.decode(errors="replace"))
+            if said is not None:
+                unreachable, line = said
+                raise (RemoteUnreachable if unreachable else TargetError)(
+                    f"git push failed: {line}"
+                )
+        return result
 
 
 def classify_push(porcelain: str, returncode: int, ref: str) -> str:
@@ -182,7 +223,9 @@ def check_remote_url(url: str) -> str:
         if "@" in host:
             return "repository: no user or password in the URL — name credentials_env instead"
         return ""
+    if is_ssh_url(url):
+        return check_ssh_url(url)
     return (
-        "repository: a local absolute path, or a file://, http:// or https:// URL "
-        "(ssh is not supported yet)"
+        "repository: a local absolute path, a file://, http://, https:// or ssh:// URL, "
+        "or user@host:path"
     )
