@@ -60,6 +60,15 @@ GOALS: dict[str, Goal] = {
         )
         for clients in (8, 32, 128)
     },
+    **{
+        f"proposal_vs_bare_insert_{clients}": Goal(
+            f"write proposal (PATCH → 202 queued) ÷ bare token check + INSERT view, {clients} "
+            "clients (0 errors)",
+            ">=",
+            0.5,
+        )
+        for clients in (8, 32, 128)
+    },
     "longpoll_held": Goal("long-polls held by the default web processes", ">=", 2000),
     "longpoll_wake_p99_ms": Goal("long-poll wake-up p99", "<", 100, " ms"),
     "approval_round_trip_p50_ms": Goal("approval round trip p50 (200 waiting)", "<", 15, " ms"),

@@ -82,12 +82,14 @@ def _measure(bench: Bench, only: set[str]) -> dict[str, Any]:
     from bench import notify
     from bench.figures import FIGURES
     from bench.gets import GROUPS as GETS
+    from bench.proposals import GROUPS as PROPOSALS
     from bench.scale import KEYS, scale
     from bench.targets_figure import KEYS as TARGET_KEYS
     from bench.targets_figure import target_writes
 
     groups = {
         **GETS,
+        **PROPOSALS,
         **FIGURES,
         "notify": (notify.black_hole_round_trip, notify.KEYS),
         "targets": (target_writes, TARGET_KEYS),

@@ -12,6 +12,8 @@ class Size:
     clients: tuple[int, ...]  # concurrent poll connections
     poll_rounds: int  # interleaved bare / product rounds; the figure is the median ratio
     poll_seconds: int  # per wrk run
+    proposal_seconds: int  # per wrk run of the proposal figure (bench.proposals)
+    proposal_rounds: int  # its interleaved bare / product rounds (order flipped each round)
     longpoll: int  # polls held at once
     longpoll_wakes: int  # of which this many are woken (and timed); the rest stay held
     roundtrip_waiting: int  # agents still waiting while each decision is timed
@@ -39,6 +41,8 @@ _TABLE: dict[str, tuple[Any, Any, Any]] = {
     # rounds and seconds that keep `small` under 3 minutes and `default` under 15.
     "poll_rounds": (1, 2, 3),
     "poll_seconds": (1, 1, 2),
+    "proposal_seconds": (1, 2, 3),
+    "proposal_rounds": (1, 2, 3),
     "longpoll": (20, 500, 2000),
     "longpoll_wakes": (10, 100, 300),
     "roundtrip_waiting": (10, 200, 200),

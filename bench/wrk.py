@@ -18,7 +18,7 @@ class WrkResult:
     p99_ms: float
     requests: int
     statuses: dict[str, int]
-    errors: int  # socket errors, timeouts and every answer outside 200/304
+    errors: int  # socket errors, timeouts and every answer outside `ok` (200/304 by default)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -38,18 +38,30 @@ def wrk_binary() -> str:
     return binary
 
 
-def run_wrk(url: str, *, clients: int, seconds: int, token: str, etag: str = "") -> WrkResult:
-    """`clients` keep-alive connections on one wrk thread for `seconds`."""
-    # An answer slower than 2 s counts as a timeout (an error), as it would for a polling agent.
-    args = [wrk_binary(), "-t1", f"-c{clients}", f"-d{seconds}s", "--timeout", "2s"]
-    args += ["-s", str(SCRIPT), url, "--", token, etag]
+def run_wrk(
+    url: str,
+    *,
+    clients: int,
+    seconds: int,
+    token: str = "",
+    etag: str = "",
+    script: Path = SCRIPT,
+    script_args: list[str] | None = None,
+    ok: tuple[str, ...] = ("200", "304"),
+    timeout: str = "2s",
+) -> WrkResult:
+    """`clients` keep-alive connections on one wrk thread for `seconds`: the poll script with
+    `token` and `etag`, or `script` with `script_args`; an answer outside `ok` is an error."""
+    # An answer slower than `timeout` (2 s: as it would be for a polling agent) is an error.
+    args = [wrk_binary(), "-t1", f"-c{clients}", f"-d{seconds}s", "--timeout", timeout]
+    args += ["-s", str(script), url, "--", *(script_args if script_args else [token, etag])]
     done = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("WRK_JSON ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr[-800:]}")
     raw = json.loads(lines[-1].removeprefix("WRK_JSON "))
     statuses = {str(k): int(v) for k, v in sorted(raw["statuses"].items())}
-    bad = sum(n for code, n in statuses.items() if code not in ("200", "304"))
+    bad = sum(n for code, n in statuses.items() if code not in ok)
     if not raw["requests"]:
         bad += clients  # nothing answered at all: every connection's request was lost
     return WrkResult(

@@ -17,8 +17,12 @@ from bench.report import GOALS
 from bench.stack import read_procfile
 from tests.conftest import ROOT
 
-# The tiny size polls with 8 clients only.
-NOT_IN_TINY = {key for key in GOALS if key.endswith(("_vs_bare_32", "_vs_bare_128"))}
+# The tiny size polls (and proposes) with 8 clients only.
+NOT_IN_TINY = {
+    key
+    for key in GOALS
+    if key.endswith(("_vs_bare_32", "_vs_bare_128", "_vs_bare_insert_32", "_vs_bare_insert_128"))
+}
 
 
 def run_bench_module(args: list[str], *, database: str, extra_env: dict[str, str]) -> str:
@@ -77,6 +81,11 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
         "worker_kill_recovery_p50_s"
     ]
     assert figures["audit_appends_per_s_1"]["chain"]["chain_ok"] is True
+    # Every write proposal answered 202 and was applied, every bare INSERT answered 202.
+    proposal = figures["proposal_vs_bare_insert_8"]
+    assert proposal["errors"] == 0, proposal
+    assert proposal["proposal_rps"] > 0 and proposal["bare_rps"] > 0, proposal
+    assert set(proposal["proposal_statuses"]) == {"202"} == set(proposal["bare_statuses"])
     # The black-hole figure's subscriber heard every timed decision and the hole was tried.
     hole = figures["notify_black_hole_round_trip_ratio"]
     assert hole["errors"] == 0 and hole["black_hole"]["attempted"], hole
