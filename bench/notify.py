@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # bench.run registers this figure (bench.figures imports mode
 KEYS = ["notify_black_hole_round_trip_ratio"]
 # Per size: rounds (each one paused and one active run), and decisions timed per run.
 _ROUNDS = {"tiny": 1, "small": 2, "default": 5}
-_SAMPLES = {"tiny": 5, "small": 20, "default": 40}
+_SAMPLES = {"tiny": 5, "small": 12, "default": 40}
 _WAITING = 20  # agents still waiting while each decision is timed
 _LOOPBACK = {"AIRLOCK_WEBHOOK_ALLOW_HTTP": "true", "AIRLOCK_WEBHOOK_ALLOW_HOSTS": "127.0.0.1"}
 
