@@ -106,6 +106,17 @@ def _measure(bench: Bench, only: set[str]) -> dict[str, Any]:
     return out
 
 
+def _not_at_this_size(figures: dict[str, Any], clients: tuple[int, ...], size: str) -> None:
+    """A client count this size does not measure (`small`: 8 and 128) says so, not "not
+    reached" (which means the run stopped before the figure)."""
+    for key, fig in figures.items():
+        count = key.rsplit("_", 1)[-1]
+        if "vs_bare" not in key or key.startswith("audit_") or not count.isdigit():
+            continue
+        if fig.get("not_measured") and int(count) not in clients:
+            fig["not_measured"] = f"size {size} measures {', '.join(map(str, clients))} clients"
+
+
 def _guarded(name: str, keys: list[str], fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         return fn()
@@ -157,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"size {args.size}: web :{stack.web_port}, bare :{stack.bare_port}, logs {workdir}")
         bench = _start(stack, SIZES[args.size])
         doc["figures"].update(_measure(bench, {s for s in args.only.split(",") if s}))
+        _not_at_this_size(doc["figures"], SIZES[args.size].clients, args.size)
     except Exception as exc:
         doc["stack_error"] = f"{type(exc).__name__}: {exc}"[:800]
         log(f"the stack did not come up: {doc['stack_error']}")
