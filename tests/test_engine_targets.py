@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
-from django.utils import timezone
 
 from approvals.models import Action, Approval, Operation
 from approvals.services.decisions import approval_decide
@@ -14,6 +12,7 @@ from approvals.services.execution import action_execute
 from audit.models import AuditEvent
 from audit.services import Actor
 from ownership.models import Conflict
+from tests.fixtures.engine import wait_until_due
 from tests.targetserver import TargetServer
 
 pytestmark = pytest.mark.django_db
@@ -43,14 +42,6 @@ def _queued_write(
     target.fail_next(*fail)
     target.hang_after_apply(hang)
     return engine_world.propose(http_kind, name, payload={"n": 2}, observed_version=1)
-
-
-def _wait_until_due(action: Action) -> None:
-    action.refresh_from_db()
-    if action.not_before:
-        delay = (action.not_before - timezone.now()).total_seconds()
-        if delay > 0:
-            time.sleep(delay + 0.01)
 
 
 def test_a_write_to_an_http_target_sends_if_match_key_and_fence(
@@ -106,9 +97,9 @@ def test_429_then_success_applies_once_with_the_same_key(
     assert action_execute(action_id=action.pk) == "retry"
     action.refresh_from_db()
     assert action.status == "queued" and action.attempts == 1 and action.not_before is not None
-    _wait_until_due(action)
+    wait_until_due(action)
     assert action_execute(action_id=action.pk) == "retry"
-    _wait_until_due(action)
+    wait_until_due(action)
     assert action_execute(action_id=action.pk) == "applied"
     assert target.effects == 1
     assert len({r["key"] for r in target.requests}) == 1 and len(target.requests) == 3
@@ -129,7 +120,7 @@ def test_a_timeout_after_sending_leaves_the_operation_unknown_until_a_replay_set
     action.refresh_from_db()
     assert action.status == "queued"
 
-    _wait_until_due(action)
+    wait_until_due(action)
     assert action_execute(action_id=action.pk) == "applied"
     assert target.effects == 1  # the replay applied nothing new
     first.refresh_from_db()
@@ -146,7 +137,7 @@ def test_a_failing_target_fails_the_action_after_bounded_attempts(
     settings.AIRLOCK_BACKOFF_BASE_SECONDS = 0.05
     action = _queued_write(engine_world, http_kind, target, "prod", fail=(502, 502, 502))
     assert action_execute(action_id=action.pk) == "retry"
-    _wait_until_due(action)
+    wait_until_due(action)
     action_execute(action_id=action.pk)
     action.refresh_from_db()
     assert action.status == "failed"
@@ -229,13 +220,13 @@ def test_423_is_retried_and_409_becomes_a_conflict_routed_by_class(
 ) -> None:
     action = _queued_write(engine_world, http_kind, target, "locked", fail=(423,))
     assert action_execute(action_id=action.pk) == "retry"
-    _wait_until_due(action)
+    wait_until_due(action)
     assert action_execute(action_id=action.pk) == "applied"
 
     # The dialect's 409 refuses a stale Fencing-Token: with the version still the one we
     # wrote on, this holder was overtaken — it retries under a new fence (never a conflict).
     other = _queued_write(engine_world, http_kind, target, "busy", fail=(409,))
     assert action_execute(action_id=other.pk) == "retry"
-    _wait_until_due(other)
+    wait_until_due(other)
     assert action_execute(action_id=other.pk) == "applied"
     assert target.effects == 2

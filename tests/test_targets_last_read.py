@@ -16,14 +16,12 @@ target applied its write on its last attempt.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from django.utils import timezone
 
 from approvals.models import Action, Operation
 from approvals.services.execution import action_execute
@@ -34,7 +32,7 @@ from audit.services import Actor
 from engine.targets import pg_pool
 from ownership.models import Conflict, ResourceKind
 from ownership.targets import read_through
-from tests.fixtures.engine import WORKER_LOCK_TTL_MS, wait_for
+from tests.fixtures.engine import WORKER_LOCK_TTL_MS, wait_for, wait_until_due
 from tests.fixtures.flaky_link import FlakyLink
 from tests.fixtures.targets import ROWS_SETTINGS, row, rows_database
 from tests.targetserver import TargetServer
@@ -108,14 +106,6 @@ def _propose(engine_world: Any, kind: ResourceKind) -> Action:
     )
 
 
-def _wait_until_due(action: Action) -> None:
-    action.refresh_from_db()
-    if action.not_before:
-        delay = (action.not_before - timezone.now()).total_seconds()
-        if delay > 0:
-            time.sleep(delay + 0.01)
-
-
 def _events(action: Action, event_type: str) -> list[dict[str, Any]]:
     return list(
         AuditEvent.objects.filter(event_type=event_type, action_id=action.pk)
@@ -159,13 +149,13 @@ def test_attempts_run_out_after_a_lost_answer_and_the_last_read_decides(
     # Attempt 2 (the last one allowed): the target is unreachable, so the read that would
     # settle attempt 1 fails. Before this change the action ended `failed` here.
     link.down()
-    _wait_until_due(action)
+    wait_until_due(action)
     action_execute(action_id=action.pk)
     _last_read_due(action, attempts=2)
 
     if case != "unreadable":
         link.up()
-    _wait_until_due(action)
+    wait_until_due(action)
     outcome = action_execute(action_id=action.pk)
     action.refresh_from_db()
     lost.refresh_from_db()
@@ -222,7 +212,7 @@ def test_an_http_write_whose_only_attempt_lost_its_answer_is_settled_by_the_last
     assert action_execute(action_id=action.pk) == "unknown"
     _last_read_due(action, attempts=1)
 
-    _wait_until_due(action)
+    wait_until_due(action)
     assert action_execute(action_id=action.pk) == "applied"
     assert target.effects == 1 and len(target.requests) == 1  # read, not written again
     assert target.documents["prod"]["document"] == {"n": 2}
