@@ -19,15 +19,15 @@ from bench.wrk import WrkResult, run_wrk
 CLIENTS = (8, 32, 128)  # every size's client counts (the tiny size: the first only)
 
 
-def _first_answers(targets: dict[str, tuple[str, str, str]]) -> str:
-    """Every GET answers 200 before any load; returns the action poll's ETag."""
+def _first_answers(targets: dict[str, tuple[str, str, str]]) -> dict[str, str]:
+    """Every GET answers 200 before any load; returns each one's ETag (by target name)."""
+    etags: dict[str, str] = {}
     for name, (url, token, _) in targets.items():
         answer = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
         if answer.status_code != 200:
             raise RuntimeError(f"{name}: {answer.status_code} {answer.text[:300]}")
-    poll_url, token, _ = targets["poll"]
-    answer = httpx.get(poll_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    return str(answer.headers.get("etag", ""))
+        etags[name] = str(answer.headers.get("etag", ""))
+    return etags
 
 
 # Every agent-facing GET measured beside the action poll with the run token (`poll`), each
@@ -66,13 +66,19 @@ Targets = dict[str, tuple[str, str, str]]
 Rounds = dict[int, list[dict[str, WrkResult]]]
 
 
-def _wrk_rounds(b: Bench, group: str, targets: Targets) -> Rounds:
+def _wrk_rounds(
+    b: Bench, group: str, targets: Targets, *, first_count_only: frozenset[str] = frozenset()
+) -> Rounds:
     """Every target under wrk at each client count, interleaved per round (order flipped
-    every other round), so drift on a shared machine hits all of them alike."""
+    every other round), so drift on a shared machine hits all of them alike. The targets in
+    `first_count_only` run at the size's first client count only."""
     rounds: Rounds = {c: [] for c in b.size.clients}
     for number in range(b.size.poll_rounds):
         for clients in b.size.clients:
-            order = list(targets) if number % 2 == 0 else list(reversed(targets))
+            names = [
+                n for n in targets if clients == b.size.clients[0] or n not in first_count_only
+            ]
+            order = names if number % 2 == 0 else list(reversed(names))
             results: dict[str, WrkResult] = {}
             for name in order:
                 target, token, inm = targets[name]
@@ -99,24 +105,39 @@ def _versus_bare(rounds: Rounds, names: list[str], **detail: Any) -> dict[str, A
     return out
 
 
-def poll(b: Bench) -> dict[str, Any]:
-    """Bare, product and 304 runs interleaved per round (order flipped every other round),
-    so drift on a shared machine hits all of them; each figure is the median per-round ratio.
-    Beside the action poll with the run token: every agent-facing GET with each token kind."""
-    targets = _get_targets(b)
-    url, token, _ = targets["poll"]
-    targets["304"] = (url, token, _first_answers(targets))
-    rounds = _wrk_rounds(b, "poll", targets)
-    out = _versus_bare(rounds, ["poll", *(get for get, _, _ in AGENT_GETS)])
-    all_runs = [r for runs in rounds.values() for r in runs]
-    not_304 = sum(r["304"].requests - r["304"].statuses.get("304", 0) for r in all_runs)
-    out["poll_304_vs_200"] = figure(
-        "poll_304_vs_200",
-        rounded_median([r["304"].rps / r["poll"].rps for r in all_runs if r["poll"].rps]),
-        errors=sum(r["304"].errors for r in all_runs),
+def _versus_200(name: str, runs: list[dict[str, WrkResult]], ok: str, revalidated: str) -> Any:
+    """`name`: the median per-round rate of the If-None-Match GET ÷ the same GET's 200."""
+    not_304 = sum(r[revalidated].requests - r[revalidated].statuses.get("304", 0) for r in runs)
+    return figure(
+        name,
+        rounded_median([r[revalidated].rps / r[ok].rps for r in runs if r[ok].rps]),
+        errors=sum(r[revalidated].errors for r in runs),
         answers_not_304=not_304,
         note="If-None-Match was not answered 304" if not_304 else "",
     )
+
+
+def poll(b: Bench) -> dict[str, Any]:
+    """Bare, product and 304 runs interleaved per round (order flipped every other round),
+    so drift on a shared machine hits all of them; each figure is the median per-round ratio.
+    Beside the action poll with the run token: every agent-facing GET with each token kind,
+    and each of them revalidated (If-None-Match with its ETag → 304) at the first client
+    count (the action poll's own 304 at every count, as before)."""
+    targets = _get_targets(b)
+    etags = _first_answers(targets)
+    for name in ("poll", *(get for get, _, _ in AGENT_GETS)):
+        url, token, _ = targets[name]
+        targets[f"{name}_304"] = (url, token, etags[name])
+    later = frozenset(f"{get}_304" for get, _, _ in AGENT_GETS)
+    rounds = _wrk_rounds(b, "poll", targets, first_count_only=later)
+    out = _versus_bare(rounds, ["poll", *(get for get, _, _ in AGENT_GETS)])
+    all_runs = [r for runs in rounds.values() for r in runs]
+    out["poll_304_vs_200"] = _versus_200("poll_304_vs_200", all_runs, "poll", "poll_304")
+    first = rounds[b.size.clients[0]]
+    for get, _, _ in AGENT_GETS:
+        name = f"{get}_304_vs_200"
+        out[name] = _versus_200(name, first, get, f"{get}_304")
+        out[name]["clients"] = b.size.clients[0]
     return out
 
 
@@ -173,7 +194,8 @@ GET_FIGURES = [
     for clients in CLIENTS
 ]
 LIST_FIGURES = [f"{name}_vs_bare_{clients}" for name, _ in LIST_GETS for clients in CLIENTS]
+REVALIDATED_FIGURES = ["poll_304_vs_200", *(f"{get}_304_vs_200" for get, _, _ in AGENT_GETS)]
 GROUPS = {
-    "poll": (poll, [*GET_FIGURES, "poll_304_vs_200"]),
+    "poll": (poll, [*GET_FIGURES, *REVALIDATED_FIGURES]),
     "list": (list_page, LIST_FIGURES),
 }

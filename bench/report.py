@@ -46,6 +46,16 @@ GOALS: dict[str, Goal] = {
     "poll_vs_bare_128": Goal("poll ÷ bare token view, 128 clients (0 errors)", ">=", 0.9),
     "poll_304_vs_200": Goal("304 poll ÷ 200 poll", ">=", 1.5),
     **{
+        f"{name}_304_vs_200": Goal(f"{label}: 304 ÷ 200, 8 clients", ">=", 1.5)
+        for name, label in (
+            ("action_agent", "action poll, agent token"),
+            ("run_run", "run poll, run token"),
+            ("run_agent", "run poll, agent token"),
+            ("resource_run", "resource read, run token"),
+            ("resource_agent", "resource read, agent token"),
+        )
+    },
+    **{
         f"{name}_vs_bare_{clients}": Goal(
             f"{label} ÷ bare token view, {clients} clients (0 errors)", ">=", 0.9
         )

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from bench.gets import REVALIDATED_FIGURES
 from bench.report import GOALS
 from bench.stack import read_procfile
 from tests.conftest import ROOT
@@ -86,6 +87,9 @@ def test_the_bench_runs_on_a_tiny_size_and_writes_every_figure_with_its_goal(
     assert proposal["errors"] == 0, proposal
     assert proposal["proposal_rps"] > 0 and proposal["bare_rps"] > 0, proposal
     assert set(proposal["proposal_statuses"]) == {"202"} == set(proposal["bare_statuses"])
+    # Every agent GET with an ETag was revalidated: each If-None-Match run answered 304 only.
+    for key in REVALIDATED_FIGURES:
+        assert figures[key]["answers_not_304"] == 0 and figures[key]["value"] > 0, figures[key]
     # The black-hole figure's subscriber heard every timed decision and the hole was tried.
     hole = figures["notify_black_hole_round_trip_ratio"]
     assert hole["errors"] == 0 and hole["black_hole"]["attempted"], hole
