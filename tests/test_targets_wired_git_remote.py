@@ -143,6 +143,13 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     yield from (_http_server() if request.param == "http" else _ssh_server())
 
 
+@dataclass(frozen=True)
+class Seen:
+    document: Any
+    blob: str
+    messages: list[str]  # newest first
+
+
 @dataclass
 class Remote:
     server: Server
@@ -179,17 +186,15 @@ class Remote:
         self._git("clone", "--quiet", "--branch", "main", url, str(where))
         return where
 
-    def blob(self) -> str:
-        """The file's blob id on the remote's main."""
-        return self._git("rev-parse", f"HEAD:{FILE}", cwd=self.clone())
-
-    def document(self) -> Any:
-        return json.loads((self.clone() / FILE).read_text())
-
-    def messages(self) -> list[str]:
-        """Every commit message on main, newest first."""
-        log = self._git("log", "--format=%B%x00", "main", cwd=self.clone())
-        return [m.strip() for m in log.split("\x00") if m.strip()]
+    def look(self) -> Seen:
+        """The file and the history as a fresh clone of the remote shows them."""
+        clone = self.clone()
+        log = self._git("log", "--format=%B%x00", "HEAD", cwd=clone)
+        return Seen(
+            document=json.loads((clone / FILE).read_text()),
+            blob=self._git("rev-parse", f"HEAD:{FILE}", cwd=clone),
+            messages=[m.strip() for m in log.split("\x00") if m.strip()],
+        )
 
     def someone_pushes(self, document: Any) -> None:
         """Someone else's commit of the file, pushed to the remote outside Airlock."""
@@ -250,127 +255,137 @@ def _approve(api: Any, action_id: Any, token: str, answers: list[bytes]) -> None
     assert decided.status_code == 200, decided.content
 
 
-def _no_credential_anywhere(server: Server, answers: list[bytes], workers: list[Any], caplog: Any):
-    for worker in workers:
-        worker.stop()
+def _agent_run() -> Any:
+    agent = make_agent_with_token(f"config-bot-{uuid.uuid4().hex[:6]}")
+    return make_active_run(agent.agent, [{"resource": f"{KIND}/{NAME}", "operations": ["update"]}])
+
+
+def _propose(api: Any, run: Any, etag: str, document: Any, answers: list[bytes]) -> str:
+    proposed = api.put(
+        PATH,
+        token=run.token,
+        body=document,
+        headers={"If-Match": etag, "Idempotency-Key": f"remote-{uuid.uuid4().hex}"},
+    )
+    answers.append(proposed.content)
+    assert proposed.status_code == 202, proposed.content
+    assert proposed.json()["status"] == "pending_approval"  # the class asks a person
+    action_id: str = proposed.json()["id"]
+    return action_id
+
+
+def _no_credential_anywhere(
+    server: Server, answers: list[bytes], worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker.stop()
     events = json.dumps(list(AuditEvent.objects.values_list("details", flat=True)))
-    places = [*(answer.decode() for answer in answers), events]
-    places += [worker.output() for worker in workers]
+    assert events != "[]" and worker.output()  # something to look at
+    places = [*(answer.decode() for answer in answers), events, worker.output()]
     places += [record.getMessage() for record in caplog.records]
     for place in places:
         for secret in server.secrets:
             assert secret not in place
 
 
-def test_an_approved_write_lands_once_on_the_remote_and_undo_restores_it(
-    api: Any, admin: Any, operator: Any, remote: Remote, rq_worker: Any, caplog: Any
+def test_a_remote_kind_is_governed_end_to_end_and_its_credential_shows_nowhere(
+    api: Any,
+    admin: Any,
+    engine_world: Any,
+    remote: Remote,
+    rq_worker: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level("DEBUG")
     answers: list[bytes] = []
-    _put_kind(api, admin, remote, answers)
-    agent = make_agent_with_token(f"config-bot-{uuid.uuid4().hex[:6]}")
-    run = make_active_run(agent.agent, [{"resource": f"{KIND}/{NAME}", "operations": ["update"]}])
+    kind = _put_kind(api, admin, remote, answers)
+    ana = engine_world.operator  # an operator: approves and may undo
+    _, ana_token = personal_token_create(user=ana, actor=Actor.system("tests"))
+
+    # 1. A run reads the file (its blob id is the tag), proposes, ana approves, the worker
+    # pushes: one commit on the remote naming run, action and approver.
+    run = _agent_run()
     read = api.get(PATH, token=run.token)
     answers.append(read.content)
     assert read.status_code == 200, read.content
     assert read.json()["document"] == {"limit": 1}
     blob = read["ETag"].strip('"')
-    assert blob == remote.blob()  # the file's blob id on the remote, not a counter of ours
-
-    proposed = api.put(
-        PATH,
-        token=run.token,
-        body={"limit": 2},
-        headers={"If-Match": read["ETag"], "Idempotency-Key": f"remote-{uuid.uuid4().hex}"},
-    )
-    answers.append(proposed.content)
-    assert proposed.status_code == 202, proposed.content
-    action_id = proposed.json()["id"]
-    assert proposed.json()["status"] == "pending_approval"
-    _approve(api, action_id, operator.token, answers)
+    assert blob == remote.look().blob  # the file's blob id on the remote, not a counter
+    action_id = _propose(api, run, read["ETag"], {"limit": 2}, answers)
+    _approve(api, action_id, ana_token, answers)
     worker = rq_worker(**remote.server.credentials)
     wait_for(lambda: _status(action_id) in FINAL, timeout=40)
     assert _status(action_id) == "applied", worker.output()
-
-    # On the remote: the document, one commit of ours naming run, action and approver.
-    assert remote.document() == {"limit": 2}
-    messages = remote.messages()
-    assert len(messages) == 2  # the seed and our write
-    ours = messages[0]
+    seen = remote.look()
+    assert seen.document == {"limit": 2}
+    assert len(seen.messages) == 2  # the seed and our write
+    ours = seen.messages[0]
     assert f"Airlock-Action: {action_id}" in ours
     assert f"Airlock-Run: {run.run.pk}" in ours and "Approved-by: ana" in ours
-    assert sum(f"Airlock-Action: {action_id}" in m for m in messages) == 1
     done = Operation.objects.get(action_id=action_id, undo_of__isnull=True, status="done")
-    assert (done.base_version, done.result_version) == (blob, remote.blob())
+    assert (done.base_version, done.result_version) == (blob, seen.blob)
     shown = api.get(f"/api/v1/actions/{action_id}", token=run.token)
     answers.append(shown.content)
 
+    # 2. Undo: the prior content, conditionally on the version our write produced.
     undo = api.undo(action_id, token=run.token, key=f"remote-undo-{uuid.uuid4().hex}")
     answers.append(undo.content)
     assert undo.status_code == 202, undo.content
     wait_for(lambda: _status(action_id) in ("undone", "failed"), timeout=40)
     assert _status(action_id) == "undone", worker.output()
-    assert remote.document() == {"limit": 1}
-    messages = remote.messages()
-    assert len(messages) == 3 and f"undo of operation {done.pk}" in messages[0]
+    seen = remote.look()
+    assert seen.document == {"limit": 1}
+    assert len(seen.messages) == 3 and f"undo of operation {done.pk}" in seen.messages[0]
     again = api.get(PATH, token=run.token)
     answers.append(again.content)
     assert again.json()["document"] == {"limit": 1}
-    assert again["ETag"] == f'"{remote.blob()}"'  # the restored file's blob (ours: indented)
+    assert again["ETag"] == f'"{seen.blob}"'  # the restored file's blob (ours: indented)
 
-    _no_credential_anywhere(remote.server, answers, [worker], caplog)
-
-
-def test_two_runs_from_one_version_one_applies_and_undo_after_a_push_is_a_conflict(
-    api: Any, admin: Any, engine_world: Any, remote: Remote, rq_worker: Any, caplog: Any
-) -> None:
-    caplog.set_level("DEBUG")
-    answers: list[bytes] = []
-    kind = _put_kind(api, admin, remote, answers)
-    _, ana_token = personal_token_create(user=engine_world.operator, actor=Actor.system("tests"))
-    seen = read_through(kind, NAME)  # what both runs' agents read: the file's blob id
-    assert seen is not None and seen.document == {"limit": 1}
+    # 3. Two runs read that version and each proposes a change, both approved: one commit
+    # lands, the other meets the moved file and is a conflict.
+    mirror = read_through(kind, NAME)
+    assert mirror is not None and mirror.token == seen.blob
     first, second = (
-        engine_world.propose(kind, NAME, run=run, payload={"limit": n}, observed_version=seen.token)
-        for run, n in ((engine_world.run, 9), (engine_world.other_run, 11))
+        engine_world.propose(
+            kind, NAME, run=other, payload={"limit": n}, observed_version=mirror.token
+        )
+        for other, n in ((engine_world.run, 9), (engine_world.other_run, 11))
     )
     for action in (first, second):
         assert action.status == "pending_approval"
         _approve(api, action.pk, ana_token, answers)
-    worker = rq_worker(**remote.server.credentials)
     wait_for(lambda: _status(first.pk) in FINAL and _status(second.pk) in FINAL, timeout=40)
     assert {_status(first.pk), _status(second.pk)} == {"applied", "conflict"}, worker.output()
     winner, loser = (first, second) if _status(first.pk) == "applied" else (second, first)
-    assert remote.document() == {"limit": 9 if winner is first else 11}
-    messages = remote.messages()
-    assert len(messages) == 2  # the seed and the winner's commit: nothing lost, nothing twice
-    assert f"Airlock-Action: {winner.pk}" in messages[0]
-    assert not any(f"Airlock-Action: {loser.pk}" in m for m in messages)
+    seen = remote.look()
+    assert seen.document == {"limit": 9 if winner is first else 11}
+    assert len(seen.messages) == 4  # the winner's commit: nothing lost, nothing twice
+    assert f"Airlock-Action: {winner.pk}" in seen.messages[0]
+    assert not any(f"Airlock-Action: {loser.pk}" in m for m in seen.messages)
     conflict = Conflict.objects.get(action=loser, origin="write")
-    assert conflict.current_version not in (None, seen.token)  # the winner's blob
+    assert conflict.current_version == seen.blob != mirror.token  # the winner's blob
 
-    # Someone else pushes a change to the same file; undoing the winner must not erase it.
+    # 4. Someone else pushes a change to the same file; undoing the winner must not erase it.
     remote.someone_pushes({"limit": 40, "by": "someone"})
     undo = api.undo(winner.pk, token=ana_token, key=f"remote-undo-{uuid.uuid4().hex}")
     answers.append(undo.content)
     assert undo.status_code == 202, undo.content
-    done = Operation.objects.get(action=winner, undo_of__isnull=True, status="done")
+    applied = Operation.objects.get(action=winner, undo_of__isnull=True, status="done")
     wait_for(
-        lambda: Operation.objects.filter(undo_of=done).exclude(status="pending").exists(),
+        lambda: Operation.objects.filter(undo_of=applied).exclude(status="pending").exists(),
         timeout=40,
     )
-    undo_op = Operation.objects.get(undo_of=done)
-    assert undo_op.status == "failed" and undo_op.outcome["reason"] == "resource_moved", (
-        undo_op.outcome
-    )
-    assert remote.document() == {"limit": 40, "by": "someone"}
-    assert len(remote.messages()) == 3  # no commit of the undo
+    refused = Operation.objects.get(undo_of=applied)
+    assert refused.status == "failed", refused.outcome
+    assert refused.outcome["reason"] == "resource_moved", refused.outcome
+    seen = remote.look()
+    assert seen.document == {"limit": 40, "by": "someone"}
+    assert len(seen.messages) == 5  # someone's commit; none of the undo
     assert _status(winner.pk) == "applied"
     assert Conflict.objects.get(action=winner, origin="undo").status == "open"
     listed = api.get("/api/v1/conflicts?limit=50", token=ana_token)
     answers.append(listed.content)
 
-    _no_credential_anywhere(remote.server, answers, [worker], caplog)
+    _no_credential_anywhere(remote.server, answers, worker, caplog)
 
 
 def test_the_remote_down_backs_off_then_fails_never_a_false_applied(
@@ -379,19 +394,10 @@ def test_the_remote_down_backs_off_then_fails_never_a_false_applied(
     caplog.set_level("DEBUG")
     answers: list[bytes] = []
     _put_kind(api, admin, remote, answers)
-    agent = make_agent_with_token(f"config-bot-{uuid.uuid4().hex[:6]}")
-    run = make_active_run(agent.agent, [{"resource": f"{KIND}/{NAME}", "operations": ["update"]}])
+    run = _agent_run()
     read = api.get(PATH, token=run.token)
     answers.append(read.content)
-    proposed = api.put(
-        PATH,
-        token=run.token,
-        body={"limit": 2},
-        headers={"If-Match": read["ETag"], "Idempotency-Key": f"remote-{uuid.uuid4().hex}"},
-    )
-    answers.append(proposed.content)
-    assert proposed.status_code == 202, proposed.content
-    action_id = proposed.json()["id"]
+    action_id = _propose(api, run, read["ETag"], {"limit": 2}, answers)
     _approve(api, action_id, operator.token, answers)
 
     remote.server.stop()  # Apache / sshd down: nothing can reach the remote
@@ -410,8 +416,10 @@ def test_the_remote_down_backs_off_then_fails_never_a_false_applied(
     ]
     assert all(gap >= 0.1 for gap in gaps), gaps  # backed off between attempts
     assert not AuditEvent.objects.filter(event_type="write.applied", action_id=action_id).exists()
+    shown = api.get(f"/api/v1/actions/{action_id}", token=run.token)
+    answers.append(shown.content)
 
     remote.server.start()
-    assert remote.document() == {"limit": 1}  # nothing reached the remote
-    assert len(remote.messages()) == 1
-    _no_credential_anywhere(remote.server, answers, [worker], caplog)
+    seen = remote.look()
+    assert (seen.document, len(seen.messages)) == ({"limit": 1}, 1)  # nothing reached it
+    _no_credential_anywhere(remote.server, answers, worker, caplog)
