@@ -64,7 +64,6 @@ FINAL = ("applied", "conflict", "failed")
 class Server:
     """One running server for the whole module and what a kind needs to reach it."""
 
-    scheme: str
     repos: Path  # where its bare repositories live
     url_of: Callable[[Path], str]
     clone_url_of: Callable[[Path], str]  # how the test's own git reaches a repository
@@ -90,7 +89,6 @@ def _http_server() -> Iterator[Server]:
     credential = f"{git_http.USER}:{git_http.PASSWORD}"
     try:
         yield Server(
-            scheme="http",
             repos=apache.root,
             url_of=lambda repo: f"{apache.url}/git/{repo.name}",
             # The test's own clones: the credential in the URL (never in what is checked).
@@ -125,7 +123,6 @@ def _ssh_server() -> Iterator[Server]:
             f"-o UserKnownHostsFile={server.base / 'known_hosts'}"
         )
         yield Server(
-            scheme="ssh",
             repos=repos,
             url_of=server.url,
             clone_url_of=server.url,
