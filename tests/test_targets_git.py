@@ -7,17 +7,10 @@ that other commit from inside the adapter's own commit step, so the CAS really l
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +31,10 @@ from engine.targets.base import (
     settle_by_reading,
 )
 from engine.targets.git import GitSettings, GitTarget
+from tests.fixtures.git_http import HAVE_GIT_HTTP, git_http_server, serve_to_apache
+from tests.fixtures.git_http import PASSWORD as GIT_PASSWORD
+from tests.fixtures.git_http import SKIP_REASON as GIT_HTTP_SKIP
+from tests.fixtures.git_http import USER as GIT_USER
 
 
 def _run(*args: str, cwd: Path | None = None) -> str:
@@ -420,76 +417,25 @@ def test_a_branch_that_keeps_moving_is_locked_not_forced(
 
 # -- an http(s) remote with credentials: Apache httpd + git-http-backend (Debian's) ---------
 
-APACHE = shutil.which("apache2") or "/usr/sbin/apache2"
-MODULES = Path("/usr/lib/apache2/modules")
-BACKEND = Path("/usr/lib/git-core/git-http-backend")
-HAVE_APACHE = Path(APACHE).exists() and BACKEND.exists() and os.geteuid() == 0
-GIT_ENV, GIT_USER, GIT_PASSWORD = "AIRLOCK_TEST_GIT_CREDENTIALS", "alice", "Git-Sekr1t-Pass"
+GIT_ENV = "AIRLOCK_TEST_GIT_CREDENTIALS"
 
 
 @pytest.fixture
 def http_remote() -> Iterator[tuple[str, Path, Callable[[], None]]]:
     """A bare repository served by git-http-backend behind Apache with Basic auth."""
-    if not HAVE_APACHE:
-        pytest.skip("Debian's apache2 is not installed (or not root)")
-    base = Path(tempfile.mkdtemp(prefix="airlock-githttp-"))
-    base.chmod(0o755)
-    repos = base / "repos"
-    _run("init", "--quiet", "--bare", "--initial-branch=main", str(repos / "config.git"))
-    subprocess.run(["chown", "-R", "www-data:www-data", str(repos)], check=True)
-    digest = base64.b64encode(hashlib.sha1(GIT_PASSWORD.encode()).digest()).decode()  # noqa: S324
-    (base / "htpasswd").write_text(f"{GIT_USER}:{{SHA}}{digest}\n")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    names = ("mpm_event", "authz_core", "authn_core", "authn_file", "authz_user", "auth_basic")
-    names += ("alias", "env", "cgid")
-    modules = "\n".join(f"LoadModule {n}_module {MODULES}/mod_{n}.so" for n in names)
-    (base / "httpd.conf").write_text(
-        f"""ServerRoot {base}
-ServerName localhost
-Listen 127.0.0.1:{port}
-PidFile {base}/httpd.pid
-ErrorLog {base}/error.log
-ScriptSock {base}/cgisock
-User www-data
-Group www-data
-{modules}
-SetEnv GIT_PROJECT_ROOT {repos}
-SetEnv GIT_HTTP_EXPORT_ALL 1
-ScriptAlias /git/ {BACKEND}/
-<Location /git/>
-  AuthType Basic
-  AuthName "airlock-test"
-  AuthBasicProvider file
-  AuthUserFile {base}/htpasswd
-  Require valid-user
-</Location>
-"""
-    )
-    process = subprocess.Popen(
-        [APACHE, "-f", str(base / "httpd.conf"), "-DFOREGROUND"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-    def stop() -> None:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-
+    if not HAVE_GIT_HTTP:
+        pytest.skip(GIT_HTTP_SKIP)
+    server = git_http_server()
+    served = server.root / "config.git"
+    _run("init", "--quiet", "--bare", "--initial-branch=main", str(served))
+    serve_to_apache(served)
     try:
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/git/config.git", repos / "config.git", stop
+        server.start()
+        yield f"{server.url}/git/config.git", served, server.stop
     finally:
-        stop()
-        shutil.rmtree(base, ignore_errors=True)
+        server.stop()
+        for folder in server.scratch:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_an_http_remote_with_credentials_that_never_leak(
