@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from django.conf import settings
 from rq import cron
 
-from approvals.jobs import housekeeping_job, reconcile_job
+from approvals.jobs import housekeeping_job, reconcile_job, reread_job
 from approvals.outbox import QUEUE_NAME
 from audit.jobs import audit_verify_job
 
@@ -31,6 +32,11 @@ def _register(func: Callable[..., Any], **options: Any) -> None:
 
 _register(reconcile_job, interval=RECONCILE_EVERY_SECONDS, job_timeout=60, result_ttl=60)
 _register(housekeeping_job, interval=HOUSEKEEPING_EVERY_SECONDS, job_timeout=120, result_ttl=60)
+# Writes and undos left with their outcome unknown, read again (0: off; on by default).
+if settings.AIRLOCK_REREAD_EVERY_SECONDS > 0:
+    _register(
+        reread_job, interval=settings.AIRLOCK_REREAD_EVERY_SECONDS, job_timeout=300, result_ttl=60
+    )
 _register(audit_verify_job, interval=3600, job_timeout=3600, result_ttl=3600)  # whole chain hourly
 
 # The notifications' schedule (reminders, lost deliveries, a broken chain told) runs in the

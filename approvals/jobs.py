@@ -22,6 +22,7 @@ from approvals.services.execution import action_execute
 from approvals.services.housekeeping import housekeeping_run
 from approvals.services.plan_engine import plan_advance, plan_after_action
 from approvals.services.reconcile import reconcile
+from approvals.services.reread import reread_unsettled
 from approvals.services.undo import undo_execute
 from console.ops_gauges import record_reconcile_counts
 from console.requestctx import log_fields_reset, log_fields_start
@@ -101,3 +102,9 @@ def reconcile_job() -> dict[str, int]:
 @_fresh_database
 def housekeeping_job() -> dict[str, int]:
     return housekeeping_run()
+
+
+@_fresh_database
+def reread_job() -> dict[str, int]:
+    """Writes and undos that ended with their outcome unknown, read again (reread.py)."""
+    return reread_unsettled()

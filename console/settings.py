@@ -428,6 +428,13 @@ if AIRLOCK_TARGET_TIMEOUT_SECONDS * 1000 > AIRLOCK_LOCK_TTL_MS:
         f"AIRLOCK_TARGET_TIMEOUT_SECONDS ({AIRLOCK_TARGET_TIMEOUT_SECONDS} s): a target call "
         "must not outlive the resource lock"
     )
+# The periodic re-read (approvals/services/reread.py): a write or undo that ended with its
+# outcome unknown (its last read could not read the target) is read again by the cron
+# process every AIRLOCK_REREAD_EVERY_SECONDS (0: never), a few a tick, each one backing off
+# (doubling, capped at an hour) while its target stays unreadable, for as long as it ended
+# less than AIRLOCK_REREAD_MAX_AGE_HOURS ago (after that a person checks by hand).
+AIRLOCK_REREAD_EVERY_SECONDS = env_int("AIRLOCK_REREAD_EVERY_SECONDS", 60, minimum=0)
+AIRLOCK_REREAD_MAX_AGE_HOURS = env_int("AIRLOCK_REREAD_MAX_AGE_HOURS", 72, minimum=1)
 AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS = env_int(
     "AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS", 24 * 3600, minimum=24 * 3600
 )

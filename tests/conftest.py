@@ -31,6 +31,7 @@ pytest_plugins = [
     "tests.fixtures.console",
     "tests.fixtures.plans",
     "tests.fixtures.dav",
+    "tests.fixtures.last_read",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent

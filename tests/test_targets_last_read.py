@@ -16,10 +16,7 @@ target applied its write on its last attempt.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -29,89 +26,13 @@ from approvals.services.reconcile import reconcile
 from approvals.services.undo import action_undo_request, undo_execute
 from audit.models import AuditEvent
 from audit.services import Actor
-from engine.targets import pg_pool
-from ownership.models import Conflict, ResourceKind
-from ownership.targets import read_through
+from ownership.models import Conflict
 from tests.fixtures.engine import WORKER_LOCK_TTL_MS, wait_for, wait_until_due
-from tests.fixtures.flaky_link import FlakyLink
-from tests.fixtures.targets import ROWS_SETTINGS, row, rows_database
+from tests.fixtures.last_read import ROWS_ENV, Rows, events, propose_seats
+from tests.fixtures.targets import row
 from tests.targetserver import TargetServer
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
-
-ROWS_ENV = "AIRLOCK_TEST_LAST_READ_ROWS_DB"
-
-
-@dataclass
-class Rows:
-    kind: ResourceKind
-    url: str  # the scratch database, directly (what the target really holds)
-    link: FlakyLink | None  # between Airlock and the database, when the test breaks it
-
-
-def _kind(settings: dict[str, Any]) -> ResourceKind:
-    kind, _ = ResourceKind.objects.update_or_create(
-        slug="billing-account",
-        defaults={
-            "class_create_id": "add_unique",
-            "class_update_id": "recompute_field",
-            "class_delete_id": "recompute_field",
-            "owner_group": "owners",
-            "target": "postgres",
-            "target_settings": settings,
-        },
-    )
-    return kind
-
-
-def _through(url: str, port: int) -> str:
-    """`url` with its host and port replaced by the link's, over plain TCP."""
-    parts = urlsplit(url)
-    user = parts.netloc.rpartition("@")[0]
-    netloc = f"{user}@127.0.0.1:{port}" if user else f"127.0.0.1:{port}"
-    return urlunsplit(parts._replace(netloc=netloc, query="sslmode=disable"))
-
-
-@pytest.fixture
-def linked_rows(monkeypatch: pytest.MonkeyPatch) -> Iterator[Rows]:
-    """billing-account/acme at {"seats": 5}, version 1, reached through a FlakyLink."""
-    with rows_database("last_read", {"acme": {"seats": 5}}) as url:
-        parts = urlsplit(url)
-        link = FlakyLink((parts.hostname or "127.0.0.1", parts.port or 5432)).start()
-        monkeypatch.setenv(ROWS_ENV, _through(url, link.port))
-        settings = {**ROWS_SETTINGS, "credentials_env": ROWS_ENV, "connect_timeout": 1}
-        try:
-            yield Rows(_kind(settings), url, link)
-        finally:
-            link.stop()
-            pg_pool.close_all()  # this process's connections through the link
-
-
-@pytest.fixture
-def direct_rows(monkeypatch: pytest.MonkeyPatch) -> Iterator[Rows]:
-    with rows_database("last_read", {"acme": {"seats": 5}}) as url:
-        monkeypatch.setenv(ROWS_ENV, url)
-        yield Rows(_kind({**ROWS_SETTINGS, "credentials_env": ROWS_ENV}), url, None)
-
-
-def _propose(engine_world: Any, kind: ResourceKind) -> Action:
-    mirror = read_through(kind, "acme")  # what the agent read: version 1
-    assert mirror is not None and mirror.token == "1"
-    return engine_world.propose(
-        kind,
-        "acme",
-        payload={"seats": 9},
-        payload_format="merge_patch",
-        observed_version=mirror.token,
-    )
-
-
-def _events(action: Action, event_type: str) -> list[dict[str, Any]]:
-    return list(
-        AuditEvent.objects.filter(event_type=event_type, action_id=action.pk)
-        .order_by("seq")
-        .values_list("details", flat=True)
-    )
 
 
 def _last_read_due(action: Action, attempts: int) -> None:
@@ -122,8 +43,8 @@ def _last_read_due(action: Action, attempts: int) -> None:
     assert action.attempts == attempts
     assert action.error["code"] in ("attempts_exhausted", "worker_lost")
     assert action.error["last_read"] == "due"
-    assert len(_events(action, "action.last_read_scheduled")) == 1
-    assert not _events(action, "action.failed")
+    assert len(events(action, "action.last_read_scheduled")) == 1
+    assert not events(action, "action.failed")
 
 
 @pytest.mark.parametrize("case", ["landed", "never_landed", "unreadable"])
@@ -134,7 +55,7 @@ def test_attempts_run_out_after_a_lost_answer_and_the_last_read_decides(
     settings.AIRLOCK_BACKOFF_BASE_SECONDS = 0.05
     link = linked_rows.link
     assert link is not None
-    action = _propose(engine_world, linked_rows.kind)
+    action = propose_seats(engine_world, linked_rows.kind)
 
     # Attempt 1: the UPDATE is sent and its answer lost. It reached the server (committed)
     # or it never did: Airlock cannot tell, the operation is `unknown`.
@@ -167,10 +88,10 @@ def test_attempts_run_out_after_a_lost_answer_and_the_last_read_decides(
         assert lost.status == "done"  # the lost attempt made the effect
         assert lost.outcome["settled_by_reading"] is True and lost.outcome["last_read"] is True
         assert lost.result_version == "2" and lost.undo_deadline is not None
-        [applied] = _events(action, "write.applied")
+        [applied] = events(action, "write.applied")
         assert applied["last_read"] is True and applied["settled_by_reading"] is True
         assert applied["operation_id"] == lost.pk and applied["to_version"] == "2"
-        assert not _events(action, "action.failed")
+        assert not events(action, "action.failed")
         # The record is true, so undo works: the prior document, conditionally.
         undo = action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
         assert undo_execute(undo_operation_id=undo.pk) == "undone"
@@ -182,9 +103,9 @@ def test_attempts_run_out_after_a_lost_answer_and_the_last_read_decides(
         assert action.error["last_read"] == "not_applied"
         assert action.error["current_version"] == "1"
         assert lost.status == "failed" and lost.outcome["settled"] == "not_applied"
-        [failed] = _events(action, "action.failed")
+        [failed] = events(action, "action.failed")
         assert failed["last_read"] == "not_applied" and failed["current_version"] == "1"
-        assert not _events(action, "write.applied")
+        assert not events(action, "write.applied")
     else:
         assert (outcome, action.status) == ("failed", "failed")
         # The write is there — and nothing on record says it is not.
@@ -193,9 +114,9 @@ def test_attempts_run_out_after_a_lost_answer_and_the_last_read_decides(
         assert action.error["last_read"] == "unsettled"
         assert str(action.error["reason"]).startswith("target_unreadable")
         assert lost.status == "unknown"  # still unsettled: not closed as "not applied"
-        [failed] = _events(action, "action.failed")
+        [failed] = events(action, "action.failed")
         assert failed["outcome"] == "unknown" and failed["last_read"] == "unsettled"
-        assert not _events(action, "write.applied")
+        assert not events(action, "write.applied")
     assert not Conflict.objects.filter(action=action).exists()
 
 
@@ -218,9 +139,9 @@ def test_an_http_write_whose_only_attempt_lost_its_answer_is_settled_by_the_last
     assert target.documents["prod"]["document"] == {"n": 2}
     done = Operation.objects.get(action=action, status="done")
     assert done.outcome["last_read"] is True and done.result_version == "2"
-    [applied] = _events(action, "write.applied")
+    [applied] = events(action, "write.applied")
     assert applied["last_read"] is True
-    assert not _events(action, "action.failed")
+    assert not events(action, "action.failed")
 
 
 def test_a_worker_killed_after_the_target_applied_its_last_attempt_is_settled_by_the_last_read(
@@ -235,7 +156,7 @@ def test_a_worker_killed_after_the_target_applied_its_last_attempt_is_settled_by
     limits = {"AIRLOCK_MAX_ATTEMPTS": "1", "AIRLOCK_BACKOFF_BASE_SECONDS": "0.2"}
     env = {ROWS_ENV: direct_rows.url, **limits}
     doomed = rq_worker(AIRLOCK_TEST_CRASH_AT="external_after_target_applied", **env)
-    action = _propose(engine_world, direct_rows.kind)
+    action = propose_seats(engine_world, direct_rows.kind)
     wait_for(lambda: not doomed.alive(), timeout=30, interval=0.01)
     assert doomed.process.returncode == -9, doomed.output()
     assert row(direct_rows.url, "acme") == ({"seats": 9}, 2)  # taken; nothing on record

@@ -117,7 +117,7 @@ def execute_external(*, action: Action, lock: Any, fence: int) -> str:
     # The call may outlast the operation's lease (lock TTL + 2 s): renew the lease with the
     # lock, so the reconciler never abandons a request still in flight.
     lock.on_renew(partial(renew_operation_lease, operation.pk))
-    intended = _intended(action, adapter)
+    intended = intended_write(action, adapter)
     if isinstance(intended, Snapshot):  # the version moved before we could even build it
         return _record_stale(action=action, operation=operation, current=intended)
     if last_read_due(action.error):  # the attempts ran out: read, never send
@@ -148,7 +148,7 @@ def execute_external(*, action: Action, lock: Any, fence: int) -> str:
     return _route(action, operation, adapter, intended, fence, result)
 
 
-def _intended(action: Action, adapter: TargetAdapter) -> Intended | Snapshot:
+def intended_write(action: Action, adapter: TargetAdapter) -> Intended | Snapshot:
     """The document this write puts at the target. A merge patch applies to the document the
     agent observed (the mirror's revision at that token; read from the target when the
     mirror never saw it). A Snapshot: the target is no longer at the observed version."""

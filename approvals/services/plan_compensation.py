@@ -42,6 +42,7 @@ from approvals.models import (
     PlanStepStatus,
 )
 from approvals.outbox import enqueue_undo_execution
+from approvals.services.external_undo import undo_left_unknown
 from approvals.services.plan_state import plan_end, plan_event
 from approvals.services.plans import compensation_operation
 from engine.core.fence import next_fence
@@ -242,7 +243,12 @@ def _start_compensation(plan: Plan, step: PlanStep) -> str:
         return before
     person = _needs_person(plan, step, original)
     now = timezone.now()
-    requested = {"requested_by": f"plan {plan.pk}", "requested_by_type": "system"}
+    requested = {
+        "requested_by": f"plan {plan.pk}",
+        "requested_by_type": "system",
+        # An earlier compensation that ended unsettled may have restored it: read first.
+        **undo_left_unknown(original.pk),
+    }
     fields: dict[str, Any] = {
         "action_id": original.action_id,
         "undo_of": original,

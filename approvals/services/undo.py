@@ -15,7 +15,11 @@ An accepted undo is never lost:
   as a failed attempt;
 - the undo window is judged at acceptance (`accepted_at`), not at execution;
 - an undo that failed for a retryable reason (attempts exhausted on transient
-  errors) may be asked for again: a new undo operation, under the same rules.
+  errors) may be asked for again: a new undo operation, under the same rules;
+- an external undo whose attempts run out after a send that may have reached the target
+  is read once more before it ends (external_undo `_last_read`), never failed blind; one
+  that ended unsettled hands its `unknown` mark to the next undo asked for, which reads
+  before it sends.
 """
 
 from __future__ import annotations
@@ -40,7 +44,14 @@ from approvals.services.attempts import (
     operation_lease_seconds,
     worker_name,
 )
-from approvals.services.external_undo import external_undo
+from approvals.services.external_undo import (
+    LAST_READ_NOT_APPLIED,
+    LAST_READ_UNSETTLED,
+    external_undo,
+    undo_last_read_due,
+    undo_last_read_owed,
+    undo_left_unknown,
+)
 from approvals.services.runs import RunNotActive, run_require_own_active, run_status_for_share
 from approvals.services.worker_presence import acquire_taking_over
 from audit.models import ActorType
@@ -150,6 +161,7 @@ def action_undo_request(
                 "The undo window of this action has closed.",
                 extra={"undo_deadline": original.undo_deadline},
             )
+        inherited = undo_left_unknown(original.pk)  # before this undo is the newest
         undo_op = open_operation(
             action_id=locked.pk,
             fence=next_fence(),
@@ -166,6 +178,7 @@ def action_undo_request(
                 "requested_by_person": actor.id if actor.type == ActorType.PERSON else "",
                 "idempotency_key": idempotency_key[:255],
                 "requested_reason": reason,
+                **inherited,
             },
         )
         audit_action_event(
@@ -237,7 +250,15 @@ def _retry_undo(
         step = waits
     outcome["last_retry_reason"] = reason
     if count_attempt and attempts >= max_attempts():
-        outcome["reason"] = reason
+        if undo_last_read_owed(undo_op):
+            return _schedule_last_read(undo_op, outcome, reason, attempts, connection)
+        # The last read was due and could not be made (its delivery failed): unknown.
+        unsettled = (
+            {"outcome": "unknown", "last_read": "unsettled"}
+            if undo_last_read_due(undo_op.outcome)
+            else {}
+        )
+        outcome.update(unsettled, reason=reason)
         # Transient causes only reach here: the person may ask for the undo again.
         outcome["retryable"] = True
         with transaction.atomic():
@@ -245,7 +266,9 @@ def _retry_undo(
                 status=OperationStatus.FAILED, outcome=outcome, finished_at=timezone.now()
             )
             if failed:
-                _audit_undo_event("undo.failed", undo_op, {"reason": reason, "attempts": attempts})
+                _audit_undo_event(
+                    "undo.failed", undo_op, {"reason": reason, "attempts": attempts, **unsettled}
+                )
                 notify_action_on_commit(undo_op.action_id)
         return "failed"
     Operation.objects.filter(pk=undo_op.pk, status=OperationStatus.PENDING).update(
@@ -253,6 +276,33 @@ def _retry_undo(
     )
     enqueue_undo_execution(undo_op.pk, delay_seconds=backoff_seconds(step), connection=connection)
     return "retry"
+
+
+def _schedule_last_read(
+    undo_op: Operation,
+    outcome: dict[str, Any],
+    reason: str,
+    attempts: int,
+    connection: redis.Redis | None,
+) -> str:
+    """The attempts ran out after a send that may have reached the target: one more delivery,
+    after a backoff, that only reads it (external_undo `_last_read`) — `last_read: due`."""
+    delay = backoff_seconds(attempts)
+    outcome["last_read"] = "due"
+    with transaction.atomic():
+        moved = Operation.objects.filter(pk=undo_op.pk, status=OperationStatus.PENDING).update(
+            outcome=outcome, lease_expires_at=None
+        )
+        if moved:
+            _audit_undo_event(
+                "undo.last_read_scheduled",
+                undo_op,
+                {"reason": reason, "attempts": attempts, "delay_seconds": round(delay, 3)},
+            )
+    undo_op.outcome = outcome
+    if moved:
+        enqueue_undo_execution(undo_op.pk, delay_seconds=delay, connection=connection)
+    return "last_read"
 
 
 def _audit_undo_event(event_type: str, undo_op: Operation, details: dict[str, Any]) -> None:
@@ -409,6 +459,8 @@ def _settle(
         return _retry_undo(undo_op, STALE_FENCE, connection)
     if outcome.reason == RESOURCE_MOVED:
         return "conflict"  # opened with the refusal, in its transaction
+    if outcome.reason in (LAST_READ_NOT_APPLIED, LAST_READ_UNSETTLED):
+        return "failed"  # the last read ended it (external_undo._end_unread)
     return f"refused:{outcome.reason}"
 
 

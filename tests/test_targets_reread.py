@@ -1,0 +1,210 @@
+"""The periodic re-read (issue 39): a write whose last read could not read the target ended
+`failed` with its outcome unknown. The cron process reads it again later (nothing is sent):
+
+- the target still unreachable → unchanged, read again only after a backoff;
+- our document under a new version → `applied`, once, the trail saying it was settled later,
+  its undo window starting then;
+- still the version it was written on → not applied: `failed` with the read's evidence;
+- someone else's version → said on the action (`last_read: conflict`), no new work.
+
+A real PostgreSQL table behind a TCP link the test breaks (tests/fixtures/flaky_link.py), and
+the Procfile's `cron` process with a real worker for the end-to-end case.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+from rq.cron import CronScheduler
+
+from approvals.jobs import reread_job
+from approvals.models import Action, Operation
+from approvals.services.execution import action_execute
+from approvals.services.reread import RESULTS, reread_unsettled
+from approvals.services.undo import action_undo_request, undo_execute
+from audit.models import AuditEvent
+from audit.services import Actor
+from ownership.models import Conflict, Resource
+from tests.conftest import ROOT, subprocess_env
+from tests.fixtures.engine import wait_for, wait_until_due
+from tests.fixtures.last_read import Rows, events, propose_seats
+from tests.fixtures.targets import row, someone_updates_row
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+NOTHING = dict.fromkeys(RESULTS, 0)
+
+
+def _unsettled(engine_world: Any, settings: Any, rows: Rows, *, landed: bool) -> Action:
+    """One attempt allowed: its UPDATE sent and the answer lost (landed or not), then the
+    target unreachable for the last read: `failed`, outcome unknown, last read unsettled."""
+    settings.AIRLOCK_MAX_ATTEMPTS = 1
+    settings.AIRLOCK_BACKOFF_BASE_SECONDS = 0.05
+    settings.AIRLOCK_REREAD_EVERY_SECONDS = 1
+    link = rows.link
+    assert link is not None
+    action = propose_seats(engine_world, rows.kind)
+    link.cut_next(b"UPDATE", deliver=landed)
+    assert action_execute(action_id=action.pk) == "unknown"
+    link.down()
+    wait_until_due(action)
+    assert action_execute(action_id=action.pk) == "failed"
+    action.refresh_from_db()
+    assert action.error["outcome"] == "unknown" and action.error["last_read"] == "unsettled"
+    assert Operation.objects.filter(action=action, status="unknown").count() == 1
+    return action
+
+
+def _trail(action: Action) -> list[str]:
+    return list(
+        AuditEvent.objects.filter(action_id=action.pk)
+        .order_by("seq")
+        .values_list("event_type", flat=True)
+    )
+
+
+def _after_backoff(operation: Operation) -> None:
+    operation.refresh_from_db()
+    time.sleep(max(0.0, operation.outcome["reread"]["next"] - time.time()) + 0.05)
+
+
+def test_a_write_left_unknown_is_recorded_applied_once_when_the_target_answers_again(
+    engine_world: Any, engine_redis: Any, settings: Any, linked_rows: Rows
+) -> None:
+    action = _unsettled(engine_world, settings, linked_rows, landed=True)
+    assert linked_rows.link is not None
+    lost = Operation.objects.get(action=action, status="unknown")
+    trail_before = _trail(action)
+    error_before = dict(action.error)
+
+    # Still unreachable: nothing changes but when it is read next.
+    assert reread_unsettled() == {**NOTHING, "unreadable": 1}
+    action.refresh_from_db()
+    lost.refresh_from_db()
+    assert (action.status, action.error) == ("failed", error_before)
+    assert lost.status == "unknown" and lost.outcome["reread"]["count"] == 1
+    assert _trail(action) == trail_before  # no audit row per failed read
+    assert reread_unsettled() == NOTHING  # backing off: not hammered
+
+    linked_rows.link.up()
+    _after_backoff(lost)
+    before = timezone.now()
+    assert reread_unsettled() == {**NOTHING, "applied": 1}
+    action.refresh_from_db()
+    lost.refresh_from_db()
+    assert action.status == "applied" and action.error is None
+    assert row(linked_rows.url, "acme") == ({"seats": 9}, 2)  # the one UPDATE; nothing sent
+    assert lost.status == "done" and lost.result_version == "2"
+    assert lost.outcome["settled_later"] is True and lost.outcome["settled_by_reading"] is True
+    assert lost.outcome["reread"]["result"] == "applied"
+    assert lost.undo_deadline is not None and lost.undo_deadline > before  # starts now
+    assert Resource.objects.get(kind=linked_rows.kind, name="acme").token == "2"
+    [applied] = events(action, "write.applied")
+    assert applied["settled_later"] is True and applied["to_version"] == "2"
+    assert applied["failed_error"]["last_read"] == "unsettled"
+    assert AuditEvent.objects.get(
+        action_id=action.pk, event_type="write.applied"
+    ).actor_label.endswith("reread")
+    tail = ["action.last_read_scheduled", "action.failed", "write.applied"]
+    assert [e for e in _trail(action) if e in tail] == tail
+
+    # Once: another tick finds nothing; and the record is true, so undo restores.
+    assert reread_unsettled() == NOTHING
+    assert len(events(action, "write.applied")) == 1
+    undo = action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
+    assert undo_execute(undo_operation_id=undo.pk) == "undone"
+    assert row(linked_rows.url, "acme") == ({"seats": 5}, 3)
+
+
+@pytest.mark.parametrize("case", ["not_applied", "conflict"])
+def test_a_write_left_unknown_that_did_not_land_is_recorded_with_the_read_s_evidence(
+    engine_world: Any, engine_redis: Any, settings: Any, linked_rows: Rows, case: str
+) -> None:
+    action = _unsettled(engine_world, settings, linked_rows, landed=False)
+    assert linked_rows.link is not None
+    lost = Operation.objects.get(action=action, status="unknown")
+    linked_rows.link.up()
+    if case == "conflict":
+        someone_updates_row(linked_rows.url, "acme", {"seats": 7})  # version 2, not ours
+
+    assert reread_unsettled() == {**NOTHING, case: 1}
+    action.refresh_from_db()
+    lost.refresh_from_db()
+    assert action.status == "failed"
+    assert action.error["code"] == "attempts_exhausted"
+    assert action.error["last_read"] == case
+    assert action.error["current_version"] == ("1" if case == "not_applied" else "2")
+    assert action.error["settled_later"]
+    [reread] = events(action, "action.reread")
+    assert reread["result"] == case and reread["operation_id"] == lost.pk
+    assert not events(action, "write.applied")
+    if case == "not_applied":
+        assert "outcome" not in action.error  # no longer unknown: the read is the evidence
+        assert lost.status == "failed" and lost.outcome["settled"] == "not_applied"
+        assert row(linked_rows.url, "acme") == ({"seats": 5}, 1)
+    else:
+        assert action.error["outcome"] == "unknown"  # ours may have landed before theirs
+        assert lost.status == "unknown" and lost.outcome["reread"]["result"] == "conflict"
+        assert row(linked_rows.url, "acme") == ({"seats": 7}, 2)  # theirs, untouched
+        assert Resource.objects.get(kind=linked_rows.kind, name="acme").token == "2"
+        assert not Conflict.objects.filter(action=action).exists()  # no new work
+    assert reread_unsettled() == NOTHING  # settled: never read again
+
+
+def test_a_write_that_ended_long_ago_is_left_to_a_person(
+    engine_world: Any, engine_redis: Any, settings: Any, linked_rows: Rows
+) -> None:
+    action = _unsettled(engine_world, settings, linked_rows, landed=True)
+    assert linked_rows.link is not None
+    linked_rows.link.up()
+    later = timezone.now() + timedelta(hours=settings.AIRLOCK_REREAD_MAX_AGE_HOURS, minutes=1)
+    assert reread_unsettled(now=later) == NOTHING
+    assert Action.objects.get(pk=action.pk).status == "failed"
+
+
+def test_the_cron_schedules_the_re_read(redis_client: Any) -> None:
+    scheduler = CronScheduler(connection=redis_client)
+    scheduler.load_config_from_file("approvals.cron")
+    assert reread_job in {job.func for job in scheduler.get_jobs()}
+
+
+def test_the_procfile_cron_and_a_real_worker_settle_a_write_left_unknown(
+    engine_world: Any,
+    engine_redis: Any,
+    settings: Any,
+    linked_rows: Rows,
+    rq_worker: Any,
+    tmp_path: Any,
+) -> None:
+    """End to end: the write left unknown in this process; the Procfile's `cron` line
+    (`rqcron approvals.cron`, the re-read every second here) and a real worker settle it once
+    the target is reachable again."""
+    action = _unsettled(engine_world, settings, linked_rows, landed=True)
+    assert linked_rows.link is not None
+    linked_rows.link.up()
+    env = {"AIRLOCK_REREAD_EVERY_SECONDS": "1"}
+    worker = rq_worker(**env)
+    log = (tmp_path / "cron.log").open("wb")
+    cron = subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "rqcron", "approvals.cron"],
+        env=subprocess_env(REDIS_URL=engine_redis.url, **env),
+        cwd=str(ROOT),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: Action.objects.get(pk=action.pk).status != "failed", timeout=60)
+    finally:
+        cron.terminate()
+        cron.wait(timeout=10)
+        log.close()
+    action.refresh_from_db()
+    assert action.status == "applied", worker.output()
+    assert row(linked_rows.url, "acme") == ({"seats": 9}, 2)
+    assert len(events(action, "write.applied")) == 1
