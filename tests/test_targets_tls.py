@@ -304,17 +304,55 @@ def test_a_git_ca_variable_that_is_unset_sends_nothing(
     assert _commits(served) == []
 
 
+def test_a_worker_gitconfig_or_variable_turning_verification_off_changes_nothing(
+    https_remote: tuple[str, Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's own ~/.gitconfig says sslVerify = false (in general and for exactly
+    this URL) and GIT_SSL_NO_VERIFY is set: the adapter still verifies."""
+    url, served, _ = https_remote
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".gitconfig").write_text(
+        f'[http]\n\tsslVerify = false\n[http "{url}"]\n\tsslVerify = false\n'
+    )
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("GIT_SSL_NO_VERIFY", "1")
+    target = _git_target(url, tmp_path / "mirror.git")  # no CA setting: the default trust
+    with pytest.raises(TargetError, match=NOT_VERIFIED):
+        target.read("a.json")
+    created = target.create("a.json", {"a": 1}, fence=1, idempotency_key=_key())
+    assert created.outcome is Outcome.NOT_SENT and NOT_VERIFIED in created.detail, created
+    assert _commits(served) == []
+
+
 def test_the_git_ca_file_is_private_while_git_runs_and_gone_after(tmp_path: Path) -> None:
-    with git_tls_config("PEM TEXT\n", str(tmp_path)) as args:
-        assert args[:2] == ["-c", "http.sslVerify=true"]
-        bundle = Path(args[3].removeprefix("http.sslCAInfo="))
-        assert args[5] == f"http.sslCAPath={bundle.parent}"
-        assert bundle.read_text() == "PEM TEXT\n"
+    url = "https://git.internal/a=b/config.git"  # "=" would break a `-c key=value`
+    with git_tls_config(url, "PEM TEXT\n", str(tmp_path)) as env:
+        bundle = Path(env["GIT_CONFIG_VALUE_1"])
+        assert env == {
+            "GIT_CONFIG_COUNT": "3",
+            "GIT_CONFIG_KEY_0": f"http.{url}.sslVerify",
+            "GIT_CONFIG_VALUE_0": "true",
+            "GIT_CONFIG_KEY_1": f"http.{url}.sslCAInfo",
+            "GIT_CONFIG_VALUE_1": str(bundle),
+            "GIT_CONFIG_KEY_2": f"http.{url}.sslCAPath",
+            "GIT_CONFIG_VALUE_2": str(bundle.parent),
+        }
+        assert bundle.read_text() == "PEM TEXT\n" and bundle.parent.parent == tmp_path
         assert stat.S_IMODE(os.stat(bundle).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(bundle.parent).st_mode) == 0o700
+        shown = subprocess.run(
+            ["git", "config", "--get-urlmatch", "http.sslCAInfo", url],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert shown.stdout.strip() == str(bundle)  # git reads it for exactly this URL
     assert not bundle.exists() and list(tmp_path.iterdir()) == []
-    with git_tls_config(None, str(tmp_path)) as args:
-        assert args == ["-c", "http.sslVerify=true"]  # verification is on, always
+    with git_tls_config(url, None, str(tmp_path)) as env:
+        assert env["GIT_CONFIG_KEY_0"] == f"http.{url}.sslVerify"  # on, always
+        assert env["GIT_CONFIG_VALUE_0"] == "true" and env["GIT_CONFIG_COUNT"] == "1"
 
 
 # -- the settings rules ----------------------------------------------------------------------

@@ -116,8 +116,8 @@ class GitRemote:
         except TargetError as exc:
             raise RemoteUnreachable(str(exc)) from None
         if https:
-            with git_tls_config(pem, git_ssh.SCRATCH) as tls:
-                yield pre + tls, env, secrets
+            with git_tls_config(s.repository, pem, git_ssh.SCRATCH) as tls_env:
+                yield pre, env | tls_env, secrets
             return
         if command not in _NETWORK or not is_ssh_url(s.repository):
             yield pre, env, secrets

@@ -9,9 +9,10 @@ its services; add public roots to the bundle if a chain needs them); without it,
 trust is used as before (httpx: certifi's bundle or SSL_CERT_FILE; git: curl's system store).
 
 Verification is never off: there is no setting for it, httpx gets an SSLContext that
-verifies, and git gets `-c http.sslVerify=true` on every fetch and push of an https remote
-(so a worker's own `http.sslVerify=false` in a global gitconfig does not apply; GIT_SSL_*
-variables never reach git: the adapter drops GIT_* from its child's environment).
+verifies, and git gets `http.<the remote's URL>.sslVerify=true` (command scope, as `-c`) on
+every fetch and push of an https remote (so a worker's own `sslVerify = false` in its
+gitconfig, general or for that URL, does not apply; GIT_SSL_* variables never reach git:
+the adapter drops GIT_* from its child's environment).
 
 A certificate that does not verify means nothing reached the target (the handshake stopped
 before a request was sent): a read raises TargetError saying so, a write is `not_sent`.
@@ -94,20 +95,38 @@ def curl_certificate_complaint(stderr: str) -> str | None:
 
 
 @contextmanager
-def git_tls_config(pem: str | None, scratch: str | None) -> Iterator[list[str]]:
-    """The `-c` arguments for one fetch or push of an https remote. With a bundle (its text,
-    from `ca_bundle`) it is
-    written to a fresh 0700 directory (the file 0600; in `scratch`, memory when it is
-    /dev/shm) and removed when the block ends; that directory is also curl's CA path, so
-    the system's store (Debian's curl reads /etc/ssl/certs by default) is not trusted
-    beside it."""
-    pre = ["-c", "http.sslVerify=true"]
+def git_tls_config(url: str, pem: str | None, scratch: str | None) -> Iterator[dict[str, str]]:
+    """The child environment for one fetch or push of the https remote `url`: git config
+    entries given as `GIT_CONFIG_COUNT` / `GIT_CONFIG_KEY_n` / `GIT_CONFIG_VALUE_n` (the same
+    scope as `git -c`, without `-c`'s `key=value` parsing, which a URL holding "=" breaks).
+    With a bundle (its text, from `ca_bundle`) it is written to a fresh 0700 directory (the
+    file 0600; in `scratch`, memory when that is /dev/shm) and removed when the block ends;
+    the directory is also curl's CA path, so the system's store (Debian's curl reads
+    /etc/ssl/certs by default) is not trusted beside it.
+
+    The keys name the remote's own URL (`http.<url>.sslVerify`): git takes the most specific
+    URL match, so a general `http.sslVerify=true` would lose to an `http.<url>.sslVerify
+    false` in the worker's gitconfig; the exact URL is the most specific there is, and the
+    command scope comes last among equals."""
     if pem is None:
-        yield pre
+        yield _config_environment({f"http.{url}.sslVerify": "true"})
         return
     with tempfile.TemporaryDirectory(prefix="airlock-tls-", dir=scratch) as folder:
         bundle = Path(folder) / "ca.pem"
         fd = os.open(bundle, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(pem)
-        yield [*pre, "-c", f"http.sslCAInfo={bundle}", "-c", f"http.sslCAPath={folder}"]
+        yield _config_environment(
+            {
+                f"http.{url}.sslVerify": "true",
+                f"http.{url}.sslCAInfo": str(bundle),
+                f"http.{url}.sslCAPath": folder,
+            }
+        )
+
+
+def _config_environment(entries: dict[str, str]) -> dict[str, str]:
+    env = {"GIT_CONFIG_COUNT": str(len(entries))}
+    for index, (key, value) in enumerate(entries.items()):
+        env |= {f"GIT_CONFIG_KEY_{index}": key, f"GIT_CONFIG_VALUE_{index}": value}
+    return env
