@@ -265,6 +265,21 @@ def test_a_git_https_remote_whose_certificate_does_not_verify_gets_nothing(
     _nothing_leaks(texts, [ca_pem, other], GIT_PASSWORD)
 
 
+def test_a_git_https_remote_whose_certificate_names_another_host_gets_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not HAVE_GIT_HTTPS:
+        pytest.skip(HTTPS_SKIP_REASON)
+    pki = server_pki(host="elsewhere.internal")  # the trusted CA's, for another name
+    monkeypatch.setenv(GIT_ENV, f"{GIT_USER}:{GIT_PASSWORD}")
+    monkeypatch.setenv(CA_ENV, pki.ca_pem)
+    with served_repository(pki) as (url, served, _server):
+        target = _git_target(url, tmp_path / "mirror.git", ca_bundle_env=CA_ENV)
+        created = target.create("a.json", {"a": 1}, fence=1, idempotency_key=_key())
+        assert created.outcome is Outcome.NOT_SENT and NOT_VERIFIED in created.detail, created
+        assert _commits(served) == []
+
+
 def test_a_git_https_push_meeting_a_certificate_that_stopped_verifying_is_not_sent(
     https_remote: tuple[str, Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,7 @@ a bare token. They reach git through a credential helper that reads them from th
 process's environment — never from the URL, the command line (visible in `ps`), the mirror's
 config or a file — and every message is scrubbed of them.
 
-https remotes: every fetch and push runs with `http.sslVerify=true`, and with
+https remotes: every fetch and push runs with `http.<url>.sslVerify=true`, and with
 `ca_bundle_env` trusts only that CA bundle (engine/targets/tls.py). A certificate that does
 not verify means nothing was sent: `RemoteUnreachable`, at the fetch and at the push.
 

@@ -44,21 +44,25 @@ _CURL_CERTIFICATE = (
 _CURL_CA_FILES = re.compile(r"\s*CAfile: \S+ CRLfile: \S+")
 
 
-def ca_bundle(env_name: str) -> str:
-    """The bundle's text, read now; TargetError when the variable is unset or does not load
-    as PEM certificates."""
+def _load(env_name: str) -> tuple[str, ssl.SSLContext]:
+    """The bundle's text, read now, and a context that trusts it alone; TargetError when the
+    variable is unset or its text does not load as PEM certificates."""
     pem = read_credentials(env_name)
     try:
-        ssl.create_default_context(cadata=pem)
+        return pem, ssl.create_default_context(cadata=pem)
     except (ssl.SSLError, ValueError):
         raise TargetError(f"the CA bundle in {env_name} is not PEM certificate text") from None
-    return pem
+
+
+def ca_bundle(env_name: str) -> str:
+    """The bundle's text (checked: it loads as PEM certificates), for git's CA file."""
+    return _load(env_name)[0]
 
 
 def trusted_context(env_name: str) -> ssl.SSLContext:
     """An SSLContext that verifies the server against the bundle in `env_name` only
     (hostname checked, certificate required: `create_default_context`'s defaults)."""
-    return ssl.create_default_context(cadata=ca_bundle(env_name))
+    return _load(env_name)[1]
 
 
 def trust_source(env_name: str | None) -> str:
