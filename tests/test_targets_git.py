@@ -8,7 +8,6 @@ that other commit from inside the adapter's own commit step, so the CAS really l
 from __future__ import annotations
 
 import logging
-import shutil
 import subprocess
 import threading
 import uuid
@@ -31,7 +30,7 @@ from engine.targets.base import (
     settle_by_reading,
 )
 from engine.targets.git import GitSettings, GitTarget
-from tests.fixtures.git_http import HAVE_GIT_HTTP, git_http_server, serve_to_apache
+from tests.fixtures.git_http import HAVE_GIT_HTTP, served_repository
 from tests.fixtures.git_http import PASSWORD as GIT_PASSWORD
 from tests.fixtures.git_http import SKIP_REASON as GIT_HTTP_SKIP
 from tests.fixtures.git_http import USER as GIT_USER
@@ -425,17 +424,8 @@ def http_remote() -> Iterator[tuple[str, Path, Callable[[], None]]]:
     """A bare repository served by git-http-backend behind Apache with Basic auth."""
     if not HAVE_GIT_HTTP:
         pytest.skip(GIT_HTTP_SKIP)
-    server = git_http_server()
-    served = server.root / "config.git"
-    _run("init", "--quiet", "--bare", "--initial-branch=main", str(served))
-    serve_to_apache(served)
-    try:
-        server.start()
-        yield f"{server.url}/git/config.git", served, server.stop
-    finally:
-        server.stop()
-        for folder in server.scratch:
-            shutil.rmtree(folder, ignore_errors=True)
+    with served_repository() as (url, served, server):
+        yield url, served, server.stop
 
 
 def test_an_http_remote_with_credentials_that_never_leak(

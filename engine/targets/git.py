@@ -5,6 +5,8 @@ A kind's settings (`GitSettings.from_settings`):
     repository   a local path to a repository (bare or not), or a remote URL (below)
     mirror       a remote repository's local bare mirror (an absolute path; created on use)
     credentials_env  an http(s) remote's credentials variable (user:password or a token)
+    ca_bundle_env    an https remote's variable holding the PEM text of the CA bundle to
+                 trust instead of the system store (engine/targets/tls.py; never unverified)
     ssh_key_env, ssh_known_hosts_env   an ssh remote's variables: the private key's text,
                  and the known_hosts line(s) pinning the server's host key (both required)
     branch       the branch the documents live on (created by the first create if absent)
@@ -85,6 +87,7 @@ _KNOWN = (
     "repository",
     "mirror",
     "credentials_env",
+    "ca_bundle_env",
     "ssh_key_env",
     "ssh_known_hosts_env",
     "branch",
@@ -114,6 +117,7 @@ class GitSettings:
     timeout: float = 30.0
     mirror: str | None = None  # a remote repository's local bare mirror
     credentials_env: str | None = None  # an http(s) remote's user:password (or token)
+    ca_bundle_env: str | None = None  # an https remote's CA bundle to trust (PEM text)
     ssh_key_env: str | None = None  # an ssh remote's private key (its text)
     ssh_known_hosts_env: str | None = None  # an ssh remote's pinned host key line(s)
 
@@ -131,6 +135,7 @@ class GitSettings:
             raise TargetConfigError("repository: the path of a local git repository")
         mirror = settings.get("mirror")
         credentials_env = settings.get("credentials_env")
+        ca_bundle_env = settings.get("ca_bundle_env")
         ssh_key_env = settings.get("ssh_key_env")
         ssh_known_hosts_env = settings.get("ssh_known_hosts_env")
         if "://" in repository or is_ssh_url(repository) or repository.startswith("git@"):
@@ -148,6 +153,10 @@ class GitSettings:
                         "(an ssh remote names ssh_key_env and ssh_known_hosts_env)"
                     )
                 check_env_name(credentials_env)
+            if ca_bundle_env is not None:
+                check_env_name(ca_bundle_env, "ca_bundle_env")
+                if not repository.startswith("https://"):
+                    raise TargetConfigError("ca_bundle_env: only for https remotes")
             if is_ssh_url(repository):
                 check_env_name(ssh_key_env, "ssh_key_env")
                 check_env_name(ssh_known_hosts_env, "ssh_known_hosts_env")
@@ -156,11 +165,11 @@ class GitSettings:
         else:
             if not os.path.isabs(repository):
                 raise TargetConfigError("repository: an absolute path")
-            if any(
-                v is not None for v in (mirror, credentials_env, ssh_key_env, ssh_known_hosts_env)
-            ):
+            remote_only = (mirror, credentials_env, ca_bundle_env, ssh_key_env, ssh_known_hosts_env)
+            if any(v is not None for v in remote_only):
                 raise TargetConfigError(
-                    "mirror, credentials_env and ssh_*_env: only for a remote repository"
+                    "mirror, credentials_env, ca_bundle_env and ssh_*_env: "
+                    "only for a remote repository"
                 )
         branch = settings.get("branch", "main")
         if not isinstance(branch, str) or not _BRANCH.match(branch) or branch.endswith(".lock"):
@@ -188,6 +197,7 @@ class GitSettings:
             timeout=float(timeout),
             mirror=mirror,
             credentials_env=credentials_env,
+            ca_bundle_env=ca_bundle_env,
             ssh_key_env=ssh_key_env,
             ssh_known_hosts_env=ssh_known_hosts_env,
         )

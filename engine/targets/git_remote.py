@@ -10,6 +10,10 @@ a bare token. They reach git through a credential helper that reads them from th
 process's environment — never from the URL, the command line (visible in `ps`), the mirror's
 config or a file — and every message is scrubbed of them.
 
+https remotes: every fetch and push runs with `http.<url>.sslVerify=true`, and with
+`ca_bundle_env` trusts only that CA bundle (engine/targets/tls.py). A certificate that does
+not verify means nothing was sent: `RemoteUnreachable`, at the fetch and at the push.
+
 ssh remotes (`ssh://`, `user@host:path`; engine/targets/git_ssh.py): `ssh_key_env` and
 `ssh_known_hosts_env` reach git's ssh through `GIT_SSH_COMMAND` for each fetch and push, host
 key checking always strict. ssh saying nothing was sent (no connection → not sent; an unknown
@@ -27,9 +31,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
+from engine.targets import git_ssh
 from engine.targets.base import TargetError, child_environment, read_credentials, scrub
 from engine.targets.git_ssh import UNREACHABLE as SSH_UNREACHABLE
 from engine.targets.git_ssh import check_ssh_url, is_ssh_url, ssh_access, ssh_complaint
+from engine.targets.tls import (
+    ca_bundle,
+    curl_certificate_complaint,
+    git_tls_config,
+    refused_certificate,
+)
 
 # Git runs a `!`-helper with the shell; the values come from the environment git inherits.
 _HELPER = (
@@ -63,6 +74,8 @@ class RemoteSettings(Protocol):
     @property
     def credentials_env(self) -> str | None: ...
     @property
+    def ca_bundle_env(self) -> str | None: ...
+    @property
     def ssh_key_env(self) -> str | None: ...
     @property
     def ssh_known_hosts_env(self) -> str | None: ...
@@ -93,9 +106,19 @@ class GitRemote:
     @contextmanager
     def _access(self, command: str) -> Iterator[tuple[list[str], dict[str, str], list[str]]]:
         """(config args, child environment, secrets) for one git command; an ssh remote's
-        key files exist only while a fetch or push runs."""
-        pre, env, secrets = self._credentials()
+        key files and an https remote's CA bundle exist only while a fetch or push runs.
+        A variable this worker does not have means nothing can be sent: RemoteUnreachable."""
         s = self.settings
+        https = command in _NETWORK and s.repository.startswith("https://")
+        try:
+            pre, env, secrets = self._credentials()
+            pem = ca_bundle(s.ca_bundle_env) if https and s.ca_bundle_env else None
+        except TargetError as exc:
+            raise RemoteUnreachable(str(exc)) from None
+        if https:
+            with git_tls_config(s.repository, pem, git_ssh.SCRATCH) as tls_env:
+                yield pre, env | tls_env, secrets
+            return
         if command not in _NETWORK or not is_ssh_url(s.repository):
             yield pre, env, secrets
             return
@@ -168,6 +191,11 @@ class GitRemote:
             if "couldn't find remote ref" in message:
                 return None
             lines = message.strip().splitlines()
+            refused = curl_certificate_complaint(message)
+            if refused is not None:
+                raise RemoteUnreachable(
+                    f"git fetch failed: {refused_certificate(refused, self.settings.ca_bundle_env)}"
+                )
             said = ssh_complaint(message)
             reason = said[1] if said else lines[-1] if lines else done.returncode
             text = f"git fetch failed: {reason}"
@@ -190,6 +218,11 @@ class GitRemote:
             f"{commit}:{ref}",
         )
         result = classify_push(done.stdout.decode(errors="replace"), done.returncode, ref)
+        refused = curl_certificate_complaint(done.stderr.decode(errors="replace"))
+        if result == UNKNOWN and refused is not None:
+            # The handshake stopped before anything was sent: not an unknown outcome.
+            env = self.settings.ca_bundle_env
+            raise RemoteUnreachable(f"git push failed: {refused_certificate(refused, env)}")
         if result == UNKNOWN and is_ssh_url(self.settings.repository):
             # ssh never got to send anything: say so rather than settle by reading.
             said = ssh_complaint(done.stderr.decode(errors="replace"))

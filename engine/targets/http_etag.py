@@ -12,6 +12,9 @@ A kind's settings (`HttpEtagSettings.from_settings`):
     auth_scheme            "Bearer" (default), "Basic" (the variable holds user:password) or
                            "" (the variable holds the whole header value)
     auth_header            default "Authorization"
+    ca_bundle_env          optional, an https base_url only: the environment variable holding
+                           the PEM text of the CA bundle to trust instead of the default store
+                           (engine/targets/tls.py; verification is never off)
     honours_idempotency_key  the service replays a repeated Idempotency-Key (default false)
     honours_fencing_token    the service refuses a Fencing-Token lower than one it took
                              (default false); only then are these headers sent at all
@@ -24,7 +27,8 @@ Answers: 2xx applied (the new version from the answer's ETag; when the answer ha
 read that finds our document gives it); 412 → stale, with the document read again for the
 conflict page; 409 → fenced when the service honours our fencing token and the version still
 matched, else stale; 404 on an update or delete → stale (gone); 423/429/502/503/504 → locked
-(back off, `Retry-After` kept); anything else → failed. A connect error → not sent; a
+(back off, `Retry-After` kept); anything else → failed. A connect error → not sent (a server
+certificate that does not verify is one: the handshake stops before the request); a
 timeout or a broken answer after sending → unknown: settle it by reading
 (`engine.targets.base.settle_by_reading`), never a second blind attempt.
 
@@ -43,6 +47,7 @@ import base64
 import json
 import math
 import re
+import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -68,12 +73,14 @@ from engine.targets.base import (
     scrub,
     strong_version,
 )
+from engine.targets.tls import certificate_error, refused_certificate, trusted_context
 
 _KNOWN = (
     "base_url",
     "credentials_env",
     "auth_scheme",
     "auth_header",
+    "ca_bundle_env",
     "honours_idempotency_key",
     "honours_fencing_token",
     "timeout",
@@ -107,6 +114,7 @@ class HttpEtagSettings:
     credentials_env: str | None = None
     auth_scheme: str = "Bearer"
     auth_header: str = "Authorization"
+    ca_bundle_env: str | None = None  # the PEM text of the CA bundle to trust (https only)
     honours_idempotency_key: bool = False
     honours_fencing_token: bool = False
     timeout: float = 10.0
@@ -130,6 +138,11 @@ class HttpEtagSettings:
         if parts.query or parts.fragment:
             raise TargetConfigError("base_url: no query or fragment")
         env = settings.get("credentials_env")
+        ca_env = settings.get("ca_bundle_env")
+        if ca_env is not None:
+            check_env_name(ca_env, "ca_bundle_env")
+            if parts.scheme != "https":
+                raise TargetConfigError("ca_bundle_env: only for an https base_url")
         scheme = settings.get("auth_scheme", "Bearer")
         if scheme not in ("Bearer", "Basic", ""):
             raise TargetConfigError('auth_scheme: "Bearer", "Basic" or ""')
@@ -155,6 +168,7 @@ class HttpEtagSettings:
             credentials_env=None if env is None else check_env_name(env),
             auth_scheme=scheme,
             auth_header=header,
+            ca_bundle_env=ca_env,
             honours_idempotency_key=_flag(settings, "honours_idempotency_key"),
             honours_fencing_token=_flag(settings, "honours_fencing_token"),
             timeout=float(timeout),
@@ -202,20 +216,28 @@ class HttpEtagTarget:
         self, method: str, name: str, headers: dict[str, str], body: bytes | None = None
     ) -> tuple[httpx.Response | None, Outcome | None, str]:
         """(response, None, "") or (None, NOT_SENT | UNKNOWN, scrubbed detail)."""
+        ca_env = self.settings.ca_bundle_env
         try:
             auth, secrets = self._auth()
+            verify: ssl.SSLContext | bool = True if ca_env is None else trusted_context(ca_env)
         except TargetError as exc:
             return None, Outcome.NOT_SENT, str(exc)
         outcome: Outcome | None = None
         detail = ""
         try:
-            with httpx.Client(timeout=self.settings.timeout) as client:
+            with httpx.Client(timeout=self.settings.timeout, verify=verify) as client:
                 response = client.request(
                     method, self.url_for(name), headers={**headers, **auth}, content=body
                 )
                 response.read()
         except _NOT_SENT as exc:
-            outcome, detail = Outcome.NOT_SENT, scrub(f"{type(exc).__name__}: {exc}", secrets)
+            refused = certificate_error(exc)
+            said = (
+                f"{type(exc).__name__}: {exc}"
+                if refused is None
+                else refused_certificate(refused, ca_env)
+            )
+            outcome, detail = Outcome.NOT_SENT, scrub(said, secrets)
         except _UNKNOWN as exc:
             outcome, detail = Outcome.UNKNOWN, scrub(f"{type(exc).__name__}: {exc}", secrets)
         except httpx.HTTPError as exc:
