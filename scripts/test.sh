@@ -36,7 +36,8 @@ if (( ${#missing[@]} )); then
 fi
 
 set +e
-.venv/bin/pytest "$@"
+# The slowest tests named at the end: what to look at first when the suite grows slow.
+.venv/bin/pytest --durations=40 "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then
