@@ -101,7 +101,7 @@ def conditional_write(
     sql = update_statement(guard=guard, keep_document=keep_document)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        return cursor.rowcount == 1
+        return bool(cursor.rowcount == 1)
 
 
 def _counter(version: str) -> int | None:
@@ -117,7 +117,7 @@ class ManagedTarget:
 
     capabilities = Capabilities(holds_fence=True, takes_idempotency_key=False)
 
-    def __init__(self, *, kind_id: int, owner_group: str) -> None:
+    def __init__(self, *, kind_id: str, owner_group: str) -> None:
         self.kind_id = kind_id
         self.owner_group = owner_group  # a created resource's owners: the kind's
 
