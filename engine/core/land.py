@@ -1,15 +1,15 @@
 """A single update or delete landing in ONE statement (PostgreSQL).
 
-The store's conditional UPDATE (the managed adapter's statement, engine/core/managed_target.py
-`LAND_UPDATE`: `WHERE id AND version = :observed AND NOT deleted AND last_fence < :fence`)
-and what records the write — the new
-ResourceVersion, the operation `done`, the action `applied` — as one statement of
-data-modifying CTEs: the three records are written only when the UPDATE returned the row,
-so a miss changes nothing and is classified afterwards, as before. The operation and
-action rows are already locked by this transaction (engine/core/write_rows.py), so the
-statement takes no lock the one lock order does not already hold, except the resource
-row's, which the UPDATE takes first. The audit event stays a statement of its own, run
-after this one (it locks the audit head, always last), but is sent with it: one round trip.
+The store's conditional UPDATE (the managed adapter's statement,
+engine/core/managed_target.py `LAND_UPDATE`: `WHERE id AND version = :observed AND NOT
+deleted AND last_fence < :fence`) and what records the write — the new ResourceVersion, the
+operation `done`, the action `applied` — as one statement of data-modifying CTEs: the three
+records are written only when the UPDATE returned the row, so a miss changes nothing and is
+classified afterwards, as before. The operation and action rows are already locked by this
+transaction (engine/core/write_rows.py), so the statement takes no lock the one lock order
+does not already hold, except the resource row's, which the UPDATE takes first. The audit
+event stays a statement of its own, run after this one (it locks the audit head, always
+last), but is sent with it: one round trip.
 """
 
 from __future__ import annotations
