@@ -14,7 +14,6 @@ the resolution service writes a settlement through the same `conflict_resolution
 
 from __future__ import annotations
 
-import copy
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -29,6 +28,7 @@ from audit.services import Actor
 from engine.core.action_audit import audit_action_event
 from ownership.diff import three_way_diff
 from ownership.models import Conflict, ConflictStatus
+from ownership.targets import current_state
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,14 @@ def conflict_reopen_for_resolution(
     the original action; the audit head last."""
     conflict = (
         Conflict.objects.select_for_update(of=("self",))
-        .select_related("resource", "action")
+        .select_related("resource__kind", "action")
         .filter(resolution_action_id=action_id, status=ConflictStatus.RESOLVED)
         .first()
     )
     if conflict is None:
         return None
     resource = conflict.resource
-    current: dict[str, Any] = copy.deepcopy(resource.document) if not resource.deleted else {}
-    current_version = resource.token
+    current, current_version = current_state(resource.kind, resource)
     previous = {
         "choice": conflict.resolution,
         "by": conflict.resolved_by_id,

@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from engine.core.errors import DomainError
+from engine.core.managed_target import ManagedTarget
 from engine.targets import registry
 from engine.targets.base import (
     Snapshot,
@@ -69,7 +70,28 @@ def adapter_for_settings(
 
 
 def adapter_for_kind(kind: ResourceKind) -> TargetAdapter:
+    """The adapter that reaches the kind's documents: Airlock's own store
+    (engine/core/managed_target.py, in the caller's transaction) for a managed kind, else
+    the external target's (TargetConfigError naming the setting that is wrong)."""
+    if not is_external(kind):
+        return ManagedTarget(kind_id=kind.pk, owner_group=kind.owner_group)
     return adapter_for_settings(kind.target, kind.target_url, kind.target_settings)
+
+
+def current_state(kind: ResourceKind, resource: Resource) -> tuple[dict[str, Any], str]:
+    """What a conflict shows as `current` (`{}` when absent) and its version token.
+
+    Managed: read through the kind's adapter, in the caller's transaction (the row as it is
+    now). A tombstone reads as absent; its token is still the row's counter (a resolution
+    observes it). External: the mirror row — the target's own answer, recorded with its
+    token by the write or read that found the conflict, just before this transaction; a
+    second read here would hold the conflict's row locks across a network call."""
+    if is_external(kind):
+        return ({} if resource.deleted else copy.deepcopy(resource.document)), resource.token
+    snapshot = adapter_for_kind(kind).read(resource.name)
+    if snapshot.version is None:
+        return {}, resource.token
+    return copy.deepcopy(snapshot.document), snapshot.version
 
 
 def mirror_snapshot(

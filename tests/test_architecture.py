@@ -67,7 +67,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("ownership.history", FLOOR),  # a resource's documents by version token (issue 39)
     # core — lock, fence, barrier, undo, targets, the kill-switch check. No web, no service.
     ("engine.core", CORE),
-    ("engine.core.*", CORE),
+    ("engine.core.*", CORE),  # managed_target: the managed adapter (needs the ORM: not in targets)
     ("engine.*", CORE),  # the target adapters (issue 39)
     # leaves — shared by services, import no service: delivery after commit, wake-ups,
     # the conflict reopen, the reference rows every database must have.
@@ -75,7 +75,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("approvals.notify", LEAF),
     ("notifications.outbox", LEAF),  # delivery jobs enqueued after commit (their own queue)
     ("ownership.reopen", LEAF),
-    ("ownership.targets", LEAF),  # a kind's adapter (engine.targets) and its mirror rows
+    ("ownership.targets", LEAF),  # a kind's adapter (managed or engine.targets), its mirrors
     ("console.reference", LEAF),
     ("console.permissions", LEAF),  # role predicates over a user's groups and an Actor
     # services push, selectors pull: each business verb once, authorisation inside it.

@@ -8,7 +8,8 @@ run (a revoke/finish/expiry updates the run row: one of the two waits for the ot
     UPDATE ownership_resource SET document, version = version + 1, last_fence = :fence
      WHERE id = :id AND version = :observed AND last_fence < :fence AND NOT deleted
 
-(an INSERT, or a conditional revive of a tombstone, for a create), the new
+(the managed adapter's statement, engine/core/managed_target.py; an INSERT, or a
+conditional revive of a tombstone, for a create), the new
 ResourceVersion row, Operation -> done (undo deadline from the kind/class window),
 Action -> applied (revision + 1), and the audit event `write.applied` — last,
 because it locks the audit head row until commit.
@@ -47,6 +48,7 @@ from console.tracing import traced
 from engine.core.action_audit import action_event
 from engine.core.killswitch import refuse_if_engaged
 from engine.core.land import Written, land_write, undo_window
+from engine.core.managed_target import TOMBSTONE, conditional_write
 from engine.core.operations import EXECUTABLE_STATUSES
 from engine.core.versions import counter, token
 from engine.core.write_rows import (
@@ -367,8 +369,14 @@ def _write_existing(
             planned, fence=fence, now=now, action=action, operation_id=landing.pk, event=event
         )
     else:
-        expected = {"pk": planned.resource_id, "version": observed, "deleted": False}
-        landed = _conditional_update(planned.document, planned.deleted, fence, now, **expected)
+        landed = conditional_write(
+            planned.resource_id,
+            expected_version=observed,
+            document=planned.document,
+            deleted=planned.deleted,
+            fence=fence,
+            now=now,
+        )
     if landed:
         return planned
     return _Refused(classify_miss(current["id"], expected=observed, fence=fence), current["id"])
@@ -384,21 +392,6 @@ def planned_write(action: Action, current: Mapping[str, Any]) -> Written:
     deleting = action.operation == WriteOperation.DELETE
     document = current["document"] if deleting else proposed_document(action, current["document"])
     return Written(current["id"], observed, observed + 1, document, deleting)
-
-
-def _conditional_update(
-    document: Any, tombstone: bool, fence: int, now: datetime, **expected: Any
-) -> bool:
-    """The one conditional UPDATE: it writes only while the row still matches `expected`
-    (its id, version and tombstone flag) and `fence` is newer than the last one accepted."""
-    rows = Resource.objects.filter(last_fence__lt=fence, **expected).update(
-        document=document,
-        deleted=tombstone,
-        version=F("version") + 1,
-        last_fence=fence,
-        updated_at=now,
-    )
-    return rows == 1
 
 
 def _write_create(action: Action, *, fence: int, now: datetime) -> Written | _Refused:
@@ -434,9 +427,16 @@ def _write_create(action: Action, *, fence: int, now: datetime) -> Written | _Re
         return Written(resource.pk, None, 1, document, False)
     if not existing["deleted"]:
         return _Refused(_already_exists(existing, fence), existing["id"])
-    if _conditional_update(
-        document, False, fence, now, pk=existing["id"], version=existing["version"], deleted=True
-    ):
+    revived = conditional_write(
+        existing["id"],
+        expected_version=existing["version"],
+        document=document,
+        deleted=False,
+        fence=fence,
+        now=now,
+        guard=TOMBSTONE,
+    )
+    if revived:
         return Written(
             existing["id"], existing["version"], existing["version"] + 1, document, False
         )

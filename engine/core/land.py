@@ -1,14 +1,15 @@
 """A single update or delete landing in ONE statement (PostgreSQL).
 
-The barrier's conditional UPDATE (engine/core/barrier.py: `WHERE id AND version =
-:observed AND last_fence < :fence AND NOT deleted`) and what records the write — the new
-ResourceVersion, the operation `done`, the action `applied` — as one statement of
-data-modifying CTEs: the three records are written only when the UPDATE returned the row,
-so a miss changes nothing and is classified afterwards, as before. The operation and
-action rows are already locked by this transaction (engine/core/write_rows.py), so the
-statement takes no lock the one lock order does not already hold, except the resource
-row's, which the UPDATE takes first. The audit event stays a statement of its own, run
-after this one (it locks the audit head, always last), but is sent with it: one round trip.
+The store's conditional UPDATE (the managed adapter's statement,
+engine/core/managed_target.py `LAND_UPDATE`: `WHERE id AND version = :observed AND NOT
+deleted AND last_fence < :fence`) and what records the write — the new ResourceVersion, the
+operation `done`, the action `applied` — as one statement of data-modifying CTEs: the three
+records are written only when the UPDATE returned the row, so a miss changes nothing and is
+classified afterwards, as before. The operation and action rows are already locked by this
+transaction (engine/core/write_rows.py), so the statement takes no lock the one lock order
+does not already hold, except the resource row's, which the UPDATE takes first. The audit
+event stays a statement of its own, run after this one (it locks the audit head, always
+last), but is sent with it: one round trip.
 """
 
 from __future__ import annotations
@@ -21,15 +22,13 @@ from django.db import connection
 
 from approvals.models import Action, ActionStatus, OperationStatus
 from audit.services import EventSpec, audit_append, audit_append_if
-from ownership.models import Resource
+from engine.core.managed_target import LAND_UPDATE, as_json
 
-_LAND = """
+# The store's own conditional UPDATE (engine/core/managed_target.py, the managed adapter's
+# statement), then the write's records, each only if it returned the row.
+_LAND = f"""
 WITH landed AS (
-    UPDATE ownership_resource
-       SET document = %s, deleted = %s, version = version + 1, last_fence = %s,
-           updated_at = %s
-     WHERE id = %s AND version = %s AND NOT deleted AND last_fence < %s
-    RETURNING id, version, document, deleted
+    {LAND_UPDATE}
 ), history AS (
     INSERT INTO ownership_resourceversion (resource_id, version, document, deleted, operation,
         fence, run_id, action_id, person_id, created_at)
@@ -46,7 +45,7 @@ WITH landed AS (
      WHERE id = %s AND EXISTS (SELECT 1 FROM landed)
 )
 SELECT count(*) FROM landed
-"""
+"""  # noqa: S608 - LAND_UPDATE is the adapter's constant statement; every value is bound
 
 
 def undo_window(action: Action) -> timedelta:
@@ -113,9 +112,8 @@ def _land_params(
 ) -> list[Any]:
     observed = planned.base_version
     assert observed is not None  # an update or a delete: it observed a version
-    as_json = Resource._meta.get_field("document").get_db_prep_value
     return [
-        as_json(planned.document, connection),
+        as_json(planned.document),
         planned.deleted,
         fence,
         now,
@@ -133,7 +131,7 @@ def _land_params(
         str(planned.result_version),
         now + undo_window(action),
         now,
-        as_json({"result": "applied"}, connection),
+        as_json({"result": "applied"}),
         operation_id,
         ActionStatus.APPLIED.value,
         planned.resource_id,

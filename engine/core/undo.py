@@ -2,11 +2,11 @@
 
 `apply_undo` restores the document from before `operation_id` (or the tombstone, for a
 create; or revives the resource, for a delete) with the same conditional UPDATE
-as every write — `WHERE version = <the version the operation produced> AND
-last_fence < :fence` — when the undo was accepted inside the operation's undo
-deadline (`accepted_at`). One live undo per operation (a partial unique
-constraint on `undo_of`) and the undo operation moves pending -> done/failed
-exactly once under a row lock, so asking again (or twice at the same time)
+as every write (the managed adapter's, engine/core/managed_target.py `conditional_write`) —
+`WHERE version = <the version the operation produced> AND last_fence < :fence` — when
+the undo was accepted inside the operation's undo deadline (`accepted_at`). One live undo
+per operation (a partial unique constraint on `undo_of`) and the undo operation moves
+pending -> done/failed exactly once under a row lock, so asking again (or twice at the same time)
 answers "already_undone" and writes nothing.
 
 Refusal reasons: "window_expired", "resource_moved" (the caller opens a conflict — inside
@@ -33,6 +33,7 @@ from engine.core.action_audit import audit_action_event
 from engine.core.actors import person_id
 from engine.core.errors import NotFound
 from engine.core.killswitch import hold_switches_shared, refuse_if_engaged
+from engine.core.managed_target import ANY_STATE, conditional_write
 from engine.core.versions import counter
 from ownership.models import Resource, ResourceVersion
 
@@ -192,14 +193,17 @@ def _write_restored(
     expected = counter(original.result_version)
     assert expected is not None  # checked by _refusal_before_write
     document, deleted = restored
-    rows = Resource.objects.filter(pk=resource_id, version=expected, last_fence__lt=fence).update(
+    # The store's own statement (the managed adapter's), in this transaction: any state at
+    # the version the operation produced (a tombstone too: the undo of a delete revives it).
+    if conditional_write(
+        resource_id,
+        expected_version=expected,
         document=document,
         deleted=deleted,
-        version=F("version") + 1,
-        last_fence=fence,
-        updated_at=timezone.now(),
-    )
-    if rows == 1:
+        fence=fence,
+        now=timezone.now(),
+        guard=ANY_STATE,
+    ):
         return None
     fresh = Resource.objects.filter(pk=resource_id).values("version", "last_fence").get()
     base["current_version"] = str(fresh["version"])

@@ -1,8 +1,9 @@
 """From a kind's target name and settings to its adapter, and the settings check the kind
 API will call before it stores them (issue 39 §2: refused with a clear error).
 
-`managed` and today's `http` (Airlock's own dialect, engine/core/targets.py) are not here:
-they are still executed by the barrier and approvals/services/http_writes.py.
+`managed` is not here: its adapter (engine/core/managed_target.py) needs the ORM and is
+built by ownership/targets.py `adapter_for_kind`. Today's `http` kind is `http_etag` with
+Airlock's dialect flags on (ownership/targets.py).
 """
 
 from __future__ import annotations

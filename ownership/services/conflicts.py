@@ -1,7 +1,8 @@
 """Opening conflicts: when a stale write is refused, or an undo finds a later write.
 
-A conflict keeps three documents — base (what the agent observed), current
-(what is there now) and proposed (what the agent's write would have produced
+A conflict keeps three documents — base (what the agent observed, as recorded at the
+proposal), current (what the target holds now: read through the kind's adapter,
+ownership.targets.current_state) and proposed (what the agent's write would have produced
 from base) — and a field-level three-way diff by JSON pointer. The action's
 conflict class decides who settles it:
 
@@ -40,6 +41,7 @@ from ownership.models import (
     OwnershipRecord,
     Resource,
 )
+from ownership.targets import current_state
 
 AGENT_RETURNED_COMMENT = "returned to the agent (retryable_by_agent)"
 
@@ -80,7 +82,7 @@ def _conflict_create_for_write(action: Action, resource: Resource, *, now: datet
     returns it to the agent."""
     cls = action.conflict_class
     base = document_at(resource, action.observed_version)
-    current = copy.deepcopy(resource.document) if not resource.deleted else {}
+    current, current_version = current_state(action.kind, resource)
     proposed = proposed_document(action, base)
     agent_resolves = cls.retryable_by_agent
     return Conflict.objects.create(
@@ -95,7 +97,7 @@ def _conflict_create_for_write(action: Action, resource: Resource, *, now: datet
         resolution_comment=AGENT_RETURNED_COMMENT if agent_resolves else "",
         base_version=base_token(resource, action.observed_version),
         base_document=base,
-        current_version=resource.token,
+        current_version=current_version,
         current_document=current,
         proposed_document=proposed,
         fields=three_way_diff(base, current, proposed),
@@ -160,7 +162,7 @@ def conflict_open_for_action(
                 "resolver_group": conflict.resolver_group,
                 "retryable_by_agent": cls.retryable_by_agent,
                 "base_version": action.observed_version or NO_VERSION,
-                "current_version": resource.token,
+                "current_version": conflict.current_version,
                 "fields": [row["path"] for row in conflict.fields],
                 "lease_covered": payload.get("lease_covered"),
             },
@@ -203,7 +205,7 @@ def conflict_open_for_undo(
         base_version = undone_operation.result_version or resource.token
     base_version = str(base_version)
     base = document_at(resource, base_version)
-    current = copy.deepcopy(resource.document) if not resource.deleted else {}
+    current, current_version = current_state(action.kind, resource)
     proposed = _undo_target_document(resource, undone_operation, undo_operation)
     existing = Conflict.objects.filter(action=action, origin=ConflictOrigin.UNDO).first()
     if existing is not None:
@@ -218,7 +220,7 @@ def conflict_open_for_undo(
         status=ConflictStatus.OPEN,
         base_version=base_version,
         base_document=base,
-        current_version=resource.token,
+        current_version=current_version,
         current_document=current,
         proposed_document=proposed,
         fields=three_way_diff(base, current, proposed),
@@ -231,7 +233,7 @@ def conflict_open_for_undo(
             "resolver_group": group,
             "requested_by": requested_by,
             "base_version": base_version,
-            "current_version": resource.token,
+            "current_version": current_version,
         },
     )
     notify_action_on_commit(action.pk)
