@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from engine.targets.base import TargetError, read_credentials
+from engine.targets.base import TargetError, child_environment, read_credentials
 
 # Where the key and the pinned host keys live while git runs: memory when we can. Only a
 # fresh mkdtemp directory (0700) is made in it, never a guessable name.
@@ -141,7 +141,7 @@ class SshSession:
                 ["ssh-keygen", "-y", "-f", str(self.key_file)],
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
-                env=self.env,
+                env=child_environment(drop_prefix="GIT_") | self.env,
                 timeout=30,
                 check=False,
                 start_new_session=True,  # no terminal to ask on: only the askpass
