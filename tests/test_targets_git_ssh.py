@@ -241,7 +241,8 @@ def test_the_ssh_command_pins_the_host_key_and_removes_the_files(
     monkeypatch.setattr(git_ssh, "SCRATCH", str(tmp_path))
     monkeypatch.setenv(KEY_ENV, "-----BEGIN KEY-----\r\nc2VjcmV0LWtleS1ib2R5\r\n-----END KEY-----")
     monkeypatch.setenv(HOSTS_ENV, "[h]:2222 ssh-ed25519 AAAA")
-    with git_ssh.ssh_access(KEY_ENV, HOSTS_ENV, 10) as (env, secrets):
+    with git_ssh.ssh_access(key_env=KEY_ENV, known_hosts_env=HOSTS_ENV, timeout=10) as ssh:
+        env, secrets = ssh.env, ssh.secrets
         command = shlex.split(env["GIT_SSH_COMMAND"])
         options = dict(
             command[i + 1].split("=", 1) for i, word in enumerate(command) if word == "-o"

@@ -6,8 +6,8 @@ two real servers shared by the module:
   (tests/fixtures/git_http.py); the kind's `credentials_env` names the variable holding
   `user:password`;
 - an ssh remote: Debian's OpenSSH `sshd` on a free port (tests/fixtures/sshd.py); the kind's
-  `ssh_key_env` / `ssh_known_hosts_env` name the variables holding the private key's text
-  and the pinned host key.
+  `ssh_key_env` / `ssh_known_hosts_env` / `ssh_key_passphrase_env` name the variables holding
+  the private key's text (protected by a passphrase), the pinned host key and the passphrase.
 
 The worker reads the variables from its own environment at call time; the test checks the
 remote itself by cloning it. An approved write lands once, its commit naming run, action and
@@ -55,6 +55,7 @@ FILE = f"tenants/{NAME}"
 PATH = f"/api/v1/resources/{KIND}/{NAME}"
 HTTP_ENV = "AIRLOCK_TEST_GITREMOTE_CREDENTIALS"
 KEY_ENV, HOSTS_ENV = "AIRLOCK_TEST_GITREMOTE_SSH_KEY", "AIRLOCK_TEST_GITREMOTE_KNOWN_HOSTS"
+PASS_ENV, PASSPHRASE = "AIRLOCK_TEST_GITREMOTE_SSH_PASSPHRASE", "wired passphrase 39"
 # Attempts and backoff short enough for a test, long enough to see the backoff.
 FAST_RETRIES = {"AIRLOCK_MAX_ATTEMPTS": "3", "AIRLOCK_BACKOFF_BASE_SECONDS": "0.2"}
 FINAL = ("applied", "conflict", "failed")
@@ -115,7 +116,12 @@ def _ssh_server() -> Iterator[Server]:
     with sshd.ssh_server() as server:
         repos = server.base / "repos"
         repos.mkdir()
-        body = [line for line in server.client_key.splitlines() if not line.startswith("-----")]
+        # The worker's key is protected by a passphrase (ssh_key_passphrase_env, read by ssh
+        # through the adapter's askpass); the test's own clones use the plain client key.
+        # One KDF round (ssh-keygen's default is 16): each ssh login derives the key again,
+        # and this module must not get slower for it.
+        locked, _ = server.authorised_key(PASSPHRASE, rounds=1)
+        body = [line for line in locked.splitlines() if not line.startswith("-----")]
         (server.base / "known_hosts").write_text(server.known_hosts)
         ssh = (
             f"ssh -F /dev/null -i {server.base / 'client_ed25519'} -o IdentitiesOnly=yes "
@@ -127,9 +133,13 @@ def _ssh_server() -> Iterator[Server]:
             url_of=server.url,
             clone_url_of=server.url,
             client_env={"GIT_SSH_COMMAND": ssh},
-            credentials={KEY_ENV: server.client_key, HOSTS_ENV: server.known_hosts},
-            settings={"ssh_key_env": KEY_ENV, "ssh_known_hosts_env": HOSTS_ENV},
-            secrets=[line for line in body if line.strip()],
+            credentials={KEY_ENV: locked, HOSTS_ENV: server.known_hosts, PASS_ENV: PASSPHRASE},
+            settings={
+                "ssh_key_env": KEY_ENV,
+                "ssh_known_hosts_env": HOSTS_ENV,
+                "ssh_key_passphrase_env": PASS_ENV,
+            },
+            secrets=[*(line for line in body if line.strip()), PASSPHRASE],
             start=server.start,
             stop=server.stop,
         )

@@ -8,7 +8,10 @@ A kind's settings (`GitSettings.from_settings`):
     ca_bundle_env    an https remote's variable holding the PEM text of the CA bundle to
                  trust instead of the system store (engine/targets/tls.py; never unverified)
     ssh_key_env, ssh_known_hosts_env   an ssh remote's variables: the private key's text,
-                 and the known_hosts line(s) pinning the server's host key (both required)
+                 and the known_hosts line(s) pinning the server's host key (both required,
+                 unless `ssh_agent_env` replaces the key)
+    ssh_key_passphrase_env  the variable holding the passphrase of the key (optional)
+    ssh_agent_env    instead of ssh_key_env: the variable holding an ssh-agent's socket path
     branch       the branch the documents live on (created by the first create if absent)
     path_prefix  optional folder inside the repository ("config/tenants/")
     author_name, author_email   who the commits are by (default "Airlock")
@@ -90,6 +93,8 @@ _KNOWN = (
     "ca_bundle_env",
     "ssh_key_env",
     "ssh_known_hosts_env",
+    "ssh_key_passphrase_env",
+    "ssh_agent_env",
     "branch",
     "path_prefix",
     "author_name",
@@ -120,6 +125,8 @@ class GitSettings:
     ca_bundle_env: str | None = None  # an https remote's CA bundle to trust (PEM text)
     ssh_key_env: str | None = None  # an ssh remote's private key (its text)
     ssh_known_hosts_env: str | None = None  # an ssh remote's pinned host key line(s)
+    ssh_key_passphrase_env: str | None = None  # the passphrase of that key
+    ssh_agent_env: str | None = None  # instead of the key: an ssh-agent's socket path
 
     @property
     def is_remote(self) -> bool:
@@ -138,6 +145,9 @@ class GitSettings:
         ca_bundle_env = settings.get("ca_bundle_env")
         ssh_key_env = settings.get("ssh_key_env")
         ssh_known_hosts_env = settings.get("ssh_known_hosts_env")
+        passphrase_env = settings.get("ssh_key_passphrase_env")
+        agent_env = settings.get("ssh_agent_env")
+        ssh_names = (ssh_key_env, ssh_known_hosts_env, passphrase_env, agent_env)
         if "://" in repository or is_ssh_url(repository) or repository.startswith("git@"):
             problem = check_remote_url(repository)
             if problem:
@@ -158,14 +168,17 @@ class GitSettings:
                 if not repository.startswith("https://"):
                     raise TargetConfigError("ca_bundle_env: only for https remotes")
             if is_ssh_url(repository):
-                check_env_name(ssh_key_env, "ssh_key_env")
+                _check_ssh_names(ssh_key_env, passphrase_env, agent_env)
                 check_env_name(ssh_known_hosts_env, "ssh_known_hosts_env")
-            elif ssh_key_env is not None or ssh_known_hosts_env is not None:
-                raise TargetConfigError("ssh_key_env and ssh_known_hosts_env: only for ssh remotes")
+            elif any(v is not None for v in ssh_names):
+                raise TargetConfigError(
+                    "ssh_key_env, ssh_known_hosts_env, ssh_key_passphrase_env and "
+                    "ssh_agent_env: only for ssh remotes"
+                )
         else:
             if not os.path.isabs(repository):
                 raise TargetConfigError("repository: an absolute path")
-            remote_only = (mirror, credentials_env, ca_bundle_env, ssh_key_env, ssh_known_hosts_env)
+            remote_only = (mirror, credentials_env, ca_bundle_env, *ssh_names)
             if any(v is not None for v in remote_only):
                 raise TargetConfigError(
                     "mirror, credentials_env, ca_bundle_env and ssh_*_env: "
@@ -200,7 +213,27 @@ class GitSettings:
             ca_bundle_env=ca_bundle_env,
             ssh_key_env=ssh_key_env,
             ssh_known_hosts_env=ssh_known_hosts_env,
+            ssh_key_passphrase_env=passphrase_env,
+            ssh_agent_env=agent_env,
         )
+
+
+def _check_ssh_names(key_env: Any, passphrase_env: Any, agent_env: Any) -> None:
+    """Exactly one of a key or an agent; a passphrase only with a key."""
+    if key_env is not None and agent_env is not None:
+        raise TargetConfigError("ssh_key_env or ssh_agent_env: one of them, not both")
+    if agent_env is not None:
+        check_env_name(agent_env, "ssh_agent_env")
+        if passphrase_env is not None:
+            raise TargetConfigError(
+                "ssh_key_passphrase_env: only with ssh_key_env (an agent holds its keys open)"
+            )
+        return
+    if key_env is None:
+        raise TargetConfigError("ssh_key_env or ssh_agent_env: an ssh remote needs one of them")
+    check_env_name(key_env, "ssh_key_env")
+    if passphrase_env is not None:
+        check_env_name(passphrase_env, "ssh_key_passphrase_env")
 
 
 def _check_path(path: str, what: str) -> None:

@@ -14,10 +14,11 @@ https remotes: every fetch and push runs with `http.<url>.sslVerify=true`, and w
 `ca_bundle_env` trusts only that CA bundle (engine/targets/tls.py). A certificate that does
 not verify means nothing was sent: `RemoteUnreachable`, at the fetch and at the push.
 
-ssh remotes (`ssh://`, `user@host:path`; engine/targets/git_ssh.py): `ssh_key_env` and
-`ssh_known_hosts_env` reach git's ssh through `GIT_SSH_COMMAND` for each fetch and push, host
-key checking always strict. ssh saying nothing was sent (no connection → not sent; an unknown
-host key or a refused key → failed) decides a push with no answer for our ref.
+ssh remotes (`ssh://`, `user@host:path`; engine/targets/git_ssh.py): `ssh_key_env` (with
+`ssh_key_passphrase_env`) or `ssh_agent_env`, and `ssh_known_hosts_env`, reach git's ssh
+through `GIT_SSH_COMMAND` for each fetch and push, host key checking always strict. ssh saying
+nothing was sent (no connection or a passphrase that does not open the key → not sent; an
+unknown host key or a refused key → failed) decides a push with no answer for our ref.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import subprocess
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -80,10 +81,20 @@ class RemoteSettings(Protocol):
     @property
     def ssh_known_hosts_env(self) -> str | None: ...
     @property
+    def ssh_key_passphrase_env(self) -> str | None: ...
+    @property
+    def ssh_agent_env(self) -> str | None: ...
+    @property
     def timeout(self) -> float: ...
 
 
 Runner = Callable[..., subprocess.CompletedProcess[bytes]]
+# (config args, child environment, secrets to scrub, what adds the reason to git's stderr)
+_Access = tuple[list[str], dict[str, str], list[str], Callable[[str], str]]
+
+
+def _as_is(stderr: str) -> str:
+    return stderr
 
 
 class GitRemote:
@@ -104,10 +115,11 @@ class GitRemote:
         return ["-c", "credential.helper=", "-c", _HELPER], env, [secret, password]
 
     @contextmanager
-    def _access(self, command: str) -> Iterator[tuple[list[str], dict[str, str], list[str]]]:
-        """(config args, child environment, secrets) for one git command; an ssh remote's
-        key files and an https remote's CA bundle exist only while a fetch or push runs.
-        A variable this worker does not have means nothing can be sent: RemoteUnreachable."""
+    def _access(self, command: str) -> Iterator[_Access]:
+        """(config args, child environment, secrets, what explains a failure) for one git
+        command; an ssh remote's key files and an https remote's CA bundle exist only while a
+        fetch or push runs. A variable this worker does not have (or an agent socket that is
+        not there) means nothing can be sent: RemoteUnreachable."""
         s = self.settings
         https = command in _NETWORK and s.repository.startswith("https://")
         try:
@@ -117,19 +129,33 @@ class GitRemote:
             raise RemoteUnreachable(str(exc)) from None
         if https:
             with git_tls_config(s.repository, pem, git_ssh.SCRATCH) as tls_env:
-                yield pre, env | tls_env, secrets
+                yield pre, env | tls_env, secrets, _as_is
             return
         if command not in _NETWORK or not is_ssh_url(s.repository):
-            yield pre, env, secrets
+            yield pre, env, secrets, _as_is
             return
-        if s.ssh_key_env is None or s.ssh_known_hosts_env is None:
-            raise TargetError("an ssh remote needs ssh_key_env and ssh_known_hosts_env")
-        with ssh_access(s.ssh_key_env, s.ssh_known_hosts_env, s.timeout) as (ssh_env, keys):
-            yield pre, env | ssh_env, secrets + keys
+        with ExitStack() as stack:
+            try:
+                if s.ssh_known_hosts_env is None:
+                    raise TargetError("an ssh remote needs ssh_known_hosts_env")
+                ssh = stack.enter_context(
+                    ssh_access(
+                        key_env=s.ssh_key_env,
+                        known_hosts_env=s.ssh_known_hosts_env,
+                        timeout=s.timeout,
+                        passphrase_env=s.ssh_key_passphrase_env,
+                        agent_env=s.ssh_agent_env,
+                    )
+                )
+            except TargetError as exc:
+                raise RemoteUnreachable(str(exc)) from None
+            yield pre, env | ssh.env, secrets + ssh.secrets, ssh.explain
 
     def _git(self, *args: str) -> subprocess.CompletedProcess[bytes]:
-        with self._access(args[0]) as (pre, env, secrets):
+        with self._access(args[0]) as (pre, env, secrets, explain):
             done = self._run(*args, pre=pre, env=env)
+            if done.returncode != 0:  # while the key file is still there to check
+                done.stderr = explain(done.stderr.decode(errors="replace")).encode()
         if secrets:  # nothing of the secret leaves in what git printed
             done.stdout = scrub(done.stdout.decode(errors="replace"), secrets).encode()
             done.stderr = scrub(done.stderr.decode(errors="replace"), secrets).encode()
