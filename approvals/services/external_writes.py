@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -453,32 +454,15 @@ def _record_applied(
             operation_fail_pending(operation.pk, {"superseded": True})
             log.info("action %s: stale delivery of operation %s", action.pk, operation.pk)
             return "superseded"
-        snapshot = ABSENT if intended.deleted else Snapshot(intended.document, version)
-        resource = None
-        if snapshot.exists or intended.deleted:
-            resource = mirror_snapshot(
-                action.kind,
-                action.name,
-                snapshot,
-                operation=action.operation,
-                fence=fence,
-                run_id=action.run_id,
-                action_id=action.pk,
-            )
-        if resource is None:
-            resource = Resource.objects.filter(kind=action.kind, name=action.name).first()
+        resource = mirror_written(action, intended, version, fence=fence)
         effect_op = _settle_unknown(action=action, operation=operation)
-        settled = Operation.objects.filter(
-            pk=effect_op.pk, status__in=(OperationStatus.PENDING, OperationStatus.UNKNOWN)
-        ).update(
-            status=OperationStatus.DONE,
-            base_version=action.observed_version,
-            result_version=version,
-            finished_at=now,
-            undo_deadline=now + undo_window(action),
+        settled = operation_record_applied(
+            effect_op.pk,
+            action=action,
+            version=version,
+            now=now,
+            from_statuses=(OperationStatus.PENDING, OperationStatus.UNKNOWN),
             outcome={
-                "result": "applied",
-                "target": action.kind.target,
                 "settled_by": operation.pk if effect_op.pk != operation.pk else None,
                 "settled_by_reading": settled_by_reading,
                 **by_last_read,
@@ -508,6 +492,53 @@ def _record_applied(
             },
         )
     return "applied"
+
+
+def mirror_written(
+    action: Action, intended: Intended, version: str | None, *, fence: int
+) -> Resource | None:
+    """The mirror row after our write took effect at the target (its history row with it);
+    the row as it is when the mirror keeps nothing new."""
+    snapshot = ABSENT if intended.deleted else Snapshot(intended.document, version)
+    resource = None
+    if snapshot.exists or intended.deleted:  # a write reported with no version: no mirror
+        resource = mirror_snapshot(
+            action.kind,
+            action.name,
+            snapshot,
+            operation=action.operation,
+            fence=fence,
+            run_id=action.run_id,
+            action_id=action.pk,
+        )
+    if resource is None:
+        resource = Resource.objects.filter(kind=action.kind, name=action.name).first()
+    return resource
+
+
+def operation_record_applied(
+    operation_id: int,
+    *,
+    action: Action,
+    version: str | None,
+    now: datetime,
+    outcome: dict[str, Any],
+    from_statuses: tuple[str, ...] | None = None,
+) -> int:
+    """The operation that carried the effect `done`: the versions, the undo deadline counted
+    from `now`, and its outcome (`applied` on this target, with `outcome`'s details). Only
+    from `from_statuses` when given; the rows updated (0 or 1)."""
+    rows = Operation.objects.filter(pk=operation_id)
+    if from_statuses is not None:
+        rows = rows.filter(status__in=from_statuses)
+    return rows.update(
+        status=OperationStatus.DONE,
+        base_version=action.observed_version,
+        result_version=version,
+        finished_at=now,
+        undo_deadline=now + undo_window(action),
+        outcome={"result": "applied", "target": action.kind.target, **outcome},
+    )
 
 
 def _settle_unknown(*, action: Action, operation: Operation) -> Operation:

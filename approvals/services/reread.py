@@ -36,12 +36,15 @@ from django.utils import timezone
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from approvals.services.action_status import action_transition
 from approvals.services.external_undo import undo_reread
-from approvals.services.external_writes import Intended, intended_write
+from approvals.services.external_writes import (
+    Intended,
+    intended_write,
+    mirror_written,
+    operation_record_applied,
+)
 from audit.services import Actor
 from engine.core.action_audit import audit_action_event
-from engine.core.land import undo_window
 from engine.targets.base import (
-    ABSENT,
     Applied,
     NotApplied,
     Snapshot,
@@ -49,7 +52,6 @@ from engine.targets.base import (
     TargetError,
     settle_by_reading,
 )
-from ownership.models import Resource
 from ownership.targets import adapter_for_kind, mirror_snapshot
 
 log = logging.getLogger("airlock.execution")
@@ -199,27 +201,14 @@ def _record_applied(
         if held is None:
             return "superseded"
         lost, locked = held
-        resource = mirror_snapshot(
-            action.kind,
-            action.name,
-            ABSENT if intended.deleted else Snapshot(intended.document, version),
-            operation=action.operation,
-            fence=lost.fence,
-            run_id=action.run_id,
-            action_id=action.pk,
-        )
-        if resource is None:
-            resource = Resource.objects.filter(kind=action.kind, name=action.name).first()
+        resource = mirror_written(action, intended, version, fence=lost.fence)
         before = dict(lost.outcome) if isinstance(lost.outcome, dict) else {}
-        Operation.objects.filter(pk=lost.pk).update(
-            status=OperationStatus.DONE,
-            base_version=action.observed_version,
-            result_version=version,
-            finished_at=now,
-            undo_deadline=now + undo_window(action),
+        operation_record_applied(
+            lost.pk,
+            action=action,
+            version=version,
+            now=now,
             outcome={
-                "result": "applied",
-                "target": action.kind.target,
                 "settled_by_reading": True,
                 "settled_later": True,
                 "unknown": before.get("unknown"),
