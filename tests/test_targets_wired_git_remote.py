@@ -1,20 +1,26 @@
 """A kind whose documents are files in a REMOTE git repository with credentials, governed end
 to end through the kind API, the resource API, approvals and a real RQ worker (issue 39), on
-two real servers shared by the module:
+real servers, each shared by the module:
 
 - an http remote: Debian's `git-http-backend` behind Apache httpd with Basic auth
   (tests/fixtures/git_http.py); the kind's `credentials_env` names the variable holding
   `user:password`;
 - an ssh remote: Debian's OpenSSH `sshd` on a free port (tests/fixtures/sshd.py); the kind's
   `ssh_key_env` / `ssh_known_hosts_env` / `ssh_key_passphrase_env` name the variables holding
-  the private key's text (protected by a passphrase), the pinned host key and the passphrase.
+  the private key's text (protected by a passphrase), the pinned host key and the passphrase;
+- an https remote, for one test: the http remote behind Apache's mod_ssl, its certificate
+  from a CA the test makes (tests/fixtures/tls.py); the kind's `ca_bundle_env` names the
+  variable holding the CA's PEM. A worker whose variable holds another CA sends nothing
+  (`not_sent` at the handshake, `failed` after the attempts, nothing pushed); one trusting
+  it lands an approved write as one commit, two runs from one version as one commit and
+  one conflict.
 
 The worker reads the variables from its own environment at call time; the test checks the
 remote itself by cloning it. An approved write lands once, its commit naming run, action and
 approver; undo restores the prior content; two runs from one version → one applied, one
 conflict; undo after someone else pushed → a conflict, nothing overwritten; the remote down →
 backoff, then `failed`; the credential shows in no answer, audit detail, worker output or log
-record. Skipped where apache2 / sshd are not installed or we are not root.
+record. Skipped where apache2 (mod_ssl) / sshd are not installed or we are not root.
 
 Two runs cannot both hold write authority over one resource (the write set's overlap rule),
 so the second run's action is recorded as the engine tests record it (a run outside the
