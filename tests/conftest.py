@@ -31,6 +31,7 @@ pytest_plugins = [
     "tests.fixtures.console",
     "tests.fixtures.plans",
     "tests.fixtures.dav",
+    "tests.fixtures.sshd",
     "tests.fixtures.last_read",
 ]
 

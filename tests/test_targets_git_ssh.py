@@ -14,7 +14,6 @@ import shlex
 import stat
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from engine.targets import git_ssh
 from engine.targets.base import Outcome, TargetConfigError, TargetError
 from engine.targets.git import GitSettings, GitTarget
 from engine.targets.git_remote import RemoteUnreachable
-from tests.fixtures.sshd import HAVE_SSHD, SKIP_REASON, SshServer, ssh_server
+from tests.fixtures.sshd import SshServer
 
 KEY_ENV, HOSTS_ENV = "AIRLOCK_TEST_SSH_KEY", "AIRLOCK_TEST_SSH_KNOWN_HOSTS"
 
@@ -45,30 +44,6 @@ def _key() -> str:
 def _key_body(key: str) -> list[str]:
     """The lines of a private key that are the secret (not its BEGIN/END armour)."""
     return [line for line in key.splitlines() if line and not line.startswith("-----")]
-
-
-@pytest.fixture
-def sshd() -> Iterator[SshServer]:
-    if not HAVE_SSHD:
-        pytest.skip(SKIP_REASON)
-    with ssh_server() as server:
-        yield server
-
-
-@pytest.fixture
-def served(tmp_path: Path) -> Path:
-    repo = tmp_path / "served" / "config.git"
-    _run("init", "--quiet", "--bare", "--initial-branch=main", str(repo))
-    return repo
-
-
-@pytest.fixture
-def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Where the adapter writes the key files while git runs (so the test can look)."""
-    where = tmp_path / "scratch"
-    where.mkdir()
-    monkeypatch.setattr(git_ssh, "SCRATCH", str(where))
-    return where
 
 
 @pytest.fixture

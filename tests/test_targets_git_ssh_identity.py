@@ -31,7 +31,7 @@ from engine.targets import git_ssh
 from engine.targets.base import Outcome, TargetConfigError, TargetError
 from engine.targets.git import GitSettings, GitTarget
 from engine.targets.git_remote import RemoteUnreachable
-from tests.fixtures.sshd import HAVE_SSHD, SKIP_REASON, SshServer, ssh_server
+from tests.fixtures.sshd import SshServer
 
 KEY_ENV, HOSTS_ENV = "AIRLOCK_TEST_SSH_KEY", "AIRLOCK_TEST_SSH_KNOWN_HOSTS"
 PASS_ENV, AGENT_ENV = "AIRLOCK_TEST_SSH_PASSPHRASE", "AIRLOCK_TEST_SSH_AGENT"
@@ -45,29 +45,6 @@ def _run(*args: str) -> str:
 
 def _key() -> str:
     return f"airlock-action-{uuid.uuid4()}"
-
-
-@pytest.fixture
-def sshd() -> Iterator[SshServer]:
-    if not HAVE_SSHD:
-        pytest.skip(SKIP_REASON)
-    with ssh_server() as server:
-        yield server
-
-
-@pytest.fixture
-def served(tmp_path: Path) -> Path:
-    repo = tmp_path / "served" / "config.git"
-    _run("init", "--quiet", "--bare", "--initial-branch=main", str(repo))
-    return repo
-
-
-@pytest.fixture
-def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    where = tmp_path / "scratch"
-    where.mkdir()
-    monkeypatch.setattr(git_ssh, "SCRATCH", str(where))
-    return where
 
 
 def _target(sshd: SshServer, served: Path, mirror: Path, **names: str) -> GitTarget:

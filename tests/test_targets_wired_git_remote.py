@@ -1,20 +1,26 @@
 """A kind whose documents are files in a REMOTE git repository with credentials, governed end
 to end through the kind API, the resource API, approvals and a real RQ worker (issue 39), on
-two real servers shared by the module:
+real servers, each shared by the module:
 
 - an http remote: Debian's `git-http-backend` behind Apache httpd with Basic auth
   (tests/fixtures/git_http.py); the kind's `credentials_env` names the variable holding
   `user:password`;
 - an ssh remote: Debian's OpenSSH `sshd` on a free port (tests/fixtures/sshd.py); the kind's
   `ssh_key_env` / `ssh_known_hosts_env` / `ssh_key_passphrase_env` name the variables holding
-  the private key's text (protected by a passphrase), the pinned host key and the passphrase.
+  the private key's text (protected by a passphrase), the pinned host key and the passphrase;
+- an https remote, for one test: the http remote behind Apache's mod_ssl, its certificate
+  from a CA the test makes (tests/fixtures/tls.py); the kind's `ca_bundle_env` names the
+  variable holding the CA's PEM. A worker whose variable holds another CA sends nothing
+  (`not_sent` at the handshake, `failed` after the attempts, nothing pushed); one trusting
+  it lands an approved write as one commit, two runs from one version as one commit and
+  one conflict.
 
 The worker reads the variables from its own environment at call time; the test checks the
 remote itself by cloning it. An approved write lands once, its commit naming run, action and
 approver; undo restores the prior content; two runs from one version → one applied, one
 conflict; undo after someone else pushed → a conflict, nothing overwritten; the remote down →
 backoff, then `failed`; the credential shows in no answer, audit detail, worker output or log
-record. Skipped where apache2 / sshd are not installed or we are not root.
+record. Skipped where apache2 (mod_ssl) / sshd are not installed or we are not root.
 
 Two runs cannot both hold write authority over one resource (the write set's overlap rule),
 so the second run's action is recorded as the engine tests record it (a run outside the
@@ -47,6 +53,7 @@ from tests.fixtures import git_http, sshd
 from tests.fixtures.api import make_active_run, make_agent_with_token
 from tests.fixtures.engine import wait_for
 from tests.fixtures.targets import git
+from tests.fixtures.tls import Pki, another_ca_pem, server_pki
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -56,6 +63,7 @@ PATH = f"/api/v1/resources/{KIND}/{NAME}"
 HTTP_ENV = "AIRLOCK_TEST_GITREMOTE_CREDENTIALS"
 KEY_ENV, HOSTS_ENV = "AIRLOCK_TEST_GITREMOTE_SSH_KEY", "AIRLOCK_TEST_GITREMOTE_KNOWN_HOSTS"
 PASS_ENV, PASSPHRASE = "AIRLOCK_TEST_GITREMOTE_SSH_PASSPHRASE", "wired passphrase 39"
+CA_ENV = "AIRLOCK_TEST_GITREMOTE_CA_BUNDLE"
 # Attempts and backoff short enough for a test, long enough to see the backoff.
 FAST_RETRIES = {"AIRLOCK_MAX_ATTEMPTS": "3", "AIRLOCK_BACKOFF_BASE_SECONDS": "0.2"}
 FINAL = ("applied", "conflict", "failed")
@@ -77,10 +85,11 @@ class Server:
     owner: str | None = None  # who must own a served repository (Apache's user)
 
 
-def _http_server() -> Iterator[Server]:
-    if not git_http.HAVE_GIT_HTTP:
-        pytest.skip(git_http.SKIP_REASON)
-    apache = git_http.git_http_server()
+def _http_server(pki: Pki | None = None) -> Iterator[Server]:
+    """The http remote; with a Pki the same over https, its certificate from that CA."""
+    if not (git_http.HAVE_GIT_HTTPS if pki else git_http.HAVE_GIT_HTTP):
+        pytest.skip(git_http.HTTPS_SKIP_REASON if pki else git_http.SKIP_REASON)
+    apache = git_http.git_http_server(pki)
 
     def start() -> None:  # again after a test stopped it; a no-op while it runs
         if apache.process is None:
@@ -88,18 +97,29 @@ def _http_server() -> Iterator[Server]:
 
     start()
     credential = f"{git_http.USER}:{git_http.PASSWORD}"
+    credentials, settings = {HTTP_ENV: credential}, {"credentials_env": HTTP_ENV}
+    secrets = [git_http.PASSWORD, base64.b64encode(credential.encode()).decode()]
+    client_env: dict[str, str] = {}
+    if pki is not None:  # the kind names the CA's variable; the test's own git reads a file
+        credentials[CA_ENV] = pki.ca_pem
+        settings["ca_bundle_env"] = CA_ENV
+        secrets += [line for line in pki.ca_pem.splitlines() if not line.startswith("-----")]
+        ca_file = apache.scratch[0] / "ca.pem"
+        ca_file.write_text(pki.ca_pem)
+        client_env["GIT_SSL_CAINFO"] = str(ca_file)
+    scheme = "https" if pki else "http"
     try:
         yield Server(
             repos=apache.root,
             url_of=lambda repo: f"{apache.url}/git/{repo.name}",
             # The test's own clones: the credential in the URL (never in what is checked).
             clone_url_of=lambda repo: (
-                f"http://{credential}@127.0.0.1:{apache.port}/git/{repo.name}"
+                f"{scheme}://{credential}@127.0.0.1:{apache.port}/git/{repo.name}"
             ),
-            client_env={},
-            credentials={HTTP_ENV: credential},
-            settings={"credentials_env": HTTP_ENV},
-            secrets=[git_http.PASSWORD, base64.b64encode(credential.encode()).decode()],
+            client_env=client_env,
+            credentials=credentials,
+            settings=settings,
+            secrets=secrets,
             start=start,
             stop=apache.stop,
             owner="www-data",
@@ -147,7 +167,11 @@ def _ssh_server() -> Iterator[Server]:
 
 @pytest.fixture(scope="module", params=["http", "ssh"])
 def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    yield from (_http_server() if request.param == "http" else _ssh_server())
+    """http or ssh; "https" only where a test asks for it (indirect parametrisation)."""
+    if request.param == "ssh":
+        yield from _ssh_server()
+    else:
+        yield from _http_server(server_pki() if request.param == "https" else None)
 
 
 @dataclass(frozen=True)
@@ -281,13 +305,83 @@ def _propose(api: Any, run: Any, etag: str, document: Any, answers: list[bytes])
     return action_id
 
 
+def _an_approved_write_lands_once(
+    api: Any, run: Any, token: str, remote: Remote, rq_worker: Any, answers: list[bytes]
+) -> tuple[str, Operation, Any]:
+    """A run reads the file (its blob id is the tag) = {"limit": 1}, proposes {"limit": 2},
+    the holder of `token` (ana) approves, a worker with the server's variables pushes: one
+    commit on the remote naming run, action and approver. (action id, its operation, the
+    worker)"""
+    read = api.get(PATH, token=run.token)
+    answers.append(read.content)
+    assert read.status_code == 200, read.content
+    assert read.json()["document"] == {"limit": 1}
+    blob = read["ETag"].strip('"')
+    assert blob == remote.look().blob  # the file's blob id on the remote, not a counter
+    action_id = _propose(api, run, read["ETag"], {"limit": 2}, answers)
+    _approve(api, action_id, token, answers)
+    worker = rq_worker(**remote.server.credentials)
+    wait_for(lambda: _status(action_id) in FINAL, timeout=40)
+    assert _status(action_id) == "applied", worker.output()
+    seen = remote.look()
+    assert seen.document == {"limit": 2}
+    assert len(seen.messages) == 2  # the seed and our write
+    ours = seen.messages[0]
+    assert f"Airlock-Action: {action_id}" in ours
+    assert f"Airlock-Run: {run.run.pk}" in ours and "Approved-by: ana" in ours
+    done = Operation.objects.get(action_id=action_id, undo_of__isnull=True, status="done")
+    assert (done.base_version, done.result_version) == (blob, seen.blob)
+    return action_id, done, worker
+
+
+def _two_runs_from_one_version(
+    api: Any,
+    kind: ResourceKind,
+    engine_world: Any,
+    remote: Remote,
+    token: str,
+    answers: list[bytes],
+    worker: Any,
+    *,
+    version: str,
+    commits: int,
+) -> Any:
+    """Two runs read the file at `version` (the mirror's) and each proposes a change, both
+    approved: one commit lands (the remote then holds `commits`), the other meets the moved
+    file and is a conflict. The winner's action."""
+    mirror = read_through(kind, NAME)
+    assert mirror is not None and mirror.token == version
+    first, second = (
+        engine_world.propose(
+            kind, NAME, run=other, payload={"limit": n}, observed_version=mirror.token
+        )
+        for other, n in ((engine_world.run, 9), (engine_world.other_run, 11))
+    )
+    for action in (first, second):
+        assert action.status == "pending_approval"
+        _approve(api, action.pk, token, answers)
+    wait_for(lambda: _status(first.pk) in FINAL and _status(second.pk) in FINAL, timeout=40)
+    assert {_status(first.pk), _status(second.pk)} == {"applied", "conflict"}, worker.output()
+    winner, loser = (first, second) if _status(first.pk) == "applied" else (second, first)
+    seen = remote.look()
+    assert seen.document == {"limit": 9 if winner is first else 11}
+    assert len(seen.messages) == commits  # the winner's commit: nothing lost, nothing twice
+    assert f"Airlock-Action: {winner.pk}" in seen.messages[0]
+    assert not any(f"Airlock-Action: {loser.pk}" in m for m in seen.messages)
+    conflict = Conflict.objects.get(action=loser, origin="write")
+    assert conflict.current_version == seen.blob != mirror.token  # the winner's blob
+    return winner
+
+
 def _no_credential_anywhere(
-    server: Server, answers: list[bytes], worker: Any, caplog: pytest.LogCaptureFixture
+    server: Server, answers: list[bytes], caplog: pytest.LogCaptureFixture, *workers: Any
 ) -> None:
-    worker.stop()
+    for worker in workers:
+        worker.stop()
     events = json.dumps(list(AuditEvent.objects.values_list("details", flat=True)))
-    assert events != "[]" and worker.output()  # something to look at
-    places = [*(answer.decode() for answer in answers), events, worker.output()]
+    outputs = [worker.output() for worker in workers]
+    assert events != "[]" and all(outputs)  # something to look at
+    places = [*(answer.decode() for answer in answers), events, *outputs]
     places += [record.getMessage() for record in caplog.records]
     for place in places:
         for secret in server.secrets:
@@ -308,28 +402,11 @@ def test_a_remote_kind_is_governed_end_to_end_and_its_credential_shows_nowhere(
     ana = engine_world.operator  # an operator: approves and may undo
     _, ana_token = personal_token_create(user=ana, actor=Actor.system("tests"))
 
-    # 1. A run reads the file (its blob id is the tag), proposes, ana approves, the worker
-    # pushes: one commit on the remote naming run, action and approver.
+    # 1. A run reads the file, proposes, ana approves, the worker pushes: one commit.
     run = _agent_run()
-    read = api.get(PATH, token=run.token)
-    answers.append(read.content)
-    assert read.status_code == 200, read.content
-    assert read.json()["document"] == {"limit": 1}
-    blob = read["ETag"].strip('"')
-    assert blob == remote.look().blob  # the file's blob id on the remote, not a counter
-    action_id = _propose(api, run, read["ETag"], {"limit": 2}, answers)
-    _approve(api, action_id, ana_token, answers)
-    worker = rq_worker(**remote.server.credentials)
-    wait_for(lambda: _status(action_id) in FINAL, timeout=40)
-    assert _status(action_id) == "applied", worker.output()
-    seen = remote.look()
-    assert seen.document == {"limit": 2}
-    assert len(seen.messages) == 2  # the seed and our write
-    ours = seen.messages[0]
-    assert f"Airlock-Action: {action_id}" in ours
-    assert f"Airlock-Run: {run.run.pk}" in ours and "Approved-by: ana" in ours
-    done = Operation.objects.get(action_id=action_id, undo_of__isnull=True, status="done")
-    assert (done.base_version, done.result_version) == (blob, seen.blob)
+    action_id, done, worker = _an_approved_write_lands_once(
+        api, run, ana_token, remote, rq_worker, answers
+    )
     shown = api.get(f"/api/v1/actions/{action_id}", token=run.token)
     answers.append(shown.content)
 
@@ -347,29 +424,10 @@ def test_a_remote_kind_is_governed_end_to_end_and_its_credential_shows_nowhere(
     assert again.json()["document"] == {"limit": 1}
     assert again["ETag"] == f'"{seen.blob}"'  # the restored file's blob (ours: indented)
 
-    # 3. Two runs read that version and each proposes a change, both approved: one commit
-    # lands, the other meets the moved file and is a conflict.
-    mirror = read_through(kind, NAME)
-    assert mirror is not None and mirror.token == seen.blob
-    first, second = (
-        engine_world.propose(
-            kind, NAME, run=other, payload={"limit": n}, observed_version=mirror.token
-        )
-        for other, n in ((engine_world.run, 9), (engine_world.other_run, 11))
+    # 3. Two runs from that version: one commit lands, the other is a conflict.
+    winner = _two_runs_from_one_version(
+        api, kind, engine_world, remote, ana_token, answers, worker, version=seen.blob, commits=4
     )
-    for action in (first, second):
-        assert action.status == "pending_approval"
-        _approve(api, action.pk, ana_token, answers)
-    wait_for(lambda: _status(first.pk) in FINAL and _status(second.pk) in FINAL, timeout=40)
-    assert {_status(first.pk), _status(second.pk)} == {"applied", "conflict"}, worker.output()
-    winner, loser = (first, second) if _status(first.pk) == "applied" else (second, first)
-    seen = remote.look()
-    assert seen.document == {"limit": 9 if winner is first else 11}
-    assert len(seen.messages) == 4  # the winner's commit: nothing lost, nothing twice
-    assert f"Airlock-Action: {winner.pk}" in seen.messages[0]
-    assert not any(f"Airlock-Action: {loser.pk}" in m for m in seen.messages)
-    conflict = Conflict.objects.get(action=loser, origin="write")
-    assert conflict.current_version == seen.blob != mirror.token  # the winner's blob
 
     # 4. Someone else pushes a change to the same file; undoing the winner must not erase it.
     remote.someone_pushes({"limit": 40, "by": "someone"})
@@ -392,7 +450,7 @@ def test_a_remote_kind_is_governed_end_to_end_and_its_credential_shows_nowhere(
     listed = api.get("/api/v1/conflicts?limit=50", token=ana_token)
     answers.append(listed.content)
 
-    _no_credential_anywhere(remote.server, answers, worker, caplog)
+    _no_credential_anywhere(remote.server, answers, caplog, worker)
 
 
 def test_the_remote_down_backs_off_then_fails_never_a_false_applied(
@@ -429,4 +487,55 @@ def test_the_remote_down_backs_off_then_fails_never_a_false_applied(
     remote.server.start()
     seen = remote.look()
     assert (seen.document, len(seen.messages)) == ({"limit": 1}, 1)  # nothing reached it
-    _no_credential_anywhere(remote.server, answers, worker, caplog)
+    _no_credential_anywhere(remote.server, answers, caplog, worker)
+
+
+@pytest.mark.parametrize("server", ["https"], indirect=True)
+def test_an_https_remote_trusting_a_private_ca_is_governed_and_a_worker_without_it_sends_nothing(
+    api: Any,
+    admin: Any,
+    engine_world: Any,
+    remote: Remote,
+    rq_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The http remote over https (mod_ssl), its certificate from a CA the test made: the
+    kind names the CA's variable (`ca_bundle_env`) beside the Basic credential's."""
+    caplog.set_level("DEBUG")
+    answers: list[bytes] = []
+    assert remote.settings["repository"].startswith("https://")
+    kind = _put_kind(api, admin, remote, answers)  # its probe read trusts the CA
+    assert kind.target_settings["ca_bundle_env"] == CA_ENV  # the variable's name, not the PEM
+    _, ana_token = personal_token_create(user=engine_world.operator, actor=Actor.system("tests"))
+
+    # 1. A worker whose CA variable holds another CA (not the one that signed the server's
+    # certificate): every attempt stops at the handshake — not sent — then `failed`. (It
+    # runs first: a killed worker's RQ scheduler lock outlives it by a minute, and these
+    # attempts are retries the scheduler enqueues.)
+    before = remote.look()
+    run = _agent_run()
+    read = api.get(PATH, token=run.token)
+    answers.append(read.content)
+    action_id = _propose(api, run, read["ETag"], {"limit": 50}, answers)
+    _approve(api, action_id, ana_token, answers)
+    lacking = rq_worker(**{**FAST_RETRIES, **remote.server.credentials, CA_ENV: another_ca_pem()})
+    wait_for(lambda: _status(action_id) in FINAL, timeout=40)
+    assert _status(action_id) == "failed", lacking.output()
+    assert Action.objects.get(pk=action_id).error["code"] == "attempts_exhausted"
+    refusals = [str(a.outcome["refused"]) for a in Operation.objects.filter(action_id=action_id)]
+    assert len(refusals) == 3, refusals
+    for refused in refusals:
+        assert refused.startswith("target_unreachable"), refused
+        assert "TLS certificate did not verify against the CA bundle in" in refused, refused
+    assert remote.look() == before  # nothing pushed: the same file, the same commits
+    assert not AuditEvent.objects.filter(event_type="write.applied", action_id=action_id).exists()
+    lacking.stop()
+
+    # 2. A worker trusting the CA: an approved write lands as exactly one commit; two runs
+    # from one version: one more commit, the other a conflict.
+    _, _, worker = _an_approved_write_lands_once(api, run, ana_token, remote, rq_worker, answers)
+    version = remote.look().blob
+    _two_runs_from_one_version(
+        api, kind, engine_world, remote, ana_token, answers, worker, version=version, commits=3
+    )
+    _no_credential_anywhere(remote.server, answers, caplog, lacking, worker)
