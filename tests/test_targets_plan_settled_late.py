@@ -10,6 +10,8 @@ the periodic re-read finds step 2's write did take effect:
   plan's API representation and page show it as any compensation;
 - someone changed the row after the re-read: that compensation is a conflict for a person,
   never an overwrite (the plan `partially_compensated`);
+- the plan still compensating (step 1's undo queued): step 2 joins the compensation, step
+  1's is neither redone nor dropped;
 - the plan still going forward (not yet told its step failed): it reads the step's action
   `applied` as any step's and goes on — nothing to compensate.
 
@@ -53,9 +55,8 @@ ACME = "billing-account/acme"  # step 2, through the link
 def _run() -> Any:
     agent = make_agent_with_token(f"late-bot-{uuid.uuid4().hex[:6]}")
     ops = ["create", "update", "delete"]
-    return make_active_run(
-        agent.agent, [{"resource": GLOBEX, "operations": ops}, {"resource": ACME, "operations": ops}]
-    )
+    write_set = [{"resource": GLOBEX, "operations": ops}, {"resource": ACME, "operations": ops}]
+    return make_active_run(agent.agent, write_set)
 
 
 def _step(plan_id: str, position: int) -> PlanStep:
@@ -186,9 +187,9 @@ def test_a_compensated_plan_whose_failed_step_is_found_applied_later_compensates
     assert ended[0].seq < late.seq < ended[1].seq
     started = _plan_events(plan_id, "plan.compensation_started")
     assert [e.details["step"] for e in started] == [1, 2]
-    assert len(AuditEvent.objects.filter(event_type="write.undone", action_id=second.action_id)) == 1
-    first_action = _action(plan_id, 1)
-    assert AuditEvent.objects.filter(event_type="write.undone", action_id=first_action.pk).count() == 1
+    undone = AuditEvent.objects.filter(event_type="write.undone")
+    for action_id in (_action(plan_id, 1).pk, second.action_id):  # each undone once
+        assert undone.filter(action_id=action_id).count() == 1
 
     # The plan's API representation and page show it as any compensation.
     body = plan_fx.read_plan(api, run.token, plan_id)
@@ -250,3 +251,34 @@ def test_a_plan_still_going_forward_takes_a_step_settled_late_as_applied(
     assert not _plan_events(plan_id, "plan.compensation_started")
     assert row(rows.url, "acme") == ({"seats": 9}, 2)
     assert row(rows.url, "globex") == ({"seats": 4}, 2)
+
+
+def test_a_plan_still_compensating_takes_a_step_settled_late_into_its_compensation(
+    api: Any, engine_redis: Any, settings: Any, plan_rows: PlanRows
+) -> None:
+    """Step 1's compensation is under way (queued, not yet run) when step 2 settles late:
+    step 2 is compensated too, and step 1's is neither redone nor dropped."""
+    rows = plan_rows.linked
+    assert rows.link is not None
+    plan_id = _step_2_left_unknown(api, settings, plan_rows, _run())
+    assert plan_advance(plan_id=plan_id) == "compensating:1"
+    first_undo = _step(plan_id, 1).compensation_operation_id
+    rows.link.up()
+
+    assert reread_unsettled() == {**NOTHING, "applied": 1, "plans_reopened": 1}
+    assert plan_fx.plan_status(plan_id) == "compensating"
+    second = _step(plan_id, 2)
+    assert (second.status, second.compensation_status) == ("applied", "pending")
+    [late] = _plan_events(plan_id, "plan.step_settled_late")
+    assert late.details["plan_was"] == "compensating"
+    assert _step(plan_id, 1).compensation_operation_id == first_undo  # the same one
+
+    assert second.compensation_operation_id is not None and first_undo is not None
+    assert undo_execute(undo_operation_id=second.compensation_operation_id) == "undone"
+    assert undo_execute(undo_operation_id=first_undo) == "undone"
+    assert plan_advance(plan_id=plan_id) == "compensated"
+    assert row(rows.url, "acme") == ({"seats": 5}, 3)
+    assert row(rows.url, "globex") == ({"seats": 3}, 3)
+    started = _plan_events(plan_id, "plan.compensation_started")
+    assert [e.details["step"] for e in started] == [1, 2]
+    assert [e.details["status"] for e in _plan_events(plan_id, "plan.ended")] == ["compensated"]
