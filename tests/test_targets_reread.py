@@ -5,7 +5,9 @@
 - our document under a new version → `applied`, once, the trail saying it was settled later,
   its undo window starting then;
 - still the version it was written on → not applied: `failed` with the read's evidence;
-- someone else's version → said on the action (`last_read: conflict`), no new work.
+- someone else's version → said on the action (`last_read: conflict`), no new work;
+- the resource's lock held (a write or an undo sending) → skipped this tick, nothing read or
+  recorded and no backoff spent; settled on the next tick once the lock is free.
 
 A real PostgreSQL table behind a TCP link the test breaks (tests/fixtures/flaky_link.py), and
 the Procfile's `cron` process with a real worker for the end-to-end case.
@@ -25,11 +27,13 @@ from rq.cron import CronScheduler
 
 from approvals.jobs import reread_job
 from approvals.models import Action, Operation
+from approvals.outbox import engine_redis as engine_redis_client
 from approvals.services.execution import action_execute
 from approvals.services.reread import RESULTS, reread_unsettled
 from approvals.services.undo import action_undo_request, undo_execute
 from audit.models import AuditEvent
 from audit.services import Actor
+from engine.core.lock import FencedLock
 from ownership.models import Conflict, Resource
 from tests.conftest import ROOT, subprocess_env
 from tests.fixtures.engine import wait_for, wait_until_due
@@ -208,3 +212,68 @@ def test_the_procfile_cron_and_a_real_worker_settle_a_write_left_unknown(
     assert action.status == "applied", worker.output()
     assert row(linked_rows.url, "acme") == ({"seats": 9}, 2)
     assert len(events(action, "write.applied")) == 1
+
+
+def _unsettled_undo(engine_world: Any, settings: Any, rows: Rows) -> Operation:
+    """acme written to {"seats": 9}, then its undo's only send lands and its answer is lost,
+    and the target is unreachable for the undo's last read: `failed`, `last_read: unsettled`."""
+    settings.AIRLOCK_MAX_ATTEMPTS = 1
+    settings.AIRLOCK_BACKOFF_BASE_SECONDS = 0.05
+    link = rows.link
+    assert link is not None
+    action = propose_seats(engine_world, rows.kind)
+    assert action_execute(action_id=action.pk) == "applied"
+    undo = action_undo_request(action_id=action.pk, actor=Actor.run(engine_world.run))
+    link.cut_next(b"UPDATE", deliver=True)
+    assert undo_execute(undo_operation_id=undo.pk) == "last_read"
+    link.down()
+    assert undo_execute(undo_operation_id=undo.pk) == "failed"
+    undo.refresh_from_db()
+    assert undo.outcome["last_read"] == "unsettled"
+    assert row(rows.url, "acme") == ({"seats": 5}, 3)  # it did land
+    return undo
+
+
+@pytest.mark.parametrize("what", ["write", "undo"])
+def test_the_re_read_skips_a_resource_whose_lock_is_held_and_settles_it_on_the_next_tick(
+    engine_world: Any, engine_redis: Any, settings: Any, linked_rows: Rows, what: str
+) -> None:
+    """A write (or an undo) of the resource holds its lock while it sends: the re-read does
+    not read or record under it — it would record what it read before that write landed."""
+    if what == "write":
+        action = _unsettled(engine_world, settings, linked_rows, landed=True)
+        unsettled = Operation.objects.get(action=action, status="unknown")
+    else:
+        unsettled = _unsettled_undo(engine_world, settings, linked_rows)
+        action = unsettled.action
+    assert linked_rows.link is not None
+    linked_rows.link.up()
+    trail_before = _trail(action)
+    writer = FencedLock(
+        engine_redis_client(),
+        key=action.resource_identifier,
+        ttl_ms=60_000,
+        holder="a-concurrent-write",
+    )
+    writer.acquire()
+    try:
+        for _ in range(2):  # held: skipped each tick, at once (no wait for the holder)
+            started = time.monotonic()
+            assert reread_unsettled() == {**NOTHING, "busy": 1}
+            assert time.monotonic() - started < 5  # far below the holder's 60 s TTL
+        action.refresh_from_db()
+        unsettled.refresh_from_db()
+        assert action.status == ("failed" if what == "write" else "applied")
+        assert unsettled.status == ("unknown" if what == "write" else "failed")
+        assert "reread" not in unsettled.outcome  # no backoff spent: read on the next tick
+        assert _trail(action) == trail_before
+        assert writer.held()  # the re-read never took or released it
+    finally:
+        writer.release()
+
+    assert reread_unsettled() == {**NOTHING, "applied": 1}
+    action.refresh_from_db()
+    unsettled.refresh_from_db()
+    assert action.status == ("applied" if what == "write" else "undone")
+    assert unsettled.status == "done" and unsettled.outcome["settled_later"] is True
+    assert reread_unsettled() == NOTHING

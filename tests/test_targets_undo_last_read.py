@@ -20,7 +20,7 @@ import pytest
 
 from approvals.models import Action, Operation
 from approvals.services.execution import action_execute
-from approvals.services.reread import reread_unsettled
+from approvals.services.reread import RESULTS, reread_unsettled
 from approvals.services.undo import action_undo_request, undo_execute
 from audit.services import Actor
 from ownership.models import Conflict
@@ -162,7 +162,5 @@ def test_an_unsettled_undo_is_settled_by_the_periodic_re_read_once_the_target_an
     assert Operation.objects.get(pk=undo.undo_of_id).status == "undone"
     [undone] = events(action, "write.undone")
     assert undone["settled_later"] is True
-    assert reread_unsettled() == dict.fromkeys(
-        ("applied", "not_applied", "conflict", "unreadable", "superseded"), 0
-    )
+    assert reread_unsettled() == dict.fromkeys(RESULTS, 0)
     assert row(linked_rows.url, "acme") == ({"seats": 5}, 3)

@@ -471,7 +471,10 @@ def _plan_state(
     "with `Prefer: wait=N` while the ETag still matches If-None-Match, or (without it) "
     "while the plan has not ended (`applied`, `compensated`, `rejected`, `expired`, `cancelled`, "
     "`superseded`: a person approved it with a step edited, and `superseded_by` links the "
-    "edited plan).",
+    "edited plan). A stopped plan (`compensated` included) compensates again when the "
+    "outcome of a refused step's write, unknown when it failed, is later read as applied: "
+    "that step becomes `applied` with `error.settled_late`, and its compensation shows as "
+    "any other's.",
 )
 async def plan_get(request: HttpRequest, plan_id: uuid.UUID) -> HttpResponse:
     wait = parse_prefer_wait(request.headers.get("Prefer"))

@@ -440,8 +440,9 @@ def _record_undone(
     )
 
 
-def undo_reread(undo_op: Operation, *, actor: Actor) -> str:
-    """The periodic re-read of an undo that ended unsettled (approvals/services/reread.py):
+def undo_reread(undo_op: Operation, *, actor: Actor, lock: Any) -> str:
+    """The periodic re-read of an undo that ended unsettled (approvals/services/reread.py),
+    under the resource's `lock` (checked after the read, before the record: LockLost):
     "applied" (the prior document under a new version: recorded undone now), "not_applied"
     (the write's version: not done, said on the undo), "conflict" (someone else's version,
     said on the undo), "unreadable" (unchanged) or "superseded" (settled meanwhile)."""
@@ -455,6 +456,7 @@ def undo_reread(undo_op: Operation, *, actor: Actor) -> str:
         settled = _read(adapter_for_kind(action.kind), action, original, restored)
     except (TargetError, TargetConfigError):
         return "unreadable"
+    lock.check()  # still ours: nothing was written since the read
     now = timezone.now()
     with transaction.atomic():
         locked = (

@@ -21,6 +21,16 @@ state says what comes next, and every write goes through the ordinary engine —
   person's resolution; its own class is per-call and the plan had no approval), it
   becomes a conflict for a person instead of writing, and the plan is
   `partially_compensated` — the earlier steps waiting — until a person settles it.
+- settled late: a step whose write ended `failed` with its outcome unknown refuses
+  the plan like any failure; should the periodic re-read (approvals/services/reread.py)
+  later find that write took effect, its action is `applied` and the step's effect is
+  on the target. A plan that stopped (compensating, partially compensated, or
+  compensated: reopened to compensating) records the step `applied`, `settled_late`
+  on its error, audits `plan.step_settled_late`, and compensates it in its place in
+  reverse order: it is the latest applied step, so its compensation starts next (the
+  earlier steps' compensations already done or under way are not redone). A plan still
+  going forward never refused the step: it reads the action `applied` as any step's and
+  goes on (nothing was compensated).
 
 Jobs (approvals/jobs.py) call `plan_advance` and `plan_after_action`; the reconciler
 calls `plans_resume` so a worker killed between steps or a Redis FLUSHALL never
@@ -31,14 +41,17 @@ from __future__ import annotations
 
 import logging
 import uuid
+from datetime import datetime
 from typing import Any
 
 from django.db import transaction
 from django.db.models import Q
+from django.utils import timezone
 
 from approvals.models import (
     Action,
     ActionStatus,
+    CompensationStatus,
     Operation,
     Plan,
     PlanStatus,
@@ -62,6 +75,9 @@ log = logging.getLogger("airlock.plans")
 # Plans the reconciler reads per query (it goes through every page in one pass).
 RESUME_PAGE = 200
 _MOVING = (PlanStatus.EXECUTING, PlanStatus.COMPENSATING, PlanStatus.PARTIALLY_COMPENSATED)
+# Plans that stopped going forward: a refused step's write settled late joins their
+# compensation.
+_STOPPED = (PlanStatus.COMPENSATING, PlanStatus.PARTIALLY_COMPENSATED, PlanStatus.COMPENSATED)
 
 
 def plan_advance(*, plan_id: uuid.UUID | str) -> str:
@@ -82,6 +98,8 @@ def _advance(plan_id: uuid.UUID | str) -> tuple[str, bool]:
             .order_by("position")
         )
         seen = plan.revision
+        if plan.status in _STOPPED:
+            _steps_settled_late(plan, steps)
         if plan.status == PlanStatus.EXECUTING:
             outcome = _forward(plan, steps)
         elif plan.status in (PlanStatus.COMPENSATING, PlanStatus.PARTIALLY_COMPENSATED):
@@ -218,6 +236,80 @@ def _step_refused(plan: Plan, steps: list[PlanStep], step: PlanStep, error: dict
     Plan.objects.filter(pk=plan.pk).update(status=PlanStatus.COMPENSATING, error=plan_error)
     plan.status, plan.error = PlanStatus.COMPENSATING, plan_error
     plan_event(plan, "plan.step_refused", step, **error)
+
+
+# --- settled late ------------------------------------------------------------------
+
+
+def _steps_settled_late(plan: Plan, steps: list[PlanStep]) -> None:
+    """A refused step whose action is now `applied` (the re-read found its write took
+    effect after the plan stopped): the step is applied, by the operation the re-read
+    settled, and compensates like the others — a compensated plan compensates again."""
+    for step in steps:
+        action = step.action
+        if step.status != PlanStepStatus.REFUSED or action is None:
+            continue
+        if action.status != ActionStatus.APPLIED:
+            continue
+        operation = applied_operation(action.pk)
+        if operation is None:
+            continue
+        refused = step.error if isinstance(step.error, dict) else {}
+        late = {
+            "operation": operation.pk,
+            "result_version": operation.result_version,
+            "at": (operation.finished_at or timezone.now()).isoformat(),
+        }
+        error = {**refused, "settled_late": late}
+        PlanStep.objects.filter(pk=step.pk).update(
+            status=PlanStepStatus.APPLIED,
+            applied_operation=operation,
+            compensation_status=CompensationStatus.NONE,
+            error=error,
+        )
+        step.status, step.applied_operation, step.error = PlanStepStatus.APPLIED, operation, error
+        step.compensation_status = CompensationStatus.NONE
+        reopened = plan.status == PlanStatus.COMPENSATED
+        if reopened:
+            Plan.objects.filter(pk=plan.pk).update(status=PlanStatus.COMPENSATING, ended_at=None)
+        plan_event(
+            plan,
+            "plan.step_settled_late",
+            step,
+            operation=operation.pk,
+            by_action=str(action.pk),
+            base_version=operation.base_version,
+            result_version=operation.result_version,
+            refused=refused,
+            plan_was=plan.status,
+        )
+        if reopened:
+            plan.status = PlanStatus.COMPENSATING
+
+
+def plans_settled_late(*, since: datetime) -> int:
+    """The re-read's pass (after it records writes settled late): every plan that stopped
+    (last changed after `since`) with a refused step whose action is now `applied`
+    compensates it — a compensated one reopened. (The reconciler's plans_resume moves the
+    ones still compensating the same way; a compensated plan only this pass reopens.)
+    Idempotent; returns how many plans moved."""
+    late = (
+        Plan.objects.filter(
+            status__in=_STOPPED,
+            updated_at__gte=since,
+            steps__status=PlanStepStatus.REFUSED,
+            steps__action__status=ActionStatus.APPLIED,
+        )
+        .values_list("pk", flat=True)
+        .distinct()
+    )
+    moved = 0
+    for plan_id in list(late):
+        try:
+            moved += int(_advance(plan_id)[1])
+        except Exception:  # one stuck plan must not stop the others
+            log.exception("could not reopen plan %s", plan_id)
+    return moved
 
 
 # --- who moves a plan ------------------------------------------------------------

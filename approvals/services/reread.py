@@ -20,21 +20,36 @@ not done; else a conflict, said on the undo operation.
 Bounded: only what ended less than AIRLOCK_REREAD_MAX_AGE_HOURS ago, REREAD_BATCH writes and
 REREAD_BATCH undos a tick, each no sooner than its backoff allows. Every record is a
 conditional UPDATE under row locks, so two ticks at once settle one thing once.
+
+Each read and its record hold the resource's fenced lock (engine/core/lock.py), the one a
+write or an undo of it holds while it sends: a write cannot land between what the re-read
+saw and what it records (the mirror put back behind the target, stale evidence). A busy
+lock is not waited for: the resource is `busy` this tick (no backoff, no audit row) and
+read on the next one.
+
+A plan step whose write is settled `applied` after its plan stopped is compensated too:
+each tick ends with plan_engine.plans_settled_late (the plan reopened, the step undone in
+its place in reverse order — docs/plans-compensation.md).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
+import redis
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from approvals.outbox import engine_redis
 from approvals.services.action_status import action_transition
+from approvals.services.attempts import lock_ttl_ms, worker_name
 from approvals.services.external_undo import undo_reread
 from approvals.services.external_writes import (
     Intended,
@@ -42,8 +57,11 @@ from approvals.services.external_writes import (
     mirror_written,
     operation_record_applied,
 )
+from approvals.services.plan_engine import plans_settled_late
 from audit.services import Actor
 from engine.core.action_audit import audit_action_event
+from engine.core.errors import LockBusy, LockLost
+from engine.core.lock import FencedLock
 from engine.targets.base import (
     Applied,
     NotApplied,
@@ -60,23 +78,62 @@ REREAD = Actor.system("reread")
 # Writes (and undos) read in one tick: the cron job stays short however many are unsettled.
 REREAD_BATCH = 10
 BACKOFF_CAP_SECONDS = 3600.0
-RESULTS = ("applied", "not_applied", "conflict", "unreadable", "superseded")
+# How each read came out (`busy`: the resource's lock was held, read next tick), and how
+# many plans a step settled late sent back to compensating.
+RESULTS = (
+    "applied",
+    "not_applied",
+    "conflict",
+    "unreadable",
+    "superseded",
+    "busy",
+    "plans_reopened",
+)
 
 
-def reread_unsettled(*, now: datetime | None = None) -> dict[str, int]:
-    """One tick: read the due unsettled writes, then undos; returns how each came out."""
+def reread_unsettled(
+    *, now: datetime | None = None, connection: redis.Redis | None = None
+) -> dict[str, int]:
+    """One tick: read the due unsettled writes, then undos, each under its resource's lock;
+    then the plans a step settled late reopens. Returns how each came out."""
     now = now or timezone.now()
     counts = dict.fromkeys(RESULTS, 0)
+    conn = connection or engine_redis()
     for operation in _writes_due(now):
-        counts[_reread_write(operation, now)] += 1
+        counts[_locked(conn, operation.action, partial(_reread_write, operation, now))] += 1
     for undo_op in _undos_due(now):
-        result = undo_reread(undo_op, actor=REREAD)
+        result = _locked(conn, undo_op.action, partial(undo_reread, undo_op, actor=REREAD))
         if result == "unreadable":
             _later(Operation.objects.filter(pk=undo_op.pk), now, "the target could not be read")
         counts[result] += 1
+    counts["plans_reopened"] = plans_settled_late(since=_since(now))
     if any(counts.values()):
         log.info("reread: %s", counts)
     return counts
+
+
+def _locked(connection: redis.Redis, action: Action, read_and_record: Callable[..., str]) -> str:
+    """`read_and_record(lock=lock)` under the resource's fenced lock, taken without waiting:
+    `busy` when someone holds it (a write or an undo sending, another tick) — read on the
+    next tick, nothing recorded and no backoff spent. Redis or the fence unreachable is
+    `busy` too: nothing was read."""
+    lock = FencedLock(
+        connection, key=action.resource_identifier, ttl_ms=lock_ttl_ms(), holder=worker_name()
+    )
+    try:
+        lock.acquire(wait_seconds=0.0)
+    except (LockBusy, redis.RedisError, DatabaseError):
+        return "busy"
+    try:
+        lock.start_heartbeat()  # a slow read outlasting the TTL keeps the lock
+        return read_and_record(lock=lock)
+    except LockLost:
+        return "busy"  # lost before the record: someone may be writing; nothing recorded
+    finally:
+        try:
+            lock.release()
+        except redis.RedisError:
+            log.warning("reread: could not release the lock on %s", action.resource_identifier)
 
 
 def _due(now: datetime) -> Q:
@@ -149,7 +206,9 @@ def _later(rows: Any, now: datetime, error: str) -> None:
         Operation.objects.filter(pk=operation.pk).update(outcome=outcome)
 
 
-def _reread_write(operation: Operation, now: datetime) -> str:
+def _reread_write(operation: Operation, now: datetime, lock: FencedLock) -> str:
+    """Read the target for the write's lost attempt and record what it shows (under `lock`:
+    LockLost when it was lost before the record)."""
     action = operation.action
     try:
         adapter = adapter_for_kind(action.kind)
@@ -169,6 +228,7 @@ def _reread_write(operation: Operation, now: datetime) -> str:
         )
         _later(unknown, now, str(exc))
         return "unreadable"
+    lock.check()  # still ours: nothing was written since the read
     if isinstance(settled, Applied):
         return _record_applied(operation, action, intended, settled.version, now)
     result = "not_applied" if isinstance(settled, NotApplied) else "conflict"
