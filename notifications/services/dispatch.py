@@ -63,6 +63,12 @@ SELECT COALESCE((SELECT seq FROM audit_audithead WHERE id = 1), 0),
 """
 
 
+_LAG = """
+SELECT COALESCE((SELECT max(seq) FROM audit_auditevent), 0),
+       (SELECT audit_seq FROM notifications_dispatchcursor WHERE id = 1)
+"""
+
+
 @dataclass(frozen=True)
 class DispatchPass:
     """What one pass did: events read (of the types that can be told), notifications
@@ -82,11 +88,14 @@ def _position() -> tuple[int, int | None]:
 
 
 def dispatch_lag() -> int:
-    """How many audit events the notifications have not read yet (0 without PostgreSQL)."""
+    """How many audit events the notifications have not read yet (0 without PostgreSQL):
+    counted to the newest committed event, linked or not (the linking is part of the wait)."""
     if connection.vendor != "postgresql":
         return 0
-    head, at = _position()
-    return max(0, head - (at or 0))
+    with connection.cursor() as cursor:
+        cursor.execute(_LAG)
+        newest, at = cursor.fetchone()
+    return max(0, int(newest) - int(at or 0))
 
 
 def notifications_dispatch(*, limit: int = 500) -> DispatchPass:

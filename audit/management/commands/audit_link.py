@@ -15,7 +15,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
 
 from audit.linker import audit_link
 
@@ -37,6 +37,9 @@ class Command(BaseCommand):
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stopping.set())
         every = settings.AIRLOCK_AUDIT_LINK_EVERY_MS / 1000
+        if connection.vendor != "postgresql":  # appends are linked as they are made there
+            stopping.wait()
+            return
         while not stopping.is_set():
             if _pass() == 0:
                 stopping.wait(every)
