@@ -12,6 +12,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, Query, Router, Schema
 
+from audit.linker import audit_link
 from audit.selectors import audit_list
 from audit.serialize import event_json
 from audit.services import audit_chain_status
@@ -69,6 +70,16 @@ class VerifyOut(Schema):
         description="When the whole chain was last walked (`manage.py audit_verify` or the "
         "periodic job); later checks walk only the events appended since",
     )
+    linked_seq: int = Field(
+        0,
+        description="The head: events commit unlinked and the `audit` process links them in "
+        "seq order; every committed event up to this seq is linked",
+    )
+    behind_seconds: float = Field(
+        0.0,
+        description="How long the oldest committed event past the head has waited to be "
+        "linked (`ok` is false once it passes AIRLOCK_AUDIT_LINK_BOUND_SECONDS)",
+    )
 
 
 def _require_reader(request: HttpRequest) -> None:
@@ -91,6 +102,7 @@ def audit_events(
     cursor: str | None = Query(None, max_length=40, pattern=r"^s\d{1,18}$"),
 ) -> HttpResponse:
     _require_reader(request)
+    audit_link()  # what has committed is served linked, but for a moment's newest events
     page = audit_list(
         filters={"resource": resource, "run": run, "action": action, "event_type": event_type},
         cursor=cursor,
@@ -122,5 +134,7 @@ def audit_verify(request: HttpRequest) -> HttpResponse:
             "cached": status.cached,
             "checked_at": iso(status.checked_at),
             "full_walk_at": iso(status.full_walk_at),
+            "linked_seq": status.linked_seq,
+            "behind_seconds": status.behind_seconds,
         }
     )

@@ -106,7 +106,7 @@ def _row_hash(row: Any) -> str:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """`events`: how many events from the start are verified; `walked`: rows read."""
+    """`events`: the last verified seq (the chain is whole up to it); `walked`: rows read."""
 
     ok: bool
     events: int
@@ -119,18 +119,20 @@ class VerifyResult:
 def verify_rows(
     rows: Iterable[Any], *, after_seq: int = 0, after_hash: str = GENESIS_HASH
 ) -> VerifyResult:
-    """Walk rows in seq order from a verified point (the genesis by default);
+    """Walk linked rows in seq order from a verified point (the genesis by default);
     report the first seq whose link or hash is wrong.
 
-    Detects edits (hash mismatch), deletions and insertions (seq gap or broken
-    prev_hash link) and reordering (prev_hash link).
+    Detects edits (hash mismatch), deletions and insertions (broken prev_hash link) and
+    reordering (broken link). The numbers may have holes — an append that rolled back drew
+    a seq no event keeps — so the links, not contiguous numbers, show that nothing is missing.
+    `events` is the last verified seq.
     """
-    expected_seq, expected_prev, walked = after_seq + 1, after_hash, 0
+    last_seq, expected_prev, walked = after_seq, after_hash, 0
     problem, first_bad = "", None
     for row in rows:
         walked += 1
-        if row.seq != expected_seq:
-            first_bad, problem = expected_seq, "seq gap"
+        if row.seq <= last_seq:
+            first_bad, problem = row.seq, "seq out of order"
         elif row.prev_hash != expected_prev:
             first_bad, problem = row.seq, "broken link"
         elif _row_hash(row) != row.hash:
@@ -138,10 +140,8 @@ def verify_rows(
         if first_bad is not None:
             break
         expected_prev = row.hash
-        expected_seq += 1
-    return VerifyResult(
-        first_bad is None, expected_seq - 1, first_bad, expected_prev, problem, walked
-    )
+        last_seq = row.seq
+    return VerifyResult(first_bad is None, last_seq, first_bad, expected_prev, problem, walked)
 
 
 def against_head(result: VerifyResult, *, head_seq: int, head_hash: str) -> VerifyResult:

@@ -1,14 +1,14 @@
 """Appending to the audit chain, and verifying it with a shared checkpoint.
 
 Every service writes its audit event through `audit_append`, inside the same
-transaction as the change it records. Appends are serialised on the AuditHead
-row: the append locks it (by updating it) until the caller commits, so concurrent
-writers never fork the chain and seq stays contiguous in commit order (a
-rolled-back append rolls back the head too).
+transaction as the change it records: the event commits (or rolls back) with it.
 
-On PostgreSQL an append is ONE statement (see _APPEND) and opens no transaction
-or savepoint of its own. `audit_append_many` (and the end of an `audit_deferred`
-block) appends a batch in order as one statement a chunk (see _APPEND_MANY).
+On PostgreSQL an append is ONE INSERT (see _APPEND) that opens no transaction or
+savepoint of its own and holds no lock: the event is stored unlinked, numbered by a
+sequence, and the linker (audit/linker.py) chains committed events in seq order soon
+after. `audit_append_many` (and the end of an `audit_deferred` block) appends a batch in
+order as one statement a chunk (see _APPEND_MANY). On SQLite (one writer at a time) an
+append is chained at once under the head row.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, TypedDict, Unpack
 
+from django.conf import settings
 from django.core.cache import cache
 from django.db import connection, transaction
 from django.utils import timezone
@@ -32,111 +33,53 @@ from audit.chain import (
     GENESIS_HASH,
     HASHED_COLUMNS,
     VerifyResult,
-    canonical_json,
     event_hash,
     hashed_fields,
 )
 from audit.details import clean_details, storable
+from audit.linker import audit_link, audit_unlinked
 from audit.models import ActorType, AuditEvent, AuditHead
 from audit.verify import audit_head, verify_chain
-from console.advisory_locks import AUDIT_HEAD_QUEUE
 from console.requestctx import current_request_id
 
 logger = logging.getLogger(__name__)
 
 
-# One round trip per append, and the head row touched once. The UPDATE locks the head
-# (after waiting, PostgreSQL re-reads the latest committed head, so the chain cannot fork)
-# and moves it in the same step: its SET expressions read the head as it was, so the new
-# hash is PostgreSQL's sha256 over the canonical JSON that Python prepared with everything
-# but `seq` and `prev_hash` (which come last in sorted-key order, so the text is
-# `<prefix><seq>},"prev_hash":"<prev>"}` — the very bytes `audit.chain.event_hash`
-# hashes), and the head keeps the hash it replaced in `prev_hash`, because RETURNING sees
-# only the new row. The event is inserted from what the UPDATE returned. (A `SELECT … FOR
-# UPDATE` then an UPDATE of the same row made 7 % fewer appends/s at 8 writers: the waiters
-# re-read the row twice.)
-#
-# Writers queue for the head on a transaction-scoped advisory lock taken by the same
-# statement just before it touches the row: PostgreSQL's lock manager hands that lock to one
-# waiter at a time, where waiters on the row itself each wake at every commit to chase the
-# row's new version. The row lock stays what keeps the chain whole; the queue only makes
-# waiting cheap (8 writers: 2,127 to 2,218 -> 2,742 to 3,288 appends/s, the CPU an append
-# 630 to 675 -> 415 to 495 µs). Every statement that locks the head takes it first (the batch
-# append too), so the lock order is unchanged: the queue, then the head, last in a
-# transaction.
-HEAD_QUEUE_LOCK = (AUDIT_HEAD_QUEUE, 1)
-_QUEUE = f"pg_advisory_xact_lock{HEAD_QUEUE_LOCK}"
-
-
-def _digest_sql(prefix: str, seq: str, prev: str) -> str:
-    """SQL for an event's hash: sha256 of `<prefix><seq>},"prev_hash":"<prev>"}`."""
-    text = f"""{prefix} || {seq}::text || '}},"prev_hash":"' || {prev} || '"}}'"""
-    return f"encode(sha256(convert_to({text}, 'UTF8')), 'hex')"
-
-
-# The statement in two parts, so that audit_append_if can add its guard to the queue's WHERE:
-# a guard that does not hold takes neither lock. Its placeholders: the guard's if any, the
-# hashed prefix, then the columns.
-_APPEND_HEAD = f"""
-WITH queued AS MATERIALIZED (
-    SELECT {_QUEUE} WHERE true"""
-_APPEND_REST = f"""
-), h AS (
-    UPDATE audit_audithead
-       SET seq = seq + 1, prev_hash = hash, hash = {_digest_sql("%s", "(seq + 1)", "hash")}
-     WHERE id = 1 AND EXISTS (SELECT FROM queued)
-    RETURNING seq, prev_hash AS prev, hash AS digest
-), event AS (
-    INSERT INTO audit_auditevent (seq, created_at, actor_type, actor_id, actor_label,
-        request_id, event_type, resource, run_id, action_id, details, prev_hash, hash)
-    SELECT seq, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, prev, digest FROM h
-)
-SELECT seq, prev, digest FROM h
-"""  # noqa: S608 - constant fragments only (_digest_sql)
-_APPEND = _APPEND_HEAD + _APPEND_REST
-# What an append stores from the prepared event, in both statements' order: the columns the
-# hash covers but seq (and prev_hash), which the statement itself gives.
+# An append is ONE INSERT that takes its seq from a sequence and leaves the link empty: no
+# lock is held until commit but the table's ROW EXCLUSIVE one, which every writer shares, so
+# concurrent audited transactions commit side by side (their WAL flushes grouped by
+# PostgreSQL) instead of one after another behind a head row held through every commit. The
+# linker (audit/linker.py) later gives committed events, in seq order, their prev_hash and
+# hash, and moves the head; its horizon relies on that table lock, taken before the INSERT
+# draws its seq.
+_UNLINKED_COLUMNS = """seq, created_at, actor_type, actor_id, actor_label, request_id,
+        event_type, resource, run_id, action_id, details, prev_hash, hash"""
+_APPEND_SELECT = f"""
+INSERT INTO audit_auditevent ({_UNLINKED_COLUMNS})
+SELECT nextval('audit_auditevent_seq'), %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, '', ''"""
+_RETURNING = "\nRETURNING seq"
+_APPEND = _APPEND_SELECT + _RETURNING
+# What an append stores from the prepared event, in the statements' order: the columns the
+# hash covers but seq (and prev_hash), which the sequence and the linker give.
 _APPENDED_COLUMNS = HASHED_COLUMNS[1:]
-_HASH_SUFFIX = '0},"prev_hash":""}'
-# Several events in ONE statement, chained in order after the head: the recursive `chain`
-# hashes each event over the one before it, exactly as _APPEND hashes one over the head.
-# Its join finds the next event by its ordinal, a scan of the batch per event: batches
-# go in chunks of _APPEND_MANY_CHUNK. The batch is ONE jsonb parameter (an array of
-# objects: `prefix`, the _APPENDED_COLUMNS and `n`): eleven array parameters cost psycopg
-# more to dump than the statement took to run (a 64-event chunk: 12 ms -> 7 ms).
+# Several events in ONE statement: the batch is ONE jsonb parameter (an array of objects,
+# the _APPENDED_COLUMNS and `n`; eleven array parameters cost psycopg more to dump than the
+# statement took to run), sorted by `n` in a sub-select so that nextval, called by the outer
+# projection, numbers them in the caller's order.
 _APPEND_MANY = f"""
-WITH RECURSIVE queued AS MATERIALIZED (
-    SELECT {_QUEUE}
-), head AS (
-    SELECT seq, hash FROM audit_audithead WHERE id = 1 AND EXISTS (SELECT FROM queued)
-    FOR UPDATE
-), item AS MATERIALIZED (
-    SELECT * FROM jsonb_to_recordset(%s::jsonb) AS t(prefix text, created_at timestamptz,
+INSERT INTO audit_auditevent ({_UNLINKED_COLUMNS})
+SELECT nextval('audit_auditevent_seq'), item.created_at, item.actor_type, item.actor_id,
+    item.actor_label, item.request_id, item.event_type, item.resource, item.run_id,
+    item.action_id, item.details, '', ''
+FROM (
+    SELECT * FROM jsonb_to_recordset(%s::jsonb) AS t(created_at timestamptz,
         actor_type varchar, actor_id varchar, actor_label varchar, request_id varchar,
         event_type varchar, resource varchar, run_id uuid, action_id uuid, details jsonb,
         n int)
-), chain AS (
-    SELECT item.n, head.seq + 1 AS seq, head.hash::text AS prev,
-        {_digest_sql("item.prefix", "(head.seq + 1)", "head.hash")} AS digest
-    FROM head JOIN item ON item.n = 1
-    UNION ALL
-    SELECT item.n, chain.seq + 1, chain.digest,
-        {_digest_sql("item.prefix", "(chain.seq + 1)", "chain.digest")}
-    FROM chain JOIN item ON item.n = chain.n + 1
-), event AS (
-    INSERT INTO audit_auditevent (seq, created_at, actor_type, actor_id, actor_label,
-        request_id, event_type, resource, run_id, action_id, details, prev_hash, hash)
-    SELECT chain.seq, item.created_at, item.actor_type, item.actor_id, item.actor_label,
-        item.request_id, item.event_type, item.resource, item.run_id, item.action_id,
-        item.details, chain.prev, chain.digest
-    FROM chain JOIN item ON item.n = chain.n
-), moved AS (
-    UPDATE audit_audithead SET seq = last.seq, hash = last.digest
-    FROM (SELECT seq, digest FROM chain ORDER BY n DESC LIMIT 1) AS last
-    WHERE audit_audithead.id = 1
-)
-SELECT seq, prev, digest FROM chain ORDER BY n
-"""  # noqa: S608 - constant fragments only (_digest_sql)
+    ORDER BY n OFFSET 0
+) AS item
+RETURNING seq
+"""  # noqa: S608 - constant fragments only
 _APPEND_MANY_CHUNK = 64
 
 
@@ -283,11 +226,10 @@ def audit_deferred() -> Iterator[DeferredAppends]:
 
 
 def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
-    """Append one event to the chain, inside the caller's transaction.
-
-    Locks the AuditHead row until the caller commits: keep it the last step
-    of a transaction so the lock is held briefly.
-    """
+    """Append one event, inside the caller's transaction: it commits (or rolls back) with
+    the change it records. On PostgreSQL the event is stored unlinked (one INSERT, no lock)
+    and the linker chains it after it commits (audit/linker.py); elsewhere it is chained
+    at once under the head row's lock."""
     prepared = _prepare(event)
     deferred = _DEFERRED.get()
     if deferred is not None:
@@ -296,16 +238,12 @@ def audit_append(**event: Unpack[EventSpec]) -> AuditEvent:
         return placeholder
     if connection.vendor != "postgresql":
         return _append_batch([prepared])[0]
-    params = _append_params(prepared)
-    # One statement is atomic by itself: no BEGIN/COMMIT round trips of our own
-    # when the caller is in autocommit (inside its transaction it is simply the
-    # transaction's last statement).
-    row = _execute_append(params)
-    if row is None:  # the head row is missing (a flushed test database)
-        AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
-        row = _execute_append(params)
-    assert row is not None
-    return _event(prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+    # One statement is atomic by itself: no BEGIN/COMMIT round trips of our own when the
+    # caller is in autocommit (inside its transaction it is one more statement).
+    with connection.cursor() as cursor:
+        cursor.execute(_APPEND, _append_params(prepared))
+        row = cursor.fetchone()
+    return _event(prepared, seq=int(row[0]), prev_hash="", digest="")
 
 
 @dataclass(frozen=True)
@@ -317,11 +255,10 @@ class GuardedAppend:
     prepared: _Prepared
 
     def appended(self, row: Any) -> AuditEvent | None:
-        """The event from the statement's row; None when nothing was appended (the guard
-        did not hold, or the head row is missing: then call audit_append)."""
+        """The event from the statement's row; None when the guard did not hold."""
         if row is None:
             return None
-        return _event(self.prepared, seq=int(row[0]), prev_hash=str(row[1]), digest=str(row[2]))
+        return _event(self.prepared, seq=int(row[0]), prev_hash="", digest="")
 
 
 def audit_append_if(
@@ -330,30 +267,20 @@ def audit_append_if(
     """audit_append as ONE statement that appends only if the SQL condition `guard` (its
     placeholders filled from `guard_params`) holds when it runs: for a caller that sends it
     in the same round trip as the statement it records (engine/core/land.py), so that a
-    change that did not happen is not recorded. The same lock rule as audit_append; the
-    head (its queue and its row) is locked only when the guard holds. None where an append
+    change that did not happen is not recorded (and draws no seq). None where an append
     is not one statement (inside audit_deferred, or not PostgreSQL): the caller calls
     audit_append."""
     if _DEFERRED.get() is not None or connection.vendor != "postgresql":
         return None
     prepared = _prepare(event)
-    sql = f"{_APPEND_HEAD} AND ({guard}){_APPEND_REST}"
-    return GuardedAppend(sql, [*guard_params, *_append_params(prepared)], prepared)
-
-
-def _hash_prefix(prepared: _Prepared) -> str:
-    """The hashed text up to seq (see _APPEND)."""
-    template = canonical_json({"event": prepared.fields, "prev_hash": ""})
-    if not template.endswith(_HASH_SUFFIX):  # the field set changed: fix _APPEND
-        raise RuntimeError("audit hash layout is not <prefix><seq>},prev_hash")
-    return template[: -len(_HASH_SUFFIX)]
+    sql = f"{_APPEND_SELECT}\nWHERE ({guard}){_RETURNING}"
+    return GuardedAppend(sql, [*_append_params(prepared), *guard_params], prepared)
 
 
 def _append_params(prepared: _Prepared) -> list[Any]:
-    """_APPEND's parameters: the hashed text up to seq, then the stored columns."""
+    """_APPEND's parameters: the stored columns, in its order."""
     columns = prepared.columns
     return [
-        _hash_prefix(prepared),
         *(columns[name] for name in _APPENDED_COLUMNS if name != "details"),
         json.dumps(columns["details"], ensure_ascii=False),
     ]
@@ -362,11 +289,7 @@ def _append_params(prepared: _Prepared) -> list[Any]:
 def _append_many_param(items: list[tuple[_Prepared, AuditEvent]]) -> str:
     """_APPEND_MANY's one parameter: the chunk as a JSON array, in order (`n` from 1)."""
     rows = [
-        {
-            **{name: prepared.columns[name] for name in _APPENDED_COLUMNS},
-            "prefix": _hash_prefix(prepared),
-            "n": n,
-        }
+        {**{name: prepared.columns[name] for name in _APPENDED_COLUMNS}, "n": n}
         for n, (prepared, _) in enumerate(items, start=1)
     ]
     # str() of the two non-JSON column types is text PostgreSQL reads back as the same
@@ -376,9 +299,8 @@ def _append_many_param(items: list[tuple[_Prepared, AuditEvent]]) -> str:
 
 
 def audit_append_many(events: Sequence[EventSpec]) -> list[AuditEvent]:
-    """Append several events (each audit_append's keyword arguments), in order,
-    with one head lock (one statement a chunk). Same locking rule as audit_append.
-    """
+    """Append several events (each audit_append's keyword arguments), in order: one
+    statement a chunk on PostgreSQL. Same rule as audit_append."""
     return _append_batch([_prepare(e) for e in events])
 
 
@@ -389,9 +311,9 @@ def _append_batch(prepared: list[_Prepared]) -> list[AuditEvent]:
 
 
 def _chain_and_insert(items: list[tuple[_Prepared, AuditEvent]]) -> None:
-    """Give each event its seq and hashes after the head (locked until commit), insert
-    them all, move the head. On PostgreSQL one statement a chunk (_APPEND_MANY); else
-    three statements, whatever the number of events."""
+    """Store the events in order. On PostgreSQL unlinked, numbered by the sequence (one
+    statement a chunk); elsewhere (SQLite, one writer at a time) chained at once after the
+    head, under its row lock, in three statements whatever the number of events."""
     if not items:
         return
     if connection.vendor == "postgresql":
@@ -413,26 +335,13 @@ def _chain_and_insert(items: list[tuple[_Prepared, AuditEvent]]) -> None:
 
 
 def _append_chunk(items: list[tuple[_Prepared, AuditEvent]]) -> None:
-    params = [_append_many_param(items)]
     with connection.cursor() as cursor:
-        cursor.execute(_APPEND_MANY, params)
+        cursor.execute(_APPEND_MANY, [_append_many_param(items)])
         rows = cursor.fetchall()
-        if not rows:  # the head row is missing (a flushed test database)
-            AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
-            cursor.execute(_APPEND_MANY, params)
-            rows = cursor.fetchall()
     assert len(rows) == len(items)
-    for (_, event), (seq, prev_hash, digest) in zip(items, rows, strict=True):
-        event.seq, event.prev_hash, event.hash = int(seq), str(prev_hash), str(digest)
-
-
-def _execute_append(params: list[Any]) -> Any:
-    # A server-side prepared statement (psycopg prepare=True) measured no faster
-    # than Django's client-side binding here, so the Django cursor (with its
-    # instrumentation) is kept.
-    with connection.cursor() as cursor:
-        cursor.execute(_APPEND, params)
-        return cursor.fetchone()
+    # nextval numbered the events in the chunk's order, so ascending seq is that order.
+    for (_, event), seq in zip(items, sorted(int(row[0]) for row in rows), strict=True):
+        event.seq = seq
 
 
 # --- Verification: one walk, one checkpoint shared by every process ------------------
@@ -461,6 +370,9 @@ class ChainStatus:
     full_walk_at: datetime | None
     walked: int = 0
     cached: bool = False
+    linked_seq: int = 0  # the head: every committed event up to it is linked
+    behind_seconds: float = 0.0  # how long the oldest committed, unlinked event has waited
+    lagging: bool = False  # whole, but an event has waited past the bound to be linked
 
 
 _STORED = ("ok", "events", "first_bad_seq", "head_hash", "problem", "checked_at", "full_walk_at")
@@ -515,7 +427,32 @@ def _in_this_chain(status: ChainStatus) -> bool:
     return AuditEvent.objects.filter(seq=status.events, hash=status.head_hash).exists()
 
 
+def _with_linking(status: ChainStatus) -> ChainStatus:
+    """The status, and the chain reported behind when a committed event has waited longer
+    than the bound to be linked (the answer of this moment: never stored)."""
+    waiting = audit_unlinked()
+    behind = waiting.behind_seconds()
+    status = replace(status, linked_seq=waiting.head_seq, behind_seconds=round(behind, 3))
+    if not status.ok or behind <= settings.AIRLOCK_AUDIT_LINK_BOUND_SECONDS:
+        return status
+    return replace(
+        status,
+        ok=False,
+        lagging=True,
+        first_bad_seq=waiting.head_seq + 1,
+        problem=f"linking is {behind:.1f} s behind: events past #{waiting.head_seq} wait "
+        "to be linked (is the `audit` process running? is a write transaction held open?)",
+    )
+
+
 def audit_chain_status(*, fresh: bool = False) -> ChainStatus:
+    """The chain's state for the console's badge and GET /audit/verify: what is committed
+    is linked first (one pass of the linker), then verified as below."""
+    audit_link()
+    return _with_linking(_chain_status(fresh=fresh))
+
+
+def _chain_status(*, fresh: bool = False) -> ChainStatus:
     """The chain's state for the console's badge and GET /audit/verify.
 
     Walks only the events appended after the shared checkpoint; while the head
@@ -526,31 +463,37 @@ def audit_chain_status(*, fresh: bool = False) -> ChainStatus:
     """
     broken = _load(BROKEN_KEY)
     if broken is not None:
-        return broken if _in_this_chain(broken) else audit_chain_verify()
+        return broken if _in_this_chain(broken) else _chain_verify()
     checkpoint = _load(CHECKPOINT_KEY)
     if checkpoint is None:
-        return audit_chain_verify()
+        return _chain_verify()
     verified = (checkpoint.events, checkpoint.head_hash)
     head = audit_head()
     if head[0] < verified[0]:
-        return audit_chain_verify()
+        return _chain_verify()
     if head == verified and not fresh:
         return checkpoint
     tail = verify_chain(after=verified)
     if not tail.ok:
-        return audit_chain_verify()
+        return _chain_verify()
     status = _status(tail, full_walk_at=checkpoint.full_walk_at)
     _store(CHECKPOINT_KEY, status)
     return status
 
 
 def audit_chain_verify(*, chunk_size: int = 2000) -> ChainStatus:
-    """Walk the whole chain (`manage.py audit_verify`, the periodic job) and record
-    the answer for every process: the checkpoint when whole, else the break.
+    """Link what is committed, walk the whole chain (`manage.py audit_verify`, the
+    periodic job) and record the answer for every process: the checkpoint when whole,
+    else the break.
 
     This is the walk that finds a change to events already verified: the badge
     and the API only walk what was appended since.
     """
+    audit_link()
+    return _with_linking(_chain_verify(chunk_size=chunk_size))
+
+
+def _chain_verify(*, chunk_size: int = 2000) -> ChainStatus:
     status = _status(verify_chain(chunk_size=chunk_size), full_walk_at=timezone.now())
     if not status.ok:
         _store(BROKEN_KEY, status)

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from django.db import transaction
-from django.db.models import Max
 
 from audit.chain import GENESIS_HASH, HASHED_COLUMNS, VerifyResult, against_head, verify_rows
 from audit.models import AuditEvent, AuditHead
@@ -31,12 +30,13 @@ def verify_chain(*, after: tuple[int, str] | None = None, chunk_size: int = 2000
     only the events after it (the walk then starts from that hash). The walk stops
     at the head read before it, so appends made meanwhile are the next walk's tail.
 
-    Detects an edited row (hash mismatch), a deleted or inserted row (seq gap or
-    broken link), reordered rows (broken link) and a truncated tail (the head
-    row says the chain is longer); a whole walk also finds a row inserted behind
-    the head row's back. The head hash printed by `audit_verify` is what to anchor
-    outside the database: a forger who rewrites the tail *and* the head row is
-    caught only by comparing with an anchored hash.
+    Only linked events (up to the head) are walked; the ones the linker has not reached
+    yet are audit_unlinked's. Detects an edited row (hash mismatch), a deleted or
+    inserted row (broken link), reordered rows (broken link) and a truncated tail (the
+    head row says the chain is longer); a whole walk also finds a linked row past the
+    head (linked behind the linker's back). The head hash printed by `audit_verify` is
+    what to anchor outside the database: a forger who rewrites the tail *and* the head
+    row is caught only by comparing with an anchored hash.
     """
     head_seq, head_hash = audit_head()
     after_seq, after_hash = after or (0, GENESIS_HASH)
@@ -58,17 +58,23 @@ def verify_chain(*, after: tuple[int, str] | None = None, chunk_size: int = 2000
 
 
 def _nothing_beyond_the_head(result: VerifyResult) -> VerifyResult:
-    # The highest seq first, then the head: an append commits its row and the head
-    # together, so a row above a head read afterwards was not appended by audit_append.
-    highest = AuditEvent.objects.aggregate(highest=Max("seq"))["highest"] or 0
+    # Past the head stand only events the linker has not reached: a linked one there was not
+    # linked by the linker (which moves the head with its last link, in one transaction).
     head_seq, _ = audit_head()
-    if highest <= head_seq:
+    forged = (
+        AuditEvent.objects.filter(seq__gt=head_seq)
+        .exclude(hash="")
+        .order_by("seq")
+        .values_list("seq", flat=True)
+        .first()
+    )
+    if forged is None:
         return result
     return replace(
         result,
         ok=False,
-        first_bad_seq=head_seq + 1,
-        problem=f"event #{highest} stands beyond the head row (#{head_seq})",
+        first_bad_seq=int(forged),
+        problem=f"event #{forged} stands linked beyond the head row (#{head_seq})",
     )
 
 

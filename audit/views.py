@@ -11,6 +11,7 @@ from django.views.decorators.http import require_GET
 
 from audit import selectors
 from audit.forms import AuditFilterForm
+from audit.linker import audit_link
 from audit.serialize import event_jsonl
 from audit.services import audit_chain_status
 from console.pages import (
@@ -74,6 +75,7 @@ def audit_export(request: HttpRequest) -> StreamingHttpResponse:
     streamed (no full load in memory)."""
     forbid_unless_reader(request, _READERS_ONLY)
     filters = _filters(AuditFilterForm(request.GET or None))
+    audit_link()  # then every event up to the head is exported linked
     events = selectors.audit_queryset(filters).order_by("seq")
 
     def lines() -> Iterator[str]:

@@ -67,7 +67,7 @@ def _start(stack: Stack, size: Size) -> Bench:
     world = fixtures.bootstrap()
     stack.start_web()
     stack.start_workers(figures.WORKERS)
-    for line in ("notify", "cron"):  # the deliveries' worker line, the cron process
+    for line in ("notify", "cron", "audit"):  # deliveries, the cron, the audit linker
         if line in stack.procfile:
             stack.start_procfile(line)
     stack.start_bare()

@@ -26,6 +26,7 @@ from psycopg.copy import QueuedLibpqWriter
 
 from approvals.models import Action
 from audit.chain import canonical_json, event_hash, system_event_fields
+from audit.linker import audit_link
 from audit.models import AuditEvent, AuditHead
 from ownership.models import Resource
 
@@ -113,16 +114,29 @@ class _EventText:
 
 
 def _seed_audit(want_events: int) -> None:
-    """Chained events appended by COPY under the head row's lock (the caller's transaction)."""
-    head = AuditHead.objects.select_for_update().get(pk=1)
-    seq, prev = head.seq, head.hash
+    """Linked events appended by COPY under the head row's lock (the caller's transaction),
+    numbered from a block of the sequence taken for them (a hole before it is a hole, as a
+    rolled-back append leaves), after everything committed has been linked."""
     missing = max(0, want_events - AuditEvent.objects.count())
     if not missing:
         return
+    audit_link(wait_seconds=5.0)
+    head = AuditHead.objects.select_for_update().get(pk=1)
+    if AuditEvent.objects.filter(seq__gt=head.seq).exists():
+        raise RuntimeError("unlinked audit events past the head: is a writer running?")
     text = _EventText(datetime.now(UTC))
     with _indexes_rebuilt_after("audit_auditevent", rows=missing), connection.cursor() as wrapper:
-        seq, prev = _copy_events(wrapper.cursor, text, seq=seq, prev=prev, count=missing)
+        first = _sequence_block(wrapper, missing)
+        seq, prev = _copy_events(wrapper.cursor, text, seq=first - 1, prev=head.hash, count=missing)
     AuditHead.objects.filter(pk=1).update(seq=seq, hash=prev)
+
+
+def _sequence_block(cursor: Any, count: int) -> int:
+    """The first of `count` seqs taken from the append's sequence (no writer runs meanwhile)."""
+    cursor.execute("SELECT nextval('audit_auditevent_seq')")
+    first = int(cursor.fetchone()[0])
+    cursor.execute("SELECT setval('audit_auditevent_seq', %s)", [first + count - 1])
+    return first
 
 
 def _copy_events(

@@ -24,6 +24,7 @@ from rq.cron import CronScheduler
 from rq.worker import BaseWorker
 
 from approvals.outbox import QUEUE_NAME
+from audit.linker import audit_unlinked
 
 # A cron scheduler loops every few seconds (the reconciler runs every 5 s): one silent for
 # this long is gone.
@@ -77,6 +78,17 @@ def live_cron_schedulers(connection: redis.Redis, *, now: datetime | None = None
     return names
 
 
+def _audit_linking() -> str:
+    """ "ok" while committed audit events get linked within the bound (audit/linker.py)."""
+    try:
+        behind = audit_unlinked().behind_seconds()
+    except Exception as exc:
+        return f"unknown: {type(exc).__name__}"
+    if behind <= settings.AIRLOCK_AUDIT_LINK_BOUND_SECONDS:
+        return "ok"
+    return f"events wait {behind:.0f} s to be linked (is the `audit` process running?)"
+
+
 def readiness() -> Readiness:
     """Every part checked, none allowed to raise: a probe answers even when all is down."""
     parts: dict[str, str] = {}
@@ -88,6 +100,8 @@ def readiness() -> Readiness:
     except Exception as exc:
         parts["database"] = f"down: {type(exc).__name__}"
         parts["migrations"] = "unknown (database down)"
+    if parts["migrations"] == "ok":
+        parts["audit"] = _audit_linking()
     workers = schedulers = 0
     try:
         client = redis_client()

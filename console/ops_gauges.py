@@ -26,6 +26,7 @@ from approvals.models import (
     OperationStatus,
 )
 from approvals.outbox import engine_queue, engine_redis
+from audit.linker import audit_unlinked
 from audit.services import audit_chain_last_known
 from console.health import live_cron_schedulers, live_workers
 from console.models import KillSwitch
@@ -177,6 +178,12 @@ def _audit_metrics() -> list[str]:
             "airlock_audit_last_full_walk_timestamp_seconds",
             "When the whole audit chain was last walked (Unix time; 0 when not recorded).",
             [("", walked.timestamp() if walked else 0.0)],
+        ),
+        *_gauge(
+            "airlock_audit_unlinked_seconds",
+            "How long the oldest committed audit event has waited to be linked into the chain "
+            "(0 when every one is linked; the `audit` process links them within ~50 ms).",
+            [("", audit_unlinked().behind_seconds())],
         ),
     ]
 

@@ -435,6 +435,13 @@ if AIRLOCK_TARGET_TIMEOUT_SECONDS * 1000 > AIRLOCK_LOCK_TTL_MS:
 # less than AIRLOCK_REREAD_MAX_AGE_HOURS ago (after that a person checks by hand).
 AIRLOCK_REREAD_EVERY_SECONDS = env_int("AIRLOCK_REREAD_EVERY_SECONDS", 60, minimum=0)
 AIRLOCK_REREAD_MAX_AGE_HOURS = env_int("AIRLOCK_REREAD_MAX_AGE_HOURS", 72, minimum=1)
+# The audit linker (audit/linker.py, the Procfile's `audit` process): events commit unlinked
+# and are chained in seq order a pass every AIRLOCK_AUDIT_LINK_EVERY_MS. Verification
+# reports the chain behind when a committed event has waited longer than
+# AIRLOCK_AUDIT_LINK_BOUND_SECONDS to be linked (the linker stopped, or a write transaction
+# has stayed open that long: the linking waits for every transaction older than its horizon).
+AIRLOCK_AUDIT_LINK_EVERY_MS = env_int("AIRLOCK_AUDIT_LINK_EVERY_MS", 50, minimum=1)
+AIRLOCK_AUDIT_LINK_BOUND_SECONDS = env_int("AIRLOCK_AUDIT_LINK_BOUND_SECONDS", 5, minimum=1)
 AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS = env_int(
     "AIRLOCK_IDEMPOTENCY_RETENTION_SECONDS", 24 * 3600, minimum=24 * 3600
 )

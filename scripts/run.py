@@ -4,7 +4,7 @@
    socket under the data folder; without DATABASE_URL, settings use a SQLite file there.
 2. Migrate; create the admin login once (printed once, kept in DATA_DIR/admin-login.txt).
 3. On a fresh database, `manage.py demo` drives the real API to leave something to look at.
-4. Start every process in the Procfile (web + worker + notify + cron), print the URL and
+4. Start every process in the Procfile (web + worker + notify + cron + audit), print the URL and
    the login last, once the processes' start-up lines have settled, and again whenever Enter
    is pressed (`make url` prints them from another terminal).
 5. Ctrl-C (or SIGTERM) stops everything this script started, the embedded Redis last. If one

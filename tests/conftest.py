@@ -211,6 +211,18 @@ def _reference_data(request: pytest.FixtureRequest) -> None:
         from console.reference import ensure_reference_data
 
         ensure_reference_data()
+        _audit_numbers_from_one()
+
+
+def _audit_numbers_from_one() -> None:
+    """The audit's seq numbers start at 1 in every test, as in a new database: the flush
+    between tests deletes the events but leaves their sequence where it was (a sequence is
+    not transactional, so neither do the `db` tests' rollbacks)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT setval('audit_auditevent_seq', 1, false) "
+            "WHERE NOT EXISTS (SELECT FROM audit_auditevent)"
+        )
 
 
 def _wants_transactional(request: pytest.FixtureRequest) -> bool:

@@ -398,7 +398,12 @@ def test_two_runs_never_hold_overlapping_leases(api: Any, agent: Any) -> None:
 
 
 def _audit_queries(queries: Any) -> list[str]:
-    return [q["sql"] for q in queries if 'FROM "audit_auditevent"' in q["sql"]]
+    """The walks: the reads of events with their links (not the linker's look past the head)."""
+    return [
+        q["sql"]
+        for q in queries
+        if 'FROM "audit_auditevent"' in q["sql"] and '"prev_hash"' in q["sql"]
+    ]
 
 
 @pytest.mark.django_db

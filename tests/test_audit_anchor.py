@@ -19,6 +19,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 
 from audit.chain import HASHED_COLUMNS, event_hash, hashed_fields
+from audit.linker import audit_link
 from audit.models import AuditEvent
 from audit.services import Actor, audit_append, audit_chain_verify
 from audit.verify import audit_head
@@ -36,8 +37,10 @@ def _no_checkpoint() -> Iterator[None]:
 
 
 def _append(count: int) -> None:
+    """`count` events, appended and linked (audit/linker.py)."""
     for n in range(count):
         audit_append(event_type="test.event", actor=Actor.system("tests"), details={"n": n})
+    audit_link()
 
 
 def _anchor(**options: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from audit import details as details_rules
 from audit.chain import GENESIS_HASH, event_hash, system_event_fields
+from audit.linker import audit_link
 from audit.models import AuditEvent, AuditHead
 from audit.selectors import audit_list
 from audit.services import (
@@ -34,16 +35,19 @@ from tests.fixtures.core import spawn_worker
 
 
 def _append(count: int, **kwargs: Any) -> list[AuditEvent]:
-    return [
+    """`count` events appended, then linked (audit/linker.py): as stored, in seq order."""
+    seqs = [
         audit_append(
             event_type=kwargs.get("event_type", "test.event"),
             actor=kwargs.get("actor", Actor.system("test")),
             resource=kwargs.get("resource", "notification-policy/prod-alerts"),
             run_id=kwargs.get("run_id"),
             details={"index": index},
-        )
+        ).seq
         for index in range(count)
     ]
+    audit_link()
+    return list(AuditEvent.objects.filter(seq__in=seqs).order_by("seq"))
 
 
 def _sql(statement: str, params: list[Any] | None = None) -> None:
@@ -101,7 +105,8 @@ def test_an_edited_row_is_detected_at_its_seq() -> None:
 @pytest.mark.parametrize(
     ("statements", "first_bad_seq"),
     [
-        (["DELETE FROM audit_auditevent WHERE seq = 4"], 4),
+        # Found where the link breaks: the event after the hole names a hash no event has.
+        (["DELETE FROM audit_auditevent WHERE seq = 4"], 5),
         # Checked against the head row: nothing after seq 8 says a tail is missing.
         (["DELETE FROM audit_auditevent WHERE seq >= 9"], 9),
         (
@@ -200,19 +205,21 @@ def test_the_trigger_refuses_changes_outside_maintenance(statement: str) -> None
 
 
 @pytest.mark.django_db
-def test_a_rolled_back_append_leaves_no_gap() -> None:
+def test_a_rolled_back_append_leaves_a_hole_in_the_numbers_not_a_break() -> None:
     _append(3)
     with pytest.raises(RuntimeError), transaction.atomic():
-        _append(2)
+        audit_append(event_type="test.rolled-back", actor=Actor.system("test"))
+        audit_append(event_type="test.rolled-back", actor=Actor.system("test"))
         raise RuntimeError("the service failed after auditing")
     _append(1)
-    assert list(AuditEvent.objects.values_list("seq", flat=True)) == [1, 2, 3, 4]
-    assert verify_chain().ok
+    assert list(AuditEvent.objects.values_list("seq", flat=True)) == [1, 2, 3, 6]
+    result = verify_chain()
+    assert result.ok and result.events == 6
 
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_four_processes_appending_concurrently_leave_one_contiguous_chain() -> None:
+def test_four_processes_appending_concurrently_leave_one_whole_chain() -> None:
     per_process = 100
     processes = [
         spawn_worker("append", "--count", str(per_process), "--label", f"writer-{index}")
@@ -225,10 +232,13 @@ def test_four_processes_appending_concurrently_leave_one_contiguous_chain() -> N
         kept += json.loads(out.strip().splitlines()[-1])["kept"]
     # Per writer: one in ten rolled back, one in ten a batch of two.
     assert kept == 4 * per_process
+    audit_link()
     seqs = list(AuditEvent.objects.order_by("seq").values_list("seq", flat=True))
-    assert seqs == list(range(1, kept + 1))
+    assert len(seqs) == kept and AuditHead.objects.get().seq == seqs[-1]
+    # Every kept event is linked; the rolled-back ones left holes in the numbers only.
+    assert not AuditEvent.objects.filter(hash="").exists()
     result = verify_chain()
-    assert result.ok and result.events == kept
+    assert result.ok and result.events == seqs[-1]
     writers = set(AuditEvent.objects.values_list("actor_label", flat=True))
     assert sorted(writers) == [f"writer-{i}" for i in range(4)]
     # The writers really interleaved (not one after the other).
@@ -326,8 +336,9 @@ def test_a_batch_append_chains_in_order_between_single_appends() -> None:
         ]
     )
     assert [e.seq for e in batch] == [3, 4, 5, 6, 7]
-    assert batch[0].prev_hash == AuditEvent.objects.get(seq=2).hash
     _append(1)
+    batch = list(AuditEvent.objects.filter(seq__in=[e.seq for e in batch]).order_by("seq"))
+    assert batch[0].prev_hash == AuditEvent.objects.get(seq=2).hash
     assert AuditEvent.objects.get(seq=8).prev_hash == batch[-1].hash
     assert audit_append_many([]) == []
     result = verify_chain()
@@ -352,6 +363,8 @@ def test_a_batch_longer_than_one_statement_s_chunk_chains_across_its_chunks() ->
         ]
     )
     assert [e.seq for e in batch] == list(range(2, 152))
+    audit_link()
+    batch = list(AuditEvent.objects.filter(seq__gte=2).order_by("seq"))
     for before, after in itertools.pairwise(batch):
         assert after.prev_hash == before.hash
     stored = {e.seq: e.hash for e in AuditEvent.objects.filter(seq__gte=2)}
@@ -371,7 +384,7 @@ def test_the_event_hash_is_unique_and_appends_update_no_index_nobody_reads() -> 
             ["%pattern_ops%"],
         )
         assert cursor.fetchall() == []
-    event = audit_append(event_type="test.unique", actor=Actor.system("tests"))
+    (event,) = _append(1)
     twin = AuditEvent(
         seq=event.seq + 1000,
         created_at=event.created_at,

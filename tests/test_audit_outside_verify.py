@@ -20,6 +20,7 @@ from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
 
+from audit.linker import audit_link
 from audit.services import Actor, audit_append, audit_append_many
 from audit.verify import audit_head
 from tests.conftest import ROOT
@@ -125,10 +126,12 @@ def test_a_real_export_verifies_and_the_verifier_imports_nothing_from_the_server
     ("tamper", "message"),
     [
         ("details", "first bad seq 3 (hash mismatch)"),
-        ("gap", "first bad seq 4 (seq gap)"),
-        ("reordered", "first bad seq 5 (seq gap)"),
+        # A deleted event: the next one names a hash no event before it has.
+        ("gap", "first bad seq 5 (broken link)"),
+        ("reordered", "first bad seq 6 (broken link)"),
         ("prev_hash", "first bad seq 6 (broken link)"),
-        ("first", "first bad seq 1 (seq gap)"),
+        # The first event deleted: the new first one does not start from the genesis.
+        ("first", "first bad seq 2 (broken link)"),
     ],
 )
 def test_a_tampered_export_fails_naming_the_first_bad_seq(
@@ -213,6 +216,7 @@ def test_every_page_of_the_live_api_is_verified_and_a_tamper_is_named(
         patched.setattr(timezone, "now", lambda: datetime(2026, 12, 6, 3, 0, 0, tzinfo=UTC))
         audit_append(event_type="test.whole_second", actor=Actor.system("tests"))
     audit_append_many([{"event_type": "test.more", "actor": Actor.system("t")}] * 450)
+    audit_link()
     head_seq, head_hash = audit_head()
     assert head_seq > 400  # three pages of 200 at least
     server = start_api_server()

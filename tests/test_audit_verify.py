@@ -19,6 +19,7 @@ from rq.cron import CronScheduler
 from audit import verify
 from audit.chain import GENESIS_HASH
 from audit.jobs import audit_verify_job
+from audit.linker import audit_link
 from audit.models import AuditEvent
 from audit.services import Actor, audit_append, audit_chain_status, audit_chain_verify
 from tests.conftest import ROOT, subprocess_env
@@ -34,10 +35,13 @@ def _no_checkpoint() -> Iterator[None]:
 
 
 def _append(count: int) -> list[AuditEvent]:
-    return [
-        audit_append(event_type="test.event", actor=Actor.system("tests"), details={"n": n})
+    """`count` events, appended and linked (audit/linker.py): as stored."""
+    seqs = [
+        audit_append(event_type="test.event", actor=Actor.system("tests"), details={"n": n}).seq
         for n in range(count)
     ]
+    audit_link()
+    return list(AuditEvent.objects.filter(seq__in=seqs).order_by("seq"))
 
 
 def _sql(statement: str, params: list[Any] | None = None) -> None:
@@ -70,13 +74,18 @@ def test_after_n_new_events_the_status_walks_only_those_n() -> None:
 def test_the_badge_after_new_events_reads_only_the_new_rows(people: People) -> None:
     _append(4)
     client = client_for(people.auditor)
-    assert "Chain verified</span>: 4 events" in client.get("/audit/verify/").content.decode()
+    assert (
+        "Chain verified</span>: linked up to seq 4" in client.get("/audit/verify/").content.decode()
+    )
     _append(3)
     with CaptureQueriesContext(connection) as moved:
         html = client.get("/audit/verify/").content.decode()
-    assert "Chain verified</span>: 7 events" in html
-    walks = [q["sql"] for q in moved.captured_queries if 'FROM "audit_auditevent"' in q["sql"]]
-    assert len(walks) == 1 and '"seq" > 4' in walks[0] and '"seq" <= 7' in walks[0], walks
+    assert "Chain verified</span>: linked up to seq 7" in html
+    # The walk, and the linker's look past the head: only rows after the checkpoint.
+    reads = [q["sql"] for q in moved.captured_queries if 'FROM "audit_auditevent"' in q["sql"]]
+    walks = [sql for sql in reads if '"seq" <= 7' in sql and "hash" in sql]
+    assert len(walks) == 1 and '"seq" > 4' in walks[0], reads
+    assert all('"seq" > 4' in sql or '"seq" > 7' in sql for sql in reads), reads
 
 
 @pytest.mark.django_db
@@ -129,6 +138,7 @@ def test_a_checkpoint_of_another_chain_costs_a_walk_from_the_start_not_a_false_b
     # Another database behind the same Redis (or one restored from a backup).
     _sql("DELETE FROM audit_auditevent")
     _sql("UPDATE audit_audithead SET seq = 0, hash = %s", [GENESIS_HASH])
+    _sql("SELECT setval('audit_auditevent_seq', 1, false)")  # its own numbers
     _append(6)
     status = audit_chain_status()
     assert status.ok and status.events == 6 and status.walked == 6  # the whole walk

@@ -1,10 +1,8 @@
-"""A write proposal (`PUT`/`PATCH`/`DELETE /api/v1/resources/…`, a plan, an undo) locks the audit
-head only for its commit: its events are appended together by the transaction's last
-statement, after the answer is rendered and stored for replay. Every writer in the system
-queues for that head, so a proposal that held it from its first event to its commit
-(approval insert, answer read, replay record) made every other proposal, decision and
-applied write wait that long too. Statement order, not timings: the bench measures the
-speed."""
+"""A write proposal (`PUT`/`PATCH`/`DELETE /api/v1/resources/…`, a plan, an undo) appends its
+events together, in one statement, as the transaction's last, after the answer is rendered and
+stored for replay. (That once kept the audit head's lock short; appends take no lock now —
+audit/linker.py links them after the commit — and one statement a proposal is what is left of
+the rule.) Statement order, not timings: the bench measures the speed."""
 
 from __future__ import annotations
 
@@ -18,8 +16,9 @@ from django.db import connection
 from django.db.models import Max
 from django.test.utils import CaptureQueriesContext
 
-from audit.chain import verify_rows
+from audit.linker import audit_link
 from audit.models import AuditEvent
+from audit.verify import verify_chain
 from tests.fixtures.api import AgentActor, make_active_run
 from tests.fixtures.core import applied_prod_alerts_action, make_resource
 from tests.fixtures.plans import patch_step, propose_plan, three_steps
@@ -64,12 +63,13 @@ def _put(api: Any, agent: AgentActor, path: str, etag: str, key: str) -> Capture
 def _assert_appended_last(captured: Captured, events: list[str]) -> None:
     """Exactly `events` appended, by one statement that only the savepoint's end follows."""
     queries = captured.queries
-    at = [n for n, sql in enumerate(queries) if "audit_audithead" in sql]
+    at = [n for n, sql in enumerate(queries) if "INSERT INTO audit_auditevent" in sql]
     assert len(at) == 1, "one statement appends the call's events:\n" + "\n".join(queries)
     after = queries[at[0] + 1 :]
     assert all(sql.startswith(_SAVEPOINT_END) for sql in after), "\n".join(after)
     assert captured.events == events
-    assert verify_rows(AuditEvent.objects.order_by("seq")).ok
+    audit_link()
+    assert verify_chain().ok
 
 
 def test_a_per_call_proposal_appends_both_events_last(

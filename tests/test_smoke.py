@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from audit.chain import verify_rows
+from audit.linker import audit_link
 from audit.models import AuditEvent
 from audit.services import Actor, audit_append
 from ownership.models import ConflictClass
@@ -23,5 +24,6 @@ def test_the_five_seeded_conflict_classes_exist() -> None:
 def test_appended_events_form_a_verifying_chain() -> None:
     for n in range(3):
         audit_append(event_type="test.event", actor=Actor.system(), details={"n": n})
+    audit_link()
     result = verify_rows(AuditEvent.objects.order_by("seq"))
     assert result.ok and result.events == 3

@@ -8,8 +8,8 @@ records are written only when the UPDATE returned the row, so a miss changes not
 classified afterwards, as before. The operation and action rows are already locked by this
 transaction (engine/core/write_rows.py), so the statement takes no lock the one lock order
 does not already hold, except the resource row's, which the UPDATE takes first. The audit
-event stays a statement of its own, run after this one (it locks the audit head, always
-last), but is sent with it: one round trip.
+event stays a statement of its own (an INSERT guarded by the operation being `done`), run
+after this one but sent with it: one round trip.
 """
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ def land_write(
                 cursor.execute(_LAND, _land_params(planned, fence, now, action, operation_id))
                 append.execute(appending.sql, appending.params)
             landed = _landed(cursor.fetchone())
-            row = append.fetchone()
-    if landed and appending.appended(row) is None:  # the head row is missing
-        audit_append(**event)
+            appended = appending.appended(append.fetchone())
+    # The guard reads the operation this statement made `done`: both hold or neither.
+    assert landed == (appended is not None)
     return landed
 
 

@@ -11,9 +11,10 @@ Notification and one Delivery per subscription that hears it, advancing the curs
 same transaction; the deliveries are enqueued after that commits.
 
 Why nothing is lost or told twice:
-- seq order is commit order: an append holds the head row until its transaction commits,
-  so once the head reads N every event up to N is committed and none below N can appear
-  later (a rolled-back append gives its seq back to the next one);
+- the head is the linker's (audit/linker.py): it moves to N only once every event up to N
+  has committed or rolled back for good, so none below N can appear later. A pass links
+  first (one pass of the linker, not waiting) so that it need not wait for the `audit`
+  process's tick;
 - the cursor row is locked (SKIP LOCKED) by the pass that advances it, and moves in the
   transaction that writes the rows: a pass killed midway rolls back and the next redoes it;
 - each event's notification carries the dedupe key `audit:<seq>` (unique): even a cursor
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from django.db import connection, transaction
 
+from audit.linker import audit_link
 from audit.models import AuditEvent
 from notifications.services.events import (
     AUDIT_TO_NOTIFICATION,
@@ -61,6 +63,12 @@ SELECT COALESCE((SELECT seq FROM audit_audithead WHERE id = 1), 0),
 """
 
 
+_LAG = """
+SELECT COALESCE((SELECT max(seq) FROM audit_auditevent), 0),
+       (SELECT audit_seq FROM notifications_dispatchcursor WHERE id = 1)
+"""
+
+
 @dataclass(frozen=True)
 class DispatchPass:
     """What one pass did: events read (of the types that can be told), notifications
@@ -80,11 +88,14 @@ def _position() -> tuple[int, int | None]:
 
 
 def dispatch_lag() -> int:
-    """How many audit events the notifications have not read yet (0 without PostgreSQL)."""
+    """How many audit events the notifications have not read yet (0 without PostgreSQL):
+    counted to the newest committed event, linked or not (the linking is part of the wait)."""
     if connection.vendor != "postgresql":
         return 0
-    head, at = _position()
-    return max(0, head - (at or 0))
+    with connection.cursor() as cursor:
+        cursor.execute(_LAG)
+        newest, at = cursor.fetchone()
+    return max(0, int(newest) - int(at or 0))
 
 
 def notifications_dispatch(*, limit: int = 500) -> DispatchPass:
@@ -92,6 +103,7 @@ def notifications_dispatch(*, limit: int = 500) -> DispatchPass:
     write their notifications and deliveries; the cursor moves in the same transaction."""
     if connection.vendor != "postgresql":
         return DispatchPass(0, 0, None)  # the SQLite trial run (make run's default) tells no one
+    audit_link(wait_seconds=0)
     head, at = _position()
     if at is None:
         # Created on its own, committed at once: inside the pass's transaction a second

@@ -9,6 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
+from audit.linker import audit_link
 from audit.selectors import audit_queryset
 from audit.serialize import event_jsonl
 from audit.verify import audit_head
@@ -30,7 +31,9 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        # The head first: rows and head commit together, so the export ends at a head.
+        # What has committed is linked first; the export ends at the head: every event up to
+        # it is linked and none below it can appear later.
+        audit_link(wait_seconds=1.0)
         head_seq, head_hash = audit_head()
         path = options["output"]
         try:

@@ -1,0 +1,177 @@
+"""Linking committed events into the chain, in seq order (PostgreSQL).
+
+An append (audit/services.py) stores its event unlinked — `prev_hash` and `hash` empty, `seq`
+drawn from a sequence — in the transaction of the change it records, and holds no lock to its
+commit. The linker gives committed events, in seq order, their `prev_hash` (the hash before
+them) and `hash`, and moves the head row to the last one: one transaction a pass, under the
+head row's lock taken with SKIP LOCKED, so two linkers never fork the chain (the second
+simply finds nothing to do).
+
+The horizon: an event is linked only once no event with a lower seq can still commit.
+
+1. `drawn`: the sequence's last value — every seq handed out so far, whether its transaction
+   committed, rolled back or is still open.
+2. The transactions then holding the events table's ROW EXCLUSIVE lock, read from `pg_locks`
+   after (1), this one's excepted: an INSERT takes that lock before it draws its seq (when
+   its statement is parsed or its plan locked), so every transaction that drew a seq up to
+   `drawn` and has not ended is among them.
+3. Wait (briefly) until every one of those transactions has ended. Then every event with
+   seq ≤ `drawn` has committed (and this transaction's next statement sees it) or rolled
+   back (and never will be): link them all, in seq order. A hole in the numbers is an
+   append that rolled back. This transaction's own events are final to it.
+
+Only transactions that wrote this database's events are waited for: a long transaction on
+another table or database does not hold the linking back.
+
+A pass whose wait runs out (a long write transaction is open) links nothing and says so; the
+next pass tries again. `audit_unlinked` tells how far behind the linking is, for verification,
+/readyz and the console.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connection, transaction
+from django.db.models import Min
+from django.utils import timezone
+
+from audit.chain import GENESIS_HASH, HASHED_COLUMNS, event_hash, hashed_fields
+from audit.models import AuditEvent, AuditHead
+
+_DRAWN = """
+SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM audit_auditevent_seq
+"""
+# The other transactions that may be appending (or linking): the events table's writers.
+_APPENDING = """
+SELECT coalesce(array_agg(virtualtransaction), '{}') FROM pg_locks
+WHERE locktype = 'relation' AND relation = 'audit_auditevent'::regclass
+  AND mode = 'RowExclusiveLock' AND granted AND pid <> pg_backend_pid()
+"""
+# True once none of them holds it any more: each has ended.
+_SETTLED = """
+SELECT NOT EXISTS (
+    SELECT FROM pg_locks WHERE locktype = 'relation'
+       AND relation = 'audit_auditevent'::regclass AND virtualtransaction = ANY(%s)
+)
+"""
+_LOCK_HEAD = "SELECT seq, hash FROM audit_audithead WHERE id = 1 FOR UPDATE SKIP LOCKED"
+_LINK = """
+UPDATE audit_auditevent AS e SET prev_hash = v.prev, hash = v.digest
+FROM unnest(%s::bigint[], %s::text[], %s::text[]) AS v(seq, prev, digest)
+WHERE e.seq = v.seq AND e.hash = ''
+"""
+_MOVE_HEAD = "UPDATE audit_audithead SET seq = %s, hash = %s WHERE id = 1"
+_BATCH = 2000
+
+
+@dataclass(frozen=True)
+class LinkPass:
+    """What one pass did: events linked, the head after it, and why it stopped short."""
+
+    linked: int
+    head_seq: int
+    held_back: str = ""  # "": everything committed up to the horizon is linked
+
+
+def audit_link(*, wait_seconds: float = 0.05) -> LinkPass:
+    """Link every committed event up to the horizon (see the module's docstring)."""
+    head_seq = _head_seq()
+    if connection.vendor != "postgresql":  # appends are linked at once there
+        return LinkPass(0, head_seq)
+    with connection.cursor() as cursor:
+        cursor.execute(_DRAWN)
+        drawn = int(cursor.fetchone()[0])
+        if drawn <= head_seq:
+            return LinkPass(0, head_seq)
+        cursor.execute(_APPENDING)
+        appending = list(cursor.fetchone()[0])
+        if appending and not _settled(cursor, appending, wait_seconds):
+            return LinkPass(0, head_seq, "a transaction older than the horizon is open")
+    with transaction.atomic():
+        return _link_up_to(drawn)
+
+
+def _head_seq() -> int:
+    seq = AuditHead.objects.filter(pk=1).values_list("seq", flat=True).first()
+    return int(seq or 0)
+
+
+def _settled(cursor: object, appending: list[str], wait_seconds: float) -> bool:
+    deadline = time.monotonic() + wait_seconds
+    pause = 0.001
+    while True:
+        cursor.execute(_SETTLED, [appending])  # type: ignore[attr-defined]
+        if cursor.fetchone()[0]:  # type: ignore[attr-defined]
+            return True
+        if time.monotonic() + pause > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _link_up_to(drawn: int) -> LinkPass:
+    with connection.cursor() as cursor:
+        cursor.execute(_LOCK_HEAD)
+        row = cursor.fetchone()
+        if row is None:
+            if AuditHead.objects.filter(pk=1).exists():
+                return LinkPass(0, _head_seq(), "another linker holds the head")
+            # A flushed test database: the head starts again at the genesis.
+            AuditHead.objects.get_or_create(pk=1, defaults={"seq": 0, "hash": GENESIS_HASH})
+            cursor.execute(_LOCK_HEAD)
+            row = cursor.fetchone()
+        head_seq, head_hash = int(row[0]), str(row[1])
+        linked, stop = 0, ""
+        while not stop:
+            rows = list(
+                AuditEvent.objects.filter(seq__gt=head_seq, seq__lte=drawn)
+                .order_by("seq")
+                .values_list(*HASHED_COLUMNS, "hash")[:_BATCH]
+            )
+            if not rows:
+                break
+            seqs, prevs, digests = [], [], []
+            for values in rows:
+                if values[-1] != "":  # linked already, yet beyond the head: not ours to touch
+                    stop = f"event #{values[0]} is linked beyond the head (#{head_seq})"
+                    break
+                fields = hashed_fields(**dict(zip(HASHED_COLUMNS, values[:-1], strict=True)))
+                digest = event_hash(fields, head_hash)
+                seqs.append(int(values[0]))
+                prevs.append(head_hash)
+                digests.append(digest)
+                head_seq, head_hash = int(values[0]), digest
+            if seqs:
+                cursor.execute(_LINK, [seqs, prevs, digests])
+                if cursor.rowcount != len(seqs):
+                    raise RuntimeError("audit linker: an event changed while it was linked")
+                linked += len(seqs)
+            if len(rows) < _BATCH:
+                break
+        if linked:
+            cursor.execute(_MOVE_HEAD, [head_seq, head_hash])
+    return LinkPass(linked, head_seq, stop)
+
+
+@dataclass(frozen=True)
+class Unlinked:
+    """The events committed and not linked yet: how many (up to the count's cap) and since when."""
+
+    head_seq: int
+    oldest: datetime | None
+
+    def behind_seconds(self) -> float:
+        if self.oldest is None:
+            return 0.0
+        return max(0.0, (timezone.now() - self.oldest).total_seconds())
+
+
+def audit_unlinked() -> Unlinked:
+    """How far the linking is behind: the head, and the oldest committed event past it.
+    Events past the head are unlinked ones (or forged ones, which verification reports)."""
+    head_seq = _head_seq()
+    oldest = AuditEvent.objects.filter(seq__gt=head_seq).aggregate(oldest=Min("created_at"))
+    return Unlinked(head_seq, oldest["oldest"])
