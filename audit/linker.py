@@ -10,7 +10,8 @@ simply finds nothing to do).
 The horizon: an event is linked only once no event with a lower seq can still commit.
 
 1. `drawn`: the sequence's last value — every seq handed out so far, whether its transaction
-   committed, rolled back or is still open.
+   committed, rolled back or is still open. (The sequence keeps CACHE 1, as migration 0008
+   makes it: with a cache, a session could hand out a seq below `drawn` later.)
 2. The transactions then holding the events table's ROW EXCLUSIVE lock, read from `pg_locks`
    after (1), this one's excepted: an INSERT takes that lock before it draws its seq (when
    its statement is parsed or its plan locked), so every transaction that drew a seq up to
