@@ -16,6 +16,7 @@ from django.test.utils import CaptureQueriesContext
 from approvals.api.serialize import approval_json
 from approvals.models import Approval
 from approvals.services.decisions import approval_decide_tallied
+from audit.linker import audit_link
 from audit.services import Actor
 from ownership.models import ConflictClass
 from tests.fixtures.api import (
@@ -87,9 +88,10 @@ def test_a_per_call_decision_costs_a_bounded_number_of_statements(
     ]
     assert len(approval_reads) == 1, approval_reads
     assert queries[-1].startswith(("RELEASE SAVEPOINT", "COMMIT")), queries[-1]
-    # The audit head is locked by the transaction's last statement, after every row lock.
-    assert "audit_audithead" in queries[-2] and all(
-        "audit_audithead" not in query for query in queries[:-2]
+    # The audit events are appended by the transaction's last statement, in one (an INSERT
+    # that takes no lock: audit/linker.py links them after the commit).
+    assert "INSERT INTO audit_auditevent" in queries[-2] and all(
+        "audit_auditevent" not in query for query in queries[:-2]
     ), queries
 
 
@@ -138,6 +140,9 @@ def test_the_orm_path_of_the_embedded_default_decides_a_call_the_same_way(
     # SQLite (the embedded default) takes the ORM statements instead of decision_rows'; on
     # PostgreSQL they must leave the same rows and the same answer.
     approval = _propose_prod_alerts(api, agent)
+    # The SQLite path chains its events at once after the head: link what PostgreSQL's
+    # appends left unlinked first, so that the head is the newest event.
+    audit_link()
     monkeypatch.setattr(connection, "vendor", "sqlite")
     decided = approval_decide_tallied(
         approval_id=approval.pk, actor=Actor.person(operator.user), decision=decision
