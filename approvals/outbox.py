@@ -69,12 +69,13 @@ def _enqueue(
     *,
     delay_seconds: float = 0.0,
     connection: redis.Redis | None = None,
+    wake: str | None = None,
 ) -> str:
     conn = connection or engine_redis()
     queue = engine_queue(conn)
     job_id = f"airlock-{kind}-{object_id}-{uuid.uuid4().hex[:12]}"
     try:
-        _send(queue, conn, kind, object_id, job_path, job_id, delay_seconds)
+        _send(queue, conn, kind, object_id, job_path, job_id, delay_seconds, wake)
     except redis.RedisError:
         # PostgreSQL is the outbox: the reconciler sends it once Redis is back.
         log.warning("could not enqueue %s %s; the reconciler will resend it", kind, object_id)
@@ -89,6 +90,7 @@ def _send(
     job_path: str,
     job_id: str,
     delay_seconds: float,
+    wake: str | None = None,
 ) -> None:
     kwargs: dict[str, Any] = {
         "job_id": job_id,
@@ -100,9 +102,10 @@ def _send(
         "job_timeout": 120,
         **job_meta(),  # the trace context, when tracing is on (console/tracing.py)
     }
-    # One round trip for the job, its queue entry and the marker (RQ alone makes three:
-    # the queue set, the job, then our marker). RQ opens the pipeline's MULTI itself, so
-    # nothing may be queued on it before the enqueue.
+    # One round trip for the job, its queue entry, the marker (RQ alone makes three: the
+    # queue set, the job, then our marker) and the long-pollers' wake-up on channel `wake`,
+    # if any (a publish of its own would be one more). RQ opens the pipeline's MULTI
+    # itself, so nothing may be queued on it before the enqueue.
     pipe = conn.pipeline()
     if delay_seconds > 0:
         queue.enqueue_in(
@@ -111,6 +114,8 @@ def _send(
     else:
         queue.enqueue(job_path, str(object_id), pipeline=pipe, **kwargs)
     pipe.set(marker_key(kind, object_id), job_id, ex=MARKER_TTL_SECONDS)
+    if wake is not None:
+        pipe.publish(wake, b"changed")
     pipe.execute()
 
 
@@ -184,11 +189,21 @@ def _still_due(status: str, started_at: str, timeout: str, *, overdue: bool, now
 
 
 def enqueue_action_execution(
-    action_id: uuid.UUID | str, *, delay_seconds: float = 0.0, connection: redis.Redis | None = None
+    action_id: uuid.UUID | str,
+    *,
+    delay_seconds: float = 0.0,
+    connection: redis.Redis | None = None,
+    wake: bool = False,
 ) -> None:
-    """Enqueue the execution job. Call from transaction.on_commit only."""
+    """Enqueue the execution job. Call from transaction.on_commit only. `wake`: also wake
+    the action's long-pollers (notify_action_changed), in the same Redis round trip."""
     _enqueue(
-        "action", action_id, EXECUTE_ACTION_JOB, delay_seconds=delay_seconds, connection=connection
+        "action",
+        action_id,
+        EXECUTE_ACTION_JOB,
+        delay_seconds=delay_seconds,
+        connection=connection,
+        wake=action_channel(action_id) if wake else None,
     )
 
 
