@@ -14,6 +14,8 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from approvals.api.serialize import approval_json
+from approvals.notify import action_channel
+from approvals.outbox import engine_queue, engine_redis, marker_key
 from approvals.models import Approval
 from approvals.services.decisions import approval_decide_tallied
 from audit.services import Actor
@@ -153,3 +155,32 @@ def test_the_orm_path_of_the_embedded_default_decides_a_call_the_same_way(
     expected = "queued" if decision == "approve" else "rejected"
     assert (approval.status, approval.action.status) == (answer["status"], expected)
     assert approval.decisions.count() == 1
+
+
+def test_an_approved_calls_wake_up_and_job_go_in_one_redis_round_trip(
+    api: Any,
+    agent: AgentActor,
+    operator: Person,
+    prod_alerts: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    # After commit the decision hands Redis the action's job, its outbox marker and the
+    # long-pollers' wake-up: one after-commit callback, one pipeline (a publish of its own
+    # was a second callback and a second round trip). The wake-up still reaches a
+    # subscriber of the action's channel, and the job is queued.
+    approval = _propose_prod_alerts(api, agent)
+    assert approval.action_id is not None
+    pubsub = engine_redis().pubsub()
+    pubsub.subscribe(action_channel(approval.action_id))
+    assert pubsub.get_message(timeout=2)["type"] == "subscribe"  # type: ignore[index]
+    try:
+        with django_capture_on_commit_callbacks(execute=True) as callbacks:
+            answer = _decided(api, operator, approval, "approve")
+        assert answer["status"] == "approved"
+        assert len(callbacks) == 1, callbacks
+        woken = pubsub.get_message(timeout=2)
+        assert woken is not None and woken["data"] == b"changed", woken
+    finally:
+        pubsub.close()
+    job_id = engine_redis().get(marker_key("action", approval.action_id))
+    assert job_id is not None and job_id.decode() in engine_queue().get_job_ids()
