@@ -14,9 +14,9 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from approvals.api.serialize import approval_json
+from approvals.models import Approval
 from approvals.notify import action_channel
 from approvals.outbox import engine_queue, engine_redis, marker_key
-from approvals.models import Approval
 from approvals.services.decisions import approval_decide_tallied
 from audit.services import Actor
 from ownership.models import ConflictClass
@@ -170,9 +170,10 @@ def test_an_approved_calls_wake_up_and_job_go_in_one_redis_round_trip(
     # subscriber of the action's channel, and the job is queued.
     approval = _propose_prod_alerts(api, agent)
     assert approval.action_id is not None
-    pubsub = engine_redis().pubsub()
+    client: Any = engine_redis()
+    pubsub = client.pubsub()
     pubsub.subscribe(action_channel(approval.action_id))
-    assert pubsub.get_message(timeout=2)["type"] == "subscribe"  # type: ignore[index]
+    assert pubsub.get_message(timeout=2)["type"] == "subscribe"
     try:
         with django_capture_on_commit_callbacks(execute=True) as callbacks:
             answer = _decided(api, operator, approval, "approve")
@@ -182,5 +183,5 @@ def test_an_approved_calls_wake_up_and_job_go_in_one_redis_round_trip(
         assert woken is not None and woken["data"] == b"changed", woken
     finally:
         pubsub.close()
-    job_id = engine_redis().get(marker_key("action", approval.action_id))
+    job_id = client.get(marker_key("action", approval.action_id))
     assert job_id is not None and job_id.decode() in engine_queue().get_job_ids()
