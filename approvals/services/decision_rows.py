@@ -12,7 +12,7 @@ models' metadata:
   conflict class, whether the person minted a live token of the agent and who minted the
   token that created the run (separation of duties, approvals/services/separation.py),
   and the resource the answer's diff is taken against;
-- `vote_settle_call`: the votes so far, this person's vote and what it does, one statement
+- `_vote_settle_call`: the votes so far, this person's vote and what it does, one statement
   (after the lock and the checks: a vote that committed while we waited for the approval is
   seen) — a rejection, or the approval that reaches quorum, decides the approval and moves
   its action out of `pending_approval` (the same conditional UPDATE as
@@ -214,13 +214,13 @@ def vote_cast(
     this one (no other vote can land while the approval row is locked), and the vote
     (decision, comment) unless they voted: (voted before, approves before, moved_by_vote);
     a person counts once. `one_statement` (a call, PostgreSQL): what the vote does is
-    written by the same statement (vote_settle_call) and `moved_by_vote` says whether it
+    written by the same statement (_vote_settle_call) and `moved_by_vote` says whether it
     decided the approval and moved its action; else the ORM's read and insert, and None
     (the caller writes what the vote does)."""
     decision, comment = vote
     if one_statement:
         rejects = decision == Decision.REJECT
-        cast = vote_settle_call(
+        cast = _vote_settle_call(
             approval=approval,
             person=person,
             decision=decision,
@@ -250,7 +250,7 @@ def rejection_error(person: Any, comment: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CallVote:
-    """What vote_settle_call did: whether the person had voted already (then nothing was
+    """What _vote_settle_call did: whether the person had voted already (then nothing was
     written), the approving votes before this one, and whether the approval was decided
     and its action moved out of `pending_approval` (False: below quorum, or someone else
     moved the action first)."""
@@ -260,7 +260,7 @@ class CallVote:
     moved: bool
 
 
-def vote_settle_call(
+def _vote_settle_call(
     *,
     approval: Approval,
     person: Any,

@@ -406,7 +406,7 @@ def _settle_call(
     """The locked call approval is decided and its action leaves `pending_approval` for
     `to_status` (False: someone else moved it first) — action_transition's conditional
     UPDATE, which wakes the action's waiters; on PostgreSQL the vote's statement wrote
-    both (`by_vote`: vote_settle_call) and the caller wakes them."""
+    both (`by_vote`: decision_rows._vote_settle_call) and the caller wakes them."""
     action = approval.action
     assert action is not None
     if by_vote is not None:
