@@ -13,9 +13,11 @@ services re-check state with conditional UPDATEs.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -61,6 +63,62 @@ def marker_key(kind: str, object_id: Any) -> str:
     return f"airlock:outbox:{kind}:{object_id}"
 
 
+# --- Deliveries held for after an answer ----------------------------------------------
+
+
+class HeldDeliveries:
+    """Redis deliveries (job enqueues, long-poll wake-ups) held back by deliveries_held,
+    each with the context it was asked for in (its trace span, its log fields)."""
+
+    def __init__(self) -> None:
+        self._sends: list[tuple[contextvars.Context, Callable[[], object]]] = []
+
+    def hold(self, send: Callable[[], object]) -> None:
+        self._sends.append((contextvars.copy_context(), send))
+
+    def deliver(self) -> None:
+        """Send what is held, in order, once (a second call sends nothing). Never raises:
+        each send logs its own Redis failure (the reconciler resends a job; a lost wake-up
+        costs a poller its safety re-check)."""
+        sends, self._sends = self._sends, []
+        for context, send in sends:
+            context.run(send)
+
+
+_HELD: contextvars.ContextVar[HeldDeliveries | None] = contextvars.ContextVar(
+    "airlock_outbox_held", default=None
+)
+
+
+@contextmanager
+def deliveries_held() -> Iterator[HeldDeliveries]:
+    """Inside the block, the job enqueues that committed transactions ask for
+    (enqueue_action_execution) are held instead of sent: the caller sends them
+    (HeldDeliveries.deliver) once its answer is out — a person's decision answers without
+    waiting for RQ's pipeline, and the worker the job wakes does not compete with the
+    answer for the CPU. Long-pollers are still woken at once (a woken agent should not
+    wait for the answer to the person). PostgreSQL is the outbox: if the process dies
+    first, the reconciler sends the job. A block that raises sends what it held at once."""
+    held = HeldDeliveries()
+    token = _HELD.set(held)
+    try:
+        yield held
+    except BaseException:
+        _HELD.reset(token)
+        held.deliver()
+        raise
+    _HELD.reset(token)
+
+
+def _deliver(send: Callable[[], object]) -> None:
+    """Send now, or hold it for the enclosing deliveries_held block."""
+    held = _HELD.get()
+    if held is None:
+        send()
+    else:
+        held.hold(send)
+
+
 @traced_enqueue
 def _enqueue(
     kind: str,
@@ -69,12 +127,13 @@ def _enqueue(
     *,
     delay_seconds: float = 0.0,
     connection: redis.Redis | None = None,
+    wake: str | None = None,
 ) -> str:
     conn = connection or engine_redis()
     queue = engine_queue(conn)
     job_id = f"airlock-{kind}-{object_id}-{uuid.uuid4().hex[:12]}"
     try:
-        _send(queue, conn, kind, object_id, job_path, job_id, delay_seconds)
+        _send(queue, conn, kind, object_id, job_path, job_id, delay_seconds, wake)
     except redis.RedisError:
         # PostgreSQL is the outbox: the reconciler sends it once Redis is back.
         log.warning("could not enqueue %s %s; the reconciler will resend it", kind, object_id)
@@ -89,6 +148,7 @@ def _send(
     job_path: str,
     job_id: str,
     delay_seconds: float,
+    wake: str | None = None,
 ) -> None:
     kwargs: dict[str, Any] = {
         "job_id": job_id,
@@ -100,9 +160,10 @@ def _send(
         "job_timeout": 120,
         **job_meta(),  # the trace context, when tracing is on (console/tracing.py)
     }
-    # One round trip for the job, its queue entry and the marker (RQ alone makes three:
-    # the queue set, the job, then our marker). RQ opens the pipeline's MULTI itself, so
-    # nothing may be queued on it before the enqueue.
+    # One round trip for the job, its queue entry, the marker (RQ alone makes three: the
+    # queue set, the job, then our marker) and the long-pollers' wake-up on channel `wake`,
+    # if any (a publish of its own would be one more). RQ opens the pipeline's MULTI
+    # itself, so nothing may be queued on it before the enqueue.
     pipe = conn.pipeline()
     if delay_seconds > 0:
         queue.enqueue_in(
@@ -111,6 +172,8 @@ def _send(
     else:
         queue.enqueue(job_path, str(object_id), pipeline=pipe, **kwargs)
     pipe.set(marker_key(kind, object_id), job_id, ex=MARKER_TTL_SECONDS)
+    if wake is not None:
+        pipe.publish(wake, b"changed")
     pipe.execute()
 
 
@@ -184,11 +247,28 @@ def _still_due(status: str, started_at: str, timeout: str, *, overdue: bool, now
 
 
 def enqueue_action_execution(
-    action_id: uuid.UUID | str, *, delay_seconds: float = 0.0, connection: redis.Redis | None = None
+    action_id: uuid.UUID | str,
+    *,
+    delay_seconds: float = 0.0,
+    connection: redis.Redis | None = None,
+    wake: bool = False,
 ) -> None:
-    """Enqueue the execution job. Call from transaction.on_commit only."""
-    _enqueue(
-        "action", action_id, EXECUTE_ACTION_JOB, delay_seconds=delay_seconds, connection=connection
+    """Enqueue the execution job. Call from transaction.on_commit only. `wake`: also wake
+    the action's long-pollers (notify_action_changed), in the same Redis round trip — or,
+    inside deliveries_held, at once, the job being held."""
+    if wake and _HELD.get() is not None:
+        notify_action_changed(action_id)
+        wake = False
+    channel = action_channel(action_id) if wake else None
+    _deliver(
+        lambda: _enqueue(
+            "action",
+            action_id,
+            EXECUTE_ACTION_JOB,
+            delay_seconds=delay_seconds,
+            connection=connection,
+            wake=channel,
+        )
     )
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import uuid
+import weakref
 from typing import Any, Literal
 
 from django.http import HttpRequest, HttpResponse
@@ -13,6 +14,7 @@ from ninja import Query, Router
 
 from approvals.api.schemas import ApprovalItem, ApprovalPage, DecisionIn
 from approvals.api.serialize import UNREAD, approval_json
+from approvals.outbox import deliveries_held
 from approvals.selectors import approval_get_for_person, approval_list_for_person
 from approvals.services.decisions import approval_decide_tallied
 from console.api_support import (
@@ -108,21 +110,29 @@ def approval_decision(
     request: HttpRequest, approval_id: uuid.UUID, payload: DecisionIn
 ) -> HttpResponse:
     principal = writing_principal(request)
-    decided = approval_decide_tallied(
-        approval_id=approval_id,
-        actor=principal.actor,
-        person=principal.user,
-        decision=payload.decision,
-        comment=payload.comment,
-        edit=_edit_of(payload),
-        grant=payload.grant.model_dump() if payload.grant is not None else None,
-    )
-    # Rendered from the rows the decision locked (and, for a call, the resource it read
-    # with them): nothing else changes them meanwhile.
-    return json_response(
-        approval_json(
-            decided.approval,
-            approvals_so_far=decided.approvals_so_far,
-            call_resource=decided.resource if decided.resource_read else UNREAD,
+    # The approved action's job is enqueued once the answer is out (its waiters are woken
+    # at commit): when the response is closed (after its last byte under ASGI and WSGI;
+    # before Django's test client returns it), or, if it never is (the client went away
+    # mid-decision), when it is collected. At once if deciding or rendering raises.
+    with deliveries_held() as held:
+        decided = approval_decide_tallied(
+            approval_id=approval_id,
+            actor=principal.actor,
+            person=principal.user,
+            decision=payload.decision,
+            comment=payload.comment,
+            edit=_edit_of(payload),
+            grant=payload.grant.model_dump() if payload.grant is not None else None,
         )
-    )
+        # Rendered from the rows the decision locked (and, for a call, the resource it
+        # read with them): nothing else changes them meanwhile.
+        response = json_response(
+            approval_json(
+                decided.approval,
+                approvals_so_far=decided.approvals_so_far,
+                call_resource=decided.resource if decided.resource_read else UNREAD,
+            )
+        )
+        response._resource_closers.append(held.deliver)  # type: ignore[attr-defined]
+        weakref.finalize(response, held.deliver)
+    return response

@@ -12,12 +12,14 @@ models' metadata:
   conflict class, whether the person minted a live token of the agent and who minted the
   token that created the run (separation of duties, approvals/services/separation.py),
   and the resource the answer's diff is taken against;
-- `vote_cast`: the votes so far and this person's vote, one statement (after the lock:
-  a vote that committed while we waited for the approval is seen);
-- `settle_call`: the approval decided and its action leaving `pending_approval` (the same
-  conditional UPDATE as action_status.action_transition), one statement.
+- `_vote_settle_call`: the votes so far, this person's vote and what it does, one statement
+  (after the lock and the checks: a vote that committed while we waited for the approval is
+  seen) — a rejection, or the approval that reaches quorum, decides the approval and moves
+  its action out of `pending_approval` (the same conditional UPDATE as
+  action_status.action_transition); a vote below quorum moves the action's revision.
 
-PostgreSQL only; on SQLite (the embedded default) decisions.py takes the ORM path.
+PostgreSQL only; on SQLite (the embedded default) decisions.py takes the ORM path (and
+`vote_cast`'s ORM statements).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from approvals.models import (
     AgentToken,
     Approval,
     ApprovalDecision,
+    ApprovalStatus,
     ApprovalSubject,
     Decision,
     Run,
@@ -61,8 +64,7 @@ class _Statements:
     conflict_class: tuple[Column, ...]
     resource: tuple[Column, ...]
     lock_sql: str
-    vote_sql: str
-    settle_sql: str
+    vote_settle_sql: str
 
 
 @cache
@@ -102,25 +104,32 @@ def _statements() -> _Statements:
         "ON res.kind_id = a.kind_id AND res.name = a.name"
     )
     votes = ApprovalDecision._meta.db_table
-    vote_sql = (
+    # `tally`: whether this person votes now (no earlier vote of theirs) and the approving
+    # votes before; `decisive`: the vote decides (`decisive_at`: how many approving votes
+    # before it make it decide; 0 for a rejection). The action's one UPDATE either moves it
+    # (decisive, still pending_approval: the approval decided with it) or, below quorum,
+    # only its revision (its body shows the votes: a 304 must not hide them).
+    vote_settle_sql = (
         f'WITH prior AS (SELECT person_id, decision FROM "{votes}" '  # noqa: S608 - names from the models' metadata
         "WHERE approval_id = %(approval)s::uuid), "
+        "tally AS MATERIALIZED (SELECT "
+        "NOT EXISTS (SELECT FROM prior WHERE person_id = %(person)s::bigint) AS casting, "
+        "(SELECT count(*) FROM prior WHERE decision = %(approve)s::varchar) AS approves), "
+        "decisive AS MATERIALIZED (SELECT casting AND approves >= %(decisive_at)s::bigint AS yes "
+        "FROM tally), "
         f'cast_vote AS (INSERT INTO "{votes}" '
         "(approval_id, person_id, decision, comment, created_at) "
         "SELECT %(approval)s::uuid, %(person)s::bigint, %(decision)s::varchar, %(comment)s::text, "
-        "%(now)s::timestamptz "
-        "WHERE NOT EXISTS (SELECT FROM prior WHERE person_id = %(person)s) RETURNING id) "
-        "SELECT EXISTS (SELECT FROM prior WHERE person_id = %(person)s), "
-        "(SELECT count(*) FROM prior WHERE decision = %(approve)s), "
-        "(SELECT count(*) FROM cast_vote)"
-    )
-    settle_sql = (
-        f'WITH settled AS (UPDATE "{approvals}" SET status = %(status)s, '  # noqa: S608 - names from the models' metadata
-        "decided_at = %(now)s WHERE id = %(approval)s) "
-        f'UPDATE "{Action._meta.db_table}" SET status = %(to_status)s, '
-        "revision = revision + 1, updated_at = %(now)s, "
-        "error = COALESCE(%(error)s::jsonb, error) "
-        "WHERE id = %(action)s AND status = %(from_status)s"
+        "%(now)s::timestamptz FROM tally WHERE casting), "
+        f'settled AS (UPDATE "{approvals}" SET status = %(status)s, decided_at = %(now)s '
+        "WHERE id = %(approval)s::uuid AND (SELECT yes FROM decisive)), "
+        f'moved AS (UPDATE "{Action._meta.db_table}" x SET '
+        "status = CASE WHEN d.yes THEN %(to_status)s ELSE x.status END, "
+        "revision = x.revision + 1, updated_at = %(now)s, "
+        "error = CASE WHEN d.yes THEN COALESCE(%(error)s::jsonb, x.error) ELSE x.error END "
+        "FROM decisive d WHERE x.id = %(action)s::uuid AND (SELECT casting FROM tally) "
+        "AND (NOT d.yes OR x.status = %(from_status)s) RETURNING d.yes) "
+        "SELECT NOT casting, approves, EXISTS (SELECT FROM moved WHERE yes) FROM tally"
     )
     return _Statements(
         approval,
@@ -130,8 +139,7 @@ def _statements() -> _Statements:
         conflict_class,
         resource,
         lock_sql,
-        vote_sql,
-        settle_sql,
+        vote_settle_sql,
     )
 
 
@@ -200,31 +208,80 @@ def lock_call_approval(
 
 
 def vote_cast(
+    approval: Approval, person: Any, vote: tuple[str, str], *, now: datetime, one_statement: bool
+) -> tuple[bool, int, bool | None]:
+    """This person's earlier vote on the locked `approval` and the approving votes before
+    this one (no other vote can land while the approval row is locked), and the vote
+    (decision, comment) unless they voted: (voted before, approves before, moved_by_vote);
+    a person counts once. `one_statement` (a call, PostgreSQL): what the vote does is
+    written by the same statement (_vote_settle_call) and `moved_by_vote` says whether it
+    decided the approval and moved its action; else the ORM's read and insert, and None
+    (the caller writes what the vote does)."""
+    decision, comment = vote
+    if one_statement:
+        rejects = decision == Decision.REJECT
+        cast = _vote_settle_call(
+            approval=approval,
+            person=person,
+            decision=decision,
+            comment=comment,
+            now=now,
+            settles_as=(ApprovalStatus.REJECTED, ActionStatus.REJECTED)
+            if rejects
+            else (ApprovalStatus.APPROVED, ActionStatus.QUEUED),
+            error=rejection_error(person, comment) if rejects else None,
+        )
+        return cast.voted_before, cast.approves_before, cast.moved
+    votes = list(
+        ApprovalDecision.objects.filter(approval=approval).values_list("person_id", "decision")
+    )
+    if any(voter == person.pk for voter, _ in votes):
+        return True, 0, None
+    ApprovalDecision.objects.create(
+        approval=approval, person=person, decision=decision, comment=comment
+    )
+    return False, [vote for _, vote in votes].count(Decision.APPROVE), None
+
+
+def rejection_error(person: Any, comment: str) -> dict[str, Any]:
+    """The error a rejected action records."""
+    return {"code": "rejected", "comment": comment, "by": person.get_username()}
+
+
+@dataclass(frozen=True)
+class CallVote:
+    """What _vote_settle_call did: whether the person had voted already (then nothing was
+    written), the approving votes before this one, and whether the approval was decided
+    and its action moved out of `pending_approval` (False: below quorum, or someone else
+    moved the action first)."""
+
+    voted_before: bool
+    approves_before: int
+    moved: bool
+
+
+def _vote_settle_call(
     *,
     approval: Approval,
     person: Any,
     decision: str,
     comment: str,
     now: datetime,
-    one_statement: bool,
-) -> tuple[bool, int]:
-    """This person's vote on the locked `approval`, unless they voted already: (already
-    voted, approving votes before this one); a person counts once. No other vote can
-    land while the approval row is locked. `one_statement` (PostgreSQL): the votes so
-    far and the vote in one statement; else one read for both, then the vote."""
-    if not one_statement:
-        votes = list(
-            ApprovalDecision.objects.filter(approval=approval).values_list("person_id", "decision")
-        )
-        if any(voter == person.pk for voter, _ in votes):
-            return True, 0
-        ApprovalDecision.objects.create(
-            approval=approval, person=person, decision=decision, comment=comment
-        )
-        return False, [vote for _, vote in votes].count(Decision.APPROVE)
+    settles_as: tuple[str, str],
+    error: dict[str, Any] | None = None,
+) -> CallVote:
+    """This person's vote on the locked call `approval` (checked: pending, not expired, the
+    person may decide it) and, when it decides — a rejection, or the approving vote that
+    reaches the quorum — the approval settled as `settles_as` (approval status, action
+    status; the action with `error`, if given) in the same statement; below quorum the
+    action's revision moves. Inside the caller's transaction; the caller audits the vote
+    and what it did, sets the instance's status and wakes the action's waiters."""
+    assert approval.action_id is not None
+    status, to_status = settles_as
+    decisive_at = 0 if decision == Decision.REJECT else max(approval.quorum - 1, 0)
     with connection.cursor() as cursor:
         cursor.execute(
-            _statements().vote_sql,
+            _statements().vote_settle_sql,
             {
                 "approval": approval.pk,
                 "person": person.pk,
@@ -232,37 +289,14 @@ def vote_cast(
                 "comment": comment,
                 "now": now,
                 "approve": Decision.APPROVE.value,
-            },
-        )
-        row = cursor.fetchone()
-    assert row is not None
-    return bool(row[0]), int(row[1])
-
-
-def settle_call(
-    *,
-    approval: Approval,
-    status: str,
-    to_status: str,
-    now: datetime,
-    error: dict[str, Any] | None = None,
-) -> bool:
-    """The locked call approval decided (`status`) and its action moved from
-    `pending_approval` to `to_status` (with `error`, if given): one statement. Returns
-    whether the action moved (False: someone else moved it first). The caller wakes the
-    action's waiters (it moved) and sets the instance's status."""
-    assert approval.action_id is not None
-    with connection.cursor() as cursor:
-        cursor.execute(
-            _statements().settle_sql,
-            {
-                "approval": approval.pk,
+                "decisive_at": decisive_at,
                 "status": status,
-                "now": now,
                 "to_status": to_status,
                 "error": None if error is None else json.dumps(error),
                 "action": approval.action_id,
                 "from_status": ActionStatus.PENDING_APPROVAL.value,
             },
         )
-        return bool(cursor.rowcount > 0)
+        row = cursor.fetchone()
+    assert row is not None
+    return CallVote(voted_before=bool(row[0]), approves_before=int(row[1]), moved=bool(row[2]))

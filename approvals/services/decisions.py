@@ -36,7 +36,7 @@ from approvals.services.approval_open import approval_details
 from approvals.services.decision_rows import (
     LockedCall,
     lock_call_approval,
-    settle_call,
+    rejection_error,
     vote_cast,
 )
 from approvals.services.edits import Edited, approval_approve_with_edits
@@ -272,15 +272,8 @@ def approval_decide_tallied(
             _expire_locked(approval=approval, now=now)
             expired = True
         else:
-            # This person's earlier vote and the approvals so far (no other vote can
-            # land while the approval row is locked), and the vote unless they voted.
-            voted, approves = vote_cast(
-                approval=approval,
-                person=person,
-                decision=decision,
-                comment=comment,
-                now=now,
-                one_statement=call is not None,
+            voted, approves, by_vote = vote_cast(
+                approval, person, (decision, comment), now=now, one_statement=call is not None
             )
             if voted:
                 raise InvalidTransition(
@@ -288,7 +281,8 @@ def approval_decide_tallied(
                     code="already_decided",
                 )
             approves += decision == Decision.APPROVE
-            _act_on_vote(approval, person, (decision, comment), approves=approves, now=now)
+            vote = (decision, comment)
+            _act_on_vote(approval, person, vote, approves=approves, now=now, by_vote=by_vote)
             if grant_request is not None:
                 # Raises (rolling the vote back with it) when this approval cannot grant.
                 grant_create_locked(
@@ -306,11 +300,18 @@ def approval_decide_tallied(
 
 
 def _act_on_vote(
-    approval: Approval, person: Any, vote: tuple[str, str], *, approves: int, now: datetime
+    approval: Approval,
+    person: Any,
+    vote: tuple[str, str],
+    *,
+    approves: int,
+    now: datetime,
+    by_vote: bool | None = None,
 ) -> None:
     """The person's `vote` (decision, comment) on the locked approval is audited, then
     does what it does: a rejection rejects, the vote that reaches quorum (`approves`, this
-    one counted) approves, any other is recorded."""
+    one counted) approves, any other is recorded. `by_vote` (vote_cast's moved_by_vote):
+    not None when the vote's statement wrote that already, and whether it moved the action."""
     decision, comment = vote
     audit_append(
         event_type=f"approval.decision_{decision}",
@@ -326,20 +327,22 @@ def _act_on_vote(
         },
     )
     if decision == Decision.REJECT:
-        _reject_locked(approval=approval, person=person, comment=comment, now=now)
+        _reject_locked(approval=approval, person=person, comment=comment, now=now, by_vote=by_vote)
     elif approves >= approval.quorum:
-        _approve_locked(approval=approval, person=person, now=now)
+        _approve_locked(approval=approval, person=person, now=now, by_vote=by_vote)
     else:
-        _record_partial_vote(approval, now=now)
+        _record_partial_vote(approval, now=now, by_vote=by_vote)
 
 
-def _record_partial_vote(approval: Approval, *, now: datetime) -> None:
+def _record_partial_vote(approval: Approval, *, now: datetime, by_vote: bool | None = None) -> None:
     """A vote below quorum changes what its subject's body shows (votes so far, who):
-    move the action's ETag (its revision) so a 304 never hides it, and wake the waiters."""
+    move the action's ETag (its revision) so a 304 never hides it (the vote's statement
+    did, when `by_vote` is not None), and wake the waiters."""
     if approval.action_id is not None:
-        Action.objects.filter(pk=approval.action_id).update(
-            revision=F("revision") + 1, updated_at=now
-        )
+        if by_vote is None:
+            Action.objects.filter(pk=approval.action_id).update(
+                revision=F("revision") + 1, updated_at=now
+            )
         notify_action_on_commit(approval.action_id)
     elif approval.plan_id is not None:
         plan_touch(plan_id=approval.plan_id, run_id=approval.run_id)
@@ -353,7 +356,9 @@ def _settle_locked(approval: Approval, status: str, *, now: datetime) -> None:
     approval.status, approval.decided_at = status, now
 
 
-def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
+def _approve_locked(
+    *, approval: Approval, person: Any, now: datetime, by_vote: bool | None = None
+) -> None:
     actor = Actor.person(person)
     if approval.subject != ApprovalSubject.ACTION:
         _settle_locked(approval, ApprovalStatus.APPROVED, now=now)
@@ -370,7 +375,9 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
         assert approval.plan_id is not None
         plan_admit_locked(plan_id=approval.plan_id, actor=actor, approval=approval)
         return
-    action, moved = _settle_call(approval, ApprovalStatus.APPROVED, ActionStatus.QUEUED, now=now)
+    action, moved = _settle_call(
+        approval, ApprovalStatus.APPROVED, ActionStatus.QUEUED, now=now, by_vote=by_vote
+    )
     audit_action_event(
         action,
         event_type="approval.approved",
@@ -381,7 +388,10 @@ def _approve_locked(*, approval: Approval, person: Any, now: datetime) -> None:
     )
     if moved:
         action_id = action.pk
-        transaction.on_commit(lambda: enqueue_action_execution(action_id))
+        # The waiters are woken in the enqueue's Redis round trip (action_transition, on
+        # the ORM path, woke them already).
+        wake = by_vote is not None
+        transaction.on_commit(lambda: enqueue_action_execution(action_id, wake=wake))
 
 
 def _settle_call(
@@ -391,34 +401,35 @@ def _settle_call(
     *,
     now: datetime,
     error: dict[str, Any] | None = None,
+    by_vote: bool | None = None,
 ) -> tuple[Action, bool]:
     """The locked call approval is decided and its action leaves `pending_approval` for
     `to_status` (False: someone else moved it first) — action_transition's conditional
-    UPDATE, in one statement with the approval's on PostgreSQL (settle_call)."""
+    UPDATE, which wakes the action's waiters; on PostgreSQL the vote's statement wrote
+    both (`by_vote`: decision_rows._vote_settle_call) and the caller wakes them."""
     action = approval.action
     assert action is not None
-    if connection.vendor != "postgresql":
-        _settle_locked(approval, status, now=now)
-        fields = {"error": error} if error is not None else {}
-        moved = action_transition(
-            action_id=action.pk,
-            from_statuses=(ActionStatus.PENDING_APPROVAL,),
-            to_status=to_status,
-            **fields,
-        )
-        return action, moved
-    moved = settle_call(approval=approval, status=status, to_status=to_status, now=now, error=error)
-    approval.status, approval.decided_at = status, now
-    if moved:
-        notify_action_on_commit(action.pk)
+    if by_vote is not None:
+        approval.status, approval.decided_at = status, now
+        return action, by_vote
+    _settle_locked(approval, status, now=now)
+    fields = {"error": error} if error is not None else {}
+    moved = action_transition(
+        action_id=action.pk,
+        from_statuses=(ActionStatus.PENDING_APPROVAL,),
+        to_status=to_status,
+        **fields,
+    )
     return action, moved
 
 
-def _reject_locked(*, approval: Approval, person: Any, comment: str, now: datetime) -> None:
+def _reject_locked(
+    *, approval: Approval, person: Any, comment: str, now: datetime, by_vote: bool | None = None
+) -> None:
     actor = Actor.person(person)
     if approval.subject != ApprovalSubject.ACTION:
         _settle_locked(approval, ApprovalStatus.REJECTED, now=now)
-    error = {"code": "rejected", "comment": comment, "by": person.get_username()}
+    error = rejection_error(person, comment)
     if approval.subject == ApprovalSubject.RUN:
         run_reject(run=approval.run, actor=actor, reason=comment or "rejected")
         audit_append(
@@ -443,9 +454,12 @@ def _reject_locked(*, approval: Approval, person: Any, comment: str, now: dateti
             },
         )
         return
+    to_status = ActionStatus.REJECTED
     action, rejected = _settle_call(
-        approval, ApprovalStatus.REJECTED, ActionStatus.REJECTED, now=now, error=error
+        approval, ApprovalStatus.REJECTED, to_status, now=now, error=error, by_vote=by_vote
     )
+    if rejected and by_vote is not None:
+        notify_action_on_commit(action.pk)
     audit_action_event(
         action,
         event_type="approval.rejected",
