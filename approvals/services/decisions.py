@@ -91,7 +91,7 @@ def _lock_approval_subject(approval_id: uuid.UUID) -> Approval:
     """Lock an approval and what deciding it changes, in the project's one lock order.
 
     Inside the caller's transaction. The order (every service that takes two of
-    these takes them in this order; the audit head is always taken last):
+    these takes them in this order; appending to the audit takes no lock):
 
       1. the per-kind advisory locks of a run approval's write set (as
          runs.run_create / run_activate take them);
@@ -251,9 +251,8 @@ def approval_decide_tallied(
     person = _deciding_person(actor, person)
     expired = False
     approves = 0
-    # The decision's events (the vote, then what quorum did) are chained together by the
-    # transaction's last statement: the audit head is locked after every row lock, for
-    # the commit only, not from the vote on.
+    # The decision's events (the vote, then what quorum did) are appended together by the
+    # transaction's last statement (one INSERT; audit/linker.py links them after the commit).
     with transaction.atomic(), audit_deferred():
         approval, call = _lock_for_decision(approval_uuid, person=person, now=timezone.now())
         check_separation_of_duties(
