@@ -128,12 +128,16 @@ def test_metrics_carry_no_kill_switch_reason_and_scrape_only_live_rows(
 
     # Within the cache window a scrape runs only the live, status-filtered counts (actions
     # and conflicts in flight, pending approvals, unknown operations, paused actions by
-    # kind) and reads the engaged kill switches.
+    # kind), reads the engaged kill switches and how long the audit linking is behind
+    # (events past the head only).
     with CaptureQueriesContext(connection) as queries:
         second = client.get("/metrics").content.decode()
     sql = [q["sql"] for q in queries.captured_queries]
-    assert len(sql) == 6, sql
-    assert all('"status" IN' in s or '"status" =' in s or '"engaged"' in s for s in sql), sql
+    assert len(sql) == 7, sql
+    assert all(
+        '"status" IN' in s or '"status" =' in s or '"engaged"' in s or "e.seq > h.seq" in s
+        for s in sql
+    ), sql
     assert "airlock_approval_latency_seconds_count" in second
 
 
