@@ -12,17 +12,20 @@ The horizon: an event is linked only once no event with a lower seq can still co
 1. `drawn`: the sequence's last value — every seq handed out so far, whether its transaction
    committed, rolled back or is still open. (The sequence keeps CACHE 1, as migration 0008
    makes it: with a cache, a session could hand out a seq below `drawn` later.)
-2. The transactions then holding the events table's ROW EXCLUSIVE lock, read from `pg_locks`
-   after (1), this one's excepted: an INSERT takes that lock before it draws its seq (when
-   its statement is parsed or its plan locked), so every transaction that drew a seq up to
-   `drawn` and has not ended is among them.
-3. Wait (briefly) until every one of those transactions has ended. Then every event with
-   seq ≤ `drawn` has committed (and this transaction's next statement sees it) or rolled
-   back (and never will be): link them all, in seq order. A hole in the numbers is an
-   append that rolled back. This transaction's own events are final to it.
-
-Only transactions that wrote this database's events are waited for: a long transaction on
-another table or database does not hold the linking back.
+2. Wait (briefly) until every transaction that may have drawn a seq up to `drawn` has ended,
+   but this one (its own events are final to it). Then every event with seq ≤ `drawn` has
+   committed (and this transaction's next statement sees it) or rolled back (and never
+   will be): link them all, in seq order. A hole in the numbers is an append that rolled
+   back. Two ways to know those transactions, each sound alone:
+   - by transaction id, cheaply (a snapshot, as every statement takes): an append has a
+     transaction id before it draws its seq (audit/services.py `_TRANSACTION_ID`), so each
+     such transaction's id is below `next_xid`, the snapshot's xmax read after (1); settled
+     once no transaction below it is in progress. This waits for every writing transaction
+     of the whole PostgreSQL cluster that started before, which is what most passes need;
+   - by lock, precisely, when that wait is long (a long transaction elsewhere): the
+     transactions holding the events table's ROW EXCLUSIVE lock, read from `pg_locks` after
+     (1) — an INSERT takes that lock before it draws its seq — settled once each has ended.
+     `pg_locks` stops every lock acquisition while it is read: asked only then, and once.
 
 A pass whose wait runs out (a long write transaction is open) links nothing and says so; the
 next pass tries again. `audit_unlinked` tells how far behind the linking is, for verification,
@@ -34,6 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import Min
@@ -45,6 +49,16 @@ from audit.models import AuditEvent, AuditHead
 _DRAWN = """
 SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM audit_auditevent_seq
 """
+_NEXT_XID = "SELECT pg_snapshot_xmax(pg_current_snapshot())::text"
+# True once no transaction with an id below the given one is in progress, but this one.
+_XIDS_ENDED = """
+SELECT NOT EXISTS (
+    SELECT FROM pg_snapshot_xip(pg_current_snapshot()) AS open(xid)
+    WHERE open.xid < %s::xid8 AND open.xid IS DISTINCT FROM pg_current_xact_id_if_assigned()
+)
+"""
+# After this long waiting by transaction id, the precise wait by lock.
+_BY_LOCK_AFTER_SECONDS = 0.1
 # The other transactions that may be appending (or linking): the events table's writers.
 _APPENDING = """
 SELECT coalesce(array_agg(virtualtransaction), '{}') FROM pg_locks
@@ -52,7 +66,7 @@ WHERE locktype = 'relation' AND relation = 'audit_auditevent'::regclass
   AND mode = 'RowExclusiveLock' AND granted AND pid <> pg_backend_pid()
 """
 # True once none of them holds it any more: each has ended.
-_SETTLED = """
+_LOCKS_RELEASED = """
 SELECT NOT EXISTS (
     SELECT FROM pg_locks WHERE locktype = 'relation'
        AND relation = 'audit_auditevent'::regclass AND virtualtransaction = ANY(%s)
@@ -87,9 +101,9 @@ def audit_link(*, wait_seconds: float = 0.05) -> LinkPass:
         drawn = int(cursor.fetchone()[0])
         if drawn <= head_seq:
             return LinkPass(0, head_seq)
-        cursor.execute(_APPENDING)
-        appending = list(cursor.fetchone()[0])
-        if appending and not _settled(cursor, appending, wait_seconds):
+        cursor.execute(_NEXT_XID)
+        next_xid = str(cursor.fetchone()[0])
+        if not _settled(cursor, next_xid, wait_seconds):
             return LinkPass(0, head_seq, "a transaction older than the horizon is open")
     with transaction.atomic():
         return _link_up_to(drawn)
@@ -100,12 +114,29 @@ def _head_seq() -> int:
     return int(seq or 0)
 
 
-def _settled(cursor: object, appending: list[str], wait_seconds: float) -> bool:
-    deadline = time.monotonic() + wait_seconds
+def _settled(cursor: Any, next_xid: str, wait_seconds: float) -> bool:
+    """Has every transaction that may hold a seq up to the horizon ended (see the module)?
+    By transaction id first; by lock, once, if that takes longer than a moment."""
+    started = time.monotonic()
+    if _waited(cursor, _XIDS_ENDED, [next_xid], min(wait_seconds, _BY_LOCK_AFTER_SECONDS)):
+        return True
+    if wait_seconds <= _BY_LOCK_AFTER_SECONDS:  # a short pass (a reader's): the linker's next
+        return False
+    cursor.execute(_APPENDING)
+    appending = list(cursor.fetchone()[0])
+    if not appending:
+        return True
+    left = wait_seconds - (time.monotonic() - started)
+    return _waited(cursor, _LOCKS_RELEASED, [appending], max(left, 0.0))
+
+
+def _waited(cursor: Any, check: str, params: list[Any], seconds: float) -> bool:
+    """Ask `check` until it says true or `seconds` pass (at least once)."""
+    deadline = time.monotonic() + seconds
     pause = 0.001
     while True:
-        cursor.execute(_SETTLED, [appending])  # type: ignore[attr-defined]
-        if cursor.fetchone()[0]:  # type: ignore[attr-defined]
+        cursor.execute(check, params)
+        if cursor.fetchone()[0]:
             return True
         if time.monotonic() + pause > deadline:
             return False

@@ -50,13 +50,17 @@ logger = logging.getLogger(__name__)
 # concurrent audited transactions commit side by side (their WAL flushes grouped by
 # PostgreSQL) instead of one after another behind a head row held through every commit. The
 # linker (audit/linker.py) later gives committed events, in seq order, their prev_hash and
-# hash, and moves the head; its horizon relies on that table lock, taken before the INSERT
-# draws its seq.
+# hash, and moves the head. Its horizon relies on two things every append does before it
+# draws its seq: its transaction has an id (the sub-select, kept apart by OFFSET 0, is
+# scanned before the outer projection calls nextval) and holds the table's lock (taken when
+# the statement is parsed or its plan locked).
 _UNLINKED_COLUMNS = """seq, created_at, actor_type, actor_id, actor_label, request_id,
         event_type, resource, run_id, action_id, details, prev_hash, hash"""
+_TRANSACTION_ID = "(SELECT pg_current_xact_id() OFFSET 0) AS xid"
 _APPEND_SELECT = f"""
 INSERT INTO audit_auditevent ({_UNLINKED_COLUMNS})
-SELECT nextval('audit_auditevent_seq'), %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, '', ''"""
+SELECT nextval('audit_auditevent_seq'), %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, '', ''
+FROM {_TRANSACTION_ID}"""  # noqa: S608 - constant fragments only
 _RETURNING = "\nRETURNING seq"
 _APPEND = _APPEND_SELECT + _RETURNING
 # What an append stores from the prepared event, in the statements' order: the columns the
@@ -71,7 +75,7 @@ INSERT INTO audit_auditevent ({_UNLINKED_COLUMNS})
 SELECT nextval('audit_auditevent_seq'), item.created_at, item.actor_type, item.actor_id,
     item.actor_label, item.request_id, item.event_type, item.resource, item.run_id,
     item.action_id, item.details, '', ''
-FROM (
+FROM {_TRANSACTION_ID}, (
     SELECT * FROM jsonb_to_recordset(%s::jsonb) AS t(created_at timestamptz,
         actor_type varchar, actor_id varchar, actor_label varchar, request_id varchar,
         event_type varchar, resource varchar, run_id uuid, action_id uuid, details jsonb,

@@ -81,6 +81,23 @@ def test_the_linker_waits_for_an_open_append_with_a_lower_seq_then_links_in_seq_
     assert result.ok and result.events == later
 
 
+def test_a_transaction_open_elsewhere_holds_back_a_short_pass_but_not_the_linker_s() -> None:
+    def unrelated_write() -> int:
+        with connection.cursor() as cursor:  # a transaction id, no audit event
+            cursor.execute("SELECT pg_current_xact_id()::text::bigint")
+            return int(cursor.fetchone()[0])
+
+    elsewhere = Holder(unrelated_write).hold()
+    seq = _append("test.committed")
+    # A reader's short pass waits by transaction id only: the open one may hold a seq.
+    assert audit_link(wait_seconds=0.05).linked == 0
+    # The linker's pass looks by lock past it: it never wrote an event.
+    passed = audit_link(wait_seconds=0.5)
+    assert passed.linked == 1 and passed.head_seq == seq
+    elsewhere.release()
+    assert verify_chain().ok
+
+
 def test_a_rolled_back_append_leaves_a_hole_in_the_numbers_not_a_break_in_the_chain() -> None:
     ready, go = threading.Event(), threading.Event()
 
