@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
 from approvals.models import (
@@ -49,6 +49,7 @@ from approvals.services.runs import (
 from approvals.services.write_sets import lock_kind_for_proposal, names_overlap
 from audit.models import ActorType
 from audit.services import Actor, audit_append, audit_deferred
+from console.compiled_query import CompiledQuery, Param
 from console.permissions import can_decide_approvals, require_person
 from console.requestctx import current_request_id
 from console.tracing import traced_propose
@@ -77,6 +78,27 @@ class Leased(DomainError):
 # --- Checks before the idempotency layer ---------------------------------
 
 
+def _authority_query() -> QuerySet[OwnershipRecord]:
+    now = Param("now", OwnershipRecord._meta.get_field("expires_at"))
+    run_id = Param("run_id", Run._meta.get_field("id"))
+    return (
+        OwnershipRecord.objects.filter(
+            kind_id=Param("kind", ResourceKind._meta.get_field("slug")),
+            active=True,
+            expires_at__gt=now,
+        )
+        .filter(
+            Q(run_id=run_id)
+            | Q(exclusive=True, run__status=RunStatus.ACTIVE, run__expires_at__gt=now)
+        )
+        .order_by("created_at", "id")
+    )
+
+
+# Built and compiled once a process: building it was most of the check's CPU (issue 41).
+_AUTHORITY_RECORDS = CompiledQuery(_authority_query)
+
+
 def _authority_records(
     run_id: Any, kind: str
 ) -> tuple[list[OwnershipRecord], list[OwnershipRecord]]:
@@ -84,19 +106,10 @@ def _authority_records(
     active, unexpired exclusive leases of other active, unexpired runs, oldest first.
     (It was two statements, and a proposal checks twice: before its key is claimed and
     under its locks. Those four were a quarter of a proposal's CPU, most of it the ORM
-    compiling them.)"""
-    now = timezone.now()
-    records = (
-        OwnershipRecord.objects.filter(kind_id=kind, active=True, expires_at__gt=now)
-        .filter(
-            Q(run_id=run_id)
-            | Q(exclusive=True, run__status=RunStatus.ACTIVE, run__expires_at__gt=now)
-        )
-        .order_by("created_at", "id")
-    )
+    compiling them; now one statement compiled once.)"""
     own: list[OwnershipRecord] = []
     leases: list[OwnershipRecord] = []
-    for record in records:
+    for record in _AUTHORITY_RECORDS.all(run_id=run_id, kind=kind, now=timezone.now()):
         (own if record.run_id == run_id else leases).append(record)
     return own, leases
 
@@ -133,6 +146,13 @@ def authority_check_locked(*, run: Run, status: str, kind: str, name: str, opera
     _check_authority(run, status, kind, name, operation)
 
 
+_KIND_WITH_CLASSES = CompiledQuery(
+    lambda: ResourceKind.objects.filter(
+        slug=Param("slug", ResourceKind._meta.get_field("slug"))
+    ).select_related("class_create", "class_update", "class_delete")
+)
+
+
 def action_check_writable(*, run: Run, kind: str, name: str, operation: str) -> ResourceKind:
     """Run active, kind exists, the run's ownership covers (kind/name, operation),
     and no other run holds an exclusive lease over it.
@@ -145,11 +165,7 @@ def action_check_writable(*, run: Run, kind: str, name: str, operation: str) -> 
     status = run_effective_status(run)
     if status != RunStatus.ACTIVE:
         _check_authority(run, status, kind, name, operation)
-    resource_kind = (
-        ResourceKind.objects.filter(slug=kind)
-        .select_related("class_create", "class_update", "class_delete")
-        .first()
-    )
+    resource_kind: ResourceKind | None = _KIND_WITH_CLASSES.first(slug=kind)
     if resource_kind is None:
         raise ValidationFailed(
             f"Resource kind {kind!r} does not exist.",
@@ -297,6 +313,14 @@ def action_propose(
     raise refused
 
 
+_RESOURCE_BY_NAME = CompiledQuery(
+    lambda: Resource.objects.filter(
+        kind_id=Param("kind", ResourceKind._meta.get_field("slug")),
+        name=Param("name", Resource._meta.get_field("name")),
+    )
+)
+
+
 def _checked(
     run: Run, run_status: str, proposal: Proposal, conflict_class: ConflictClass
 ) -> tuple[Resource | None, str | None, DomainError | None]:
@@ -308,7 +332,7 @@ def _checked(
     # The writes in flight before the resource: a queued write that applies in between then
     # shows as the newer version (a plain 412) instead of slipping past both reads.
     in_flight = writes_in_flight(kind.slug, name)
-    resource = Resource.objects.filter(kind=kind, name=name).first()
+    resource: Resource | None = _RESOURCE_BY_NAME.first(kind=kind.slug, name=name)
     observed_version, refused = precondition_check(proposal, resource, conflict_class)
     if refused is None:
         refused = superseded_by_queued(proposal, observed_version, in_flight, conflict_class)

@@ -16,11 +16,13 @@ import zlib
 from dataclasses import dataclass
 
 from django.db import connection
-from django.db.models import BooleanField, QuerySet
+from django.db.models import BooleanField, Expression, QuerySet
 from django.db.models.expressions import RawSQL
 
 from approvals.models import IN_FLIGHT_STATUSES, Action
 from console.advisory_locks import PROPOSALS
+from console.compiled_query import CompiledQuery, Param
+from ownership.models import ResourceKind
 
 # The index's own predicate, with the statuses as literals, not parameters: the statement
 # is prepared (Django's server-side binding, after five runs), and its generic plan can use
@@ -66,14 +68,23 @@ def _proposal_lock(kind: str, name: str) -> list[int]:
     return [PROPOSALS, zlib.crc32(f"airlock.proposal:{kind}/{name}".encode()) - 2**31]
 
 
-def in_flight_on(kind: str, name: str) -> QuerySet[Action]:
-    """The approved writes (queued or executing) on kind/name, oldest first."""
+def in_flight_on(kind: str | Expression, name: str | Expression) -> QuerySet[Action]:
+    """The approved writes (queued or executing) on kind/name, oldest first (a `Param`
+    each for the compiled form)."""
     return Action.objects.filter(_IN_FLIGHT, kind_id=kind, name=name).order_by("created_at", "id")
 
 
+# Compiled once a process: every proposal asks it under its locks (issue 41).
+_WRITES_IN_FLIGHT = CompiledQuery(
+    lambda: in_flight_on(
+        Param("kind", ResourceKind._meta.get_field("slug")),
+        Param("name", Action._meta.get_field("name")),
+    ).values_list("id", "operation", "observed_version")
+)
+
+
 def writes_in_flight(kind: str, name: str) -> list[QueuedWrite]:
-    rows = in_flight_on(kind, name).values_list("id", "operation", "observed_version")
-    return [QueuedWrite(*row) for row in rows]
+    return [QueuedWrite(*row) for row in _WRITES_IN_FLIGHT.all(kind=kind, name=name)]
 
 
 def superseding_write(

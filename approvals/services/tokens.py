@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from approvals.models import Agent, AgentToken, PersonalToken, Run
 from audit.services import Actor, audit_append
+from console.compiled_query import CompiledQuery, Param
 from console.permissions import group_names_of, is_admin, remember_groups, require_person
 from engine.core.actors import person_id
 from engine.core.errors import ValidationFailed
@@ -84,7 +85,7 @@ _PERSONAL_TOKEN_USER = '"{}"."{}"'.format(
 )
 
 
-def live_token(now: datetime) -> Q:
+def live_token(now: datetime | Param) -> Q:
     """A token (agent or personal) neither revoked nor expired at `now`: the one rule for
     authentication and for separation of duties (separation.answers_for_agent). A call
     decision's locking statement spells it in SQL (decision_rows; tests/test_trust_sod.py
@@ -101,7 +102,7 @@ def _matching(rows: list[Any], digest: str, attr: str = "token_hash") -> Any:
     return found
 
 
-def agent_token_candidates(prefix: str, now: datetime) -> QuerySet[AgentToken]:
+def agent_token_candidates(prefix: str | Param, now: datetime | Param) -> QuerySet[AgentToken]:
     """The agent tokens a bearer token with `prefix` may be at `now`: live, their agent
     active. principal_for_token reads them; the API's read front (approvals/api/fastpoll.py)
     runs this queryset's SQL, compiled once."""
@@ -112,6 +113,25 @@ def token_needs_touch(last_used_at: datetime | None, now: datetime) -> bool:
     """Whether a use of a token at `now` records itself (`last_used_at`, at most once a
     minute): a read that does not is read-only. The read front hands such a request to Django."""
     return last_used_at is None or now - last_used_at > _LAST_USED_RESOLUTION
+
+
+# The run and agent token lookups, built and compiled once a process: every API request an
+# agent sends runs one, and building them cost more CPU than running them (issue 41).
+_RUN_BY_PREFIX = CompiledQuery(
+    lambda: Run.objects.select_related("agent").filter(
+        token_prefix=Param("prefix", Run._meta.get_field("token_prefix")), agent__is_active=True
+    )
+)
+_AGENT_TOKENS_BY_PREFIX = CompiledQuery(
+    lambda: (
+        agent_token_candidates(
+            Param("prefix", AgentToken._meta.get_field("prefix")),
+            Param("now", AgentToken._meta.get_field("expires_at")),
+        )
+        .select_related("agent")
+        .only("id", "token_hash", "last_used_at", "agent", "created_by")
+    )
+)
 
 
 def principal_for_token(raw: str) -> Principal | None:
@@ -126,12 +146,7 @@ def principal_for_token(raw: str) -> Principal | None:
     prefix = raw[:LOOKUP_PREFIX_LENGTH]
     digest = token_digest(raw)
     if raw.startswith(AGENT_PREFIX):
-        tokens = list(
-            agent_token_candidates(prefix, now)
-            .select_related("agent")
-            .only("id", "token_hash", "last_used_at", "agent", "created_by")
-        )
-        token = _matching(tokens, digest)
+        token = _matching(_AGENT_TOKENS_BY_PREFIX.all(prefix=prefix, now=now), digest)
         if token is None:
             return None
         _touch(AgentToken, token.pk, token.last_used_at, now)
@@ -142,10 +157,7 @@ def principal_for_token(raw: str) -> Principal | None:
             token_minted_by_id=token.created_by_id,
         )
     if raw.startswith(RUN_PREFIX):
-        runs = list(
-            Run.objects.select_related("agent").filter(token_prefix=prefix, agent__is_active=True)
-        )
-        run = _matching(runs, digest)
+        run = _matching(_RUN_BY_PREFIX.all(prefix=prefix), digest)
         if run is None:
             return None
         return Principal(kind="run", token_prefix=prefix, agent=run.agent, run=run)

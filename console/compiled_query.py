@@ -1,0 +1,159 @@
+"""ORM querysets built and compiled once per process, then run with new parameters.
+
+A profile of a write proposal under load (issue 41: `py-spy record --gil` over
+`bench.proposal_cpu`) put most of the web process's CPU in Django building and compiling
+the same few querysets on every request: `filter()` → `add_q`, `get_order_by`, `as_sql`,
+expression hashing — about 1.8 ms for the write-set check's one statement, run twice a
+proposal, against ~0.2 ms to send it and read its rows. The statement's text never changes
+between requests; only its values do.
+
+`CompiledQuery` keeps the ORM as the one way a statement is written (the model's columns,
+joins, annotations, converters, SQLite and PostgreSQL alike) and skips the rebuilding: the
+queryset is written once with `Param("name", field)` where a request's value goes, compiled
+on first use for each database vendor, and each call executes the compiled text with the
+values put in place (each prepared by its field, as the ORM would) and turns rows into model
+instances exactly as Django's `ModelIterable` does (select_related, annotations,
+converters). Statement capture (`CaptureQueriesContext`), the debug cursor and the
+project's server-binding cursor see the same statements as before.
+
+Limits, refused at compile time rather than silently mishandled: no prefetch_related, no
+known related objects (a queryset from a related manager), and every `Param` must appear in
+the compiled parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connection
+from django.db.models import Expression, Field, QuerySet
+from django.db.models import query as django_query
+from django.db.models.query import ModelIterable, ValuesListIterable
+from django.db.models.sql.compiler import SQLCompiler
+
+
+class Param(Expression):
+    """Where a call's value goes in a compiled queryset: compiles to one placeholder whose
+    parameter is this object, replaced at each call by the value prepared by `field`."""
+
+    def __init__(self, name: str, field: Field[Any, Any]) -> None:
+        super().__init__(output_field=field)
+        self.name = name
+
+    def as_sql(self, compiler: Any, connection: Any) -> Any:
+        return "%s", [self]
+
+    def __repr__(self) -> str:
+        return f"Param({self.name!r})"
+
+    # Expressions are compared and hashed by their constructor arguments; two Params of one
+    # name are the same parameter.
+    @property
+    def identity(self) -> tuple[Any, ...]:
+        return (Param, self.name)
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    sql: str
+    params: tuple[Any, ...]  # literal values, and Param objects where a call's value goes
+    compiler: SQLCompiler
+    values_list: bool
+
+
+class CompiledQuery:
+    """`build()` returns the queryset, with `Param`s for what changes between calls."""
+
+    def __init__(self, build: Callable[[], QuerySet[Any, Any]]) -> None:
+        self._build = build
+        self._by_vendor: dict[str, _Compiled] = {}
+
+    def all(self, **values: Any) -> list[Any]:
+        """Model instances (or row tuples, for a `values_list()` queryset)."""
+        compiled = self._compiled()
+        rows = self._execute(compiled, values)
+        if compiled.values_list:
+            return [tuple(row) for row in compiled.compiler.results_iter([rows])]
+        return list(_instances(compiled.compiler, rows))
+
+    def first(self, **values: Any) -> Any | None:
+        found = self.all(**values)
+        return found[0] if found else None
+
+    def get(self, **values: Any) -> Any:
+        found = self.all(**values)
+        if len(found) != 1:
+            model: Any = self._compiled().compiler.query.model
+            if not found:
+                raise model.DoesNotExist(f"{model.__name__} matching {values} does not exist.")
+            raise model.MultipleObjectsReturned(f"{len(found)} {model.__name__} for {values}")
+        return found[0]
+
+    def _compiled(self) -> _Compiled:
+        vendor = connection.vendor
+        compiled = self._by_vendor.get(vendor)
+        if compiled is None:
+            compiled = self._by_vendor[vendor] = _compile(self._build())
+        return compiled
+
+    @staticmethod
+    def _execute(compiled: _Compiled, values: dict[str, Any]) -> list[Any]:
+        params = [_value(param, values) for param in compiled.params]
+        with connection.cursor() as cursor:
+            cursor.execute(compiled.sql, params)
+            return list(cursor.fetchall())
+
+
+def _value(param: Any, values: dict[str, Any]) -> Any:
+    if not isinstance(param, Param):
+        return param
+    try:
+        value = values[param.name]
+    except KeyError:
+        raise TypeError(f"no value given for Param({param.name!r})") from None
+    return param.output_field.get_db_prep_value(value, connection, prepared=False)
+
+
+def _compile(built: QuerySet[Any, Any]) -> _Compiled:
+    queryset: Any = built  # its private attributes are read: not in the stubs
+    if queryset._prefetch_related_lookups:
+        raise TypeError("CompiledQuery does not prefetch: load related rows another way")
+    if queryset._known_related_objects:
+        raise TypeError("CompiledQuery takes a queryset from a model's manager, not a related one")
+    values_list = queryset._iterable_class is ValuesListIterable
+    if not (values_list or queryset._iterable_class is ModelIterable):
+        raise TypeError("CompiledQuery runs model and values_list() querysets only")
+    if values_list and (queryset._fields is None or queryset.query.annotation_select):
+        raise TypeError("CompiledQuery's values_list() names plain columns only")
+    compiler = queryset.query.get_compiler(using=queryset.db)
+    sql, params = compiler.as_sql()
+    if not any(isinstance(param, Param) for param in params):
+        raise TypeError("a CompiledQuery without a Param is a constant: cache its result instead")
+    return _Compiled(sql, tuple(params), compiler, values_list)
+
+
+def _instances(compiler: SQLCompiler, rows: Sequence[Any]) -> Any:
+    """`ModelIterable.__iter__` over rows already fetched (Django 5.2's, less the known
+    related objects that `_compile` refuses)."""
+    select, klass_info, annotation_col_map = (
+        compiler.select,
+        compiler.klass_info,
+        compiler.annotation_col_map,
+    )
+    assert klass_info is not None
+    model_cls = klass_info["model"]
+    select_fields = klass_info["select_fields"]
+    start, end = select_fields[0], select_fields[-1] + 1
+    init_list = [column[0].target.attname for column in select[start:end]]
+    db = compiler.using
+    related_populators = django_query.get_related_populators(klass_info, select, db)  # type: ignore[call-arg,arg-type]
+    for row in compiler.results_iter([list(rows)]):
+        obj = model_cls.from_db(db, init_list, row[start:end])
+        for populator in related_populators:
+            populator.populate(row, obj)
+        if annotation_col_map:
+            for attr_name, position in annotation_col_map.items():
+                setattr(obj, attr_name, row[position])
+        yield obj

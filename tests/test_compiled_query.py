@@ -1,0 +1,156 @@
+"""console/compiled_query.py: a queryset built and compiled once, run with each call's values,
+gives what the ORM gives (issue 41: the proposal's and the token lookup's statements)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.db.models import Count, Q
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from approvals.api.serialize import action_load, with_body_facts
+from approvals.models import Action, Run
+from approvals.services import actions, tokens
+from approvals.services.queued_writes import in_flight_on, writes_in_flight
+from console.compiled_query import CompiledQuery, Param
+from ownership.models import OwnershipRecord, Resource, ResourceKind
+from tests.fixtures.api import AgentActor, make_active_run, make_agent_with_token
+from tests.fixtures.core import applied_prod_alerts_action, make_resource
+
+pytestmark = pytest.mark.django_db
+
+_NAME = Resource._meta.get_field("name")
+_KIND = ResourceKind._meta.get_field("slug")
+
+
+def _fields(instance: Any) -> dict[str, Any]:
+    return {field.attname: getattr(instance, field.attname) for field in instance._meta.fields}
+
+
+def test_each_call_runs_its_own_values_and_the_queryset_is_built_once() -> None:
+    make_resource("dns-record/app-a", {"ttl": 1}, version=3)
+    make_resource("dns-record/app-b", {"ttl": 2}, version=5)
+    built: list[int] = []
+
+    def build() -> Any:
+        built.append(1)
+        return Resource.objects.filter(kind_id=Param("kind", _KIND), name=Param("name", _NAME))
+
+    query = CompiledQuery(build)
+    a = query.get(kind="dns-record", name="app-a")
+    b = query.get(kind="dns-record", name="app-b")
+    assert (a.document, a.version, b.document, b.version) == ({"ttl": 1}, 3, {"ttl": 2}, 5)
+    assert query.first(kind="dns-record", name="app-none") is None
+    with pytest.raises(Resource.DoesNotExist):
+        query.get(kind="dns-record", name="app-none")
+    assert built == [1]
+    assert _fields(a) == _fields(Resource.objects.get(pk=a.pk))
+
+
+def test_the_statement_is_the_orms_and_is_captured_like_it() -> None:
+    make_resource("dns-record/app-a", {"ttl": 1}, version=3)
+    query = CompiledQuery(
+        lambda: Resource.objects.filter(kind_id=Param("kind", _KIND), name=Param("name", _NAME))
+    )
+    with CaptureQueriesContext(connection) as captured:
+        query.all(kind="dns-record", name="app-a")
+    assert len(captured.captured_queries) == 1
+    assert captured.captured_queries[0]["sql"].startswith('SELECT "ownership_resource"."id"')
+
+
+def test_an_action_loads_with_its_related_rows_and_annotations_as_through_the_orm(
+    run: Any, prod_alerts: Any
+) -> None:
+    action = applied_prod_alerts_action(run.run)
+    compiled = action_load(action.pk)
+    orm = with_body_facts(Action.objects.all()).get(pk=action.pk)
+    assert _fields(compiled) == _fields(orm)
+    assert compiled.run.agent.name == orm.run.agent.name
+    assert _fields(compiled.run) == _fields(orm.run)
+    for name in ("_write_conflict", "_execution", "_undo_requested"):
+        assert getattr(compiled, name) == getattr(orm, name), name
+    with pytest.raises(Action.DoesNotExist):
+        action_load("00000000-0000-0000-0000-000000000000")
+
+
+def test_values_list_rows_match_the_orms(run: Any, prod_alerts: Any) -> None:
+    action = applied_prod_alerts_action(run.run)
+    Action.objects.filter(pk=action.pk).update(status="queued")
+    kind, name = action.kind_id, action.name
+    expected = list(in_flight_on(kind, name).values_list("id", "operation", "observed_version"))
+    assert expected
+    assert [
+        (w.id, w.operation, w.observed_version) for w in writes_in_flight(kind, name)
+    ] == expected
+    assert writes_in_flight(kind, "nothing-here") == []
+
+
+def _authority_through_the_orm(run_id: Any, kind: str) -> tuple[list[Any], list[Any]]:
+    now = timezone.now()
+    records = list(
+        OwnershipRecord.objects.filter(kind_id=kind, active=True, expires_at__gt=now)
+        .filter(Q(run_id=run_id) | Q(exclusive=True, run__status="active", run__expires_at__gt=now))
+        .order_by("created_at", "id")
+    )
+    return [r for r in records if r.run_id == run_id], [r for r in records if r.run_id != run_id]
+
+
+def test_the_write_set_check_reads_what_the_orm_reads(agent: AgentActor) -> None:
+    """Own records, another run's exclusive lease (seen), then that run expired (not seen)."""
+    mine = make_active_run(agent.agent)
+    other = make_active_run(
+        make_agent_with_token("lease-bot").agent,
+        [{"resource": "notification-policy/prod-alerts", "operations": ["create"], "lease": True}],
+    )
+    kind = "notification-policy"
+    own, leases = actions._authority_records(mine.run.pk, kind)
+    expected_own, expected_leases = _authority_through_the_orm(mine.run.pk, kind)
+    assert [r.pk for r in own] == [r.pk for r in expected_own] and own
+    assert [r.pk for r in leases] == [r.pk for r in expected_leases]
+    assert [r.run_id for r in leases] == [other.run.pk]
+    assert _fields(leases[0]) == _fields(expected_leases[0])
+    Run.objects.filter(pk=other.run.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert actions._authority_records(mine.run.pk, kind)[1] == []
+    assert _authority_through_the_orm(mine.run.pk, kind)[1] == []
+
+
+def test_a_token_resolves_through_the_compiled_lookups(agent: AgentActor) -> None:
+    run = make_active_run(agent.agent)
+    principal = tokens.principal_for_token(run.token)
+    assert principal is not None and principal.run is not None
+    assert principal.run.pk == run.run.pk and principal.agent.name == agent.agent.name
+    by_agent = tokens.principal_for_token(agent.token)
+    assert by_agent is not None and by_agent.kind == "agent" and by_agent.agent.pk == agent.agent.pk
+    assert tokens.principal_for_token(agent.token[:-2] + "xx") is None
+    Run.objects.filter(pk=run.run.pk).update(token_prefix="zzzzzzzz")
+    assert tokens.principal_for_token(run.token) is None
+
+
+_TASK = Run._meta.get_field("task")
+
+
+def test_shapes_it_cannot_run_faithfully_are_refused() -> None:
+    prefetching = CompiledQuery(
+        lambda: Run.objects.filter(task=Param("task", _TASK)).prefetch_related("ownership")
+    )
+    with pytest.raises(TypeError, match="prefetch"):
+        prefetching.all(task="x")
+    constant = CompiledQuery(lambda: Run.objects.filter(task="x"))
+    with pytest.raises(TypeError, match="constant"):
+        constant.all()
+    annotated_values = CompiledQuery(
+        lambda: (
+            Run.objects.filter(task=Param("task", _TASK))
+            .annotate(n=Count("ownership"))
+            .values_list("id", "n")
+        )
+    )
+    with pytest.raises(TypeError, match="plain columns"):
+        annotated_values.all(task="x")
+    missing = CompiledQuery(lambda: Run.objects.filter(task=Param("task", _TASK)))
+    with pytest.raises(TypeError, match="no value given"):
+        missing.all()
