@@ -210,7 +210,10 @@ class ManagedTarget:
                         owner_group=self.owner_group,
                     )
             except IntegrityError:
-                return self._missed(name, fence, created=True)
+                missed = self._missed(name, fence, created=True)
+                if missed.record_id is None:  # no twin: not a name clash, let it surface
+                    raise
+                return missed
             return WriteResult(Outcome.APPLIED, version="1", record_id=created.pk)
         if not row["deleted"]:
             return self._missed(name, fence, created=True)
@@ -357,7 +360,7 @@ class ManagedTarget:
 
     def _missed(self, name: str, fence: int, *, created: bool = False) -> WriteResult:
         """Nothing written: re-read (a new statement sees the latest commit) and say why —
-        the fence first, as the barrier does (engine/core/barrier.py `classify_miss`)."""
+        the fence first (`_miss`), as the barrier always has."""
         row = self._row(name)
         current = _snapshot(row)
         if created and current.exists:  # a live document: the create's twin won, or was there
