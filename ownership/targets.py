@@ -14,68 +14,38 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from engine.core.errors import DomainError
-from engine.core.managed_target import ManagedTarget
-from engine.targets import registry
+
+# The kind -> adapter rules live in the core (the barrier and undo use them); re-exported
+# here for the services and pages.
+from engine.core.kind_targets import (
+    ADAPTER_OF_TARGET,
+    HTTP_DIALECT_DEFAULTS,
+    adapter_for_kind,
+    adapter_for_settings,
+    adapter_settings,
+    in_caller_transaction,
+    is_external,
+)
 from engine.targets.base import (
     Snapshot,
-    TargetAdapter,
     TargetConfigError,
     TargetError,
     WeakValidator,
 )
-from ownership.models import Resource, ResourceKind, ResourceVersion, TargetType
+from ownership.models import Resource, ResourceKind, ResourceVersion
 
-# Which engine adapter serves each external target.
-ADAPTER_OF_TARGET = {
-    TargetType.HTTP: "http_etag",
-    TargetType.POSTGRES: "postgres",
-    TargetType.GIT: "git",
-}
-
-# A kind stored with `{"target": "http", "target_url": …}` and no settings keeps the meaning
-# that representation had before settings existed: a service speaking Airlock's own dialect,
-# which honours both our Idempotency-Key and our Fencing-Token.
-HTTP_DIALECT_DEFAULTS = {"honours_idempotency_key": True, "honours_fencing_token": True}
-
-
-def is_external(kind: ResourceKind) -> bool:
-    return kind.target != TargetType.MANAGED
-
-
-def adapter_settings(
-    target: str, target_url: str, target_settings: dict[str, Any]
-) -> dict[str, Any]:
-    """The settings the engine adapter is built from (an http kind's URL is its base_url;
-    its timeout defaults to AIRLOCK_TARGET_TIMEOUT_SECONDS, read at each call)."""
-    built = dict(target_settings or {})
-    if target == TargetType.HTTP:
-        dialect = HTTP_DIALECT_DEFAULTS if not built else {}
-        built = {"base_url": target_url, **dialect, **built}
-        built.setdefault("timeout", float(settings.AIRLOCK_TARGET_TIMEOUT_SECONDS))
-    return built
-
-
-def adapter_for_settings(
-    target: str, target_url: str, target_settings: dict[str, Any]
-) -> TargetAdapter:
-    """The adapter, or TargetConfigError naming the setting that is wrong."""
-    return registry.adapter_for(
-        ADAPTER_OF_TARGET[TargetType(target)],
-        adapter_settings(target, target_url, target_settings),
-    )
-
-
-def adapter_for_kind(kind: ResourceKind) -> TargetAdapter:
-    """The adapter that reaches the kind's documents: Airlock's own store
-    (engine/core/managed_target.py, in the caller's transaction) for a managed kind, else
-    the external target's (TargetConfigError naming the setting that is wrong)."""
-    if not is_external(kind):
-        return ManagedTarget(kind_id=kind.pk, owner_group=kind.owner_group)
-    return adapter_for_settings(kind.target, kind.target_url, kind.target_settings)
+__all__ = [
+    "ADAPTER_OF_TARGET",
+    "HTTP_DIALECT_DEFAULTS",
+    "adapter_for_kind",
+    "adapter_for_settings",
+    "adapter_settings",
+    "in_caller_transaction",
+    "is_external",
+]
 
 
 def current_state(kind: ResourceKind, resource: Resource) -> tuple[dict[str, Any], str]:

@@ -225,15 +225,6 @@ def test_a_failing_write_in_a_batch_does_not_lose_the_others(
 ) -> None:
     actions = _queued_updates(engine_world, 4)
     doomed = Resource.objects.get(kind=actions[1].kind, name=actions[1].name)
-    # The store's statement as the barrier calls it (the managed adapter's, off PostgreSQL).
-    real_update = barrier.conditional_write
-
-    def fail_for_one(resource_id: int, **kwargs: Any) -> bool:
-        if resource_id == doomed.pk:
-            raise DatabaseError("the disk said no")
-        return real_update(resource_id, **kwargs)
-
-    monkeypatch.setattr(barrier, "conditional_write", fail_for_one)
     real_land = barrier.land_write
 
     def land_fails_for_one(planned: Any, **kwargs: Any) -> bool:
@@ -270,7 +261,6 @@ def test_a_failing_write_in_a_batch_does_not_lose_the_others(
     )
     assert audit_chain_verify().ok
 
-    monkeypatch.setattr(barrier, "conditional_write", real_update)
     monkeypatch.setattr(barrier, "land_write", real_land)
     Action.objects.filter(pk=failed.pk).update(not_before=None)
     assert action_execute(action_id=failed.pk, batch=4) == "applied"

@@ -68,7 +68,7 @@ from engine.core.killswitch import engaged_switch_for
 from engine.core.lock import FencedLock, FencedLockGroup
 from engine.core.operations import open_operations
 from engine.core.write_rows import lock_batch_rows
-from ownership.models import TargetType
+from ownership.targets import in_caller_transaction
 
 log = logging.getLogger("airlock.execution")
 
@@ -113,7 +113,10 @@ def _execute(action: Action, *, connection: redis.Redis | None, batch: int) -> s
 
     if connection is None:
         connection = engine_redis()
-    if action.kind.target != TargetType.MANAGED:
+    # By what the kind's adapter can do, not by its name: an adapter that writes in this
+    # transaction goes through the barrier and may join a batch; any other is one call to a
+    # system of its own (external_writes.py).
+    if not in_caller_transaction(action.kind):
         return _execute_external(action, connection=connection)
     # The lead's own lock is named after this worker, not the action: a busy lock of a
     # duplicate delivery is waited for, as any busy lock; one whose worker is gone is taken
@@ -218,7 +221,9 @@ def _companions(lead: Action, connection: redis.Redis, *, limit: int) -> list[Fe
         Action.objects.filter(status=ActionStatus.QUEUED)
         .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
         .exclude(pk=lead.pk)
-        .filter(kind__target=TargetType.MANAGED)
+        # The lead's target type: its adapter writes in the caller's transaction, and so do
+        # those of every kind of the same target type (the capability is the adapter's).
+        .filter(kind__target=lead.kind.target)
         # What a companion is used for before lock_batch_rows loads it whole: its lock
         # (kind and name), its place in proposal order, its id.
         .only("id", "kind_id", "name", "created_at")

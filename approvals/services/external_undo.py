@@ -62,7 +62,7 @@ from engine.targets.base import (
 from ownership.history import revision_at
 from ownership.models import Resource
 from ownership.services.conflicts import conflict_open_for_undo
-from ownership.targets import adapter_for_kind, mirror_snapshot
+from ownership.targets import adapter_for_kind, in_caller_transaction, mirror_snapshot
 
 TARGET_REFUSED = "target_refused"
 # An undo ended by its last read without being done (UndoOutcome.reason; undo.py: "failed").
@@ -151,7 +151,7 @@ def undo_last_read_owed(undo_op: Operation) -> bool:
     outcome = undo_op.outcome if isinstance(undo_op.outcome, dict) else {}
     if undo_last_read_due(outcome) or not outcome.get("unknown"):
         return False
-    return undo_op.action.kind.target != "managed"
+    return not in_caller_transaction(undo_op.action.kind)
 
 
 def undo_left_unknown(original_id: int) -> dict[str, Any]:

@@ -73,8 +73,9 @@ from engine.core.killswitch import engaged_switch_for, hold_switches_shared
 from engine.core.lock import FencedLock
 from engine.core.operations import applied_operation, open_operation
 from engine.core.undo import RESOURCE_MOVED, STALE_FENCE, UndoOutcome, apply_undo
-from ownership.models import Resource, TargetType
+from ownership.models import Resource
 from ownership.services.conflicts import conflict_open_for_undo
+from ownership.targets import adapter_for_kind, in_caller_transaction
 
 log = logging.getLogger("airlock.undo")
 
@@ -414,7 +415,9 @@ def _apply_under_lock(
     a lost lock or a transient error schedules another delivery."""
     try:
         lock.check()
-        if action.kind.target != TargetType.MANAGED:
+        # By what the kind's adapter can do: one that writes in this transaction restores
+        # under the barrier's rules (engine/core/undo.py); any other is one call away.
+        if not in_caller_transaction(action.kind):
             outcome = external_undo(
                 undo_op=undo_op,
                 action=action,
@@ -432,6 +435,7 @@ def _apply_under_lock(
                 undo_operation_id=undo_op.pk,
                 fence=fence,
                 actor=_requested_by(undo_op, action),
+                target=adapter_for_kind(action.kind),
             )
             crash_point("inside_undo_before_commit")
             if outcome.reason == RESOURCE_MOVED:

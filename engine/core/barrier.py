@@ -1,4 +1,6 @@
-"""The write barrier: every accepted write is one conditional UPDATE (or INSERT).
+"""The write barrier: every accepted write is one conditional write through the kind's
+adapter — one whose capabilities say `in_caller_transaction` (Airlock's own store: one
+conditional UPDATE, or an INSERT).
 
 `apply_action` finishes an operation opened by engine.core.operations, in ONE
 transaction. Lock order (the project's one order): the kill-switch lock SHARED, the
@@ -8,17 +10,18 @@ run (a revoke/finish/expiry updates the run row: one of the two waits for the ot
     UPDATE ownership_resource SET document, version = version + 1, last_fence = :fence
      WHERE id = :id AND version = :observed AND last_fence < :fence AND NOT deleted
 
-(the managed adapter's statement, engine/core/managed_target.py; an INSERT, or a
-conditional revive of a tombstone, for a create), the new
+(Airlock's store's statement, engine/core/managed_target.py, which carries the barrier's
+records: engine/core/land.py; its `create` for a create — an INSERT, or a conditional
+revive of a tombstone), the new
 ResourceVersion row, Operation -> done (undo deadline from the kind/class window),
 Action -> applied (revision + 1), and the audit event `write.applied` — last,
 because it locks the audit head row until commit.
 
-Zero rows: the resource is re-read to tell a stale fence from a stale version
-from a missing resource; the refusal is recorded (Operation -> failed with the
-outcome, audit `write.refused`), nothing else changes, and the caller (the engine)
-gets WriteOutcome(applied=False, refusal=...) to route: a stale version becomes a
-conflict, a stale fence means a newer holder has written (take a new fence).
+Zero rows: the adapter reads the resource back and says where it stands (`Held`), which
+tells a stale fence from a stale version from a missing resource; the refusal is recorded
+(Operation -> failed with the outcome, audit `write.refused`), nothing else changes, and
+the caller (the engine) gets WriteOutcome(applied=False, refusal=...) to route: a stale
+version becomes a conflict, a stale fence means a newer holder has written (take a new fence).
 
 This module never touches Redis: publishing wake-ups after commit is the caller's job.
 """
@@ -31,7 +34,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import connection, transaction
 from django.db.models import Case, F, Field, Model, Value, When
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
@@ -47,8 +50,8 @@ from audit.services import Actor, EventSpec, audit_append
 from console.tracing import traced
 from engine.core.action_audit import action_event
 from engine.core.killswitch import refuse_if_engaged
+from engine.core.kind_targets import adapter_for_kind
 from engine.core.land import Written, land_write, undo_window
-from engine.core.managed_target import TOMBSTONE, conditional_write
 from engine.core.operations import EXECUTABLE_STATUSES
 from engine.core.versions import counter, token
 from engine.core.write_rows import (
@@ -58,6 +61,7 @@ from engine.core.write_rows import (
     lock_write_rows,
     run_end_status,
 )
+from engine.targets.base import InTransactionTarget, Outcome, WriteResult
 from ownership.diff import proposed_document
 from ownership.models import Resource, ResourceVersion
 
@@ -344,11 +348,11 @@ def _write_existing(
     landing: Operation | None = None,
     actor: Actor | None = None,
 ) -> Written | _Refused:
-    """Update or delete: the single conditional UPDATE, then classify a miss.
-    `current`: the resource's id and document when the caller's batch read them.
-    `landing` (PostgreSQL): the write's operation — the UPDATE then also records the write
-    (history row, operation done, action applied) in the same statement and its audit
-    event by `actor` right after it, in the same round trip (land.py)."""
+    """Update or delete: the adapter's one conditional write, then classify a miss.
+    `current`: the resource's id and document (Airlock's record of it) when the caller's
+    batch read them. `landing` (PostgreSQL): the write's operation — the write then also
+    records itself (history row, operation done, action applied) in the same statement and
+    its audit event by `actor` right after it, in the same round trip (land.py)."""
     observed = counter(action.observed_version)
     assert observed is not None  # a constraint: updates and deletes observe a version
     if current is NOT_READ:
@@ -362,24 +366,44 @@ def _write_existing(
             Refusal(MISSING, "the resource does not exist", expected_version=observed, fence=fence)
         )
     planned = planned_write(action, current)
+    target = in_transaction_target(action)
     if landing is not None:
         assert actor is not None
         event = _applied_event(action, landing, planned, fence=fence, actor=actor)
-        landed = land_write(
-            planned, fence=fence, now=now, action=action, operation_id=landing.pk, event=event
-        )
-    else:
-        landed = conditional_write(
-            planned.resource_id,
-            expected_version=observed,
-            document=planned.document,
-            deleted=planned.deleted,
+        result = land_write(
+            planned,
+            target=target,
             fence=fence,
             now=now,
+            action=action,
+            operation_id=landing.pk,
+            event=event,
         )
-    if landed:
+    elif planned.deleted:
+        result = target.delete(
+            action.name, expected_version=str(observed), fence=fence, idempotency_key=""
+        )
+    else:
+        result = target.write(
+            action.name,
+            planned.document,
+            expected_version=str(observed),
+            fence=fence,
+            idempotency_key="",
+        )
+    if result.applied:
         return planned
-    return _Refused(classify_miss(current["id"], expected=observed, fence=fence), current["id"])
+    return _Refused(refusal_of_miss(result, expected=observed, fence=fence), current["id"])
+
+
+def in_transaction_target(action: Action) -> InTransactionTarget:
+    """The kind's adapter; the barrier records each write in the write's own transaction,
+    so it takes only an adapter that writes there (the executor sends the others to
+    approvals/services/external_writes.py)."""
+    target = adapter_for_kind(action.kind)
+    if not (target.capabilities.in_caller_transaction and isinstance(target, InTransactionTarget)):
+        raise TypeError(f"{action.kind_id}: its adapter does not write in the caller's transaction")
+    return target
 
 
 def planned_write(action: Action, current: Mapping[str, Any]) -> Written:
@@ -395,94 +419,62 @@ def planned_write(action: Action, current: Mapping[str, Any]) -> Written:
 
 
 def _write_create(action: Action, *, fence: int, now: datetime) -> Written | _Refused:
-    """Create: INSERT (the unique kind+name constraint refuses a concurrent twin),
-    or revive a tombstone with the same conditional UPDATE."""
+    """Create through the adapter (Airlock's store: an INSERT — the unique kind+name
+    constraint refuses a concurrent twin — or the conditional revival of a tombstone)."""
     document = proposed_document(action, {})
-    existing = (
-        Resource.objects.filter(kind_id=action.kind_id, name=action.name)
-        .values("id", "version", "deleted", "last_fence")
-        .first()
+    result = in_transaction_target(action).create(
+        action.name, document, fence=fence, idempotency_key=""
     )
-    if existing is None:
-        try:
-            with transaction.atomic():
-                resource = Resource.objects.create(
-                    kind_id=action.kind_id,
-                    name=action.name,
-                    document=document,
-                    version=1,
-                    last_fence=fence,
-                    deleted=False,
-                    owner_group=action.kind.owner_group,
-                )
-        except IntegrityError:
-            existing = (
-                Resource.objects.filter(kind_id=action.kind_id, name=action.name)
-                .values("id", "version", "deleted", "last_fence")
-                .first()
-            )
-            if existing is None:  # not a name clash: let it surface
-                raise
-            return _Refused(_already_exists(existing, fence), existing["id"])
-        return Written(resource.pk, None, 1, document, False)
-    if not existing["deleted"]:
-        return _Refused(_already_exists(existing, fence), existing["id"])
-    revived = conditional_write(
-        existing["id"],
-        expected_version=existing["version"],
-        document=document,
-        deleted=False,
-        fence=fence,
-        now=now,
-        guard=TOMBSTONE,
-    )
-    if revived:
-        return Written(
-            existing["id"], existing["version"], existing["version"] + 1, document, False
-        )
-    fresh = _reread(existing["id"])
-    if fresh["last_fence"] >= fence:
-        refusal = _stale_fence(fresh, expected=existing["version"], fence=fence)
-    elif not fresh["deleted"]:
-        refusal = _already_exists(fresh, fence)
+    if result.applied:
+        assert result.record_id is not None and result.version is not None
+        version = counter(result.version)
+        assert version is not None
+        # The store counts from 1; a revived tombstone goes on from its own counter.
+        base = version - 1 if version > 1 else None
+        return Written(result.record_id, base, version, document, False)
+    held = result.held
+    assert held is not None  # the name exists: the adapter read it back
+    if result.outcome is Outcome.FENCED:
+        refusal = _stale_fence(_as_row(held.version, held.fence), expected=None, fence=fence)
+    elif not held.absent:
+        refusal = _already_exists(_as_row(held.version, held.fence), fence)
     else:
         refusal = _refusal_from_row(
             STALE_VERSION,
             "the tombstone changed while it was being revived",
-            fresh,
-            expected=existing["version"],
+            _as_row(held.version, held.fence),
+            expected=None,
             fence=fence,
         )
-    return _Refused(refusal, existing["id"])
+    return _Refused(refusal, result.record_id)
 
 
-def classify_miss(resource_id: int, *, expected: int, fence: int) -> Refusal:
-    """Zero rows matched: re-read (a new statement sees the latest commit) and say why."""
-    fresh = _reread(resource_id)
-    if fresh["last_fence"] >= fence:
-        # Checked first: a holder whose fence is stale must not write at all, and
-        # its refusal is not a conflict for a person — a newer holder has the resource.
-        return _stale_fence(fresh, expected=expected, fence=fence)
-    if fresh["deleted"]:
+def refusal_of_miss(result: WriteResult, *, expected: int, fence: int) -> Refusal:
+    """Why an update or delete missed, from where the adapter found the resource: a stale
+    fence first (a holder whose fence is stale must not write at all, and its refusal is
+    not a conflict for a person — a newer holder has the resource), then a tombstone, then
+    a version that moved on."""
+    held = result.held
+    assert held is not None  # an adapter in the caller's transaction reads a miss back
+    row = _as_row(held.version, held.fence)
+    if result.outcome is Outcome.FENCED:
+        return _stale_fence(row, expected=expected, fence=fence)
+    if held.absent:
         return _refusal_from_row(
-            MISSING,
-            "the resource has been deleted",
-            fresh,
-            expected=expected,
-            fence=fence,
+            MISSING, "the resource has been deleted", row, expected=expected, fence=fence
         )
     return _refusal_from_row(
         STALE_VERSION,
-        f"the resource is at version {fresh['version']}, the action observed {expected}",
-        fresh,
+        f"the resource is at version {held.version}, the action observed {expected}",
+        row,
         expected=expected,
         fence=fence,
     )
 
 
-def _reread(resource_id: int) -> Mapping[str, Any]:
-    """The row's version, tombstone flag and last fence, as committed now."""
-    return Resource.objects.filter(pk=resource_id).values("version", "deleted", "last_fence").get()
+def _as_row(version: str, last_fence: int) -> Mapping[str, Any]:
+    """Where the resource stands, as the refusal reports it (the store's counter)."""
+    return {"version": counter(version), "last_fence": last_fence}
 
 
 def _stale_fence(fresh: Mapping[str, Any], *, expected: int | None, fence: int) -> Refusal:

@@ -1,14 +1,15 @@
 """The drain's writes applied together: the batch's plain updates and deletes land with ONE
-conditional UPDATE and are recorded with one statement per table (barrier.record_applied),
-instead of four statements a write.
+conditional write of many documents (`InTransactionTarget.write_many`: Airlock's store, one
+UPDATE from a VALUES list) and are recorded with one statement per table
+(barrier.record_applied), instead of four statements a write.
 
 The rule is the barrier's (engine/core/barrier.py): a write lands only while its row is at
 the observed version, not a tombstone, and its last fence is older than the batch's fence.
 Every row the batch writes under was locked by lock_batch_rows in the caller's transaction.
 A write that is not plain — a create, an operation already finished, an action no longer
 executable, an ended run, a kill switch to look at again, a resource that does not exist —
-goes through `apply_action` on its own, in proposal order, as before. A write the UPDATE
-missed is classified and refused on its own (a re-read), as a single write's miss is.
+goes through `apply_action` on its own, in proposal order, as before. A write the adapter
+missed is refused on its own, from where the adapter found its resource.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
 
 from django.db import connection
 from django.utils import timezone
@@ -27,27 +27,16 @@ from console.tracing import traced
 from engine.core.barrier import (
     WriteOutcome,
     apply_action,
-    classify_miss,
+    in_transaction_target,
     planned_write,
     record_applied,
     record_refusal,
+    refusal_of_miss,
 )
 from engine.core.land import Written
 from engine.core.operations import EXECUTABLE_STATUSES
 from engine.core.write_rows import NOT_READ, LockedRows, run_end_status
-from ownership.models import Resource
-
-# The barrier's conditional UPDATE for many rows: each (id, observed version, document,
-# tombstone) of VALUES lands only where the row still matches; RETURNING names those that did.
-_UPDATE_TOGETHER = """
-UPDATE ownership_resource AS r
-   SET document = v.document, deleted = v.deleted, version = r.version + 1,
-       last_fence = %s, updated_at = %s
-  FROM (VALUES {rows}) AS v (id, version, document, deleted)
- WHERE r.id = v.id AND r.version = v.version AND NOT r.deleted AND r.last_fence < %s
-RETURNING r.id
-"""
-_ROW = "(%s::bigint, %s::bigint, %s::jsonb, %s::boolean)"
+from engine.targets.base import InTransactionTarget, ManyWrite, WriteResult
 
 
 @traced("airlock.barrier")
@@ -99,17 +88,25 @@ def _apply_together(
     if not plain:
         return {}
     planned = [(rows, planned_write(rows.action, rows.resource)) for rows in plain]
-    landed = _update_together([written for _, written in planned], fence=fence, now=now)
+    adapters: dict[str, InTransactionTarget] = {}  # one per kind
+    for rows, _ in planned:
+        if rows.action.kind_id not in adapters:
+            adapters[rows.action.kind_id] = in_transaction_target(rows.action)
+    targets = {
+        w.resource_id: (rows.action.kind_id, adapters[rows.action.kind_id]) for rows, w in planned
+    }
+    results = _update_together([w for _, w in planned], targets=targets, fence=fence, now=now)
     outcomes: dict[uuid.UUID, WriteOutcome] = {}
     run: list[tuple[Action, Operation, Written]] = []
     for rows, written in planned:
-        if written.resource_id in landed:
+        result = results[written.resource_id]
+        if result.applied:
             run.append((rows.action, rows.operation, written))
             continue
         outcomes.update(_recorded(run, fence=fence, actor=actor, now=now))
         run = []
         assert written.base_version is not None
-        refusal = classify_miss(written.resource_id, expected=written.base_version, fence=fence)
+        refusal = refusal_of_miss(result, expected=written.base_version, fence=fence)
         outcomes[rows.action.pk] = record_refusal(
             rows.action, rows.operation, refusal, actor=actor, resource_id=written.resource_id
         )
@@ -117,21 +114,29 @@ def _apply_together(
     return outcomes
 
 
-def _update_together(writes: list[Written], *, fence: int, now: datetime) -> set[int]:
-    """The resource ids the one conditional UPDATE wrote. The rows go in id order, so that
-    two overlapping batches (a zombie's and its successor's) whose plans look each row up by
-    its key lock their common rows in the same order; a deadlock PostgreSQL still finds
-    aborts one batch, which is then redone a write at a time."""
-    as_json = Resource._meta.get_field("document").get_db_prep_value
-    params: list[Any] = [fence, now]
-    for written in sorted(writes, key=lambda w: w.resource_id):
-        document = as_json(written.document, connection)
-        params += [written.resource_id, written.base_version, document, written.deleted]
-    params.append(fence)
-    sql = _UPDATE_TOGETHER.format(rows=", ".join([_ROW] * len(writes)))
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return {int(row[0]) for row in cursor.fetchall()}
+def _update_together(
+    writes: list[Written],
+    *,
+    targets: dict[int, tuple[str, InTransactionTarget]],
+    fence: int,
+    now: datetime,
+) -> dict[int, WriteResult]:
+    """Each write's result by resource id: one `write_many` per kind (`targets`: each
+    resource's kind and its adapter; a batch of one kind, the usual one, is one statement),
+    the kinds in a fixed order so that two overlapping batches take their common rows'
+    locks in the same order."""
+    by_kind: dict[str, list[ManyWrite]] = {}
+    for written in writes:
+        assert written.base_version is not None  # an update or a delete observed a version
+        many = ManyWrite(
+            written.resource_id, str(written.base_version), written.document, written.deleted
+        )
+        by_kind.setdefault(targets[written.resource_id][0], []).append(many)
+    adapters = dict(targets.values())
+    results: dict[int, WriteResult] = {}
+    for kind_id in sorted(by_kind):
+        results.update(adapters[kind_id].write_many(by_kind[kind_id], fence=fence))
+    return results
 
 
 def _recorded(

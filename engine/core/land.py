@@ -1,15 +1,16 @@
-"""A single update or delete landing in ONE statement (PostgreSQL).
+"""A single update or delete landing in ONE round trip (PostgreSQL), through the kind's
+adapter (`InTransactionTarget.write_carrying`).
 
-The store's conditional UPDATE (the managed adapter's statement,
-engine/core/managed_target.py `LAND_UPDATE`: `WHERE id AND version = :observed AND NOT
-deleted AND last_fence < :fence`) and what records the write — the new ResourceVersion, the
-operation `done`, the action `applied` — as one statement of data-modifying CTEs: the three
-records are written only when the UPDATE returned the row, so a miss changes nothing and is
-classified afterwards, as before. The operation and action rows are already locked by this
-transaction (engine/core/write_rows.py), so the statement takes no lock the one lock order
-does not already hold, except the resource row's, which the UPDATE takes first. The audit
-event stays a statement of its own (an INSERT guarded by the operation being `done`), run
-after this one but sent with it: one round trip.
+The barrier hands the adapter what records the write — the new ResourceVersion (read from
+the row the write returns, `written`), the operation `done`, the action `applied` — as
+statements the adapter runs with its conditional write, only if it lands: Airlock's store
+makes them one statement of data-modifying CTEs behind its own UPDATE, so a miss changes
+nothing and is classified from what the adapter read back. The operation and action rows
+are already locked by this transaction (engine/core/write_rows.py), so the statement takes
+no lock the one lock order does not already hold, except the resource row's, which the
+UPDATE takes first. The audit event stays a statement of its own (an INSERT guarded by the
+operation being `done`), run after the write but sent with it (`Carried.then`): one round
+trip.
 """
 
 from __future__ import annotations
@@ -20,32 +21,28 @@ from typing import Any
 
 from django.db import connection
 
-from approvals.models import Action, ActionStatus, OperationStatus
+from approvals.models import Action, ActionStatus, Operation, OperationStatus
 from audit.services import EventSpec, audit_append, audit_append_if
-from engine.core.managed_target import LAND_UPDATE, as_json
+from engine.targets.base import Carried, InTransactionTarget, WriteResult
 
-# The store's own conditional UPDATE (engine/core/managed_target.py, the managed adapter's
-# statement), then the write's records, each only if it returned the row.
-_LAND = f"""
-WITH landed AS (
-    {LAND_UPDATE}
-), history AS (
+# The write's records, each written only if the write returned its row (`written`).
+_HISTORY = """
     INSERT INTO ownership_resourceversion (resource_id, version, document, deleted, operation,
         fence, run_id, action_id, person_id, created_at)
-    SELECT id, version, document, deleted, %s, %s, %s, %s, NULL, %s FROM landed
-), operation AS (
+    SELECT id, version, document, deleted, %s, %s, %s, %s, NULL, %s FROM written
+"""
+_OPERATION_DONE = """
     UPDATE approvals_operation
        SET status = %s, fence = %s, base_version = %s, result_version = %s,
            undo_deadline = %s, finished_at = %s, outcome = %s
-     WHERE id = %s AND EXISTS (SELECT 1 FROM landed)
-), action AS (
+     WHERE id = %s AND EXISTS (SELECT 1 FROM written)
+"""
+_ACTION_APPLIED = """
     UPDATE approvals_action
        SET status = %s, revision = revision + 1, resource_id = %s, error = NULL,
            updated_at = %s
-     WHERE id = %s AND EXISTS (SELECT 1 FROM landed)
-)
-SELECT count(*) FROM landed
-"""  # noqa: S608 - LAND_UPDATE is the adapter's constant statement; every value is bound
+     WHERE id = %s AND EXISTS (SELECT 1 FROM written)
+"""
 
 
 def undo_window(action: Action) -> timedelta:
@@ -68,73 +65,59 @@ class Written:
 def land_write(
     planned: Written,
     *,
+    target: InTransactionTarget,
     fence: int,
     now: datetime,
     action: Action,
     operation_id: int,
     event: EventSpec,
-) -> bool:
+) -> WriteResult:
     """Write `planned` (an update's document or a delete's tombstone, at its base version
-    + 1), record it, and append `event` (`write.applied`); False — nothing written, nothing
-    appended — when the row is no longer at the base version, is a tombstone, or has seen
-    `fence`. The append is sent with the write (psycopg's pipeline: one round trip) and
+    + 1) through `target`, record it, and append `event` (`write.applied`); a miss — nothing
+    written, nothing appended — when the row is no longer at the base version, is a
+    tombstone, or has seen `fence`. The append is sent with the write (one round trip) and
     made only if the operation is `done` when it runs — the row is locked by this
     transaction and was pending, so only this write's statement can have made it so."""
-    with connection.cursor() as cursor:
-        appending = audit_append_if(_LANDED, [operation_id, OperationStatus.DONE.value], **event)
-        if appending is None:  # not one statement here (audit_deferred): append after
-            cursor.execute(_LAND, _land_params(planned, fence, now, action, operation_id))
-            landed = _landed(cursor.fetchone())
-            if landed:
-                audit_append(**event)
-            return landed
-        with connection.wrap_database_errors, connection.cursor() as append:
-            with connection.connection.pipeline():
-                cursor.execute(_LAND, _land_params(planned, fence, now, action, operation_id))
-                append.execute(appending.sql, appending.params)
-            landed = _landed(cursor.fetchone())
-            appended = appending.appended(append.fetchone())
+    observed = planned.base_version
+    assert observed is not None  # an update or a delete: it observed a version
+    appending = audit_append_if(_LANDED, [operation_id, OperationStatus.DONE.value], **event)
+    carried = Carried(
+        statements=_records(planned, fence, now, action, operation_id),
+        then=None if appending is None else (appending.sql, appending.params),
+    )
+    landed = target.write_carrying(
+        planned.resource_id,
+        planned.document,
+        expected_version=str(observed),
+        deleted=planned.deleted,
+        fence=fence,
+        carried=carried,
+    )
+    if appending is None:  # not one statement here (audit_deferred): append after
+        if landed.result.applied:
+            audit_append(**event)
+        return landed.result
+    appended = appending.appended(landed.then_row)
     # The guard reads the operation this statement made `done`: both hold or neither.
-    assert landed == (appended is not None)
-    return landed
+    assert landed.result.applied == (appended is not None)
+    return landed.result
 
 
 # The guard of the append: true once this write's statement has made its operation `done`.
 _LANDED = "EXISTS (SELECT 1 FROM approvals_operation WHERE id = %s AND status = %s)"
 
 
-def _landed(row: Any) -> bool:
-    return bool(row and row[0] == 1)
+def _as_jsonb(value: Any) -> Any:
+    return Operation._meta.get_field("outcome").get_db_prep_value(value, connection)
 
 
-def _land_params(
+def _records(
     planned: Written, fence: int, now: datetime, action: Action, operation_id: int
-) -> list[Any]:
+) -> list[tuple[str, list[Any]]]:
+    """The history row, the operation done and the action applied, with their values."""
     observed = planned.base_version
-    assert observed is not None  # an update or a delete: it observed a version
-    return [
-        as_json(planned.document),
-        planned.deleted,
-        fence,
-        now,
-        planned.resource_id,
-        observed,
-        fence,
-        action.operation,
-        fence,
-        action.run_id,
-        action.pk,
-        now,
-        OperationStatus.DONE.value,
-        fence,
-        str(observed),
-        str(planned.result_version),
-        now + undo_window(action),
-        now,
-        as_json({"result": "applied"}),
-        operation_id,
-        ActionStatus.APPLIED.value,
-        planned.resource_id,
-        now,
-        action.pk,
-    ]
+    history = [action.operation, fence, action.run_id, action.pk, now]
+    done = [OperationStatus.DONE.value, fence, str(observed), str(planned.result_version)]
+    done += [now + undo_window(action), now, _as_jsonb({"result": "applied"}), operation_id]
+    applied = [ActionStatus.APPLIED.value, planned.resource_id, now, action.pk]
+    return [(_HISTORY, history), (_OPERATION_DONE, done), (_ACTION_APPLIED, applied)]

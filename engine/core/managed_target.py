@@ -16,18 +16,18 @@ in the same transaction (a finished operation is answered from its record, never
 It lives in `engine/core`, not `engine/targets`: it needs the ORM and the connection, and
 `engine/targets` imports no app and no Django by rule (tests/test_architecture.py).
 
-`conditional_write` is the one conditional UPDATE of the store — the adapter's verbs, the
-barrier's portable path and a create's revival of a tombstone (engine/core/barrier.py), and
-undo (engine/core/undo.py) call it; `LAND_UPDATE` is the same statement keyed by id with
-`RETURNING`, which engine/core/land.py fuses with the write's records into one statement on
-PostgreSQL (the hot path: one round trip). The drain's batch UPDATE
-(engine/core/batch_write.py) writes many rows from one `VALUES` list under the same rule and
-stays a managed-only optimisation.
+`update_statement` is the one conditional UPDATE of the store; every write of it is one of
+this adapter's methods. Beside the interface's verbs it offers what an adapter in the
+caller's transaction may (`engine.targets.base.InTransactionTarget`): `write_carrying` — the
+UPDATE with the caller's records (the history row, the operation done, the action applied)
+as ONE statement, the barrier's single write on PostgreSQL (one round trip) — and
+`write_many`, the drain's batch from one `VALUES` list under the same rule; and `restore`,
+which puts back any state at a version, a tombstone too (undo of a delete revives it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -37,6 +37,10 @@ from django.utils import timezone
 from engine.targets.base import (
     ABSENT,
     Capabilities,
+    Carried,
+    CarriedResult,
+    Held,
+    ManyWrite,
     Outcome,
     Snapshot,
     WriteResult,
@@ -68,8 +72,30 @@ def update_statement(*, guard: str, keep_document: bool = False, returning: str 
     return _UPDATE.format(table=_TABLE, document=document, guard=guard, returning=returning)
 
 
-# The fused single write's first statement (engine/core/land.py): an update or a delete.
-LAND_UPDATE = update_statement(guard=LIVE, returning=" RETURNING id, version, document, deleted")
+# `write_carrying`'s UPDATE: an update or a delete, returning the row as `Carried` names it.
+_CARRYING_UPDATE = update_statement(
+    guard=LIVE, returning=" RETURNING id, version, document, deleted"
+)
+
+# `restore`: any state (a tombstone too) at the version, by the kind and name.
+_RESTORE_BY_NAME = (
+    "UPDATE {table} SET document = %s, deleted = %s, version = version + 1, "
+    "last_fence = %s, updated_at = %s "
+    "WHERE kind_id = %s AND name = %s AND version = %s AND last_fence < %s"
+)
+_RESTORE = _RESTORE_BY_NAME.format(table=_TABLE)  # the table from the model's metadata
+
+# `write_many`: each (id, expected counter, document, tombstone) of VALUES lands only where
+# its row still matches; RETURNING names those that did.
+_UPDATE_MANY = (
+    "UPDATE {table} AS r "
+    "SET document = v.document, deleted = v.deleted, version = r.version + 1, "
+    "last_fence = %s, updated_at = %s "
+    "FROM (VALUES {rows}) AS v (id, version, document, deleted) "
+    "WHERE r.id = v.id AND r.version = v.version AND NOT r.deleted AND r.last_fence < %s "
+    "RETURNING r.id"
+)
+_MANY_ROW = "(%s::bigint, %s::bigint, %s::jsonb, %s::boolean)"
 
 
 def as_json(document: Any) -> Any:
@@ -115,7 +141,9 @@ class ManagedTarget:
     """The managed adapter of one kind (`TargetAdapter`): documents by name, versions as the
     counter's text. Call it inside a transaction of the default database."""
 
-    capabilities = Capabilities(holds_fence=True, takes_idempotency_key=False)
+    capabilities = Capabilities(
+        holds_fence=True, takes_idempotency_key=False, in_caller_transaction=True
+    )
 
     def __init__(self, *, kind_id: str, owner_group: str) -> None:
         self.kind_id = kind_id
@@ -172,7 +200,7 @@ class ManagedTarget:
         if row is None:
             try:
                 with transaction.atomic():  # a savepoint: a lost race leaves the caller's alive
-                    Resource.objects.create(
+                    created = Resource.objects.create(
                         kind_id=self.kind_id,
                         name=name,
                         document=document,
@@ -182,8 +210,11 @@ class ManagedTarget:
                         owner_group=self.owner_group,
                     )
             except IntegrityError:
-                return self._missed(name, fence, created=True)
-            return WriteResult(Outcome.APPLIED, version="1")
+                missed = self._missed(name, fence, created=True)
+                if missed.record_id is None:  # no twin: not a name clash, let it surface
+                    raise
+                return missed
+            return WriteResult(Outcome.APPLIED, version="1", record_id=created.pk)
         if not row["deleted"]:
             return self._missed(name, fence, created=True)
         revived = conditional_write(
@@ -196,8 +227,115 @@ class ManagedTarget:
             guard=TOMBSTONE,
         )
         if revived:
-            return WriteResult(Outcome.APPLIED, version=str(row["version"] + 1))
+            revived_at = str(row["version"] + 1)
+            return WriteResult(Outcome.APPLIED, version=revived_at, record_id=row["id"])
         return self._missed(name, fence, created=True)
+
+    def restore(
+        self,
+        name: str,
+        document: Any,
+        *,
+        deleted: bool,
+        on_version: str | None,
+        fence: int,
+        idempotency_key: str,
+        message_context: Mapping[str, str] | None = None,
+    ) -> WriteResult:
+        """Any state at `on_version`, a tombstone too (the store keeps a tombstone's counter:
+        the undo of a delete revives it at the tombstone's version) — one statement. APPLIED
+        carries the version written, a tombstone's too."""
+        expected = None if on_version is None else _counter(on_version)
+        if expected is None:
+            return self._missed(name, fence)
+        params = [as_json(document), deleted, fence, _as_time(timezone.now())]
+        params += [self.kind_id, name, expected, fence]
+        with connection.cursor() as cursor:
+            cursor.execute(_RESTORE, params)
+            restored = cursor.rowcount == 1
+        if restored:
+            return WriteResult(Outcome.APPLIED, version=str(expected + 1))
+        return self._missed(name, fence)
+
+    def write_carrying(
+        self,
+        record_id: int,
+        document: Any,
+        *,
+        expected_version: str,
+        deleted: bool,
+        fence: int,
+        carried: Carried,
+    ) -> CarriedResult:
+        """The UPDATE and the caller's records as one statement of data-modifying CTEs (the
+        records only when the UPDATE returned the row), and `carried.then` sent with it in
+        psycopg's pipeline: one round trip. A miss is read back by id (one statement)."""
+        expected = _counter(expected_version)
+        assert expected is not None  # the caller's record holds this store's counter
+        ctes = "".join(f", carried_{i} AS ({sql})" for i, (sql, _) in enumerate(carried.statements))
+        # Constant pieces (the adapter's statement, the caller's constant statements); every
+        # value is bound.
+        sql = f"WITH written AS ({_CARRYING_UPDATE}){ctes} SELECT count(*) FROM written"  # noqa: S608
+        params: list[Any] = [as_json(document), deleted, fence, _as_time(timezone.now())]
+        params += [record_id, expected, fence]
+        for _, statement_params in carried.statements:
+            params += statement_params
+        then_row: Any = None
+        with connection.cursor() as cursor:
+            if carried.then is None:
+                cursor.execute(sql, params)
+            else:
+                with connection.wrap_database_errors, connection.cursor() as then:
+                    with connection.connection.pipeline():
+                        cursor.execute(sql, params)
+                        then.execute(*carried.then)
+                    then_row = then.fetchone()
+            row = cursor.fetchone()
+        if row and row[0] == 1:
+            version = None if deleted else str(expected + 1)
+            applied = WriteResult(Outcome.APPLIED, version=version, record_id=record_id)
+            return CarriedResult(applied, then_row)
+        return CarriedResult(self._missed_records([record_id], fence)[record_id], then_row)
+
+    def write_many(self, writes: Sequence[ManyWrite], *, fence: int) -> dict[int, WriteResult]:
+        """One UPDATE for all; the misses read back together. The rows go in id order, so
+        that two overlapping batches (a zombie's and its successor's) whose plans look each
+        row up by its key lock their common rows in the same order; a deadlock PostgreSQL
+        still finds aborts one batch (the caller's transaction)."""
+        if not writes:
+            return {}
+        params: list[Any] = [fence, _as_time(timezone.now())]
+        for write in sorted(writes, key=lambda w: w.record_id):
+            expected = _counter(write.expected_version)
+            assert expected is not None  # the caller's record holds this store's counter
+            params += [write.record_id, expected, as_json(write.document), write.deleted]
+        params.append(fence)
+        # The table from the model's metadata, one constant row per write; values are bound.
+        sql = _UPDATE_MANY.format(table=_TABLE, rows=", ".join([_MANY_ROW] * len(writes)))
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            landed = {int(row[0]) for row in cursor.fetchall()}
+        results = {
+            w.record_id: WriteResult(
+                Outcome.APPLIED,
+                version=None if w.deleted else str(int(w.expected_version) + 1),
+                record_id=w.record_id,
+            )
+            for w in writes
+            if w.record_id in landed
+        }
+        missed = [w.record_id for w in writes if w.record_id not in landed]
+        return {**results, **self._missed_records(missed, fence)}
+
+    def _missed_records(self, record_ids: list[int], fence: int) -> dict[int, WriteResult]:
+        """Misses of writes addressed by record: read back in one statement (a new
+        statement sees the latest commit) and said why, the fence first."""
+        if not record_ids:
+            return {}
+        rows = Resource.objects.filter(pk__in=record_ids).values(
+            "id", "document", "version", "deleted", "last_fence"
+        )
+        return {row["id"]: _miss(row, fence) for row in rows}
 
     def _update(
         self, name: str, document: Any, deleting: bool, *, expected_version: str, fence: int
@@ -222,15 +360,40 @@ class ManagedTarget:
 
     def _missed(self, name: str, fence: int, *, created: bool = False) -> WriteResult:
         """Nothing written: re-read (a new statement sees the latest commit) and say why —
-        the fence first, as the barrier does (engine/core/barrier.py `classify_miss`)."""
+        the fence first (`_miss`), as the barrier always has."""
         row = self._row(name)
         current = _snapshot(row)
         if created and current.exists:  # a live document: the create's twin won, or was there
-            return WriteResult(Outcome.STALE, current=current, detail="already_exists")
-        if row is not None and row["last_fence"] >= fence:
-            detail = f"fence {fence} is stale: fence {row['last_fence']} has already written"
-            return WriteResult(Outcome.FENCED, current=current, detail=detail)
-        return WriteResult(Outcome.STALE, current=current, detail="" if current.exists else "gone")
+            return WriteResult(
+                Outcome.STALE,
+                current=current,
+                detail="already_exists",
+                held=_held(row),
+                record_id=row["id"] if row else None,
+            )
+        if row is None:
+            return WriteResult(Outcome.STALE, current=current, detail="gone")
+        return _miss(row, fence)
+
+
+def _miss(row: Mapping[str, Any], fence: int) -> WriteResult:
+    """Why a write on an existing row missed: a fence as new has written (checked first, as
+    the barrier always has), else the version moved or the row is a tombstone."""
+    current = _snapshot(row)
+    if row["last_fence"] >= fence:
+        detail = f"fence {fence} is stale: fence {row['last_fence']} has already written"
+        outcome = Outcome.FENCED
+    else:
+        outcome, detail = Outcome.STALE, "" if current.exists else "gone"
+    return WriteResult(
+        outcome, current=current, detail=detail, held=_held(row), record_id=row["id"]
+    )
+
+
+def _held(row: Mapping[str, Any] | None) -> Held | None:
+    if row is None:
+        return None
+    return Held(str(row["version"]), bool(row["deleted"]), int(row["last_fence"]))
 
 
 def _snapshot(row: Mapping[str, Any] | None) -> Snapshot:

@@ -1,9 +1,10 @@
 """Undo through the same barrier.
 
 `apply_undo` restores the document from before `operation_id` (or the tombstone, for a
-create; or revives the resource, for a delete) with the same conditional UPDATE
-as every write (the managed adapter's, engine/core/managed_target.py `conditional_write`) —
-`WHERE version = <the version the operation produced> AND last_fence < :fence` — when
+create; or revives the resource, for a delete) through the kind's adapter (`restore`, in
+this transaction: an adapter whose capabilities say `in_caller_transaction`; Airlock's own
+store writes one conditional UPDATE) — only while the target is at the version the
+operation produced and has seen no newer fence — when
 the undo was accepted inside the operation's undo deadline (`accepted_at`). One live undo
 per operation (a partial unique constraint on `undo_of`) and the undo operation moves
 pending -> done/failed exactly once under a row lock, so asking again (or twice at the same time)
@@ -33,9 +34,9 @@ from engine.core.action_audit import audit_action_event
 from engine.core.actors import person_id
 from engine.core.errors import NotFound
 from engine.core.killswitch import hold_switches_shared, refuse_if_engaged
-from engine.core.managed_target import ANY_STATE, conditional_write
-from engine.core.versions import counter
-from ownership.models import Resource, ResourceVersion
+from engine.core.kind_targets import adapter_for_kind
+from engine.targets.base import Outcome, TargetAdapter
+from ownership.models import ResourceVersion
 
 WINDOW_EXPIRED = "window_expired"
 RESOURCE_MOVED = "resource_moved"
@@ -69,14 +70,20 @@ class UndoOutcome:
 
 
 def apply_undo(
-    *, operation_id: int, undo_operation_id: int, fence: int, actor: Actor
+    *,
+    operation_id: int,
+    undo_operation_id: int,
+    fence: int,
+    actor: Actor,
+    target: TargetAdapter | None = None,
 ) -> UndoOutcome:
     """Undo one applied operation, in one transaction.
 
     Locks the undo operation, then the original operation, then the action (the
     same order as apply_action), re-checks the kill switch (raises
     KillSwitchEngaged: nothing written, the undo operation stays pending),
-    then writes. Raises NotFound for an unknown pair of operations.
+    then writes through `target` (default: the action's kind's adapter), which must write
+    in this transaction. Raises NotFound for an unknown pair of operations.
     """
     with transaction.atomic():
         # Before any row lock: an engage waits for this undo, or this undo sees it.
@@ -120,11 +127,20 @@ def apply_undo(
             # A resource seeded without its history row: nothing to restore from.
             message = f"version {original.base_version} was never recorded; it cannot be restored"
             return refuse_undo(undo_op, action, actor, NO_PREVIOUS_VERSION, message, base)
-        refusal = _write_restored(resource_id, original, restored, fence=fence, base=base)
-        if refusal is not None:
-            return refuse_undo(undo_op, action, actor, *refusal, base)
+        if target is None:
+            target = adapter_for_kind(action.kind)
+        written = _write_restored(target, action, original, restored, fence=fence, base=base)
+        if isinstance(written, tuple):
+            return refuse_undo(undo_op, action, actor, *written, base)
         return _record_undone(
-            action, original, undo_op, restored, resource_id=resource_id, fence=fence, actor=actor
+            action,
+            original,
+            undo_op,
+            restored,
+            new_version=written,
+            resource_id=resource_id,
+            fence=fence,
+            actor=actor,
         )
 
 
@@ -181,40 +197,41 @@ def _restored_state(
 
 
 def _write_restored(
-    resource_id: int,
+    target: TargetAdapter,
+    action: Action,
     original: Operation,
     restored: tuple[Any, bool],
     *,
     fence: int,
     base: dict[str, Any],
-) -> tuple[str, str] | None:
-    """The conditional UPDATE back to the restored state; (reason, message) on a miss
+) -> str | tuple[str, str]:
+    """The restore through the adapter: the version it wrote, or (reason, message) on a miss
     (and `current_version` noted in `base`)."""
-    expected = counter(original.result_version)
+    assert target.capabilities.in_caller_transaction  # its write commits with the records
+    expected = original.result_version
     assert expected is not None  # checked by _refusal_before_write
     document, deleted = restored
-    # The store's own statement (the managed adapter's), in this transaction: any state at
-    # the version the operation produced (a tombstone too: the undo of a delete revives it).
-    if conditional_write(
-        resource_id,
-        expected_version=expected,
-        document=document,
+    # Any state at the version the operation produced (a tombstone too: the undo of a
+    # delete revives it).
+    result = target.restore(
+        action.name,
+        document,
         deleted=deleted,
+        on_version=expected,
         fence=fence,
-        now=timezone.now(),
-        guard=ANY_STATE,
-    ):
-        return None
-    fresh = Resource.objects.filter(pk=resource_id).values("version", "last_fence").get()
-    base["current_version"] = str(fresh["version"])
-    if fresh["last_fence"] >= fence:
-        return (
-            STALE_FENCE,
-            f"fence {fence} is stale: fence {fresh['last_fence']} has already written",
-        )
+        idempotency_key=f"airlock-undo-{original.pk}",
+    )
+    if result.applied:
+        assert result.version is not None  # this store counts a tombstone's version too
+        return result.version
+    held = result.held
+    assert held is not None  # an adapter in the caller's transaction says where it stands
+    base["current_version"] = held.version
+    if result.outcome is Outcome.FENCED:
+        return (STALE_FENCE, f"fence {fence} is stale: fence {held.fence} has already written")
     return (
         RESOURCE_MOVED,
-        f"the resource moved on to version {fresh['version']} since this write "
+        f"the resource moved on to version {held.version} since this write "
         f"produced version {expected}",
     )
 
@@ -225,20 +242,18 @@ def _record_undone(
     undo_op: Operation,
     restored: tuple[Any, bool],
     *,
+    new_version: str,
     resource_id: int,
     fence: int,
     actor: Actor,
 ) -> UndoOutcome:
-    """The undo wrote: its history row, both operations settled, the action undone,
-    and the audit event last."""
-    result_counter = counter(original.result_version)
-    assert result_counter is not None
+    """The undo wrote `new_version`: its history row, both operations settled, the action
+    undone, and the audit event last."""
     now = timezone.now()
-    new_version = str(result_counter + 1)
     document, deleted = restored
     ResourceVersion.objects.create(
         resource_id=resource_id,
-        version=result_counter + 1,
+        version=int(new_version),
         document=document,
         deleted=deleted,
         operation="undo",

@@ -34,8 +34,9 @@ from approvals.models import (
 )
 from engine.core.errors import NotFound
 from engine.core.killswitch import SWITCH_LOCK_SHARED, any_engaged, hold_switches_shared
+from engine.core.kind_targets import in_caller_transaction
 from engine.core.raw_rows import from_row, model_columns, select_list
-from ownership.models import ConflictClass, Resource, ResourceKind, TargetType
+from ownership.models import ConflictClass, Resource, ResourceKind
 
 # `LockedRows.resource` when the resource was not read with the rows (the barrier reads it).
 NOT_READ: Any = object()
@@ -366,7 +367,7 @@ def run_end_status(
     if action.parent_id is not None:
         return None
     if (
-        action.kind.target != TargetType.MANAGED
+        not in_caller_transaction(action.kind)
         and Action.objects.filter(pk=action.pk).filter(run_end_exempt()).exists()
     ):
         return None

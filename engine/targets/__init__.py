@@ -4,6 +4,6 @@ store implements the same interface in engine/core/managed_target.py: it runs in
 caller's database transaction, so it needs the ORM, which this package never imports.
 
 Framework-light on purpose: no Django, no app imports. The caller (the barrier, the executor,
-undo and the plan engine, once wired) hands each call its fence and idempotency key and
-records the outcome; an adapter only talks to its target.
+undo and the plan engine) hands each call its fence and idempotency key and records the
+outcome; an adapter only talks to its target.
 """

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
@@ -64,12 +64,27 @@ ABSENT = Snapshot(None, None)
 
 
 @dataclass(frozen=True)
+class Held:
+    """Where a target that keeps the fence itself and keeps counting while a document is
+    absent (Airlock's store: a tombstone keeps its counter) holds a name after a miss: the
+    caller reports the refusal from it without reading the target again."""
+
+    version: str  # the target's version of the name, absent or not
+    absent: bool
+    fence: int  # the newest fence that wrote it
+
+
+@dataclass(frozen=True)
 class WriteResult:
     outcome: Outcome
     version: str | None = None  # APPLIED: the version the write produced (None after a delete)
     current: Snapshot | None = None  # STALE / FENCED: what the target holds now, when read
     detail: str = ""  # short, scrubbed: what the target said
     retry_after: float | None = None  # LOCKED: seconds the target asked for, if it did
+    held: Held | None = None  # STALE / FENCED, from a target that can say (see `Held`)
+    # By an adapter in the caller's transaction: the caller's record (row) it wrote, or on
+    # a miss the one it found.
+    record_id: int | None = None
 
     @property
     def applied(self) -> bool:
@@ -80,6 +95,11 @@ class WriteResult:
 class Capabilities:
     holds_fence: bool  # the target itself refuses a write whose fence is not the newest
     takes_idempotency_key: bool  # a replay with the same key returns the first result
+    # The adapter writes on the caller's database connection, inside its transaction: its
+    # write commits or rolls back with Airlock's records, so it offers `InTransactionTarget`
+    # (records carried by the write, several writes at once) and the executor runs it under
+    # the write barrier; any other adapter is one call to a system of its own.
+    in_caller_transaction: bool = False
 
 
 @runtime_checkable
@@ -126,6 +146,123 @@ class TargetAdapter(Protocol):
         idempotency_key: str,
         message_context: Mapping[str, str] | None = None,
     ) -> WriteResult: ...
+
+    def restore(
+        self,
+        name: str,
+        document: Any,
+        *,
+        deleted: bool,
+        on_version: str | None,
+        fence: int,
+        idempotency_key: str,
+        message_context: Mapping[str, str] | None = None,
+    ) -> WriteResult:
+        """Put back the state a write replaced (an undo, a plan's compensation): `document`,
+        or absence when `deleted`, only while the target is still at `on_version` — the
+        version that write produced (None: it left the name absent). Most adapters restore
+        with their own verbs (`restore_with_verbs`); a store that keeps counting while a
+        document is absent restores a tombstone at its counter in one write."""
+        ...
+
+
+def restore_with_verbs(
+    adapter: TargetAdapter,
+    name: str,
+    document: Any,
+    *,
+    deleted: bool,
+    on_version: str | None,
+    fence: int,
+    idempotency_key: str,
+    message_context: Mapping[str, str] | None = None,
+) -> WriteResult:
+    """`restore` by the interface's three verbs: absence is a delete on `on_version`, a
+    document over absence a create, a document over a document a write on `on_version`."""
+    key, context = idempotency_key, message_context
+    if deleted:
+        if on_version is None:  # the name is absent and was to be: nothing is conditional
+            return WriteResult(Outcome.FAILED, detail="nothing to restore: already absent")
+        return adapter.delete(
+            name,
+            expected_version=on_version,
+            fence=fence,
+            idempotency_key=key,
+            message_context=context,
+        )
+    if on_version is None:
+        return adapter.create(
+            name, document, fence=fence, idempotency_key=key, message_context=context
+        )
+    return adapter.write(
+        name,
+        document,
+        expected_version=on_version,
+        fence=fence,
+        idempotency_key=key,
+        message_context=context,
+    )
+
+
+# -- what an adapter in the caller's transaction adds ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Carried:
+    """The caller's records, written by the same statement as the write and only if it lands
+    (`Capabilities.in_caller_transaction`). Each of `statements` is a data-modifying
+    statement usable as a common table expression; it may read the written row from
+    `written` (columns `id, version, document, deleted`). `then` (optional) is one more
+    statement sent with the write in the same round trip, after it; its first row comes
+    back in `CarriedResult.then_row`."""
+
+    statements: Sequence[tuple[str, Sequence[Any]]]
+    then: tuple[str, Sequence[Any]] | None = None
+
+
+@dataclass(frozen=True)
+class CarriedResult:
+    result: WriteResult
+    then_row: Any = None
+
+
+@dataclass(frozen=True)
+class ManyWrite:
+    """One write of a `write_many`: the document (or a tombstone's, when `deleted`) on
+    `expected_version` of the caller's record `record_id` (the row it locked)."""
+
+    record_id: int
+    expected_version: str
+    document: Any
+    deleted: bool
+
+
+@runtime_checkable
+class InTransactionTarget(TargetAdapter, Protocol):
+    """An adapter whose capabilities say `in_caller_transaction`: a store in Airlock's own
+    database, addressed — besides by name — by the caller's record of each document (the
+    row the caller locked), so that its writes join the caller's statements."""
+
+    def write_carrying(
+        self,
+        record_id: int,
+        document: Any,
+        *,
+        expected_version: str,
+        deleted: bool,
+        fence: int,
+        carried: Carried,
+    ) -> CarriedResult:
+        """An update (or a delete, leaving a tombstone with `document`) of one record in ONE
+        round trip with the caller's records. A miss writes nothing, carried or not, and is
+        read back: STALE or FENCED with `held`."""
+        ...
+
+    def write_many(self, writes: Sequence[ManyWrite], *, fence: int) -> dict[int, WriteResult]:
+        """Several updates and deletes in one statement, each landing only where its record
+        is still at its version and has seen no fence as new: the records that landed map
+        to APPLIED; the others, read back together, to STALE or FENCED with `held`."""
+        ...
 
 
 # -- settling an unknown outcome by reading ------------------------------------------------

@@ -73,6 +73,7 @@ from engine.targets.base import (
     check_env_name,
     child_environment,
     refuse_unknown_settings,
+    restore_with_verbs,
 )
 from engine.targets.git_remote import (
     LOST,
@@ -559,3 +560,26 @@ class GitTarget:
             operation="delete",
         )
         return result
+
+    def restore(
+        self,
+        name: str,
+        document: Any,
+        *,
+        deleted: bool,
+        on_version: str | None,
+        fence: int,
+        idempotency_key: str,
+        message_context: Mapping[str, str] | None = None,
+    ) -> WriteResult:
+        """By this adapter's own verbs (engine.targets.base.restore_with_verbs)."""
+        return restore_with_verbs(
+            self,
+            name,
+            document,
+            deleted=deleted,
+            on_version=on_version,
+            fence=fence,
+            idempotency_key=idempotency_key,
+            message_context=message_context,
+        )

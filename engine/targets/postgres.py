@@ -55,6 +55,7 @@ from engine.targets.base import (
     check_env_name,
     read_credentials,
     refuse_unknown_settings,
+    restore_with_verbs,
     scrub,
 )
 from engine.targets.pg_pool import pooled_connection
@@ -468,3 +469,26 @@ class PostgresTarget:
         if rows:
             return WriteResult(Outcome.APPLIED, version=None)
         return self._refused(name, expected_version, fence)
+
+    def restore(
+        self,
+        name: str,
+        document: Any,
+        *,
+        deleted: bool,
+        on_version: str | None,
+        fence: int,
+        idempotency_key: str,
+        message_context: Mapping[str, str] | None = None,
+    ) -> WriteResult:
+        """By this adapter's own verbs (engine.targets.base.restore_with_verbs)."""
+        return restore_with_verbs(
+            self,
+            name,
+            document,
+            deleted=deleted,
+            on_version=on_version,
+            fence=fence,
+            idempotency_key=idempotency_key,
+            message_context=message_context,
+        )

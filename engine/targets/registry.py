@@ -2,7 +2,7 @@
 API will call before it stores them (issue 39 §2: refused with a clear error).
 
 `managed` is not here: its adapter (engine/core/managed_target.py) needs the ORM and is
-built by ownership/targets.py `adapter_for_kind`. Today's `http` kind is `http_etag` with
+built by engine/core/kind_targets.py `adapter_for_kind`. Today's `http` kind is `http_etag` with
 Airlock's dialect flags on (ownership/targets.py).
 """
 
