@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 from django.db import DatabaseError, connection, transaction
 from django.test import override_settings
@@ -95,6 +96,29 @@ def test_a_transaction_open_elsewhere_holds_back_a_short_pass_but_not_the_linker
     passed = audit_link(wait_seconds=0.5)
     assert passed.linked == 1 and passed.head_seq == seq
     elsewhere.release()
+    assert verify_chain().ok
+
+
+def test_a_transaction_open_in_another_database_holds_back_no_pass() -> None:
+    """A write transaction of another database on the same server (a governed table, another
+    application) cannot hold this database's seq: even a reader's short pass links past it.
+    (Before, every verification, badge and export linked nothing while one was open.)"""
+    settings = connection.settings_dict
+    other = psycopg.connect(
+        host=settings["HOST"] or None,
+        port=settings["PORT"] or None,
+        user=settings["USER"],
+        password=settings["PASSWORD"] or None,
+        dbname="postgres",
+    )
+    try:
+        other.execute("SELECT pg_current_xact_id()")  # open, with a transaction id
+        seq = _append("test.committed")
+        passed = audit_link(wait_seconds=0.05)
+        assert passed.linked == 1 and passed.head_seq == seq
+    finally:
+        other.rollback()
+        other.close()
     assert verify_chain().ok
 
 
