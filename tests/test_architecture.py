@@ -64,6 +64,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("audit.services.*", FLOOR),
     ("audit.verify", FLOOR),  # the chain walk under the checkpoint in audit.services
     ("audit.linker", FLOOR),  # events commit unlinked; the linker chains them in seq order
+    ("console.compiled_query", FLOOR),  # ORM querysets compiled once, run with new values
     ("ownership.diff", FLOOR),
     ("ownership.history", FLOOR),  # a resource's documents by version token (issue 39)
     # core — lock, fence, barrier, undo, targets, the kill-switch check. No web, no service.
