@@ -79,6 +79,9 @@ class CompiledQuery:
         return list(_instances(compiled.compiler, rows))
 
     def first(self, **values: Any) -> Any | None:
+        """The first row the statement returns, as compiled: unlike `QuerySet.first()` no
+        order or LIMIT is added, so use it where at most one row can match (a key) or give
+        the queryset its own `order_by()` and slice."""
         found = self.all(**values)
         return found[0] if found else None
 

@@ -24,9 +24,9 @@ from engine.targets.base import (
     InTransactionTarget,
     ManyWrite,
     Outcome,
+    RestoresByVerbs,
     Snapshot,
     WriteResult,
-    restore_with_verbs,
 )
 from ownership.models import Resource, ResourceVersion
 from ownership.targets import adapter_for_kind, in_caller_transaction
@@ -189,8 +189,8 @@ def test_only_airlocks_own_store_writes_in_the_callers_transaction() -> None:
     assert not adapter_for_kind(http).capabilities.in_caller_transaction
 
 
-class _Verbs:
-    """A target held in a dict, to see which verb `restore_with_verbs` picks."""
+class _Verbs(RestoresByVerbs):
+    """A target that records its calls, to see which verb `RestoresByVerbs.restore` picks."""
 
     capabilities = Capabilities(holds_fence=False, takes_idempotency_key=False)
 
@@ -225,8 +225,7 @@ def test_restore_by_verbs_picks_the_verb_that_puts_the_state_back(
     deleted: bool, on_version: str | None, verb: tuple[str, str | None]
 ) -> None:
     target = _Verbs()
-    result = restore_with_verbs(
-        target,  # type: ignore[arg-type]
+    result = target.restore(
         "x",
         {"a": 1},
         deleted=deleted,
@@ -238,8 +237,7 @@ def test_restore_by_verbs_picks_the_verb_that_puts_the_state_back(
 
 
 def test_restoring_absence_over_absence_is_refused_not_blind() -> None:
-    result = restore_with_verbs(
-        _Verbs(),  # type: ignore[arg-type]
+    result = _Verbs().restore(
         "x",
         None,
         deleted=True,

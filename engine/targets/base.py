@@ -161,47 +161,52 @@ class TargetAdapter(Protocol):
         """Put back the state a write replaced (an undo, a plan's compensation): `document`,
         or absence when `deleted`, only while the target is still at `on_version` — the
         version that write produced (None: it left the name absent). Most adapters restore
-        with their own verbs (`restore_with_verbs`); a store that keeps counting while a
+        with their own verbs (`RestoresByVerbs`); a store that keeps counting while a
         document is absent restores a tombstone at its counter in one write."""
         ...
 
 
-def restore_with_verbs(
-    adapter: TargetAdapter,
-    name: str,
-    document: Any,
-    *,
-    deleted: bool,
-    on_version: str | None,
-    fence: int,
-    idempotency_key: str,
-    message_context: Mapping[str, str] | None = None,
-) -> WriteResult:
-    """`restore` by the interface's three verbs: absence is a delete on `on_version`, a
-    document over absence a create, a document over a document a write on `on_version`."""
-    key, context = idempotency_key, message_context
-    if deleted:
-        if on_version is None:  # the name is absent and was to be: nothing is conditional
-            return WriteResult(Outcome.FAILED, detail="nothing to restore: already absent")
-        return adapter.delete(
+class RestoresByVerbs:
+    """`restore` by the interface's three verbs, for an adapter whose target does not keep a
+    document's counter while it is absent (every one but Airlock's own store): absence is a
+    delete on `on_version`, a document over absence a create, a document over a document a
+    write on `on_version`. Inherited by the adapters; one body, not one copy each."""
+
+    def restore(
+        self,
+        name: str,
+        document: Any,
+        *,
+        deleted: bool,
+        on_version: str | None,
+        fence: int,
+        idempotency_key: str,
+        message_context: Mapping[str, str] | None = None,
+    ) -> WriteResult:
+        adapter: TargetAdapter = self  # type: ignore[assignment]  # mixed into an adapter
+        key, context = idempotency_key, message_context
+        if deleted:
+            if on_version is None:  # the name is absent and was to be: nothing is conditional
+                return WriteResult(Outcome.FAILED, detail="nothing to restore: already absent")
+            return adapter.delete(
+                name,
+                expected_version=on_version,
+                fence=fence,
+                idempotency_key=key,
+                message_context=context,
+            )
+        if on_version is None:
+            return adapter.create(
+                name, document, fence=fence, idempotency_key=key, message_context=context
+            )
+        return adapter.write(
             name,
+            document,
             expected_version=on_version,
             fence=fence,
             idempotency_key=key,
             message_context=context,
         )
-    if on_version is None:
-        return adapter.create(
-            name, document, fence=fence, idempotency_key=key, message_context=context
-        )
-    return adapter.write(
-        name,
-        document,
-        expected_version=on_version,
-        fence=fence,
-        idempotency_key=key,
-        message_context=context,
-    )
 
 
 # -- what an adapter in the caller's transaction adds ----------------------------------------

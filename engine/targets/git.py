@@ -66,6 +66,7 @@ from engine.targets.base import (
     ABSENT,
     Capabilities,
     Outcome,
+    RestoresByVerbs,
     Snapshot,
     TargetConfigError,
     TargetError,
@@ -73,7 +74,6 @@ from engine.targets.base import (
     check_env_name,
     child_environment,
     refuse_unknown_settings,
-    restore_with_verbs,
 )
 from engine.targets.git_remote import (
     LOST,
@@ -244,7 +244,7 @@ def _check_path(path: str, what: str) -> None:
             raise TargetConfigError(f"{what}: {path!r} is not a plain relative path")
 
 
-class GitTarget:
+class GitTarget(RestoresByVerbs):
     def __init__(self, settings: GitSettings) -> None:
         self.settings = settings
         # Where the objects and the index work happen: the repository, or a remote's mirror.
@@ -560,26 +560,3 @@ class GitTarget:
             operation="delete",
         )
         return result
-
-    def restore(
-        self,
-        name: str,
-        document: Any,
-        *,
-        deleted: bool,
-        on_version: str | None,
-        fence: int,
-        idempotency_key: str,
-        message_context: Mapping[str, str] | None = None,
-    ) -> WriteResult:
-        """By this adapter's own verbs (engine.targets.base.restore_with_verbs)."""
-        return restore_with_verbs(
-            self,
-            name,
-            document,
-            deleted=deleted,
-            on_version=on_version,
-            fence=fence,
-            idempotency_key=idempotency_key,
-            message_context=message_context,
-        )

@@ -61,6 +61,7 @@ from engine.targets.base import (
     ABSENT,
     Capabilities,
     Outcome,
+    RestoresByVerbs,
     Snapshot,
     TargetConfigError,
     TargetError,
@@ -70,7 +71,6 @@ from engine.targets.base import (
     quoted,
     read_credentials,
     refuse_unknown_settings,
-    restore_with_verbs,
     scrub,
     strong_version,
 )
@@ -177,7 +177,7 @@ class HttpEtagSettings:
         )
 
 
-class HttpEtagTarget:
+class HttpEtagTarget(RestoresByVerbs):
     def __init__(self, settings: HttpEtagSettings) -> None:
         self.settings = settings
 
@@ -443,29 +443,6 @@ class HttpEtagTarget:
             return WriteResult(failed, detail=detail)
         return self._result(
             response, name=name, method="DELETE", written=None, expected_version=expected_version
-        )
-
-    def restore(
-        self,
-        name: str,
-        document: Any,
-        *,
-        deleted: bool,
-        on_version: str | None,
-        fence: int,
-        idempotency_key: str,
-        message_context: Mapping[str, str] | None = None,
-    ) -> WriteResult:
-        """By this adapter's own verbs (engine.targets.base.restore_with_verbs)."""
-        return restore_with_verbs(
-            self,
-            name,
-            document,
-            deleted=deleted,
-            on_version=on_version,
-            fence=fence,
-            idempotency_key=idempotency_key,
-            message_context=message_context,
         )
 
 

@@ -48,6 +48,7 @@ from engine.targets.base import (
     ABSENT,
     Capabilities,
     Outcome,
+    RestoresByVerbs,
     Snapshot,
     TargetConfigError,
     TargetError,
@@ -55,7 +56,6 @@ from engine.targets.base import (
     check_env_name,
     read_credentials,
     refuse_unknown_settings,
-    restore_with_verbs,
     scrub,
 )
 from engine.targets.pg_pool import pooled_connection
@@ -187,7 +187,7 @@ def _secrets_of(dsn: str) -> list[str]:
     return found
 
 
-class PostgresTarget:
+class PostgresTarget(RestoresByVerbs):
     """One kind's table. Each call is one statement on an autocommit connection (one
     statement is one transaction), kept between calls by engine/targets/pg_pool.py."""
 
@@ -469,26 +469,3 @@ class PostgresTarget:
         if rows:
             return WriteResult(Outcome.APPLIED, version=None)
         return self._refused(name, expected_version, fence)
-
-    def restore(
-        self,
-        name: str,
-        document: Any,
-        *,
-        deleted: bool,
-        on_version: str | None,
-        fence: int,
-        idempotency_key: str,
-        message_context: Mapping[str, str] | None = None,
-    ) -> WriteResult:
-        """By this adapter's own verbs (engine.targets.base.restore_with_verbs)."""
-        return restore_with_verbs(
-            self,
-            name,
-            document,
-            deleted=deleted,
-            on_version=on_version,
-            fence=fence,
-            idempotency_key=idempotency_key,
-            message_context=message_context,
-        )
