@@ -123,8 +123,11 @@ class Resource(models.Model):
     """A durable `kind/name` with a JSON document and a monotonically rising version.
 
     `version` and `last_fence` are only ever changed by the write barrier's
-    conditional UPDATE (engine.core.barrier). A deleted resource keeps its row
-    (a tombstone, `deleted=True`) so versions keep rising and undo can restore it.
+    conditional UPDATE (engine.core.barrier) — or, on a kind with an external target, by
+    the mirror's record of what the target answered (ownership.targets.mirror_snapshot:
+    `last_fence` there is the newest lock fence a record was made under). A deleted
+    resource keeps its row (a tombstone, `deleted=True`) so versions keep rising and undo
+    can restore it.
     """
 
     kind = models.ForeignKey(ResourceKind, on_delete=models.PROTECT, related_name="resources")

@@ -73,19 +73,34 @@ def mirror_snapshot(
     fence: int = 0,
     run_id: Any = None,
     action_id: Any = None,
+    guard_fence: int = 0,
 ) -> Resource | None:
     """Record what the target holds for kind/name: a new token becomes a new mirror revision
     (with its history row); the same token changes nothing. Absent at the target: the
-    mirror (if any) becomes a tombstone. Returns the mirror row (None: never seen, absent)."""
+    mirror (if any) becomes a tombstone. Returns the mirror row (None: never seen, absent).
+
+    `guard_fence`: the fence of the resource's lock held while `snapshot` was read (0: no
+    lock — a plain read). The mirror row keeps the newest such fence in `last_fence`, the
+    store's own check (a lock's TTL can pass while its holder is paused): a holder whose
+    fence is older than the one that last recorded read the target before that one wrote,
+    so its snapshot is older than the mirror and is not recorded — the row is returned as
+    it is. `fence` is only the history row's attribution (the attempt that wrote)."""
     with transaction.atomic():
         resource = Resource.objects.select_for_update().filter(kind=kind, name=name).first()
+        if resource is not None and guard_fence and resource.last_fence > guard_fence:
+            return resource  # a newer holder recorded since this snapshot was read
         if resource is None:
             if not snapshot.exists:
                 return None
-            return _mirror_create(kind, name, snapshot, operation, fence, run_id, action_id)
+            return _mirror_create(
+                kind, name, snapshot, operation, fence, run_id, action_id, guard_fence
+            )
+        raised = guard_fence > resource.last_fence
+        if raised:
+            resource.last_fence = guard_fence
         if not snapshot.exists:
             if resource.deleted:
-                return resource
+                return _fence_kept(resource, raised)
             return _mirror_revise(
                 resource,
                 resource.document,
@@ -97,7 +112,7 @@ def mirror_snapshot(
                 action_id,
             )
         if resource.external_version == snapshot.version and not resource.deleted:
-            return resource
+            return _fence_kept(resource, raised)
         assert snapshot.version is not None
         return _mirror_revise(
             resource,
@@ -111,6 +126,14 @@ def mirror_snapshot(
         )
 
 
+def _fence_kept(resource: Resource, raised: bool) -> Resource:
+    """Nothing new to record, but a newer guard fence (`raised`) is kept: an older holder
+    resuming later must not record what it read before this one confirmed the row."""
+    if raised:
+        Resource.objects.filter(pk=resource.pk).update(last_fence=resource.last_fence)
+    return resource
+
+
 def _mirror_create(
     kind: ResourceKind,
     name: str,
@@ -119,6 +142,7 @@ def _mirror_create(
     fence: int,
     run_id: Any,
     action_id: Any,
+    guard_fence: int,
 ) -> Resource:
     try:
         with transaction.atomic():
@@ -129,12 +153,17 @@ def _mirror_create(
                 version=1,
                 external_version=snapshot.version,
                 owner_group=kind.owner_group,
+                last_fence=guard_fence,
             )
     except IntegrityError:
         # Another reader created the mirror first: record this answer as a revision of it.
         resource = Resource.objects.select_for_update().get(kind=kind, name=name)
+        if guard_fence and resource.last_fence > guard_fence:
+            return resource  # a newer holder recorded since this snapshot was read
+        raised = guard_fence > resource.last_fence
+        resource.last_fence = max(resource.last_fence, guard_fence)
         if resource.external_version == snapshot.version:
-            return resource
+            return _fence_kept(resource, raised)
         assert snapshot.version is not None
         return _mirror_revise(
             resource,
@@ -165,7 +194,14 @@ def _mirror_revise(
     resource.external_version = token
     resource.deleted = deleted
     resource.save(
-        update_fields=["version", "document", "external_version", "deleted", "updated_at"]
+        update_fields=[
+            "version",
+            "document",
+            "external_version",
+            "deleted",
+            "last_fence",
+            "updated_at",
+        ]
     )
     _history(resource, operation, fence, run_id, action_id)
     return resource

@@ -282,6 +282,51 @@ def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
     assert AuditEvent.objects.filter(event_type="write.applied", action_id=action.pk).count() == 1
 
 
+def test_a_worker_paused_past_its_lock_s_ttl_never_puts_the_mirror_behind_a_newer_write(
+    world: Any, engine_redis: Any, target: TargetServer, settings: Any, monkeypatch: Any
+) -> None:
+    """Worker A's write lands at the target (version 5), then A pauses past its lock's TTL
+    (not past its lease: the reconciler has not closed its operation). Another action takes
+    the lock with a newer fence, writes version 6 and records the mirror. A resumes and
+    records its own effect — true: it did land — but the mirror keeps version 6 (the fence
+    checked at the mirror row), never version 5 with A's document."""
+    from engine.targets.http_etag import HttpEtagTarget
+
+    action = _queued_http_write(world, target, settings)
+    real_write = HttpEtagTarget.write
+    sent, resume = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def write(self: Any, *args: Any, **kwargs: Any) -> Any:
+        response = real_write(self, *args, **kwargs)
+        calls.append(kwargs["fence"])
+        if len(calls) == 1:  # worker A: the target applied it; A is paused (GC, SIGSTOP)
+            sent.set()
+            assert resume.wait(WAIT)
+        return response
+
+    monkeypatch.setattr(HttpEtagTarget, "write", write)
+    worker_a = Worker(lambda: action_execute(action_id=action.pk))
+    worker_a.start()
+    assert sent.wait(WAIT)
+    engine_redis.client().delete(lock_key(action.resource_identifier))  # A's TTL passed
+    newer: Action = world.propose(
+        action.kind, "prod", payload={"severity": "critical"}, observed_version=5
+    )
+    assert action_execute(action_id=newer.pk) == "applied"
+    assert calls[1] > calls[0]  # the newer holder's fence
+    resume.set()
+    assert worker_a.finish() == "applied"  # A's write did land (version 5), recorded once
+
+    mirror = Resource.objects.get(kind=action.kind, name="prod")
+    assert (mirror.token, mirror.document) == ("6", {"severity": "critical"})
+    assert target.effects == 2
+    for each in (action, newer):
+        each.refresh_from_db()
+        assert each.status == "applied"
+        assert AuditEvent.objects.filter(event_type="write.applied", action_id=each.pk).count() == 1
+
+
 def test_a_stale_http_worker_resuming_with_a_retry_does_not_steal_the_new_claim(
     world: Any, engine_redis: Any, target: TargetServer, settings: Any, monkeypatch: Any
 ) -> None:

@@ -7,7 +7,10 @@
 - still the version it was written on → not applied: `failed` with the read's evidence;
 - someone else's version → said on the action (`last_read: conflict`), no new work;
 - the resource's lock held (a write or an undo sending) → skipped this tick, nothing read or
-  recorded and no backoff spent; settled on the next tick once the lock is free.
+  recorded and no backoff spent; settled on the next tick once the lock is free;
+- the re-read paused past its lock's TTL between its read and its record while another write
+  takes the lock, lands and is recorded → what it read is recorded on the lost attempt (true
+  of it), but the mirror keeps the newer write (the fence checked at the mirror row).
 
 A real PostgreSQL table behind a TCP link the test breaks (tests/fixtures/flaky_link.py), and
 the Procfile's `cron` process with a real worker for the end-to-end case.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -33,12 +37,13 @@ from approvals.services.reread import RESULTS, reread_unsettled
 from approvals.services.undo import action_undo_request, undo_execute
 from audit.models import AuditEvent
 from audit.services import Actor
-from engine.core.lock import FencedLock
+from engine.core.lock import FencedLock, lock_key
 from ownership.models import Conflict, Resource
 from tests.conftest import ROOT, subprocess_env
 from tests.fixtures.engine import wait_for, wait_until_due
 from tests.fixtures.last_read import Rows, events, propose_seats
 from tests.fixtures.targets import row, someone_updates_row
+from tests.races import WAIT, Worker
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -277,3 +282,72 @@ def test_the_re_read_skips_a_resource_whose_lock_is_held_and_settles_it_on_the_n
     assert action.status == ("applied" if what == "write" else "undone")
     assert unsettled.status == "done" and unsettled.outcome["settled_later"] is True
     assert reread_unsettled() == NOTHING
+
+
+@pytest.mark.parametrize("what", ["write", "undo"])
+def test_a_re_read_paused_past_its_lock_s_ttl_never_puts_the_mirror_behind_a_newer_write(
+    engine_world: Any,
+    engine_redis: Any,
+    settings: Any,
+    linked_rows: Rows,
+    monkeypatch: pytest.MonkeyPatch,
+    what: str,
+) -> None:
+    """The collision: the re-read reads the target and checks its lock, then its process
+    pauses (GC, SIGSTOP) past the lock's TTL before it records. Another write of the same
+    resource takes the lock with a newer fence, lands at the target and records the mirror.
+    The re-read resumes and records: the mirror must still show the newer write, never what
+    the re-read saw before it (the mirror behind the target: a conflict page, an undo or a
+    proposal's diff against a document that is gone)."""
+    from approvals.services import external_undo, reread
+
+    if what == "write":
+        action = _unsettled(engine_world, settings, linked_rows, landed=False)  # acme at 1
+        record_module, record_name, written_on = reread, "_record_not_done", "1"
+    else:
+        action = _unsettled_undo(engine_world, settings, linked_rows).action  # acme at 3
+        record_module, record_name, written_on = external_undo, "_record_undone", "3"
+    assert linked_rows.link is not None
+    linked_rows.link.up()
+    paused, resume = threading.Event(), threading.Event()
+    real_record = getattr(record_module, record_name)
+
+    def record_after_a_pause(*args: Any, **kwargs: Any) -> Any:
+        paused.set()  # read, and the lock checked: still ours
+        assert resume.wait(WAIT)
+        return real_record(*args, **kwargs)
+
+    monkeypatch.setattr(record_module, record_name, record_after_a_pause)
+    rereader = Worker(reread_unsettled)
+    rereader.start()
+    assert paused.wait(WAIT)
+    # Paused past the TTL: the lock is gone (its heartbeat paused with the process).
+    engine_redis_client().delete(lock_key(action.resource_identifier))
+    newer = engine_world.propose(
+        linked_rows.kind,
+        "acme",
+        payload={"seats": 7},
+        payload_format="merge_patch",
+        observed_version=written_on,
+    )
+    assert action_execute(action_id=newer.pk) == "applied"  # a newer fence, at the target
+    landed = str(int(written_on) + 1)
+    assert row(linked_rows.url, "acme") == ({"seats": 7}, int(landed))
+    resume.set()
+    counts = rereader.finish()
+
+    mirror = Resource.objects.get(kind=linked_rows.kind, name="acme")
+    assert (mirror.token, mirror.document) == (landed, {"seats": 7})  # not put back
+    assert row(linked_rows.url, "acme") == ({"seats": 7}, int(landed))  # nothing sent
+    action.refresh_from_db()
+    if what == "write":
+        # What it read is true of the lost attempt: it had not landed (acme was still at 1).
+        assert counts == {**NOTHING, "not_applied": 1}
+        assert action.status == "failed" and action.error["last_read"] == "not_applied"
+        assert action.error["current_version"] == "1"
+    else:
+        # The undo had landed (acme at 3 held the prior document): recorded undone, once.
+        assert counts == {**NOTHING, "applied": 1}
+        assert action.status == "undone"
+        assert len(events(action, "write.undone")) == 1
+    assert reread_unsettled() == NOTHING  # settled once: never read again

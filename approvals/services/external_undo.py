@@ -351,7 +351,9 @@ def _moved(
 ) -> UndoOutcome:
     """Someone changed it since: the refusal and the conflict for a person, together."""
     with transaction.atomic():
-        resource = mirror_snapshot(action.kind, action.name, current or ABSENT)
+        resource = mirror_snapshot(
+            action.kind, action.name, current or ABSENT, guard_fence=int(base["fence"])
+        )
         if resource is None:
             resource = Resource.objects.get(kind=action.kind, name=action.name)
         base = {**base, "current_version": None if current is None else current.version}
@@ -379,10 +381,12 @@ def _record_undone(
     fence: int,
     actor: Actor,
     how: dict[str, Any] | None = None,
+    guard_fence: int | None = None,
 ) -> UndoOutcome:
     """Record the undo done. `how`: how it was settled when a read settled it after the
     attempts (`last_read`) or after the undo had ended unsettled (`settled_later`) — kept on
-    the undo operation and in `write.undone`."""
+    the undo operation and in `write.undone`. `guard_fence`: the lock held while the undo's
+    effect was seen, when not the undo's own (`fence`) — the periodic re-read's."""
     how = how or {}
     document, deleted = restored
     now = timezone.now()
@@ -395,6 +399,7 @@ def _record_undone(
             fence=fence,
             run_id=action.run_id,
             action_id=action.pk,
+            guard_fence=fence if guard_fence is None else guard_fence,
         )
         if resource is not None and person_id(actor) is not None:
             resource.versions.filter(version=resource.version).update(person_id=person_id(actor))
@@ -474,7 +479,15 @@ def undo_reread(undo_op: Operation, *, actor: Actor, lock: Any) -> str:
             reread["result"] = "applied"
             how = {"settled_later": True, "unknown": outcome.get("unknown"), "reread": reread}
             _record_undone(
-                locked, action, original, restored, settled.version, locked.fence, actor, how
+                locked,
+                action,
+                original,
+                restored,
+                settled.version,
+                locked.fence,
+                actor,
+                how,
+                guard_fence=int(lock.fence),
             )
             return "applied"
         result = "not_applied" if isinstance(settled, NotApplied) else "conflict"
@@ -487,7 +500,7 @@ def undo_reread(undo_op: Operation, *, actor: Actor, lock: Any) -> str:
             outcome.pop("unknown", None)
             outcome.pop("outcome", None)
         if settled.current is not None:
-            mirror_snapshot(action.kind, action.name, settled.current)
+            mirror_snapshot(action.kind, action.name, settled.current, guard_fence=int(lock.fence))
         Operation.objects.filter(pk=locked.pk).update(
             outcome={**outcome, **evidence, "reread": {**reread, "result": result}}
         )

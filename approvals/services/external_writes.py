@@ -120,7 +120,7 @@ def execute_external(*, action: Action, lock: Any, fence: int) -> str:
     lock.on_renew(partial(renew_operation_lease, operation.pk))
     intended = intended_write(action, adapter)
     if isinstance(intended, Snapshot):  # the version moved before we could even build it
-        return _record_stale(action=action, operation=operation, current=intended)
+        return _record_stale(action=action, operation=operation, current=intended, fence=fence)
     if last_read_due(action.error):  # the attempts ran out: read, never send
         return _last_read(action, operation, adapter, intended, fence)
     if not adapter.capabilities.takes_idempotency_key and _earlier_unknown(action):
@@ -242,7 +242,7 @@ def _settle_by_reading(
             settled_by_reading=True,
             last_read=last_read,
         )
-    return _record_stale(action=action, operation=operation, current=settled.current)
+    return _record_stale(action=action, operation=operation, current=settled.current, fence=fence)
 
 
 def _last_read(
@@ -362,7 +362,7 @@ def _route(
             except TargetError:
                 current = None
         if current is not None and not current.exists and action.operation != "create":
-            _mirror_quietly(action, ABSENT)
+            _mirror_quietly(action, ABSENT, fence)
             action_fail(
                 action_id=action.pk,
                 code="not_found",
@@ -370,7 +370,7 @@ def _route(
                 operation_id=operation.pk,
             )
             return "failed"
-        return _record_stale(action=action, operation=operation, current=current)
+        return _record_stale(action=action, operation=operation, current=current, fence=fence)
     if outcome is Outcome.UNKNOWN:
         return _record_unknown(action, operation, fence, result.detail)
     if outcome is Outcome.FAILED:
@@ -454,7 +454,7 @@ def _record_applied(
             operation_fail_pending(operation.pk, {"superseded": True})
             log.info("action %s: stale delivery of operation %s", action.pk, operation.pk)
             return "superseded"
-        resource = mirror_written(action, intended, version, fence=fence)
+        resource = mirror_written(action, intended, version, fence=fence, guard_fence=fence)
         effect_op = _settle_unknown(action=action, operation=operation)
         settled = operation_record_applied(
             effect_op.pk,
@@ -495,10 +495,11 @@ def _record_applied(
 
 
 def mirror_written(
-    action: Action, intended: Intended, version: str | None, *, fence: int
+    action: Action, intended: Intended, version: str | None, *, fence: int, guard_fence: int
 ) -> Resource | None:
     """The mirror row after our write took effect at the target (its history row with it);
-    the row as it is when the mirror keeps nothing new."""
+    the row as it is when the mirror keeps nothing new — or when a holder of a fence newer
+    than `guard_fence` (the lock held while our write's effect was seen) recorded since."""
     snapshot = ABSENT if intended.deleted else Snapshot(intended.document, version)
     resource = None
     if snapshot.exists or intended.deleted:  # a write reported with no version: no mirror
@@ -510,6 +511,7 @@ def mirror_written(
             fence=fence,
             run_id=action.run_id,
             action_id=action.pk,
+            guard_fence=guard_fence,
         )
     if resource is None:
         resource = Resource.objects.filter(kind=action.kind, name=action.name).first()
@@ -560,19 +562,23 @@ def _settle_unknown(*, action: Action, operation: Operation) -> Operation:
     return unknown
 
 
-def _mirror_quietly(action: Action, snapshot: Snapshot | None) -> None:
+def _mirror_quietly(action: Action, snapshot: Snapshot | None, fence: int) -> None:
+    """What the target answered, read under the lock of `fence` (a newer holder's record
+    is kept: ownership.targets.mirror_snapshot)."""
     if snapshot is None:
         return
-    mirror_snapshot(action.kind, action.name, snapshot)
+    mirror_snapshot(action.kind, action.name, snapshot, guard_fence=fence)
 
 
-def _record_stale(*, action: Action, operation: Operation, current: Snapshot | None) -> str:
+def _record_stale(
+    *, action: Action, operation: Operation, current: Snapshot | None, fence: int
+) -> str:
     """The version moved at the target: mirror what it holds (for the conflict page), close
     any unknown attempt (it did not apply ours), then route by class."""
     with transaction.atomic():
         if attempt_superseded(operation.pk):
             return "superseded"
-        _mirror_quietly(action, current)
+        _mirror_quietly(action, current, fence)
         Operation.objects.filter(
             action=action, undo_of__isnull=True, status=OperationStatus.UNKNOWN
         ).update(

@@ -25,7 +25,10 @@ Each read and its record hold the resource's fenced lock (engine/core/lock.py), 
 write or an undo of it holds while it sends: a write cannot land between what the re-read
 saw and what it records (the mirror put back behind the target, stale evidence). A busy
 lock is not waited for: the resource is `busy` this tick (no backoff, no audit row) and
-read on the next one.
+read on the next one. The lock is checked after the read, and the mirror checks the fence
+itself (ownership.targets.mirror_snapshot): a re-read paused past the lock's TTL after its
+check resumes after a newer holder wrote and recorded; what it read is still true of the
+lost attempt and is recorded on it, but the mirror keeps the newer holder's record.
 
 A plan step whose write is settled `applied` after its plan stopped is compensated too:
 each tick ends with plan_engine.plans_settled_late (the plan reopened, the step undone in
@@ -229,10 +232,11 @@ def _reread_write(operation: Operation, now: datetime, lock: FencedLock) -> str:
         _later(unknown, now, str(exc))
         return "unreadable"
     lock.check()  # still ours: nothing was written since the read
+    held = int(lock.fence or 0)  # the store's check too: the TTL may pass before the record
     if isinstance(settled, Applied):
-        return _record_applied(operation, action, intended, settled.version, now)
+        return _record_applied(operation, action, intended, settled.version, now, held)
     result = "not_applied" if isinstance(settled, NotApplied) else "conflict"
-    return _record_not_done(operation, action, result, settled.current, now)
+    return _record_not_done(operation, action, result, settled.current, now, held)
 
 
 def _lock_unsettled(operation: Operation, action: Action) -> tuple[Operation, Action] | None:
@@ -254,14 +258,21 @@ def _lock_unsettled(operation: Operation, action: Action) -> tuple[Operation, Ac
 
 
 def _record_applied(
-    operation: Operation, action: Action, intended: Intended, version: str | None, now: datetime
+    operation: Operation,
+    action: Action,
+    intended: Intended,
+    version: str | None,
+    now: datetime,
+    held_fence: int,
 ) -> str:
     with transaction.atomic():
         held = _lock_unsettled(operation, action)
         if held is None:
             return "superseded"
         lost, locked = held
-        resource = mirror_written(action, intended, version, fence=lost.fence)
+        resource = mirror_written(
+            action, intended, version, fence=lost.fence, guard_fence=held_fence
+        )
         before = dict(lost.outcome) if isinstance(lost.outcome, dict) else {}
         operation_record_applied(
             lost.pk,
@@ -309,7 +320,12 @@ def _record_applied(
 
 
 def _record_not_done(
-    operation: Operation, action: Action, result: str, current: Snapshot, now: datetime
+    operation: Operation,
+    action: Action,
+    result: str,
+    current: Snapshot,
+    now: datetime,
+    held_fence: int,
 ) -> str:
     """Not ours at the target: the version written on (not applied: the lost attempts close
     so) or someone else's (a conflict: the lost attempt stays `unknown`)."""
@@ -323,7 +339,7 @@ def _record_not_done(
         if held is None:
             return "superseded"
         lost, locked = held
-        mirror_snapshot(action.kind, action.name, current)
+        mirror_snapshot(action.kind, action.name, current, guard_fence=held_fence)
         error = dict(locked.error) if isinstance(locked.error, dict) else {}
         before = dict(lost.outcome) if isinstance(lost.outcome, dict) else {}
         reread = {**(before.get("reread") or {}), "result": result, "at": now.isoformat()}
