@@ -79,7 +79,7 @@ def _action_list_for_actor(actor: Any) -> QuerySet[Action]:
     # An Agent or a person; a run token reads through actions_visible_to.
     qs = _actions()
     if isinstance(actor, Agent):
-        return qs.filter(**agent_token_action_scope(actor))
+        return actions_in_token_scope(agent_token_action_scope(actor))
     if can_read_everything(actor):
         return qs
     groups = user_groups(actor)
@@ -139,7 +139,23 @@ def actions_visible_to(reader: Any) -> QuerySet[Action]:
     a run token further, to its own run, in their own checks."""
     if not isinstance(reader, Run):
         return _action_list_for_actor(reader)
-    return _actions().filter(**run_token_action_scope(reader))
+    return actions_in_token_scope(run_token_action_scope(reader))
+
+
+def token_action_scope(reader: Any) -> dict[str, Any] | None:
+    """A token reader's scope as column values (agent_token_action_scope,
+    run_token_action_scope); None for a person, whose visibility is not column values."""
+    if isinstance(reader, Run):
+        return run_token_action_scope(reader)
+    if isinstance(reader, Agent):
+        return agent_token_action_scope(reader)
+    return None
+
+
+def actions_in_token_scope(scope: dict[str, Any]) -> QuerySet[Action]:
+    """The actions a token reader may read, given its scope's column values — or `Param`s,
+    for a statement compiled once per scope's shape (approvals/api/actions.py)."""
+    return _actions().filter(**scope)
 
 
 def agent_token_action_scope(agent: Agent) -> dict[str, Any]:

@@ -3,6 +3,7 @@ gives what the ORM gives (issue 41: the proposal's and the token lookup's statem
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +15,7 @@ from django.utils import timezone
 
 from approvals.api.serialize import action_load, with_body_facts
 from approvals.models import Action, Run
+from approvals.selectors import actions_visible_to
 from approvals.services import actions, tokens
 from approvals.services.queued_writes import in_flight_on, writes_in_flight
 from console.compiled_query import CompiledQuery, Param
@@ -154,3 +156,43 @@ def test_shapes_it_cannot_run_faithfully_are_refused() -> None:
     missing = CompiledQuery(lambda: Run.objects.filter(task=Param("task", _TASK)))
     with pytest.raises(TypeError, match="no value given"):
         missing.all()
+
+
+def test_an_action_poll_reads_for_each_token_what_the_orm_reads(run: Any, prod_alerts: Any) -> None:
+    """The poll's two reads, compiled once per token scope's shape, against the selector they
+    stand for (actions_visible_to): the agent's token, its run's, another live run of the
+    same agent (the agent's actions), that run once ended (its own actions only), another
+    agent's token (nothing)."""
+    from approvals.api.actions import _revision_and_status, _with_body
+
+    action = applied_prod_alerts_action(run.run)
+    agent = run.run.agent
+    sibling = make_active_run(
+        agent, [{"resource": "dns-record/web-1", "operations": ["create"]}]
+    ).run
+    stranger = make_agent_with_token("other-bot").agent
+
+    def reads(reader: Any) -> bool:
+        visible = actions_visible_to(reader).filter(pk=action.pk)
+        row = visible.values_list("revision", "status").first()
+        assert _revision_and_status(reader, action.pk) == row
+        expected, found = with_body_facts(visible).first(), _with_body(reader, action.pk)
+        assert (found is None) == (expected is None) == (row is None)
+        if expected is not None:
+            assert found is not None and _fields(found) == _fields(expected)
+            assert _fields(found.run.agent) == _fields(expected.run.agent)
+            for name in ("_write_conflict", "_execution", "_undo_requested"):
+                assert getattr(found, name) == getattr(expected, name), name
+        return row is not None
+
+    assert [reads(reader) for reader in (agent, run.run, sibling, stranger)] == [
+        True,
+        True,
+        True,
+        False,
+    ]
+    Run.objects.filter(pk=sibling.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    sibling.refresh_from_db()
+    assert reads(sibling) is False  # ended: its own run's actions only
+    assert reads(run.run) is True
+    assert _revision_and_status(agent, uuid.uuid4()) is None

@@ -15,6 +15,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import transaction
+from django.db.models import Field, QuerySet
 from django.http import HttpRequest, HttpResponse
 from ninja import Query, Router
 
@@ -33,7 +34,11 @@ from approvals.api.serialize import (
     with_body_facts,
 )
 from approvals.models import FINAL_ACTION_STATUSES, Action
-from approvals.selectors import actions_visible_to
+from approvals.selectors import (
+    actions_in_token_scope,
+    actions_visible_to,
+    token_action_scope,
+)
 from approvals.services import actions as action_services
 from approvals.services import idempotency
 from approvals.services.preconditions import TagCondition, read_condition
@@ -63,6 +68,7 @@ from console.auth import (
     reader_of,
     run_or_person_token,
 )
+from console.compiled_query import CompiledQuery, Param
 from console.problems import ApiError, errors
 from engine.core.errors import NotFound
 
@@ -82,6 +88,63 @@ def _visible(principal: Principal, action_id: uuid.UUID) -> Action:
 
 
 # --- Read, with long-poll ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ScopedReads:
+    """A token reader's two reads of one action, compiled once per scope's shape."""
+
+    state: CompiledQuery  # (revision, status)
+    body: CompiledQuery  # the action with what its JSON shows (with_body_facts)
+
+
+_SCOPED_READS: dict[tuple[str, ...], _ScopedReads] = {}
+
+
+def _scoped_reads(columns: tuple[str, ...]) -> _ScopedReads:
+    """The reads for a token scope of these columns (an agent's, a live or an ended run's):
+    the same selector as actions_visible_to, its values as `Param`s. Building these two
+    querysets per poll was most of the Django path's CPU (issue 41); a person's visibility
+    is not column values and stays the ORM's."""
+    reads = _SCOPED_READS.get(columns)
+    if reads is None:
+
+        def visible() -> QuerySet[Action]:
+            scope = {column: Param(column, _column(column)) for column in columns}
+            return actions_in_token_scope(scope).filter(pk=Param("id", _column("id")))
+
+        reads = _SCOPED_READS.setdefault(
+            columns,
+            _ScopedReads(
+                state=CompiledQuery(lambda: visible().values_list("revision", "status")),
+                body=CompiledQuery(lambda: with_body_facts(visible())),
+            ),
+        )
+    return reads
+
+
+def _column(name: str) -> Field[Any, Any]:
+    field = Action._meta.get_field(name)
+    assert isinstance(field, Field)  # a column of the action, not a reverse relation
+    return field
+
+
+def _revision_and_status(reader: Any, action_id: uuid.UUID) -> tuple[int, str] | None:
+    scope = token_action_scope(reader)
+    if scope is None:
+        visible = actions_visible_to(reader).filter(pk=action_id)
+        row: tuple[int, str] | None = visible.values_list("revision", "status").first()
+        return row
+    found: tuple[int, str] | None = _scoped_reads(tuple(scope)).state.first(id=action_id, **scope)
+    return found
+
+
+def _with_body(reader: Any, action_id: uuid.UUID) -> Action | None:
+    scope = token_action_scope(reader)
+    if scope is None:
+        return with_body_facts(actions_visible_to(reader).filter(pk=action_id)).first()
+    found: Action | None = _scoped_reads(tuple(scope)).body.first(id=action_id, **scope)
+    return found
 
 
 @dataclass(frozen=True)
@@ -114,10 +177,9 @@ def _action_state(
     (the first call), in the same thread hop as the read.
     """
     try:
-        principal = principal_resolve(request)
-        visible = actions_visible_to(reader_of(principal)).filter(pk=action_id)
+        reader = reader_of(principal_resolve(request))
         if condition is not None or (holding and not woken):
-            row = visible.values_list("revision", "status").first()
+            row = _revision_and_status(reader, action_id)
             if row is None:
                 raise NotFound(f"Action {action_id} not found.")
             state = ActionState(
@@ -127,7 +189,7 @@ def _action_state(
                 return state
             if condition is not None and condition.weak_match(state.etag):
                 return state
-        action = with_body_facts(visible).first()
+        action = _with_body(reader, action_id)
         if action is None:
             raise NotFound(f"Action {action_id} not found.")
         state = ActionState(etag=action.etag, final=action.is_final, body=action_body(action))
