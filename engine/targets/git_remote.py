@@ -14,8 +14,8 @@ https remotes: every fetch and push runs with `http.<url>.sslVerify=true`, and w
 `ca_bundle_env` trusts only that CA bundle (engine/targets/tls.py). A certificate that does
 not verify means nothing was sent: `RemoteUnreachable`, at the fetch and at the push. With
 `client_cert_env` git's curl presents that client certificate (`http.<url>.sslCert` /
-`sslKey`, a private file while git runs). A server refusing it ends git's first request — the
-refs, a GET — with a TLS alert ("unable to access"): nothing was pushed, `RemoteUnreachable`;
+`sslKey`, a private file while git runs). A server refusing it ends the TLS session at git's
+first request — the refs, a GET ("unable to access"): nothing was pushed, `RemoteUnreachable`;
 met later, while the pack is posted, the push stays `unknown`.
 
 ssh remotes (`ssh://`, `user@host:path`; engine/targets/git_ssh.py): `ssh_key_env` (with
@@ -43,10 +43,10 @@ from engine.targets.git_ssh import check_ssh_url, is_ssh_url, ssh_access, ssh_co
 from engine.targets.tls import (
     ca_bundle,
     curl_certificate_complaint,
-    curl_client_certificate_complaint,
+    curl_session_ended,
     git_tls_config,
+    refused_at_the_refs,
     refused_certificate,
-    refused_client_certificate,
 )
 
 # Git runs a `!`-helper with the shell; the values come from the environment git inherits.
@@ -249,17 +249,17 @@ class GitRemote:
             self._git("update-ref", "-d", mine)
 
     def _tls_refusal(self, stderr: str) -> str | None:
-        """Why git's curl sent nothing, when TLS stopped it: the server's certificate did not
-        verify, or the server refused our client certificate at git's first request."""
+        """Why git's curl sent nothing, when TLS stopped it on an https remote: the server's
+        certificate did not verify, or the server ended the session at git's first request
+        (how it refuses our client certificate)."""
         s = self.settings
+        if not s.repository.startswith("https://"):
+            return None
         unverified = curl_certificate_complaint(stderr)
         if unverified is not None:
             return refused_certificate(unverified, s.ca_bundle_env)
-        alert = curl_client_certificate_complaint(stderr)
-        if alert is not None:
-            said = refused_client_certificate(alert, s.client_cert_env)
-            return f"{said} — at the first request, the refs: nothing was sent"
-        return None
+        ended = curl_session_ended(stderr)
+        return None if ended is None else refused_at_the_refs(ended, s.client_cert_env)
 
     def push(self, commit: str, head: str | None) -> str:
         """MOVED, LOST (the remote refused: it no longer holds `head`) or UNKNOWN."""

@@ -76,9 +76,10 @@ _CLIENT_CERTIFICATE_ALERTS = (
     "CERTIFICATE_UNKNOWN",
     "ACCESS_DENIED",
 )
-# What git's curl says on receiving such an alert: GnuTLS (Debian's git) names no alert,
-# only that one was fatal; an OpenSSL build names it.
-_CURL_TLS_ALERTS = (
+# How git's curl reports a server ending the TLS session at once: an alert (GnuTLS, Debian's
+# git, names none; an OpenSSL build does), or — when the server's close wins the race with
+# curl's next call, about 2 times in 5 against Apache — the socket already shut.
+_CURL_SESSION_ENDED = (
     "A TLS fatal alert has been received",
     "alert certificate required",
     "alert handshake failure",
@@ -88,6 +89,9 @@ _CURL_TLS_ALERTS = (
     "alert certificate revoked",
     "alert certificate unknown",
     "alert access denied",
+    "Transport endpoint is not connected",
+    "Broken pipe",
+    "Connection reset by peer",
 )
 # git's line for its first request (the refs, a GET) failing: nothing else was sent.
 _CURL_DISCOVERY = re.compile(r"^fatal: unable to access '[^']*': (?P<reason>.+)$")
@@ -212,25 +216,16 @@ def client_certificate_alert(exc: BaseException) -> str | None:
     return None
 
 
+def _presented(env_name: str | None) -> str:
+    if env_name:
+        return f"the client certificate in {env_name}"
+    return "a connection without a client certificate (the kind names no client_cert_env)"
+
+
 def refused_client_certificate(alert: str, env_name: str | None) -> str:
     """The one message for a server that refused our client certificate (scrubbed: names
     the variable, never its text); the caller says whether anything may have been sent."""
-    presented = (
-        f"the client certificate in {env_name}"
-        if env_name
-        else "a connection without a client certificate (the kind names no client_cert_env)"
-    )
-    return f"the server refused {presented}: TLS alert {alert.strip()}"
-
-
-def curl_client_certificate_complaint(stderr: str) -> str | None:
-    """What git's curl said when a TLS alert ended its first request — the refs, a GET,
-    before anything is pushed: how a server refuses a client certificate; else None."""
-    for line in stderr.splitlines():
-        found = _CURL_DISCOVERY.match(line.strip())
-        if found and any(sign in found["reason"] for sign in _CURL_TLS_ALERTS):
-            return found["reason"].strip()
-    return None
+    return f"the server refused {_presented(env_name)} (TLS: {alert.strip()})"
 
 
 def curl_certificate_complaint(stderr: str) -> str | None:
@@ -239,6 +234,27 @@ def curl_certificate_complaint(stderr: str) -> str | None:
         if any(sign in line for sign in _CURL_CERTIFICATE):
             return _CURL_CA_FILES.sub("", line.strip().removeprefix("fatal: "))
     return None
+
+
+def curl_session_ended(stderr: str) -> str | None:
+    """What git's curl said when the server ended the TLS session at git's first request —
+    the refs, a GET, before anything is pushed: how a server refuses a client certificate
+    (or its absence); else None."""
+    for line in stderr.splitlines():
+        found = _CURL_DISCOVERY.match(line.strip())
+        if found and any(sign in found["reason"] for sign in _CURL_SESSION_ENDED):
+            return found["reason"].strip()
+    return None
+
+
+def refused_at_the_refs(reason: str, env_name: str | None) -> str:
+    """The one message for `curl_session_ended`: curl does not say why the server ended
+    the session, so it says what is known — when, and what we presented."""
+    return (
+        f"the server ended the TLS session at git's first request, the refs ({reason.strip()})"
+        f" — as a server requiring a client certificate refuses {_presented(env_name)};"
+        " nothing was sent"
+    )
 
 
 @contextmanager
