@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -373,6 +374,21 @@ def read_credentials(env_name: str) -> str:
     if not value:
         raise TargetError(f"the environment variable {env_name} is not set on this worker")
     return value
+
+
+# Where secrets live while a command or a handshake needs them as files (an ssh key, a TLS
+# client key, the files beside them): memory when we can. Only a fresh mkdtemp directory
+# (0700) is made in it, never a guessable name.
+_SHM = "/dev/shm"  # noqa: S108
+SCRATCH: str | None = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
+
+
+def write_private_file(path: Path, text: str) -> Path:
+    """`text` in a new file only its owner can read (0600; refused if `path` exists)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    return path
 
 
 def child_environment(*, drop_prefix: str) -> dict[str, str]:

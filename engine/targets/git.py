@@ -7,6 +7,8 @@ A kind's settings (`GitSettings.from_settings`):
     credentials_env  an http(s) remote's credentials variable (user:password or a token)
     ca_bundle_env    an https remote's variable holding the PEM text of the CA bundle to
                  trust instead of the system store (engine/targets/tls.py; never unverified)
+    client_cert_env  an https remote's variable holding the PEM text of a client certificate
+                 and its unencrypted key, for a server requiring mutual TLS
     ssh_key_env, ssh_known_hosts_env   an ssh remote's variables: the private key's text,
                  and the known_hosts line(s) pinning the server's host key (both required,
                  unless `ssh_agent_env` replaces the key)
@@ -84,6 +86,7 @@ from engine.targets.git_remote import (
     check_remote_url,
 )
 from engine.targets.git_ssh import is_ssh_url
+from engine.targets.tls import tls_setting
 
 MAX_REBASES = 8
 ZERO = "0" * 40
@@ -92,6 +95,7 @@ _KNOWN = (
     "mirror",
     "credentials_env",
     "ca_bundle_env",
+    "client_cert_env",
     "ssh_key_env",
     "ssh_known_hosts_env",
     "ssh_key_passphrase_env",
@@ -102,6 +106,7 @@ _KNOWN = (
     "author_email",
     "timeout",
 )
+_TLS_SETTINGS = ("ca_bundle_env", "client_cert_env")  # https remotes only (tls.py)
 # A conservative branch name (git check-ref-format allows more, we need no more).
 _BRANCH = re.compile(r"^(?!.*\.\.)(?!.*//)(?!/)[A-Za-z0-9._/-]{1,200}(?<![./])$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -124,6 +129,7 @@ class GitSettings:
     mirror: str | None = None  # a remote repository's local bare mirror
     credentials_env: str | None = None  # an http(s) remote's user:password (or token)
     ca_bundle_env: str | None = None  # an https remote's CA bundle to trust (PEM text)
+    client_cert_env: str | None = None  # an https remote's client certificate + key (PEM)
     ssh_key_env: str | None = None  # an ssh remote's private key (its text)
     ssh_known_hosts_env: str | None = None  # an ssh remote's pinned host key line(s)
     ssh_key_passphrase_env: str | None = None  # the passphrase of that key
@@ -143,7 +149,6 @@ class GitSettings:
             raise TargetConfigError("repository: the path of a local git repository")
         mirror = settings.get("mirror")
         credentials_env = settings.get("credentials_env")
-        ca_bundle_env = settings.get("ca_bundle_env")
         ssh_key_env = settings.get("ssh_key_env")
         ssh_known_hosts_env = settings.get("ssh_known_hosts_env")
         passphrase_env = settings.get("ssh_key_passphrase_env")
@@ -164,10 +169,11 @@ class GitSettings:
                         "(an ssh remote names ssh_key_env and ssh_known_hosts_env)"
                     )
                 check_env_name(credentials_env)
-            if ca_bundle_env is not None:
-                check_env_name(ca_bundle_env, "ca_bundle_env")
-                if not repository.startswith("https://"):
-                    raise TargetConfigError("ca_bundle_env: only for https remotes")
+            https = repository.startswith("https://")
+            tls = {
+                name: tls_setting(settings, name, https=https, refusal="only for https remotes")
+                for name in _TLS_SETTINGS
+            }
             if is_ssh_url(repository):
                 _check_ssh_names(ssh_key_env, passphrase_env, agent_env)
                 check_env_name(ssh_known_hosts_env, "ssh_known_hosts_env")
@@ -179,12 +185,14 @@ class GitSettings:
         else:
             if not os.path.isabs(repository):
                 raise TargetConfigError("repository: an absolute path")
-            remote_only = (mirror, credentials_env, ca_bundle_env, *ssh_names)
+            tls_names = (settings.get(name) for name in _TLS_SETTINGS)
+            remote_only = (mirror, credentials_env, *tls_names, *ssh_names)
             if any(v is not None for v in remote_only):
                 raise TargetConfigError(
-                    "mirror, credentials_env, ca_bundle_env and ssh_*_env: "
+                    "mirror, credentials_env, ca_bundle_env, client_cert_env and ssh_*_env: "
                     "only for a remote repository"
                 )
+            tls = dict.fromkeys(_TLS_SETTINGS)
         branch = settings.get("branch", "main")
         if not isinstance(branch, str) or not _BRANCH.match(branch) or branch.endswith(".lock"):
             raise TargetConfigError(f"branch: {branch!r} is not a plain branch name")
@@ -211,7 +219,8 @@ class GitSettings:
             timeout=float(timeout),
             mirror=mirror,
             credentials_env=credentials_env,
-            ca_bundle_env=ca_bundle_env,
+            ca_bundle_env=tls["ca_bundle_env"],
+            client_cert_env=tls["client_cert_env"],
             ssh_key_env=ssh_key_env,
             ssh_known_hosts_env=ssh_known_hosts_env,
             ssh_key_passphrase_env=passphrase_env,

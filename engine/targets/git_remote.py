@@ -12,7 +12,11 @@ config or a file — and every message is scrubbed of them.
 
 https remotes: every fetch and push runs with `http.<url>.sslVerify=true`, and with
 `ca_bundle_env` trusts only that CA bundle (engine/targets/tls.py). A certificate that does
-not verify means nothing was sent: `RemoteUnreachable`, at the fetch and at the push.
+not verify means nothing was sent: `RemoteUnreachable`, at the fetch and at the push. With
+`client_cert_env` git's curl presents that client certificate (`http.<url>.sslCert` /
+`sslKey`, a private file while git runs). A server refusing it ends the TLS session at git's
+first request — the refs, a GET ("unable to access"): nothing was pushed, `RemoteUnreachable`;
+met later, while the pack is posted, the push stays `unknown`.
 
 ssh remotes (`ssh://`, `user@host:path`; engine/targets/git_ssh.py): `ssh_key_env` (with
 `ssh_key_passphrase_env`) or `ssh_agent_env`, and `ssh_known_hosts_env`, reach git's ssh
@@ -39,7 +43,9 @@ from engine.targets.git_ssh import check_ssh_url, is_ssh_url, ssh_access, ssh_co
 from engine.targets.tls import (
     ca_bundle,
     curl_certificate_complaint,
+    curl_session_ended,
     git_tls_config,
+    refused_at_the_refs,
     refused_certificate,
 )
 
@@ -76,6 +82,8 @@ class RemoteSettings(Protocol):
     def credentials_env(self) -> str | None: ...
     @property
     def ca_bundle_env(self) -> str | None: ...
+    @property
+    def client_cert_env(self) -> str | None: ...
     @property
     def ssh_key_env(self) -> str | None: ...
     @property
@@ -117,9 +125,10 @@ class GitRemote:
     @contextmanager
     def _access(self, command: str) -> Iterator[_Access]:
         """(config args, child environment, secrets, what explains a failure) for one git
-        command; an ssh remote's key files and an https remote's CA bundle exist only while a
-        fetch or push runs. A variable this worker does not have (or an agent socket that is
-        not there) means nothing can be sent: RemoteUnreachable."""
+        command; an ssh remote's key files and an https remote's CA bundle and client
+        certificate exist only while a fetch or push runs. A variable this worker does not
+        have (or an agent socket that is not there, a client certificate that does not load)
+        means nothing can be sent: RemoteUnreachable."""
         s = self.settings
         https = command in _NETWORK and s.repository.startswith("https://")
         try:
@@ -128,7 +137,15 @@ class GitRemote:
         except TargetError as exc:
             raise RemoteUnreachable(str(exc)) from None
         if https:
-            with git_tls_config(s.repository, pem, git_ssh.SCRATCH) as tls_env:
+            with ExitStack() as stack:
+                try:
+                    tls_env = stack.enter_context(
+                        git_tls_config(
+                            s.repository, pem, git_ssh.SCRATCH, client_cert_env=s.client_cert_env
+                        )
+                    )
+                except TargetError as exc:
+                    raise RemoteUnreachable(str(exc)) from None
                 yield pre, env | tls_env, secrets, _as_is
             return
         if command not in _NETWORK or not is_ssh_url(s.repository):
@@ -217,11 +234,9 @@ class GitRemote:
             if "couldn't find remote ref" in message:
                 return None
             lines = message.strip().splitlines()
-            refused = curl_certificate_complaint(message)
+            refused = self._tls_refusal(message)
             if refused is not None:
-                raise RemoteUnreachable(
-                    f"git fetch failed: {refused_certificate(refused, self.settings.ca_bundle_env)}"
-                )
+                raise RemoteUnreachable(f"git fetch failed: {refused}")
             said = ssh_complaint(message)
             reason = said[1] if said else lines[-1] if lines else done.returncode
             text = f"git fetch failed: {reason}"
@@ -232,6 +247,19 @@ class GitRemote:
             return self._must("rev-parse", f"{mine}^{{commit}}")
         finally:
             self._git("update-ref", "-d", mine)
+
+    def _tls_refusal(self, stderr: str) -> str | None:
+        """Why git's curl sent nothing, when TLS stopped it on an https remote: the server's
+        certificate did not verify, or the server ended the session at git's first request
+        (how it refuses our client certificate)."""
+        s = self.settings
+        if not s.repository.startswith("https://"):
+            return None
+        unverified = curl_certificate_complaint(stderr)
+        if unverified is not None:
+            return refused_certificate(unverified, s.ca_bundle_env)
+        ended = curl_session_ended(stderr)
+        return None if ended is None else refused_at_the_refs(ended, s.client_cert_env)
 
     def push(self, commit: str, head: str | None) -> str:
         """MOVED, LOST (the remote refused: it no longer holds `head`) or UNKNOWN."""
@@ -244,11 +272,11 @@ class GitRemote:
             f"{commit}:{ref}",
         )
         result = classify_push(done.stdout.decode(errors="replace"), done.returncode, ref)
-        refused = curl_certificate_complaint(done.stderr.decode(errors="replace"))
+        refused = self._tls_refusal(done.stderr.decode(errors="replace"))
         if result == UNKNOWN and refused is not None:
-            # The handshake stopped before anything was sent: not an unknown outcome.
-            env = self.settings.ca_bundle_env
-            raise RemoteUnreachable(f"git push failed: {refused_certificate(refused, env)}")
+            # Stopped at the handshake, or at the refs' GET before any pack: nothing was
+            # sent, not an unknown outcome.
+            raise RemoteUnreachable(f"git push failed: {refused}")
         if result == UNKNOWN and is_ssh_url(self.settings.repository):
             # ssh never got to send anything: say so rather than settle by reading.
             said = ssh_complaint(done.stderr.decode(errors="replace"))

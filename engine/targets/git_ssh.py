@@ -40,12 +40,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from engine.targets.base import TargetError, child_environment, read_credentials
+from engine.targets import base
+from engine.targets.base import (
+    TargetError,
+    child_environment,
+    read_credentials,
+    write_private_file,
+)
 
-# Where the key and the pinned host keys live while git runs: memory when we can. Only a
-# fresh mkdtemp directory (0700) is made in it, never a guessable name.
-_SHM = "/dev/shm"  # noqa: S108
-SCRATCH: str | None = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
+# Where the key and the pinned host keys (and an https remote's TLS files, git_remote.py)
+# live while git runs: the shared scratch place, here so that a test can move it for git.
+SCRATCH: str | None = base.SCRATCH
+
 _USER = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._-]{0,63}$")
 _HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]+\])$")
 # git's scp-like syntax, `user@host:path` (no slash before the colon); the user is required.
@@ -182,7 +188,7 @@ def ssh_access(
         scratch = stack.enter_context(
             tempfile.TemporaryDirectory(prefix="airlock-ssh-", dir=SCRATCH)
         )
-        hosts_file = _private_file(Path(scratch) / "known_hosts", known)
+        hosts_file = write_private_file(Path(scratch) / "known_hosts", known)
         env = {"GIT_SSH_VARIANT": "ssh"}
         if agent is not None:
             # The agent's keys, and only those: no key file, not the worker's ~/.ssh/id_*.
@@ -190,7 +196,7 @@ def ssh_access(
             who += ["-o", "IdentityFile=none", "-o", "BatchMode=yes"]
             key_file = None
         else:
-            key_file = _private_file(Path(scratch) / "id", key or "")
+            key_file = write_private_file(Path(scratch) / "id", key or "")
             who = ["-i", str(key_file), "-o", "IdentitiesOnly=yes", "-o", "IdentityAgent=none"]
             if passphrase is None:
                 who += ["-o", "BatchMode=yes"]
@@ -230,13 +236,6 @@ def ssh_access(
             key_env=key_env or "",
             passphrase_env=passphrase_env,
         )
-
-
-def _private_file(path: Path, text: str) -> Path:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    return path
 
 
 def _askpass(scratch: str, stack: ExitStack) -> str:

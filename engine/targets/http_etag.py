@@ -15,6 +15,9 @@ A kind's settings (`HttpEtagSettings.from_settings`):
     ca_bundle_env          optional, an https base_url only: the environment variable holding
                            the PEM text of the CA bundle to trust instead of the default store
                            (engine/targets/tls.py; verification is never off)
+    client_cert_env        optional, an https base_url only: the environment variable holding
+                           the PEM text of a client certificate and its unencrypted key, for
+                           a service that requires mutual TLS (engine/targets/tls.py)
     honours_idempotency_key  the service replays a repeated Idempotency-Key (default false)
     honours_fencing_token    the service refuses a Fencing-Token lower than one it took
                              (default false); only then are these headers sent at all
@@ -28,9 +31,12 @@ read that finds our document gives it); 412 → stale, with the document read ag
 conflict page; 409 → fenced when the service honours our fencing token and the version still
 matched, else stale; 404 on an update or delete → stale (gone); 423/429/502/503/504 → locked
 (back off, `Retry-After` kept); anything else → failed. A connect error → not sent (a server
-certificate that does not verify is one: the handshake stops before the request); a
-timeout or a broken answer after sending → unknown: settle it by reading
-(`engine.targets.base.settle_by_reading`), never a second blind attempt.
+certificate that does not verify is one: the handshake stops before the request; so is our
+client certificate refused with TLS 1.2); a timeout or a broken answer after sending →
+unknown: settle it by reading (`engine.targets.base.settle_by_reading`), never a second
+blind attempt. Our client certificate refused with TLS 1.3 is one of those: the server's
+alert comes after the client's side of the handshake, once httpx has written the request —
+it says so, but it cannot prove the request was not taken.
 
 Weak (`W/`) or missing ETags on a read raise `WeakValidator`: such a service cannot be
 governed. The guarantee is only as good as the service's own conditional write: it must
@@ -59,6 +65,7 @@ import httpx
 
 from engine.targets.base import (
     ABSENT,
+    SCRATCH,
     Capabilities,
     Outcome,
     RestoresByVerbs,
@@ -74,7 +81,15 @@ from engine.targets.base import (
     scrub,
     strong_version,
 )
-from engine.targets.tls import certificate_error, refused_certificate, trusted_context
+from engine.targets.tls import (
+    certificate_error,
+    client_certificate_alert,
+    present_client_certificate,
+    refused_certificate,
+    refused_client_certificate,
+    tls_setting,
+    trusted_context,
+)
 
 _KNOWN = (
     "base_url",
@@ -82,6 +97,7 @@ _KNOWN = (
     "auth_scheme",
     "auth_header",
     "ca_bundle_env",
+    "client_cert_env",
     "honours_idempotency_key",
     "honours_fencing_token",
     "timeout",
@@ -89,13 +105,6 @@ _KNOWN = (
 )
 _BUSY = frozenset({423, 429, 502, 503, 504})
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.LocalProtocolError)
-_UNKNOWN = (
-    httpx.ReadTimeout,
-    httpx.WriteTimeout,
-    httpx.ReadError,
-    httpx.WriteError,
-    httpx.RemoteProtocolError,
-)
 # RFC 9110 field-value: visible ASCII, spaces/tabs inside and obs-text; no CR, LF or NUL.
 _HEADER_VALUE = re.compile(r"^[\x21-\x7e\x80-\xff]([\x20-\x7e\x80-\xff\t]*[\x21-\x7e\x80-\xff])?$")
 MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
@@ -116,6 +125,7 @@ class HttpEtagSettings:
     auth_scheme: str = "Bearer"
     auth_header: str = "Authorization"
     ca_bundle_env: str | None = None  # the PEM text of the CA bundle to trust (https only)
+    client_cert_env: str | None = None  # a client certificate + its key, PEM (https only)
     honours_idempotency_key: bool = False
     honours_fencing_token: bool = False
     timeout: float = 10.0
@@ -139,11 +149,11 @@ class HttpEtagSettings:
         if parts.query or parts.fragment:
             raise TargetConfigError("base_url: no query or fragment")
         env = settings.get("credentials_env")
-        ca_env = settings.get("ca_bundle_env")
-        if ca_env is not None:
-            check_env_name(ca_env, "ca_bundle_env")
-            if parts.scheme != "https":
-                raise TargetConfigError("ca_bundle_env: only for an https base_url")
+        https = parts.scheme == "https"
+        tls = {
+            name: tls_setting(settings, name, https=https, refusal="only for an https base_url")
+            for name in ("ca_bundle_env", "client_cert_env")
+        }
         scheme = settings.get("auth_scheme", "Bearer")
         if scheme not in ("Bearer", "Basic", ""):
             raise TargetConfigError('auth_scheme: "Bearer", "Basic" or ""')
@@ -169,7 +179,8 @@ class HttpEtagSettings:
             credentials_env=None if env is None else check_env_name(env),
             auth_scheme=scheme,
             auth_header=header,
-            ca_bundle_env=ca_env,
+            ca_bundle_env=tls["ca_bundle_env"],
+            client_cert_env=tls["client_cert_env"],
             honours_idempotency_key=_flag(settings, "honours_idempotency_key"),
             honours_fencing_token=_flag(settings, "honours_fencing_token"),
             timeout=float(timeout),
@@ -213,14 +224,46 @@ class HttpEtagTarget(RestoresByVerbs):
         forms += [piece for piece in secret.replace("\r", "\n").split("\n") if len(piece) >= 4]
         return {s.auth_header: value}, forms
 
+    def _verify(self) -> ssl.SSLContext | bool:
+        """httpx's `verify`: its default trust (True), or a context that trusts the kind's
+        CA bundle and/or presents its client certificate. TargetError when a variable is
+        unset or does not load: nothing can be sent."""
+        s = self.settings
+        if s.ca_bundle_env is None and s.client_cert_env is None:
+            return True
+        context = (
+            httpx.create_ssl_context()  # the default trust, as `verify=True` gives
+            if s.ca_bundle_env is None
+            else trusted_context(s.ca_bundle_env)
+        )
+        if s.client_cert_env is not None:
+            present_client_certificate(context, s.client_cert_env, SCRATCH)
+        return context
+
+    def _transport_said(self, exc: httpx.HTTPError, *, maybe_sent: bool) -> str:
+        """A transport error in words: a server certificate that did not verify, our client
+        certificate refused (and whether the request may have left), or httpx's text."""
+        refused = certificate_error(exc)
+        if refused is not None:
+            return refused_certificate(refused, self.settings.ca_bundle_env)
+        alert = client_certificate_alert(exc)
+        if alert is None:
+            return f"{type(exc).__name__}: {exc}"
+        said = refused_client_certificate(alert, self.settings.client_cert_env)
+        if maybe_sent:
+            # TLS 1.3: the alert comes after the client's Finished, once the request is
+            # written; a server that keeps to the protocol has not read it, but nothing
+            # here proves that.
+            return f"{said} — after the request was written (TLS 1.3): it may have been taken"
+        return f"{said} — in the handshake: nothing was sent"
+
     def _request(
         self, method: str, name: str, headers: dict[str, str], body: bytes | None = None
     ) -> tuple[httpx.Response | None, Outcome | None, str]:
         """(response, None, "") or (None, NOT_SENT | UNKNOWN, scrubbed detail)."""
-        ca_env = self.settings.ca_bundle_env
         try:
             auth, secrets = self._auth()
-            verify: ssl.SSLContext | bool = True if ca_env is None else trusted_context(ca_env)
+            verify = self._verify()
         except TargetError as exc:
             return None, Outcome.NOT_SENT, str(exc)
         outcome: Outcome | None = None
@@ -232,19 +275,14 @@ class HttpEtagTarget(RestoresByVerbs):
                 )
                 response.read()
         except _NOT_SENT as exc:
-            refused = certificate_error(exc)
-            said = (
-                f"{type(exc).__name__}: {exc}"
-                if refused is None
-                else refused_certificate(refused, ca_env)
-            )
+            said = self._transport_said(exc, maybe_sent=False)
             outcome, detail = Outcome.NOT_SENT, scrub(said, secrets)
-        except _UNKNOWN as exc:
-            outcome, detail = Outcome.UNKNOWN, scrub(f"{type(exc).__name__}: {exc}", secrets)
         except httpx.HTTPError as exc:
-            # Anything else (a body that fails to decode, ...) may come after the target
-            # acted: unknown, settled by reading — never retried blind.
-            outcome, detail = Outcome.UNKNOWN, scrub(f"{type(exc).__name__}: {exc}", secrets)
+            # A read or write timeout, a read or write error, a broken answer — or anything
+            # else (a body that fails to decode, ...) — may come after the target acted:
+            # unknown, settled by reading, never retried blind.
+            said = self._transport_said(exc, maybe_sent=True)
+            outcome, detail = Outcome.UNKNOWN, scrub(said, secrets)
         if outcome is not None:
             return None, outcome, detail
         return response, None, ""

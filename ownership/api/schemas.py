@@ -149,9 +149,10 @@ class ResourceKindIn(_CatalogRowIn):
     target_settings: dict[str, Any] = Field(
         default_factory=dict,
         description="The target's settings (docs/targets.md): table and columns, repository "
-        "and branch, auth scheme… Never a credential: `credentials_env` (and a git ssh "
-        "remote's `ssh_key_env`, `ssh_known_hosts_env`, `ssh_key_passphrase_env`, "
-        "`ssh_agent_env`) names the environment variable the worker reads it from. An http "
+        "and branch, auth scheme… Never a credential: `credentials_env` (an https target's "
+        "`ca_bundle_env` and `client_cert_env`, a git ssh remote's `ssh_key_env`, "
+        "`ssh_known_hosts_env`, `ssh_key_passphrase_env`, `ssh_agent_env`) names the "
+        "environment variable the worker reads it from. An http "
         "kind with no settings speaks Airlock's own dialect (honours our Idempotency-Key "
         "and Fencing-Token).",
     )
