@@ -17,17 +17,21 @@ The horizon: an event is linked only once no event with a lower seq can still co
    committed (and this transaction's next statement sees it) or rolled back (and never
    will be): link them all, in seq order. A hole in the numbers is an append that rolled
    back. Two ways to know those transactions, each sound alone:
-   - by transaction id, cheaply (a snapshot, as every statement takes): an append has a
-     transaction id before it draws its seq (audit/services.py `_TRANSACTION_ID`), so each
-     such transaction's id is below `next_xid`, the snapshot's xmax read after (1); settled
-     once no transaction below it is in progress. This waits for every writing transaction
-     of the whole PostgreSQL cluster that started before, which is what most passes need;
-     when that is not quick, the same question is asked of this database's sessions only
-     (`pg_stat_activity`): another database's transaction cannot hold this one's seq;
-   - by lock, precisely, when that wait is long (a long transaction elsewhere): the
-     transactions holding the events table's ROW EXCLUSIVE lock, read from `pg_locks` after
-     (1) — an INSERT takes that lock before it draws its seq — settled once each has ended.
-     `pg_locks` stops every lock acquisition while it is read: asked only then, and once.
+   - by transaction id: an append has a transaction id before it draws its seq
+     (audit/services.py `_TRANSACTION_ID`), so each such transaction that is still open is
+     one of this database's sessions showing a transaction id in `pg_stat_activity` read
+     after (1) (an append to this database's table runs in a session of this database);
+     settled once none of those sessions is still in that transaction. (Not a snapshot's
+     `xmax`: it is one past the newest *ended* id, and an open transaction whose id is newer
+     than every ended one is in progress without being listed in the snapshot — exactly an
+     append that took its id after a transaction that drew a higher seq and committed
+     first; `make bench` broke the chain that way.) pg_stat_activity takes no lock-manager
+     lock;
+   - by lock, precisely, when that wait is long (a long write transaction of this database
+     that appends nothing): the transactions holding the events table's ROW EXCLUSIVE lock,
+     read from `pg_locks` after (1) — an INSERT takes that lock before it draws its seq —
+     settled once each has ended. `pg_locks` stops every lock acquisition while it is read:
+     asked only then, and once.
 
 A pass whose wait runs out (a long write transaction is open) links nothing and says so; the
 next pass tries again. `audit_unlinked` tells how far behind the linking is, for verification,
@@ -51,26 +55,21 @@ from audit.models import AuditEvent, AuditHead
 _DRAWN = """
 SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM audit_auditevent_seq
 """
-_NEXT_XID = "SELECT pg_snapshot_xmax(pg_current_snapshot())::text"
-# True once no transaction with an id below the given one is in progress, but this one.
-_XIDS_ENDED = """
-SELECT NOT EXISTS (
-    SELECT FROM pg_snapshot_xip(pg_current_snapshot()) AS open(xid)
-    WHERE open.xid < %s::xid8 AND open.xid IS DISTINCT FROM pg_current_xact_id_if_assigned()
-)
+# This database's other sessions in a transaction that has an id, read after `drawn`: every
+# transaction that drew a seq up to `drawn` and may still commit is among them. (backend_xid
+# is shown for every session, whatever this role may read of it.)
+_OPEN_HERE = """
+SELECT coalesce(array_agg(a.pid), '{}'), coalesce(array_agg(a.backend_xid::text), '{}')
+FROM pg_stat_activity AS a
+WHERE a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND a.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL
 """
-# The same, counting only this database's sessions: a transaction of another database in the
-# cluster cannot have drawn this database's seq (a governed table on the same server, another
-# application's database). pg_stat_activity takes no lock-manager lock, unlike pg_locks. A
-# session whose row this role may not read counts as open (sound, if then slower).
-_XIDS_ENDED_HERE = """
+# True once none of those sessions is still in that transaction (ids are never reused).
+_ENDED_HERE = """
 SELECT NOT EXISTS (
     SELECT FROM pg_stat_activity AS a
-    LEFT JOIN pg_snapshot_xip(pg_current_snapshot()) AS open(xid)
-      ON a.backend_xid::text::numeric = open.xid::text::numeric %% 4294967296
-    WHERE a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND a.backend_type = 'client backend' AND a.pid <> pg_backend_pid()
-      AND (a.query = '<insufficient privilege>' OR open.xid < %s::xid8)
+    JOIN unnest(%s::int[], %s::text[]) AS open(pid, xid)
+      ON a.pid = open.pid AND a.backend_xid::text = open.xid
 )
 """
 # After this long waiting by transaction id, the precise wait by lock.
@@ -117,9 +116,7 @@ def audit_link(*, wait_seconds: float = 0.05) -> LinkPass:
         drawn = int(cursor.fetchone()[0])
         if drawn <= head_seq:
             return LinkPass(0, head_seq)
-        cursor.execute(_NEXT_XID)
-        next_xid = str(cursor.fetchone()[0])
-        if not _settled(cursor, next_xid, wait_seconds):
+        if not _settled(cursor, wait_seconds):
             return LinkPass(0, head_seq, "a transaction older than the horizon is open")
     with transaction.atomic():
         return _link_up_to(drawn)
@@ -130,15 +127,17 @@ def _head_seq() -> int:
     return int(seq or 0)
 
 
-def _settled(cursor: Any, next_xid: str, wait_seconds: float) -> bool:
+def _settled(cursor: Any, wait_seconds: float) -> bool:
     """Has every transaction that may hold a seq up to the horizon ended (see the module)?
     By transaction id first; by lock, once, if that takes longer than a moment."""
     started = time.monotonic()
-    if _waited(cursor, _XIDS_ENDED, [next_xid], min(wait_seconds, _BY_LOCK_AFTER_SECONDS)):
+    _fresh_activity(cursor)
+    cursor.execute(_OPEN_HERE)
+    pids, xids = cursor.fetchone()
+    if not pids:
         return True
-    cursor.execute("SELECT pg_stat_clear_snapshot()")  # a fresh read, even in a transaction
-    cursor.execute(_XIDS_ENDED_HERE, [next_xid])
-    if cursor.fetchone()[0]:  # what was open is another database's
+    by_id = min(wait_seconds, _BY_LOCK_AFTER_SECONDS)
+    if _waited(cursor, _ENDED_HERE, [list(pids), list(xids)], by_id, fresh=True):
         return True
     if wait_seconds <= _BY_LOCK_AFTER_SECONDS:  # a short pass (a reader's): the linker's next
         return False
@@ -150,11 +149,22 @@ def _settled(cursor: Any, next_xid: str, wait_seconds: float) -> bool:
     return _waited(cursor, _LOCKS_RELEASED, [appending], max(left, 0.0))
 
 
-def _waited(cursor: Any, check: str, params: list[Any], seconds: float) -> bool:
-    """Ask `check` until it says true or `seconds` pass (at least once)."""
+def _fresh_activity(cursor: Any) -> None:
+    """pg_stat_activity is read once a transaction: inside one (a caller's), read it anew."""
+    if connection.in_atomic_block:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+
+
+def _waited(
+    cursor: Any, check: str, params: list[Any], seconds: float, *, fresh: bool = False
+) -> bool:
+    """Ask `check` until it says true or `seconds` pass (at least once); `fresh`: it reads
+    pg_stat_activity, read anew each time."""
     deadline = time.monotonic() + seconds
     pause = 0.001
     while True:
+        if fresh:
+            _fresh_activity(cursor)
         cursor.execute(check, params)
         if cursor.fetchone()[0]:
             return True

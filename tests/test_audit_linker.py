@@ -82,6 +82,29 @@ def test_the_linker_waits_for_an_open_append_with_a_lower_seq_then_links_in_seq_
     assert result.ok and result.events == later
 
 
+def test_the_linker_waits_for_an_open_append_whose_transaction_id_no_ended_one_passed() -> None:
+    """The collision `make bench` found (a broken link after the decision round trips): an
+    open append's transaction id can be newer than every transaction that has *ended* — a
+    snapshot's xmax is one past the newest ended id, and ids at or above it are in progress
+    without being listed in the snapshot. Here the committed event's transaction took its
+    id first and drew its seq last; the held one took its id after it and drew the lower
+    seq. No pass may link the higher seq while the lower one can still commit."""
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_current_xact_id()")  # the older transaction id
+        held = Holder(lambda: _append("test.held")).hold()  # a newer id, the lower seq
+        later = _append("test.committed")  # the higher seq, committed first (older id)
+    for wait in (0.05, 0.2):  # a reader's short pass, and the linker's by lock
+        passed = audit_link(wait_seconds=wait)
+        assert passed.linked == 0 and passed.held_back, wait
+    assert _linked() == []
+    lower = held.release()
+    assert lower < later
+    assert audit_link().linked == 2
+    assert _linked() == [(lower, "test.held"), (later, "test.committed")]
+    assert verify_chain().ok
+
+
 def test_a_transaction_open_elsewhere_holds_back_a_short_pass_but_not_the_linker_s() -> None:
     def unrelated_write() -> int:
         with connection.cursor() as cursor:  # a transaction id, no audit event
