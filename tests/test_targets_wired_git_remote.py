@@ -13,7 +13,11 @@ real servers, each shared by the module:
   variable holding the CA's PEM. A worker whose variable holds another CA sends nothing
   (`not_sent` at the handshake, `failed` after the attempts, nothing pushed); one trusting
   it lands an approved write as one commit, two runs from one version as one commit and
-  one conflict.
+  one conflict;
+- the same https remote requiring a client certificate (`SSLVerifyClient require`), for one
+  test: the kind names `client_cert_env` too. A worker presenting another CA's certificate
+  pushes nothing (refused at git's first request, the refs: `not_sent`, then `failed`); one
+  presenting the right one lands an approved write as one commit; the key shows nowhere.
 
 The worker reads the variables from its own environment at call time; the test checks the
 remote itself by cloning it. An approved write lands once, its commit naming run, action and
@@ -53,7 +57,7 @@ from tests.fixtures import git_http, sshd
 from tests.fixtures.api import make_active_run, make_agent_with_token
 from tests.fixtures.engine import wait_for
 from tests.fixtures.targets import git
-from tests.fixtures.tls import Pki, another_ca_pem, server_pki
+from tests.fixtures.tls import Pki, another_ca_pem, another_client_pem, server_pki
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -64,6 +68,7 @@ HTTP_ENV = "AIRLOCK_TEST_GITREMOTE_CREDENTIALS"
 KEY_ENV, HOSTS_ENV = "AIRLOCK_TEST_GITREMOTE_SSH_KEY", "AIRLOCK_TEST_GITREMOTE_KNOWN_HOSTS"
 PASS_ENV, PASSPHRASE = "AIRLOCK_TEST_GITREMOTE_SSH_PASSPHRASE", "wired passphrase 39"
 CA_ENV = "AIRLOCK_TEST_GITREMOTE_CA_BUNDLE"
+CLIENT_ENV = "AIRLOCK_TEST_GITREMOTE_CLIENT_CERT"
 # Attempts and backoff short enough for a test, long enough to see the backoff.
 FAST_RETRIES = {"AIRLOCK_MAX_ATTEMPTS": "3", "AIRLOCK_BACKOFF_BASE_SECONDS": "0.2"}
 FINAL = ("applied", "conflict", "failed")
@@ -85,11 +90,12 @@ class Server:
     owner: str | None = None  # who must own a served repository (Apache's user)
 
 
-def _http_server(pki: Pki | None = None) -> Iterator[Server]:
-    """The http remote; with a Pki the same over https, its certificate from that CA."""
+def _http_server(pki: Pki | None = None, *, verify_clients: bool = False) -> Iterator[Server]:
+    """The http remote; with a Pki the same over https, its certificate from that CA (and
+    with `verify_clients`, only to clients presenting the Pki's client certificate)."""
     if not (git_http.HAVE_GIT_HTTPS if pki else git_http.HAVE_GIT_HTTP):
         pytest.skip(git_http.HTTPS_SKIP_REASON if pki else git_http.SKIP_REASON)
-    apache = git_http.git_http_server(pki)
+    apache = git_http.git_http_server(pki, verify_clients=verify_clients)
 
     def start() -> None:  # again after a test stopped it; a no-op while it runs
         if apache.process is None:
@@ -107,6 +113,14 @@ def _http_server(pki: Pki | None = None) -> Iterator[Server]:
         ca_file = apache.scratch[0] / "ca.pem"
         ca_file.write_text(pki.ca_pem)
         client_env["GIT_SSL_CAINFO"] = str(ca_file)
+    if pki is not None and verify_clients:  # the kind names the certificate's variable too
+        credentials[CLIENT_ENV] = pki.client_pem
+        settings["client_cert_env"] = CLIENT_ENV
+        secrets += [line for line in pki.client_key_pem.splitlines() if "-----" not in line]
+        client_file = apache.scratch[0] / "client.pem"
+        client_file.write_text(pki.client_pem)
+        client_file.chmod(0o600)
+        client_env["GIT_SSL_CERT"] = client_env["GIT_SSL_KEY"] = str(client_file)
     scheme = "https" if pki else "http"
     try:
         yield Server(
@@ -167,9 +181,12 @@ def _ssh_server() -> Iterator[Server]:
 
 @pytest.fixture(scope="module", params=["http", "ssh"])
 def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    """http or ssh; "https" only where a test asks for it (indirect parametrisation)."""
+    """http or ssh; "https" and "https-mtls" only where a test asks for it (indirect
+    parametrisation)."""
     if request.param == "ssh":
         yield from _ssh_server()
+    elif request.param == "https-mtls":
+        yield from _http_server(server_pki(), verify_clients=True)
     else:
         yield from _http_server(server_pki() if request.param == "https" else None)
 
@@ -539,3 +556,48 @@ def test_an_https_remote_trusting_a_private_ca_is_governed_and_a_worker_without_
         api, kind, engine_world, remote, ana_token, answers, worker, version=version, commits=3
     )
     _no_credential_anywhere(remote.server, answers, caplog, lacking, worker)
+
+
+@pytest.mark.parametrize("server", ["https-mtls"], indirect=True)
+def test_an_https_remote_requiring_a_client_certificate_is_governed_and_a_wrong_one_pushes_nothing(
+    api: Any,
+    admin: Any,
+    engine_world: Any,
+    remote: Remote,
+    rq_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The https remote behind `SSLVerifyClient require`: the kind names the client
+    certificate's variable (`client_cert_env`) beside the CA's and the Basic credential's."""
+    caplog.set_level("DEBUG")
+    answers: list[bytes] = []
+    kind = _put_kind(api, admin, remote, answers)  # its probe read presents the certificate
+    assert kind.target_settings["client_cert_env"] == CLIENT_ENV  # the name, not the PEM
+    _, ana_token = personal_token_create(user=engine_world.operator, actor=Actor.system("tests"))
+
+    # 1. A worker presenting a certificate from a CA the server does not know: git's first
+    # request (the refs) is refused, so nothing was pushed — not sent, then `failed`.
+    before = remote.look()
+    run = _agent_run()
+    read = api.get(PATH, token=run.token)
+    answers.append(read.content)
+    action_id = _propose(api, run, read["ETag"], {"limit": 50}, answers)
+    _approve(api, action_id, ana_token, answers)
+    wrong = rq_worker(
+        **{**FAST_RETRIES, **remote.server.credentials, CLIENT_ENV: another_client_pem()}
+    )
+    wait_for(lambda: _status(action_id) in FINAL, timeout=40)
+    assert _status(action_id) == "failed", wrong.output()
+    assert Action.objects.get(pk=action_id).error["code"] == "attempts_exhausted"
+    refusals = [str(a.outcome["refused"]) for a in Operation.objects.filter(action_id=action_id)]
+    assert len(refusals) == 3, refusals
+    for refused in refusals:
+        assert refused.startswith("target_unreachable"), refused
+        assert "client certificate" in refused, refused
+    assert remote.look() == before  # nothing pushed: the same file, the same commits
+    assert not AuditEvent.objects.filter(event_type="write.applied", action_id=action_id).exists()
+    wrong.stop()
+
+    # 2. A worker presenting the right certificate: the approved write lands as one commit.
+    _, _, worker = _an_approved_write_lands_once(api, run, ana_token, remote, rq_worker, answers)
+    _no_credential_anywhere(remote.server, answers, caplog, wrong, worker)
