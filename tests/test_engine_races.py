@@ -238,27 +238,34 @@ def _queued_http_write(world: Any, target: TargetServer, settings: Any) -> Actio
     return action
 
 
-def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
-    world: Any, engine_redis: Any, target: TargetServer, settings: Any, monkeypatch: Any
-) -> None:
+def _first_write_pauses_after_it_lands(
+    monkeypatch: Any,
+) -> tuple[threading.Event, threading.Event, list[int]]:
+    """The HTTP adapter's first write reaches the target, which applies it; then its worker
+    (A) is paused (GC, SIGSTOP) until `resume` is set. (sent, resume, the fence of each write)"""
     from engine.targets.http_etag import HttpEtagTarget
 
-    action = _queued_http_write(world, target, settings)
-
     real_write = HttpEtagTarget.write
-    sent = threading.Event()
-    resume = threading.Event()
+    sent, resume = threading.Event(), threading.Event()
     calls: list[int] = []
 
     def write(self: Any, *args: Any, **kwargs: Any) -> Any:
         response = real_write(self, *args, **kwargs)
         calls.append(kwargs["fence"])
-        if len(calls) == 1:  # worker A: the target applied it; A is paused (GC, SIGSTOP)
+        if len(calls) == 1:
             sent.set()
             assert resume.wait(WAIT)
         return response
 
     monkeypatch.setattr(HttpEtagTarget, "write", write)
+    return sent, resume, calls
+
+
+def test_a_stale_http_worker_resuming_after_a_replay_records_nothing_twice(
+    world: Any, engine_redis: Any, target: TargetServer, settings: Any, monkeypatch: Any
+) -> None:
+    action = _queued_http_write(world, target, settings)
+    sent, resume, calls = _first_write_pauses_after_it_lands(monkeypatch)
     worker_a = Worker(lambda: action_execute(action_id=action.pk))
     worker_a.start()
     assert sent.wait(WAIT)
@@ -290,22 +297,8 @@ def test_a_worker_paused_past_its_lock_s_ttl_never_puts_the_mirror_behind_a_newe
     the lock with a newer fence, writes version 6 and records the mirror. A resumes and
     records its own effect — true: it did land — but the mirror keeps version 6 (the fence
     checked at the mirror row), never version 5 with A's document."""
-    from engine.targets.http_etag import HttpEtagTarget
-
     action = _queued_http_write(world, target, settings)
-    real_write = HttpEtagTarget.write
-    sent, resume = threading.Event(), threading.Event()
-    calls: list[int] = []
-
-    def write(self: Any, *args: Any, **kwargs: Any) -> Any:
-        response = real_write(self, *args, **kwargs)
-        calls.append(kwargs["fence"])
-        if len(calls) == 1:  # worker A: the target applied it; A is paused (GC, SIGSTOP)
-            sent.set()
-            assert resume.wait(WAIT)
-        return response
-
-    monkeypatch.setattr(HttpEtagTarget, "write", write)
+    sent, resume, calls = _first_write_pauses_after_it_lands(monkeypatch)
     worker_a = Worker(lambda: action_execute(action_id=action.pk))
     worker_a.start()
     assert sent.wait(WAIT)
