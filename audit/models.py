@@ -15,9 +15,11 @@ class ActorType(models.TextChoices):
 class AuditEvent(models.Model):
     """One event. `hash` = SHA-256 over the canonical JSON of the event and `prev_hash`.
 
-    Rows are never updated or deleted: on PostgreSQL a trigger refuses UPDATE,
-    DELETE and TRUNCATE. `seq` is contiguous; appends are serialised through
-    the AuditHead row.
+    On PostgreSQL an event is stored unlinked (`prev_hash` and `hash` empty, `seq` from a
+    sequence) and the linker gives it its link once it has committed (audit/linker.py);
+    a trigger refuses every other UPDATE, any DELETE and TRUNCATE. A hole in `seq` is an
+    append that rolled back: the links prove nothing was removed. On SQLite an append is
+    linked at once under the AuditHead row.
     """
 
     seq = models.BigIntegerField(primary_key=True)
@@ -38,7 +40,13 @@ class AuditEvent(models.Model):
 
     class Meta:
         ordering = ["seq"]
-        constraints = [models.UniqueConstraint(fields=["hash"], name="audit_auditevent_hash_key")]
+        # Unique among linked events: an unlinked one's hash is empty until the linker links
+        # it (migration 0008, audit/linker.py).
+        constraints = [
+            models.UniqueConstraint(
+                fields=["hash"], condition=~models.Q(hash=""), name="audit_auditevent_linked_hash"
+            )
+        ]
         indexes = [
             models.Index(fields=["resource", "seq"]),
             models.Index(fields=["run_id", "seq"]),

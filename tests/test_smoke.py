@@ -27,3 +27,17 @@ def test_appended_events_form_a_verifying_chain() -> None:
     audit_link()
     result = verify_rows(AuditEvent.objects.order_by("seq"))
     assert result.ok and result.events == 3
+
+
+def test_the_models_and_the_migrations_agree() -> None:
+    """A model change without its migration (or a migration whose state the model does not
+    follow) would be made by the next `makemigrations`, on whoever runs it next."""
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    try:
+        call_command("makemigrations", "--check", "--dry-run", stdout=out, stderr=out)
+    except SystemExit as exit_:
+        pytest.fail(f"makemigrations would write a migration ({exit_.code}):\n{out.getvalue()}")
