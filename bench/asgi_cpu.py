@@ -6,7 +6,11 @@ hands every middleware hook to a thread); `--everything` adds console.asgi's Dja
 application alone (what the front hands off to) and the 304s of both. Less sensitive to a
 busy machine than the wrk figures.
 
-    python -m bench.asgi_cpu [--rounds 5] [--polls 800] [--everything]
+    python -m bench.asgi_cpu [--rounds 5] [--polls 800] [--everything] [--get list]
+
+`--get` picks the GET: `action` (the default: an action poll with its run token), `list` (a
+full page of the resource list, LIST_PAGE resources, with the run token; no 304: the list has
+no ETag) or `resource` (one resource's read, and its 304).
 
 Database: BENCH_DATABASE_URL (dropped and re-created, as by bench.run); a private Redis.
 """
@@ -89,6 +93,27 @@ async def _measure(
     return await alternated_rounds("asgi_cpu", measures, rounds, "poll")
 
 
+def _target(get: str, run: Any) -> tuple[str, str]:
+    """The path the GET reads and the ETag its 304 sends ("" for the list: it has none). The
+    resources are stored directly (no worker runs here): the read is what is measured."""
+    # reason: they import models (Django set up in main)
+    from bench import fixtures
+    from bench.gets import LIST_PAGE
+    from ownership.models import Resource
+
+    if get == "action":
+        action = fixtures.pending(run, "bench-wait", ["asgi-cpu-1"])[0]
+        return f"/api/v1/actions/{action.action_id}", action.etag
+    names = [f"asgi-cpu-{n:03d}" for n in range(LIST_PAGE + 1)]
+    Resource.objects.bulk_create(
+        Resource(kind_id="bench-doc", name=name, document={"n": n, "name": name}, version=1)
+        for n, name in enumerate(names)
+    )
+    if get == "list":
+        return "/api/v1/resources?kind=bench-doc&prefix=asgi-cpu-", ""
+    return f"/api/v1/resources/bench-doc/{names[0]}", '"1"'
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -98,18 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also the Django application behind the poll's front, and the 304s",
     )
+    parser.add_argument("--get", choices=("action", "list", "resource"), default="action")
     args = parser.parse_args(argv)
     with web_process_django("airlock-asgi-cpu-"):
         from bench import fixtures  # here: it imports models (Django set up above)
 
         world = fixtures.bootstrap()
         run = fixtures.run_for(world, ["bench-wait/*"], task="bench: asgi cpu")
-        action = fixtures.pending(run, "bench-wait", ["asgi-cpu-1"])[0]
-        path = f"/api/v1/actions/{action.action_id}"
+        path, etag = _target(args.get, run)
+        everything = args.everything and bool(etag)
         result = asyncio.run(
-            _measure(
-                path, run.token, action.etag, args.rounds, args.polls, everything=args.everything
-            )
+            _measure(path, run.token, etag, args.rounds, args.polls, everything=everything)
         )
     print(json.dumps(result))
     return 0

@@ -20,7 +20,9 @@ async def asgi_get(
 async def asgi_request(
     app: App, method: str, path: str, *, host: str, headers: dict[str, str], body: bytes = b""
 ) -> list[dict[str, Any]]:
-    """The messages the application sent for one request (start, then body parts)."""
+    """The messages the application sent for one request (start, then body parts); `path`
+    may carry a query string."""
+    path, _, query = path.partition("?")
     if body:
         headers = {**headers, "Content-Length": str(len(body))}
     scope = {
@@ -31,7 +33,7 @@ async def asgi_request(
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),
-        "query_string": b"",
+        "query_string": query.encode(),
         "root_path": "",
         "headers": [(b"host", host.encode())]
         + [(k.lower().encode(), v.encode()) for k, v in headers.items()],

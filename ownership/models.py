@@ -119,6 +119,17 @@ class ResourceKind(models.Model):
         }[operation]
 
 
+def version_token(version: int, external_version: str | None) -> str:
+    """A resource's version as its target gives it: the target's own token, or Airlock's
+    counter."""
+    return external_version if external_version is not None else str(version)
+
+
+def version_etag(version: int, external_version: str | None) -> str:
+    """A resource's ETag: its version token, quoted (a strong validator)."""
+    return f'"{version_token(version, external_version)}"'
+
+
 class Resource(models.Model):
     """A durable `kind/name` with a JSON document and a monotonically rising version.
 
@@ -161,11 +172,11 @@ class Resource(models.Model):
     @property
     def token(self) -> str:
         """The version as its target gives it: the target's own token, or the counter."""
-        return self.external_version if self.external_version is not None else str(self.version)
+        return version_token(self.version, self.external_version)
 
     @property
     def etag(self) -> str:
-        return f'"{self.token}"'
+        return version_etag(self.version, self.external_version)
 
 
 class ResourceVersion(models.Model):

@@ -64,7 +64,7 @@ from console.auth import (
 )
 from ownership.api.resources import BY_KIND_AND_NAME, QUEUED_ACTION_HEADER
 from ownership.api.schemas import KIND_PATTERN, NAME_PATTERN, PREFIX_PATTERN
-from ownership.api.serialize import resource_json
+from ownership.api.serialize import ListedResource, resource_json
 from ownership.models import Resource, ResourceKind
 from ownership.targets import is_external
 
@@ -380,8 +380,7 @@ class ListRoute(Route):
         if found is None:
             return None
         _, rest = found
-        fields = statements().listed_fields
-        listed = [model_from_row(Resource, fields, row) for row in rest if row[0] is not None]
+        listed = [ListedResource(*row) for row in rest if row[0] is not None]
         page, next_cursor = keyset_page(listed, keyset=BY_KIND_AND_NAME, limit=limit)
         return ActionState("", True, json_bytes(page_json(page, next_cursor, resource_json)))
 

@@ -28,6 +28,7 @@ from console.api_support import keyset_page_query
 from console.auth import AGENT, RUN
 from console.stale_plans import DEALLOCATE_ALL, is_stale_plan
 from ownership.api.resources import BY_KIND_AND_NAME
+from ownership.api.serialize import LISTED_COLUMNS
 from ownership.models import Resource, ResourceKind
 from ownership.selectors import resource_live, resources_listed
 
@@ -197,10 +198,10 @@ class Statements:
             ("id",),
         )
         self._resource_statements()
-        # A page of the resource list: the rows as the list's queryset selects them.
-        self.listed_fields = [
-            (field.attname, f'p."{field.column}"') for field in Resource._meta.concrete_fields
-        ]
+        # A page of the resource list: the columns resource_json renders (a ListedResource
+        # each), of the rows the list's queryset selects. The first is never NULL in a row.
+        columns = {field.attname: field.column for field in Resource._meta.concrete_fields}
+        self.listed_fields = [(name, f'p."{columns[name]}"') for name in LISTED_COLUMNS]
         self._listings: dict[tuple[str, frozenset[str], int], Statement] = {}
 
     def _resource_statements(self) -> None:

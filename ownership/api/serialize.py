@@ -2,20 +2,53 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
 
 from console.api_support import iso
-from ownership.models import Conflict, Resource
+from ownership.models import Conflict, version_etag
 
 
-def resource_json(resource: Resource) -> dict[str, Any]:
+class RenderedResource(Protocol):
+    """What resource_json reads of a resource: a Resource, or a ListedResource."""
+
+    kind_id: str
+    name: str
+    document: Any
+    version: int
+    external_version: str | None
+    owner_group: str
+    updated_at: datetime
+
+
+@dataclass(slots=True)
+class ListedResource:
+    """A resource's columns that resource_json renders, for a page of many read without the
+    cost of a model instance each (about 9 µs a row, most of a page's rendering; the read
+    front's list, approvals/api/fastpoll_routes.py). Its fields are LISTED_COLUMNS."""
+
+    kind_id: str
+    name: str
+    document: Any
+    version: int
+    external_version: str | None
+    owner_group: str
+    updated_at: datetime
+
+
+# The columns (Resource's attnames) a ListedResource is made of, in its fields' order.
+LISTED_COLUMNS: tuple[str, ...] = tuple(ListedResource.__dataclass_fields__)
+
+
+def resource_json(resource: RenderedResource) -> dict[str, Any]:
     return {
         "kind": resource.kind_id,
         "name": resource.name,
         "version": resource.external_version
         if resource.external_version is not None
         else resource.version,
-        "etag": resource.etag,
+        "etag": version_etag(resource.version, resource.external_version),
         "document": resource.document,
         "owner_group": resource.owner_group,
         "updated_at": iso(resource.updated_at),
