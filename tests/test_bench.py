@@ -128,6 +128,23 @@ def test_the_in_process_poll_cost_compares_both_asgi_handlers_on_every_poll() ->
 
 
 @pytest.mark.slow
+def test_the_in_process_cost_of_a_list_page_is_measured_on_a_full_page() -> None:
+    """`--get list`: the list's query string reaches the application (a path without it
+    was answered 404 and measured as if it were the page)."""
+    stdout = run_bench_module(
+        ["bench.asgi_cpu", "--rounds", "2", "--polls", "16", "--get", "list", "--everything"],
+        database=f"airlock_bench_l{os.getpid()}",
+        extra_env={},
+    )
+    result = json.loads(stdout.strip().splitlines()[-1])
+    # No ETag on the list: --everything adds Django's application alone, and no 304.
+    assert set(result) == {"console.asgi", "console.asgi django", "django_asgi"}
+    for figures in result.values():
+        assert figures["statuses"] == {"200": 32}
+        assert figures["cpu_ms_per_poll"] > 0
+
+
+@pytest.mark.slow
 def test_the_in_process_proposal_cost_measures_both_kinds_of_write() -> None:
     stdout = run_bench_module(
         ["bench.proposal_cpu", "--rounds", "2", "--writes", "8"],
