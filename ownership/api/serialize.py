@@ -4,22 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 from console.api_support import iso
-from ownership.models import Conflict, version_etag
-
-
-class RenderedResource(Protocol):
-    """What resource_json reads of a resource: a Resource, or a ListedResource."""
-
-    kind_id: str
-    name: str
-    document: Any
-    version: int
-    external_version: str | None
-    owner_group: str
-    updated_at: datetime
+from ownership.models import Conflict, Resource, version_etag
 
 
 @dataclass(slots=True)
@@ -41,7 +29,7 @@ class ListedResource:
 LISTED_COLUMNS: tuple[str, ...] = tuple(ListedResource.__dataclass_fields__)
 
 
-def resource_json(resource: RenderedResource) -> dict[str, Any]:
+def resource_json(resource: Resource | ListedResource) -> dict[str, Any]:
     return {
         "kind": resource.kind_id,
         "name": resource.name,
