@@ -8,17 +8,18 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection
-from django.db.models import Count, Q
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Count, Q, Value
+from django.db.models.signals import post_save, pre_save
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from approvals.api.serialize import action_load, with_body_facts
-from approvals.models import Action, Run
+from approvals.models import Action, IdempotencyRecord, IdempotencyStatus, Run
 from approvals.selectors import actions_visible_to
 from approvals.services import actions, tokens
 from approvals.services.queued_writes import in_flight_on, writes_in_flight
-from console.compiled_query import CompiledQuery, Param
+from console.compiled_query import CompiledInsert, CompiledQuery, Param
 from ownership.models import OwnershipRecord, Resource, ResourceKind
 from tests.fixtures.api import AgentActor, make_active_run, make_agent_with_token
 from tests.fixtures.core import applied_prod_alerts_action, make_resource
@@ -196,3 +197,99 @@ def test_an_action_poll_reads_for_each_token_what_the_orm_reads(run: Any, prod_a
     assert reads(sibling) is False  # ended: its own run's actions only
     assert reads(run.run) is True
     assert _revision_and_status(agent, uuid.uuid4()) is None
+
+
+# --- CompiledInsert ----------------------------------------------------------------------
+
+
+def _record(agent: Any, key: str) -> IdempotencyRecord:
+    return IdempotencyRecord(
+        agent=agent,
+        key=key,
+        fingerprint="f" * 64,
+        method="PUT",
+        path="/api/v1/resources/dns-record/app-a",
+        status=IdempotencyStatus.IN_FLIGHT,
+        expires_at=timezone.now() + timedelta(hours=1),
+    )
+
+
+def _stored(instance: Any, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The row as the database has it, less the columns that differ by construction."""
+    row = type(instance).objects.get(pk=instance.pk)
+    return {name: value for name, value in _fields(row).items() if name not in skip}
+
+
+def test_an_insert_writes_the_row_save_writes(run: Any, prod_alerts: Any) -> None:
+    model = applied_prod_alerts_action(run.run)
+    columns = {
+        field.attname: getattr(model, field.attname)
+        for field in Action._meta.concrete_fields
+        if field.attname not in ("id", "created_at", "updated_at", "idempotency_key")
+    }
+    saved = Action(**columns, idempotency_key="by-save-1")
+    saved.save(force_insert=True)
+    inserted = Action(**columns, idempotency_key="by-insert-1")
+    with CaptureQueriesContext(connection) as captured:
+        assert CompiledInsert(Action).insert(inserted) is True
+    assert len(captured.captured_queries) == 1
+    assert captured.captured_queries[0]["sql"].startswith('INSERT INTO "approvals_action"')
+    assert inserted.pk is not None and inserted.pk != saved.pk
+    assert not inserted._state.adding and inserted._state.db == "default"
+    # The same columns stored, auto_now(_add) stamped, a UUID given by the field's default.
+    skip = ("id", "created_at", "updated_at", "idempotency_key")
+    assert _stored(inserted, skip=skip) == _stored(saved, skip=skip)
+    stored = Action.objects.get(pk=inserted.pk)
+    assert stored.created_at == inserted.created_at and stored.updated_at is not None
+
+
+def test_an_auto_id_comes_back_and_a_held_key_is_skipped_without_an_error(
+    agent: AgentActor,
+) -> None:
+    claim = CompiledInsert(IdempotencyRecord, skip_conflicts=True)
+    first = _record(agent.agent, "claim-key-1")
+    assert claim.insert(first) is True
+    assert isinstance(first.pk, int)
+    assert _stored(first) == _fields(first)
+    with transaction.atomic():
+        second = _record(agent.agent, "claim-key-1")
+        assert claim.insert(second) is False
+        assert second.pk is None and second._state.adding
+        # No error was raised in the transaction: it goes on (no savepoint needed).
+        assert IdempotencyRecord.objects.filter(key="claim-key-1").count() == 1
+    # Without skip_conflicts a held key is the IntegrityError save() raises.
+    with pytest.raises(IntegrityError), transaction.atomic():
+        CompiledInsert(IdempotencyRecord).insert(_record(agent.agent, "claim-key-1"))
+
+
+def test_the_save_signals_are_sent_as_save_sends_them(agent: AgentActor) -> None:
+    heard: list[tuple[str, bool | None]] = []
+
+    def pre(sender: Any, instance: Any, raw: bool, **kwargs: Any) -> None:
+        heard.append(("pre", instance.pk is None))
+
+    def post(sender: Any, instance: Any, created: bool, **kwargs: Any) -> None:
+        heard.append(("post", created))
+
+    pre_save.connect(pre, sender=IdempotencyRecord)
+    post_save.connect(post, sender=IdempotencyRecord)
+    try:
+        CompiledInsert(IdempotencyRecord).insert(_record(agent.agent, "signal-key-1"))
+    finally:
+        pre_save.disconnect(pre, sender=IdempotencyRecord)
+        post_save.disconnect(post, sender=IdempotencyRecord)
+    assert heard == [("pre", True), ("post", True)]
+
+
+def test_inserts_it_cannot_make_faithfully_are_refused(agent: AgentActor) -> None:
+    with pytest.raises(TypeError, match="got Run"):
+        CompiledInsert(IdempotencyRecord).insert(Run())  # type: ignore[arg-type]
+    numbered = _record(agent.agent, "numbered-key-1")
+    numbered.pk = 12345
+    with pytest.raises(TypeError, match="no id given"):
+        CompiledInsert(IdempotencyRecord).insert(numbered)
+    expression = _record(agent.agent, "expression-key-1")
+    expression.path = Value("/x")  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="expressions"):
+        CompiledInsert(IdempotencyRecord).insert(expression)
+    assert not IdempotencyRecord.objects.filter(agent=agent.agent).exists()

@@ -95,7 +95,9 @@ def test_a_request_still_in_flight_keeps_its_key(actor: Actor) -> None:
     assert IdempotencyRecord.objects.filter(pk=first.record_id).exists()
 
 
-COMMIT_DONE = b"C\x00\x00\x00\x0bCOMMIT\x00"  # CommandComplete "COMMIT": it is durable
+# CommandComplete of what made the claim durable: "COMMIT" of a transaction, or the claim's
+# own "INSERT 0 1" (one statement in autocommit: the server commits it before answering).
+COMMIT_DONE = (b"C\x00\x00\x00\x0bCOMMIT\x00", b"C\x00\x00\x00\x0fINSERT 0 1\x00")
 
 
 class CommitAnswerEater:
@@ -126,10 +128,10 @@ class CommitAnswerEater:
         try:
             while chunk := source.recv(65536):
                 seen = tail + chunk
-                if answers and self.armed.is_set() and COMMIT_DONE in seen:
+                if answers and self.armed.is_set() and any(done in seen for done in COMMIT_DONE):
                     self.ate.set()
                     break
-                tail = seen[-len(COMMIT_DONE) :]
+                tail = seen[-max(len(done) for done in COMMIT_DONE) :]
                 sink.sendall(chunk)
         except OSError:
             pass

@@ -49,7 +49,7 @@ from approvals.services.runs import (
 from approvals.services.write_sets import lock_kind_for_proposal, names_overlap
 from audit.models import ActorType
 from audit.services import Actor, audit_append, audit_deferred
-from console.compiled_query import CompiledQuery, Param
+from console.compiled_query import CompiledInsert, CompiledQuery, Param
 from console.permissions import can_decide_approvals, require_person
 from console.requestctx import current_request_id
 from console.tracing import traced_propose
@@ -313,6 +313,8 @@ def action_propose(
     raise refused
 
 
+_INSERT_ACTION = CompiledInsert(Action)
+
 _RESOURCE_BY_NAME = CompiledQuery(
     lambda: Resource.objects.filter(
         kind_id=Param("kind", ResourceKind._meta.get_field("slug")),
@@ -472,7 +474,7 @@ def _record(
         initial_status = ActionStatus.PAUSED
     else:
         initial_status = ActionStatus.QUEUED
-    action = Action.objects.create(
+    action = Action(
         **proposal.columns(observed_version=observed_version, conflict_class=conflict_class),
         run=run,
         agent_id=run.agent_id,
@@ -484,6 +486,7 @@ def _record(
         request_id=current_request_id()[:128],
         grant_id=granted.grant_id if granted is not None else None,
     )
+    _INSERT_ACTION.insert(action)
     audit_action_event(
         action,
         event_type="action.proposed",

@@ -34,7 +34,7 @@ from datetime import timedelta
 
 import redis
 from django.db import DatabaseError, transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation
@@ -59,18 +59,50 @@ from approvals.services.external_writes import execute_external
 from approvals.services.plan_engine import plan_after_action
 from approvals.services.worker_presence import acquire_taking_over, release_lock_of_gone_worker
 from audit.services import audit_deferred
-from console.models import KillSwitch
+from console.compiled_query import CompiledQuery, Param
 from console.requestctx import log_action, log_fence, reset_request_id, set_request_id
 from engine.core.barrier import WriteOutcome, apply_action
 from engine.core.batch_write import apply_locked_batch
 from engine.core.errors import KillSwitchEngaged, LockBusy, LockLost
-from engine.core.killswitch import engaged_switch_for
+from engine.core.killswitch import engaged_switch_for, engaged_switches
 from engine.core.lock import FencedLock, FencedLockGroup
 from engine.core.operations import open_operations
 from engine.core.write_rows import lock_batch_rows
+from ownership.models import ResourceKind
 from ownership.targets import in_caller_transaction
 
 log = logging.getLogger("airlock.execution")
+
+_ACTION_ID = Action._meta.get_field("id")
+_NOT_BEFORE = Action._meta.get_field("not_before")
+_TARGET = ResourceKind._meta.get_field("target")
+
+
+# Every job's first read, and the drain's look for companions: compiled once a process.
+_ACTION_TO_EXECUTE = CompiledQuery(
+    lambda: Action.objects.select_related("kind", "conflict_class", "run").filter(
+        pk=Param("id", _ACTION_ID)
+    )
+)
+
+
+def _companion_query(limit: int) -> QuerySet[Action]:
+    """Due queued writes of the lead's target type, oldest first (see _companions)."""
+    return (
+        Action.objects.filter(status=ActionStatus.QUEUED)
+        .filter(Q(not_before__isnull=True) | Q(not_before__lte=Param("now", _NOT_BEFORE)))
+        .exclude(pk=Param("lead", _ACTION_ID))
+        # The lead's target type: its adapter writes in the caller's transaction, and so do
+        # those of every kind of the same target type (the capability is the adapter's).
+        .filter(kind__target=Param("target", _TARGET))
+        # What a companion is used for before lock_batch_rows loads it whole: its lock
+        # (kind and name), its place in proposal order, its id.
+        .only("id", "kind_id", "name", "created_at")
+        .order_by("created_at")[:limit]
+    )
+
+
+_COMPANIONS: dict[int, CompiledQuery] = {}
 
 
 def action_execute(
@@ -81,9 +113,7 @@ def action_execute(
     `batch` > 1 (the worker's job): a write to a managed resource also drains up to
     `batch - 1` other due queued writes on distinct resources, in the same transaction
     (see _drain); the returned outcome is still this action's."""
-    action = (
-        Action.objects.select_related("kind", "conflict_class", "run").filter(pk=action_id).first()
-    )
+    action = _ACTION_TO_EXECUTE.first(id=action_id)
     if action is None:
         return "missing"
     token = set_request_id(action.request_id or f"action-{action.pk}")
@@ -215,20 +245,11 @@ def _companions(lead: Action, connection: redis.Redis, *, limit: int) -> list[Fe
     by the barrier; here it only keeps paused work out)."""
     if limit < 1:
         return []
-    now = timezone.now()
-    switches = list(KillSwitch.objects.filter(engaged=True).only("id", "scope"))
-    candidates = (
-        Action.objects.filter(status=ActionStatus.QUEUED)
-        .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
-        .exclude(pk=lead.pk)
-        # The lead's target type: its adapter writes in the caller's transaction, and so do
-        # those of every kind of the same target type (the capability is the adapter's).
-        .filter(kind__target=lead.kind.target)
-        # What a companion is used for before lock_batch_rows loads it whole: its lock
-        # (kind and name), its place in proposal order, its id.
-        .only("id", "kind_id", "name", "created_at")
-        .order_by("created_at")[: limit * 2]
-    )
+    switches = engaged_switches()
+    query = _COMPANIONS.get(limit * 2)
+    if query is None:  # one a batch size: the worker's is a setting
+        query = _COMPANIONS[limit * 2] = CompiledQuery(lambda: _companion_query(limit * 2))
+    candidates = query.all(now=timezone.now(), lead=lead.pk, target=lead.kind.target)
     locks: list[FencedLock] = []
     resources = {lead.resource_identifier}
     for candidate in candidates:

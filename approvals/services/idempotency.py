@@ -42,7 +42,7 @@ from typing import Any
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, transaction
+from django.db import DatabaseError
 from django.utils import timezone
 from redis.exceptions import RedisError
 
@@ -50,6 +50,7 @@ from approvals.models import IdempotencyRecord, IdempotencyStatus
 from approvals.outbox import engine_redis
 from audit.models import ActorType
 from audit.services import Actor
+from console.compiled_query import CompiledInsert
 from engine.core import jsonsafe
 from engine.core.errors import DomainError
 
@@ -64,6 +65,9 @@ NEVER_STORED = frozenset({409, 429, 503})
 # its claim (_claim_member). Kept past the in-flight window, after which the window frees them.
 ABANDONED_KEY = "airlock:idempotency:abandoned"
 ABANDONED_TTL_SECONDS = int(IN_FLIGHT_ABANDONED_AFTER.total_seconds()) * 2
+
+# A key's claim: one INSERT that skips a key already held (its unique constraint).
+_CLAIM = CompiledInsert(IdempotencyRecord, skip_conflicts=True)
 
 log = logging.getLogger("airlock.idempotency")
 
@@ -169,11 +173,10 @@ def idempotency_begin(
             expires_at=now + retention,
         )
         try:
-            with transaction.atomic():
-                record.save(force_insert=True)
-            return Begin(record_id=record.pk, replay=None)
-        except IntegrityError:
-            pass
+            # One statement (autocommit: it commits alone): a key another request holds
+            # already is skipped, not an IntegrityError to catch in a savepoint.
+            if _CLAIM.insert(record):
+                return Begin(record_id=record.pk, replay=None)
         except DatabaseError:
             # The claim may have committed with its answer lost (the connection dropped
             # during COMMIT): this request goes no further, so its record, if any, is

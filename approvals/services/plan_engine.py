@@ -67,6 +67,7 @@ from approvals.services.plan_compensation import (
     resolution_trail,
 )
 from approvals.services.plan_state import plan_end, plan_event, plan_touch
+from console.compiled_query import CompiledQuery, Param
 from engine.core.operations import applied_operation
 from ownership.models import Conflict, ConflictOrigin, Resource
 
@@ -315,19 +316,25 @@ def plans_settled_late(*, since: datetime) -> int:
 # --- who moves a plan ------------------------------------------------------------
 
 
+# A write's parent and plan (asked of every write the worker applies: is it a plan's?).
+_PARENT_AND_PLAN = CompiledQuery(
+    lambda: Action.objects.filter(pk=Param("id", Action._meta.get_field("id"))).values_list(
+        "parent_id", "plan_step__plan_id"
+    )
+)
+
+
 def _plan_of_action(action_id: uuid.UUID | str) -> uuid.UUID | None:
     """The plan a write belongs to: as a step's action, or as a conflict resolution
     (of a step, or of a step's compensation) further down its `parent` chain."""
     current: Any = action_id
     for _ in range(MAX_RESOLUTION_CHAIN + 2):
-        row = (
-            Action.objects.filter(pk=current).values_list("parent_id", "plan_step__plan_id").first()
-        )
+        row = _PARENT_AND_PLAN.first(id=current)
         if row is None:
             return None
         parent_id, plan_id = row
         if plan_id is not None:
-            return plan_id
+            return uuid.UUID(str(plan_id))
         if parent_id is None:
             return None
         current = parent_id

@@ -13,6 +13,7 @@ import re
 from django.db import connection
 
 from console.advisory_locks import KILL_SWITCH
+from console.compiled_query import CompiledQuery, Param
 from console.models import KillSwitch
 from engine.core.errors import KillSwitchEngaged
 
@@ -57,17 +58,27 @@ def lock_switches_exclusive() -> None:
         cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(_SWITCH_LOCK))
 
 
+# Asked by every write proposal that needs no approval, and by the write barrier.
+_ENGAGED_SWITCHES = CompiledQuery(
+    lambda: KillSwitch.objects.filter(
+        engaged=Param("engaged", KillSwitch._meta.get_field("engaged"))
+    ).only("id", "scope", "reason")
+)
+
+
+def engaged_switches() -> list[KillSwitch]:
+    """Every engaged switch (their id, scope and reason)."""
+    switches: list[KillSwitch] = _ENGAGED_SWITCHES.all(engaged=True)
+    return switches
+
+
 def engaged_switch_for(resource_identifier: str) -> KillSwitch | None:
     """The engaged switch covering `resource_identifier`, or None.
 
     When several cover it, the broadest wins (`*`, then the shortest prefix),
     so the reason shown is the one an operator must release last.
     """
-    covering = [
-        switch
-        for switch in KillSwitch.objects.filter(engaged=True).only("id", "scope", "reason")
-        if switch.covers(resource_identifier)
-    ]
+    covering = [switch for switch in engaged_switches() if switch.covers(resource_identifier)]
     if not covering:
         return None
     return min(covering, key=lambda switch: (switch.scope != "*", len(switch.scope)))
