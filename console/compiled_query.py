@@ -27,14 +27,16 @@ Its text is built once a process per vendor; each call prepares the row's values
 `save()` does (`pre_save`, `get_db_prep_save`), sends the pre_save/post_save signals where
 anyone listens, sets what the database returned (the id) and the instance's state. It can
 also skip a row that breaks a unique constraint (`ON CONFLICT DO NOTHING`): one statement,
-no savepoint and no IntegrityError, for a claim that two requests may race for.
+no savepoint and no IntegrityError, for a claim that two requests may race for. Its
+`insert_many` is `bulk_create` the same way (a statement compiled for each row count up to
+a chunk): the worker's operations and history rows, a batch at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import connection, transaction
 from django.db.models import Expression, Field, Model, QuerySet, signals
@@ -43,6 +45,8 @@ from django.db.models.constants import OnConflict
 from django.db.models.query import ModelIterable, ValuesListIterable
 from django.db.models.sql import InsertQuery
 from django.db.models.sql.compiler import SQLCompiler
+
+_M = TypeVar("_M", bound=Model)
 
 
 class Param(Expression):
@@ -213,7 +217,11 @@ class CompiledInsert:
     """`insert(obj)`: `obj.save(force_insert=True)` for a new row of `model` (no parents, no
     explicit auto id), with the statement compiled once. `skip_conflicts`: a row that
     breaks a unique constraint is not inserted and `insert` returns False (the instance
-    stays unsaved) instead of raising IntegrityError."""
+    stays unsaved) instead of raising IntegrityError. `insert_many(objs)`: `bulk_create`
+    of new rows (no signals, as bulk_create sends none), one statement a chunk."""
+
+    # Rows a statement at the most (a statement is compiled for each count up to it).
+    CHUNK = 32
 
     def __init__(self, model: type[Model], *, skip_conflicts: bool = False) -> None:
         meta = model._meta
@@ -221,41 +229,17 @@ class CompiledInsert:
             raise TypeError("CompiledInsert writes one table: not a model with parents")
         self.model = model
         self.skip_conflicts = skip_conflicts
-        self._by_vendor: dict[str, _CompiledInsert] = {}
+        self._compiled: dict[tuple[str, int], _CompiledInsert] = {}
 
     def insert(self, obj: Model) -> bool:
-        if type(obj) is not self.model:
-            raise TypeError(f"CompiledInsert({self.model.__name__}) got {type(obj).__name__}")
-        compiled = self._compiled()
-        meta = self.model._meta
-        pk: Any = meta.pk
-        if meta.auto_field is None and obj.pk is None:
-            setattr(obj, pk.attname, pk.get_pk_value_on_save(obj))
-        elif meta.auto_field is not None and obj.pk is not None:
-            raise TypeError("CompiledInsert lets the database number the row: no id given")
+        self._check(obj)
         alias = connection.alias
         if signals.pre_save.has_listeners(self.model):
             signals.pre_save.send(
                 sender=self.model, instance=obj, raw=False, using=alias, update_fields=None
             )
-        params = [_insert_value(field, obj, compiled.compiler) for field in compiled.fields]
-        with (
-            transaction.mark_for_rollback_on_error(using=alias),
-            connection.cursor() as cursor,
-        ):
-            cursor.execute(compiled.sql, params)
-            row = cursor.fetchone() if compiled.returning else None
-            inserted = row is not None if compiled.returning else cursor.rowcount > 0
-        if not inserted:
+        if not self._insert_chunk([obj]):
             return False
-        if row is not None:
-            values: Any = [row]
-            if compiled.converters:
-                values = list(compiled.compiler.apply_converters(values, compiled.converters))
-            for value, field in zip(values[0], compiled.returning, strict=True):
-                setattr(obj, field.attname, value)
-        obj._state.adding = False
-        obj._state.db = alias
         if signals.post_save.has_listeners(self.model):
             signals.post_save.send(
                 sender=self.model,
@@ -267,28 +251,86 @@ class CompiledInsert:
             )
         return True
 
-    def _compiled(self) -> _CompiledInsert:
-        vendor = connection.vendor
-        compiled = self._by_vendor.get(vendor)
+    def insert_many(self, objs: Iterable[_M]) -> list[_M]:
+        """The new rows, inserted in order (each given what the database returned); with
+        skip_conflicts, refused: which rows were skipped would be unknown."""
+        if self.skip_conflicts:
+            raise TypeError("insert_many does not skip conflicts: insert each row instead")
+        rows = list(objs)
+        for obj in rows:
+            self._check(obj)
+        for start in range(0, len(rows), self.CHUNK):
+            self._insert_chunk(rows[start : start + self.CHUNK])
+        return rows
+
+    def _check(self, obj: Model) -> None:
+        if type(obj) is not self.model:
+            raise TypeError(f"CompiledInsert({self.model.__name__}) got {type(obj).__name__}")
+        meta = self.model._meta
+        pk: Any = meta.pk
+        if meta.auto_field is None and obj.pk is None:
+            setattr(obj, pk.attname, pk.get_pk_value_on_save(obj))
+        elif meta.auto_field is not None and obj.pk is not None:
+            raise TypeError("CompiledInsert lets the database number the row: no id given")
+
+    def _insert_chunk(self, objs: Sequence[Model]) -> bool:
+        """Insert `objs` (at most CHUNK) in one statement; False if a conflict skipped it."""
+        compiled = self._statement(len(objs))
+        params = [
+            _insert_value(field, obj, compiled.compiler)
+            for obj in objs
+            for field in compiled.fields
+        ]
+        alias = connection.alias
+        with (
+            transaction.mark_for_rollback_on_error(using=alias),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute(compiled.sql, params)
+            if compiled.returning:
+                returned: Any = cursor.fetchall()
+                inserted = len(returned) == len(objs)
+            else:
+                returned = []
+                inserted = cursor.rowcount == len(objs)
+        if not inserted:
+            return False
+        if compiled.converters:
+            returned = list(compiled.compiler.apply_converters(returned, compiled.converters))
+        # The rows come back in the VALUES' order (bulk_create relies on it as well).
+        for obj, row in zip(objs, returned or [()] * len(objs), strict=True):
+            for value, field in zip(row, compiled.returning, strict=True):
+                setattr(obj, field.attname, value)
+            obj._state.adding = False
+            obj._state.db = alias
+        return True
+
+    def _statement(self, rows: int) -> _CompiledInsert:
+        key = (connection.vendor, rows)
+        compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._by_vendor[vendor] = self._compile()
+            compiled = self._compiled[key] = self._compile(rows)
         return compiled
 
-    def _compile(self) -> _CompiledInsert:
+    def _compile(self, rows: int) -> _CompiledInsert:
         meta = self.model._meta
         # Model._save_table's columns for a new row: the auto id is the database's.
         fields = tuple(
             f for f in meta.local_concrete_fields if not f.generated and f is not meta.auto_field
         )
         ops: Any = connection.ops
+        features = connection.features
         on_conflict = OnConflict.IGNORE if self.skip_conflicts else None
         returning = tuple(meta.db_returning_fields)
-        if returning and not connection.features.can_return_columns_from_insert:
+        if returning and not features.can_return_columns_from_insert:
             raise TypeError(f"{connection.vendor} cannot return the inserted row's columns")
+        if returning and rows > 1 and not features.can_return_rows_from_bulk_insert:
+            raise TypeError(f"{connection.vendor} cannot return the inserted rows' columns")
+        row = f"({', '.join(['%s'] * len(fields))})"
         parts = [
             f"{ops.insert_statement(on_conflict=on_conflict)} {ops.quote_name(meta.db_table)}",
             f"({', '.join(ops.quote_name(f.column) for f in fields)})",
-            f"VALUES ({', '.join(['%s'] * len(fields))})",
+            f"VALUES {', '.join([row] * rows)}",
         ]
         suffix = ops.on_conflict_suffix_sql(fields, on_conflict, (), ())
         if suffix:

@@ -20,7 +20,7 @@ from approvals.selectors import actions_visible_to
 from approvals.services import actions, tokens
 from approvals.services.queued_writes import in_flight_on, writes_in_flight
 from console.compiled_query import CompiledInsert, CompiledQuery, Param
-from ownership.models import OwnershipRecord, Resource, ResourceKind
+from ownership.models import OwnershipRecord, Resource, ResourceKind, ResourceVersion
 from tests.fixtures.api import AgentActor, make_active_run, make_agent_with_token
 from tests.fixtures.core import applied_prod_alerts_action, make_resource
 
@@ -293,3 +293,51 @@ def test_inserts_it_cannot_make_faithfully_are_refused(agent: AgentActor) -> Non
     with pytest.raises(TypeError, match="expressions"):
         CompiledInsert(IdempotencyRecord).insert(expression)
     assert not IdempotencyRecord.objects.filter(agent=agent.agent).exists()
+
+
+def _versions(resource: Resource, count: int, start: int) -> list[ResourceVersion]:
+    return [
+        ResourceVersion(
+            resource=resource,
+            version=start + n,
+            document={"ttl": n, "tags": ["a", n]},
+            deleted=n % 2 == 1,
+            operation="update",
+            fence=100 + n,
+        )
+        for n in range(count)
+    ]
+
+
+def test_many_rows_are_the_rows_bulk_create_writes_in_order_with_their_ids() -> None:
+    resource = make_resource("dns-record/app-many", {"ttl": 1}, version=1)
+    # Over one chunk: two statements, the rows in the caller's order either way.
+    count = CompiledInsert.CHUNK + 3
+    by_bulk = ResourceVersion.objects.bulk_create(_versions(resource, count, 1000))
+    with CaptureQueriesContext(connection) as captured:
+        inserted = CompiledInsert(ResourceVersion).insert_many(_versions(resource, count, 2000))
+    assert len(captured.captured_queries) == 2
+    assert [row.version for row in inserted] == list(range(2000, 2000 + count))
+    ids = [row.pk for row in inserted]
+    assert all(isinstance(pk, int) for pk in ids) and ids == sorted(ids)
+    assert all(not row._state.adding and row._state.db == "default" for row in inserted)
+    skip = ("id", "version", "created_at")
+    for bulk, compiled in zip(by_bulk, inserted, strict=True):
+        assert _stored(compiled, skip=skip) == _stored(bulk, skip=skip)
+        assert _stored(compiled)["version"] == compiled.version
+    assert CompiledInsert(ResourceVersion).insert_many([]) == []
+
+
+def test_many_rows_fail_whole_and_skipping_conflicts_is_one_row_at_a_time(
+    agent: AgentActor,
+) -> None:
+    resource = make_resource("dns-record/app-whole", {"ttl": 1}, version=1)
+    rows = _versions(resource, 3, 10)
+    rows[2].operation = None  # type: ignore[assignment]  # NOT NULL: the statement fails whole
+    with pytest.raises(IntegrityError), transaction.atomic():
+        CompiledInsert(ResourceVersion).insert_many(rows)
+    assert not ResourceVersion.objects.filter(resource=resource, version__gte=10).exists()
+    with pytest.raises(TypeError, match="insert each row"):
+        CompiledInsert(IdempotencyRecord, skip_conflicts=True).insert_many(
+            [_record(agent.agent, "many-key-1")]
+        )

@@ -47,6 +47,7 @@ from approvals.models import (
     WriteOperation,
 )
 from audit.services import Actor, EventSpec, audit_append
+from console.compiled_query import CompiledInsert
 from console.tracing import traced
 from engine.core.action_audit import action_event
 from engine.core.killswitch import refuse_if_engaged
@@ -238,6 +239,10 @@ class _Refused:
     resource_id: int | None = None
 
 
+# The history rows of every applied write (a drain's batch: one statement).
+_INSERT_VERSIONS = CompiledInsert(ResourceVersion)
+
+
 def record_applied(
     writes: Sequence[tuple[Action, Operation, Written]],
     *,
@@ -249,7 +254,7 @@ def record_applied(
     from the kind/class window), their actions applied — one statement each, however many
     writes (the drain records its batch at once) — and their audit events last, in order."""
     deadlines = {operation.pk: now + undo_window(action) for action, operation, _ in writes}
-    ResourceVersion.objects.bulk_create(
+    _INSERT_VERSIONS.insert_many(
         ResourceVersion(
             resource_id=written.resource_id,
             version=written.result_version,

@@ -15,6 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import Action, ActionStatus, Operation, OperationStatus
+from console.compiled_query import CompiledInsert
 from engine.core.errors import InvalidTransition, NotFound
 
 # An action may be (re-)executed from these statuses.
@@ -169,6 +170,10 @@ def _claim(
     return operation
 
 
+# A claimed batch's operations (every write the worker applies: one statement a batch).
+_INSERT_OPERATIONS = CompiledInsert(Operation)
+
+
 def open_operations(
     *, action_ids: Sequence[uuid.UUID], fence: int, worker: str, lease_seconds: int
 ) -> dict[uuid.UUID, Operation]:
@@ -199,7 +204,7 @@ def open_operations(
                 ],
             )
             moved = {uuid.UUID(str(row[0])) for row in cursor.fetchall()}
-        operations = Operation.objects.bulk_create(
+        operations = _INSERT_OPERATIONS.insert_many(
             Operation(
                 action_id=action_id,
                 fence=fence,
