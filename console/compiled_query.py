@@ -363,3 +363,57 @@ def _insert_value(field: Any, obj: Model, compiler: SQLCompiler) -> Any:
     if wrapped and field.get_placeholder(prepared, compiler, connection) != "%s":
         raise TypeError(f"CompiledInsert writes plain %s placeholders only ({field.name})")
     return prepared
+
+
+class CompiledUpdate:
+    """`model.objects.filter(<where> = …).update(<columns> = …)` with the column names fixed
+    and the statement built once a process: `update(columns={…}, where={…})` → rows
+    changed. Equality on plain values only (a None in `where` is refused: SQL's `= NULL`
+    matches nothing), values prepared by their fields as QuerySet.update does."""
+
+    def __init__(self, model: type[Model], *, columns: Sequence[str], where: Sequence[str]) -> None:
+        meta = model._meta
+        self.model = model
+        self._set: tuple[Any, ...] = tuple(meta.get_field(name) for name in columns)
+        self._where: tuple[Any, ...] = tuple(meta.get_field(name) for name in where)
+        if not self._set or not self._where:
+            raise TypeError("CompiledUpdate sets at least one column, where at least one holds")
+        if any(not getattr(f, "concrete", False) for f in (*self._set, *self._where)):
+            raise TypeError("CompiledUpdate names the model's own columns only")
+        self._names = (tuple(columns), tuple(where))
+        self._sql: dict[str, str] = {}
+
+    def update(self, *, columns: dict[str, Any], where: dict[str, Any]) -> int:
+        if (tuple(columns), tuple(where)) != self._names:
+            raise TypeError(f"CompiledUpdate was compiled for {self._names}")
+        compiler: Any = None
+        params: list[Any] = []
+        for field, value in zip(self._set, columns.values(), strict=True):
+            if hasattr(value, "resolve_expression"):
+                raise TypeError(f"CompiledUpdate sends values, not expressions ({field.name})")
+            prepared = field.get_db_prep_save(value, connection=connection)
+            wrapped = hasattr(field, "get_placeholder")
+            if wrapped and field.get_placeholder(prepared, compiler, connection) != "%s":
+                raise TypeError(f"CompiledUpdate writes plain %s placeholders only ({field.name})")
+            params.append(prepared)
+        for field, value in zip(self._where, where.values(), strict=True):
+            if value is None or hasattr(value, "resolve_expression"):
+                raise TypeError(f"CompiledUpdate matches plain values, not None ({field.name})")
+            params.append(field.get_db_prep_value(value, connection, prepared=False))
+        with (
+            transaction.mark_for_rollback_on_error(using=connection.alias),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute(self._statement(), params)
+            return int(cursor.rowcount)
+
+    def _statement(self) -> str:
+        sql = self._sql.get(connection.vendor)
+        if sql is None:
+            qn: Any = connection.ops.quote_name
+            assignments = ", ".join(f"{qn(f.column)} = %s" for f in self._set)
+            conditions = " AND ".join(f"{qn(f.column)} = %s" for f in self._where)
+            table = qn(self.model._meta.db_table)
+            sql = f"UPDATE {table} SET {assignments} WHERE {conditions}"  # noqa: S608 - names
+            self._sql[connection.vendor] = sql
+        return sql

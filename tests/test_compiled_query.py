@@ -19,7 +19,7 @@ from approvals.models import Action, IdempotencyRecord, IdempotencyStatus, Run
 from approvals.selectors import actions_visible_to
 from approvals.services import actions, tokens
 from approvals.services.queued_writes import in_flight_on, writes_in_flight
-from console.compiled_query import CompiledInsert, CompiledQuery, Param
+from console.compiled_query import CompiledInsert, CompiledQuery, CompiledUpdate, Param
 from ownership.models import OwnershipRecord, Resource, ResourceKind, ResourceVersion
 from tests.fixtures.api import AgentActor, make_active_run, make_agent_with_token
 from tests.fixtures.core import applied_prod_alerts_action, make_resource
@@ -341,3 +341,45 @@ def test_many_rows_fail_whole_and_skipping_conflicts_is_one_row_at_a_time(
         CompiledInsert(IdempotencyRecord, skip_conflicts=True).insert_many(
             [_record(agent.agent, "many-key-1")]
         )
+
+
+# --- CompiledUpdate ----------------------------------------------------------------------
+
+
+def test_an_update_changes_what_the_orms_update_changes(
+    agent: AgentActor, run: Any, prod_alerts: Any
+) -> None:
+    action = applied_prod_alerts_action(run.run)
+    claim = CompiledInsert(IdempotencyRecord, skip_conflicts=True)
+    by_orm, compiled = _record(agent.agent, "update-key-1"), _record(agent.agent, "update-key-2")
+    assert claim.insert(by_orm) and claim.insert(compiled)
+    columns = {
+        "status": IdempotencyStatus.DONE,
+        "response_status": 202,
+        "response_headers": {"Content-Type": "application/json", "ETag": '"x"'},
+        "response_body": b'{"id": 1}',
+        "action_id": action.pk,
+    }
+    in_flight = {"status": IdempotencyStatus.IN_FLIGHT}
+    update = CompiledUpdate(IdempotencyRecord, columns=tuple(columns), where=("id", "status"))
+    assert IdempotencyRecord.objects.filter(pk=by_orm.pk, **in_flight).update(**columns) == 1
+    with CaptureQueriesContext(connection) as captured:
+        assert update.update(columns=columns, where={"id": compiled.pk, **in_flight}) == 1
+    assert len(captured.captured_queries) == 1
+    skip = ("id", "key", "created_at", "expires_at")
+    assert _stored(compiled, skip=skip) == _stored(by_orm, skip=skip)
+    assert bytes(IdempotencyRecord.objects.get(pk=compiled.pk).response_body) == b'{"id": 1}'
+    # The condition holds no more: nothing changes.
+    assert update.update(columns=columns, where={"id": compiled.pk, **in_flight}) == 0
+
+
+def test_updates_it_cannot_make_faithfully_are_refused(agent: AgentActor) -> None:
+    update = CompiledUpdate(IdempotencyRecord, columns=("status",), where=("id",))
+    with pytest.raises(TypeError, match="compiled for"):
+        update.update(columns={"path": "/x"}, where={"id": 1})
+    with pytest.raises(TypeError, match="not None"):
+        update.update(columns={"status": "done"}, where={"id": None})
+    with pytest.raises(TypeError, match="expressions"):
+        update.update(columns={"status": Value("done")}, where={"id": 1})
+    with pytest.raises(TypeError, match="own columns"):
+        CompiledUpdate(Run, columns=("ownership",), where=("id",))

@@ -50,7 +50,7 @@ from approvals.models import IdempotencyRecord, IdempotencyStatus
 from approvals.outbox import engine_redis
 from audit.models import ActorType
 from audit.services import Actor
-from console.compiled_query import CompiledInsert
+from console.compiled_query import CompiledInsert, CompiledUpdate
 from engine.core import jsonsafe
 from engine.core.errors import DomainError
 
@@ -68,6 +68,12 @@ ABANDONED_TTL_SECONDS = int(IN_FLIGHT_ABANDONED_AFTER.total_seconds()) * 2
 
 # A key's claim: one INSERT that skips a key already held (its unique constraint).
 _CLAIM = CompiledInsert(IdempotencyRecord, skip_conflicts=True)
+# Its answer stored, by the request that holds it (in the transaction that made it).
+_COMPLETE = CompiledUpdate(
+    IdempotencyRecord,
+    columns=("status", "response_status", "response_headers", "response_body", "action_id"),
+    where=("id", "status"),
+)
 
 log = logging.getLogger("airlock.idempotency")
 
@@ -239,14 +245,15 @@ def idempotency_complete(
     if response.status in NEVER_STORED or response.status >= 500:
         idempotency_release(record_id=record_id)
         return False
-    updated = IdempotencyRecord.objects.filter(
-        pk=record_id, status=IdempotencyStatus.IN_FLIGHT
-    ).update(
-        status=IdempotencyStatus.DONE,
-        response_status=response.status,
-        response_headers=response.headers,
-        response_body=response.body,
-        action_id=action_id,
+    updated = _COMPLETE.update(
+        columns={
+            "status": IdempotencyStatus.DONE,
+            "response_status": response.status,
+            "response_headers": response.headers,
+            "response_body": response.body,
+            "action_id": action_id,
+        },
+        where={"id": record_id, "status": IdempotencyStatus.IN_FLIGHT},
     )
     if not updated:
         raise IdempotencyKeyError(
