@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from engine.targets import git_ssh
@@ -29,7 +30,7 @@ from engine.targets.base import Outcome, TargetConfigError, TargetError, WriteRe
 from engine.targets.git import GitSettings, GitTarget
 from engine.targets.http_etag import HttpEtagSettings, HttpEtagTarget
 from engine.targets.registry import adapter_for
-from engine.targets.tls import git_tls_config
+from engine.targets.tls import default_trust, git_tls_config
 from tests.fixtures.dav import (
     ENV,
     HAVE_APACHE_TLS,
@@ -139,6 +140,36 @@ def test_a_server_whose_certificate_does_not_verify_is_refused_and_nothing_is_wr
     assert NOT_VERIFIED in texts[0] and where in texts[0], texts[0]
     assert apache_tls.pki is not None
     _nothing_leaks([*texts, caplog.text], [apache_tls.pki.ca_pem, other], PASSWORD)
+
+
+def test_the_default_trust_is_built_once_and_follows_ssl_cert_file_as_httpx_does(
+    apache_tls: Dav, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ca_bundle_env the adapter trusts what httpx's `verify=True` trusts — certifi's
+    bundle, or SSL_CERT_FILE's — from a context built once a process for each source (httpx
+    built one for every client: a bundle loaded for every write)."""
+    assert apache_tls.pki is not None
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    certifi_trust = default_trust()
+    assert default_trust() is certifi_trust  # shared, not rebuilt
+    assert default_trust(trust_env=False) is not certifi_trust
+    expected = httpx.create_ssl_context().cert_store_stats()
+    assert certifi_trust.cert_store_stats() == expected
+    # The private CA is not in certifi's bundle: refused at the handshake, nothing written.
+    refused = _http_target(apache_tls).create("d.json", {"n": 1}, fence=1, idempotency_key=_key())
+    assert refused.outcome is Outcome.NOT_SENT and NOT_VERIFIED in (refused.detail or "")
+    assert not (apache_tls.root / "d.json").exists()
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text(apache_tls.pki.ca_pem)
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+    trusted = default_trust()
+    assert trusted is not certifi_trust and default_trust() is trusted
+    created = _http_target(apache_tls).create("d.json", {"n": 1}, fence=1, idempotency_key=_key())
+    assert created.applied, created
+    assert (apache_tls.root / "d.json").read_text() == '{"n":1}'
+    # trust_env off (the webhook's client) ignores the variable, as httpx does.
+    assert default_trust(trust_env=False).cert_store_stats() == expected
 
 
 def test_a_certificate_from_the_trusted_ca_naming_another_host_is_refused(

@@ -84,6 +84,7 @@ from engine.targets.base import (
 from engine.targets.tls import (
     certificate_error,
     client_certificate_alert,
+    default_trust,
     present_client_certificate,
     refused_certificate,
     refused_client_certificate,
@@ -224,13 +225,13 @@ class HttpEtagTarget(RestoresByVerbs):
         forms += [piece for piece in secret.replace("\r", "\n").split("\n") if len(piece) >= 4]
         return {s.auth_header: value}, forms
 
-    def _verify(self) -> ssl.SSLContext | bool:
+    def _verify(self) -> ssl.SSLContext:
         """httpx's `verify`: its default trust (True), or a context that trusts the kind's
         CA bundle and/or presents its client certificate. TargetError when a variable is
         unset or does not load: nothing can be sent."""
         s = self.settings
         if s.ca_bundle_env is None and s.client_cert_env is None:
-            return True
+            return default_trust()  # what `True` gives, built once a process
         context = (
             httpx.create_ssl_context()  # the default trust, as `verify=True` gives
             if s.ca_bundle_env is None

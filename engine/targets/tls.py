@@ -30,10 +30,19 @@ side of the handshake, so httpx has written the request by the time it reads the
 the adapter cannot prove the request was not taken, and says so (`unknown`, settle by
 reading). git asks for the refs (a GET) before it sends any pack, so a refusal met there is
 proof that nothing was pushed.
+
+The default trust itself (`default_trust`) is built once a process: httpx's `verify=True`
+loads certifi's bundle into a new SSLContext for every client — about 8 ms of a worker's
+CPU for each write to an http target and each webhook delivery, more than the request. A
+context is safe to share between clients once built (nothing here changes the default one;
+a kind's client certificate is loaded into a context of its own). A changed bundle file
+(SSL_CERT_FILE) is read again when the process restarts, as by any long-lived client.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import ssl
 import tempfile
@@ -41,6 +50,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from engine.targets.base import (
     TargetConfigError,
@@ -156,6 +167,23 @@ def _load(env_name: str) -> tuple[str, ssl.SSLContext]:
         return pem, ssl.create_default_context(cadata=pem)
     except (ssl.SSLError, ValueError):
         raise TargetError(f"the CA bundle in {env_name} is not PEM certificate text") from None
+
+
+@functools.cache
+def _default_context(
+    trust_env: bool, cert_file: str | None, cert_dir: str | None
+) -> ssl.SSLContext:
+    # The environment's two variables are part of the key: httpx reads them when it builds.
+    return httpx.create_ssl_context(trust_env=trust_env)
+
+
+def default_trust(*, trust_env: bool = True) -> ssl.SSLContext:
+    """What httpx's `verify=True` builds (its create_ssl_context: SSL_CERT_FILE or
+    SSL_CERT_DIR where the environment is trusted, else certifi's bundle), once a process
+    for each source. Never to be changed by its users (it is shared)."""
+    if not trust_env:
+        return _default_context(False, None, None)
+    return _default_context(True, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
 
 
 def ca_bundle(env_name: str) -> str:

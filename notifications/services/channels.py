@@ -23,6 +23,7 @@ from django.core.mail import EmailMessage, get_connection
 from django.utils import timezone
 from standardwebhooks.webhooks import Webhook
 
+from engine.targets.tls import default_trust
 from notifications.services.addresses import UrlRefused, webhook_url_check
 
 log = logging.getLogger("airlock.notifications")
@@ -117,7 +118,12 @@ def webhook_send(
     started = time.perf_counter()
     try:
         # trust_env off: a proxy from the environment would connect somewhere unchecked.
-        with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client:
+        with httpx.Client(
+            timeout=timeout,
+            follow_redirects=False,
+            trust_env=False,
+            verify=default_trust(trust_env=False),  # what `True` gives, built once a process
+        ) as client:
             request = client.build_request(
                 "POST", checked.connect_url, content=body, headers=headers, extensions=extensions
             )
