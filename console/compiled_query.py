@@ -45,6 +45,7 @@ from django.db.models.constants import OnConflict
 from django.db.models.query import ModelIterable, ValuesListIterable
 from django.db.models.sql import InsertQuery
 from django.db.models.sql.compiler import SQLCompiler
+from django.db.transaction import TransactionManagementError
 
 _M = TypeVar("_M", bound=Model)
 
@@ -76,6 +77,7 @@ class _Compiled:
     params: tuple[Any, ...]  # literal values, and Param objects where a call's value goes
     compiler: SQLCompiler
     values_list: bool
+    locks: bool  # select_for_update: only inside a transaction, as the ORM checks
     # What SQLCompiler.results_iter works out again at every call: the columns' converters
     # (about a fifth of a compiled read's own CPU), and whether a column is composite.
     converters: dict[int, Any]
@@ -132,6 +134,11 @@ class CompiledQuery:
 
     @staticmethod
     def _execute(compiled: _Compiled, values: dict[str, Any]) -> list[Any]:
+        if compiled.locks and connection.get_autocommit():
+            # The ORM refuses this when it compiles; a compiled statement is compiled once.
+            raise TransactionManagementError(
+                "select_for_update cannot be used outside of a transaction."
+            )
         params = [_value(param, values) for param in compiled.params]
         with connection.cursor() as cursor:
             cursor.execute(compiled.sql, params)
@@ -169,6 +176,7 @@ def _compile(built: QuerySet[Any, Any]) -> _Compiled:
         tuple(params),
         compiler,
         values_list,
+        locks=bool(queryset.query.select_for_update),
         converters=compiler.get_converters(fields),
         composite=compiler.has_composite_fields(fields),
     )

@@ -29,6 +29,7 @@ from engine.core.kind_targets import (
     in_caller_transaction,
     is_external,
 )
+from engine.core.row_locks import mirror_locked
 from engine.targets.base import (
     Snapshot,
     TargetConfigError,
@@ -86,7 +87,7 @@ def mirror_snapshot(
     so its snapshot is older than the mirror and is not recorded — the row is returned as
     it is. `fence` is only the history row's attribution (the attempt that wrote)."""
     with transaction.atomic():
-        resource = Resource.objects.select_for_update().filter(kind=kind, name=name).first()
+        resource = mirror_locked(kind.pk, name)
         if resource is not None and guard_fence and resource.last_fence > guard_fence:
             return resource  # a newer holder recorded since this snapshot was read
         if resource is None:

@@ -11,6 +11,7 @@ import pytest
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, Q, Value
 from django.db.models.signals import post_save, pre_save
+from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -20,6 +21,7 @@ from approvals.selectors import actions_visible_to
 from approvals.services import actions, tokens
 from approvals.services.queued_writes import in_flight_on, writes_in_flight
 from console.compiled_query import CompiledInsert, CompiledQuery, CompiledUpdate, Param
+from engine.core import row_locks
 from ownership.models import OwnershipRecord, Resource, ResourceKind, ResourceVersion
 from tests.fixtures.api import AgentActor, make_active_run, make_agent_with_token
 from tests.fixtures.core import applied_prod_alerts_action, make_resource
@@ -383,3 +385,31 @@ def test_updates_it_cannot_make_faithfully_are_refused(agent: AgentActor) -> Non
         update.update(columns={"status": Value("done")}, where={"id": 1})
     with pytest.raises(TypeError, match="own columns"):
         CompiledUpdate(Run, columns=("ownership",), where=("id",))
+
+
+def test_a_locking_read_says_for_update_and_is_refused_outside_a_transaction(
+    run: Any, prod_alerts: Any
+) -> None:
+    action = applied_prod_alerts_action(run.run)
+    with CaptureQueriesContext(connection) as captured:
+        assert row_locks.action_locked(action.pk, related=True).run.agent_id == run.run.agent_id
+        assert row_locks.action_locked(action.pk).pk == action.pk
+        assert row_locks.run_of_action(action.pk) == run.run.pk
+        assert row_locks.mirror_locked("notification-policy", "prod-alerts") is not None
+        assert row_locks.mirror_locked("notification-policy", "none-such") is None
+    sql = [q["sql"] for q in captured.captured_queries]
+    assert sql[0].endswith('FOR UPDATE OF "approvals_action"'), sql[0]
+    assert sql[1].endswith('FOR UPDATE OF "approvals_action"'), sql[1]
+    assert "FOR UPDATE" not in sql[2]
+    assert sql[3].endswith("FOR UPDATE"), sql[3]
+    with pytest.raises(Action.DoesNotExist):
+        row_locks.action_locked(uuid.uuid4())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_compiled_locking_read_outside_a_transaction_is_refused_as_the_orms_is() -> None:
+    with transaction.atomic():  # compiled inside one, as its callers run it
+        assert row_locks.operation_locked(0) is None
+    assert connection.get_autocommit()
+    with pytest.raises(TransactionManagementError, match="outside of a transaction"):
+        row_locks.operation_locked(0)

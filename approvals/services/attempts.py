@@ -46,6 +46,7 @@ from engine.core.action_audit import audit_action_event
 from engine.core.errors import DomainError
 from engine.core.killswitch import engaged_switch_for
 from engine.core.operations import open_operation
+from engine.core.row_locks import operation_locked
 from ownership.services.conflicts import conflict_open_for_action
 
 log = logging.getLogger("airlock.execution")
@@ -137,7 +138,7 @@ def attempt_superseded(operation_id: int) -> bool:
     barrier's and the reconciler's order) and say whether the attempt is stale —
     the reconciler abandoned it (lease expired) or a newer attempt exists. A stale
     worker that resumes must then record nothing and move nothing."""
-    operation = Operation.objects.select_for_update().filter(pk=operation_id).first()
+    operation = operation_locked(operation_id)
     if operation is None:
         return True
     if isinstance(operation.outcome, dict) and operation.outcome.get("abandoned"):

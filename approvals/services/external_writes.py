@@ -58,6 +58,7 @@ from engine.core.barrier import refuse_if_run_ended
 from engine.core.errors import LockLost
 from engine.core.killswitch import engaged_switch_for
 from engine.core.land import undo_window
+from engine.core.row_locks import action_locked, operation_locked
 from engine.targets.base import (
     ABSENT,
     Applied,
@@ -444,8 +445,8 @@ def _record_applied(
         # closed its operation and another delivery may already have recorded the effect:
         # it records nothing but closing its own operation (conditionally), so one effect
         # is recorded once.
-        mine = Operation.objects.select_for_update().filter(pk=operation.pk).first()
-        locked = Action.objects.select_for_update(of=("self",)).get(pk=action.pk)
+        mine = operation_locked(operation.pk)
+        locked = action_locked(action.pk)
         if (
             mine is None
             or mine.status != OperationStatus.PENDING

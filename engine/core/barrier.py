@@ -54,6 +54,7 @@ from engine.core.killswitch import refuse_if_engaged
 from engine.core.kind_targets import adapter_for_kind
 from engine.core.land import Written, land_write, undo_window
 from engine.core.operations import EXECUTABLE_STATUSES
+from engine.core.row_locks import action_locked, operation_locked, run_of_action
 from engine.core.versions import counter, token
 from engine.core.write_rows import (
     NOT_READ,
@@ -216,14 +217,10 @@ def refuse_if_run_ended(
     run check, in its own transaction and the same lock order. Returns the
     refusal (the action ended, the operation failed) or None to go ahead."""
     with transaction.atomic():
-        operation = Operation.objects.select_for_update().filter(pk=operation_id).first()
-        run_id = Action.objects.filter(pk=action_id).values_list("run_id", flat=True).first()
+        operation = operation_locked(operation_id)
+        run_id = run_of_action(action_id)
         run_state = lock_run_for_share(run_id) if run_id is not None else None
-        action = (
-            Action.objects.select_for_update(of=("self",))
-            .select_related("kind", "conflict_class", "run__agent")
-            .get(pk=action_id)
-        )
+        action = action_locked(action_id, related=True)
         if operation is None or operation.status != OperationStatus.PENDING:
             return None
         now = timezone.now()
