@@ -142,29 +142,38 @@ def test_a_server_whose_certificate_does_not_verify_is_refused_and_nothing_is_wr
     _nothing_leaks([*texts, caplog.text], [apache_tls.pki.ca_pem, other], PASSWORD)
 
 
-def test_the_default_trust_is_built_once_and_follows_ssl_cert_file_as_httpx_does(
-    apache_tls: Dav, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.fixture
+def fresh_default_trust() -> Iterator[None]:
+    """The process's default trust built afresh for the test, and again after it (a test's
+    SSL_CERT_FILE must not stay trusted for the tests that follow)."""
+    default_trust.cache_clear()
+    yield
+    default_trust.cache_clear()
+
+
+def test_the_default_trust_is_built_once_a_process_from_what_httpx_trusts(
+    apache_tls: Dav, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_default_trust: None
 ) -> None:
     """Without ca_bundle_env the adapter trusts what httpx's `verify=True` trusts — certifi's
-    bundle, or SSL_CERT_FILE's — from a context built once a process for each source (httpx
-    built one for every client: a bundle loaded for every write)."""
+    bundle, or SSL_CERT_FILE's — from a context built once a process (httpx built one for
+    every client: a bundle loaded for every write)."""
     assert apache_tls.pki is not None
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)
     certifi_trust = default_trust()
     assert default_trust() is certifi_trust  # shared, not rebuilt
-    assert default_trust(trust_env=False) is not certifi_trust
     expected = httpx.create_ssl_context().cert_store_stats()
     assert certifi_trust.cert_store_stats() == expected
     # The private CA is not in certifi's bundle: refused at the handshake, nothing written.
     refused = _http_target(apache_tls).create("d.json", {"n": 1}, fence=1, idempotency_key=_key())
     assert refused.outcome is Outcome.NOT_SENT and NOT_VERIFIED in (refused.detail or "")
     assert not (apache_tls.root / "d.json").exists()
+    # A process started with SSL_CERT_FILE naming the private CA trusts it, as httpx does.
     bundle = tmp_path / "ca.pem"
     bundle.write_text(apache_tls.pki.ca_pem)
     monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
-    trusted = default_trust()
-    assert trusted is not certifi_trust and default_trust() is trusted
+    default_trust.cache_clear()  # what a new process would build
+    assert default_trust() is not certifi_trust
     created = _http_target(apache_tls).create("d.json", {"n": 1}, fence=1, idempotency_key=_key())
     assert created.applied, created
     assert (apache_tls.root / "d.json").read_text() == '{"n":1}'

@@ -185,8 +185,9 @@ def idempotency_begin(
                 return Begin(record_id=record.pk, replay=None)
         except DatabaseError:
             # The claim may have committed with its answer lost (the connection dropped
-            # after the server committed the INSERT): this request goes no further, so its record, if any, is
-            # noted as abandoned — by what it was stamped with, its id being unknown.
+            # after the server committed the INSERT): this request goes no further, so its
+            # record, if any, is noted as abandoned — by what it was stamped with, its id
+            # being unknown.
             if record.created_at is not None:
                 _note_abandoned_claim(scope, key, record.created_at)
             raise

@@ -42,7 +42,6 @@ a kind's client certificate is loaded into a context of its own). A changed bund
 from __future__ import annotations
 
 import functools
-import os
 import re
 import ssl
 import tempfile
@@ -170,20 +169,12 @@ def _load(env_name: str) -> tuple[str, ssl.SSLContext]:
 
 
 @functools.cache
-def _default_context(
-    trust_env: bool, cert_file: str | None, cert_dir: str | None
-) -> ssl.SSLContext:
-    # The environment's two variables are part of the key: httpx reads them when it builds.
-    return httpx.create_ssl_context(trust_env=trust_env)
-
-
 def default_trust(*, trust_env: bool = True) -> ssl.SSLContext:
     """What httpx's `verify=True` builds (its create_ssl_context: SSL_CERT_FILE or
     SSL_CERT_DIR where the environment is trusted, else certifi's bundle), once a process
-    for each source. Never to be changed by its users (it is shared)."""
-    if not trust_env:
-        return _default_context(False, None, None)
-    return _default_context(True, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    for each `trust_env`: the environment read is the process's, as at its first use.
+    Never to be changed by its users (it is shared)."""
+    return httpx.create_ssl_context(trust_env=trust_env)
 
 
 def ca_bundle(env_name: str) -> str:
