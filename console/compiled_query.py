@@ -360,16 +360,20 @@ class CompiledInsert:
 
 
 def _insert_value(field: Any, obj: Model, compiler: SQLCompiler) -> Any:
-    """What SQLInsertCompiler sends for `field` of a new row (pre_save_val, prepare_value),
-    where its placeholder is the plain %s the compiled text has."""
-    value = field.pre_save(obj, True)
+    """What SQLInsertCompiler sends for `field` of a new row (pre_save_val, prepare_value)."""
+    return _saved_value(field, field.pre_save(obj, True), compiler, "CompiledInsert")
+
+
+def _saved_value(field: Any, value: Any, compiler: Any, statement: str) -> Any:
+    """`value` as the ORM sends it to be stored in `field` (get_db_prep_save), where its
+    placeholder is the plain %s the compiled text has."""
     if hasattr(value, "resolve_expression"):
-        raise TypeError(f"CompiledInsert sends values, not expressions ({field.name})")
+        raise TypeError(f"{statement} sends values, not expressions ({field.name})")
     prepared = field.get_db_prep_save(value, connection=connection)
     # A field may wrap its value's placeholder (a BinaryField on MySQL: `_binary %s`).
     wrapped = hasattr(field, "get_placeholder")
     if wrapped and field.get_placeholder(prepared, compiler, connection) != "%s":
-        raise TypeError(f"CompiledInsert writes plain %s placeholders only ({field.name})")
+        raise TypeError(f"{statement} writes plain %s placeholders only ({field.name})")
     return prepared
 
 
@@ -394,16 +398,10 @@ class CompiledUpdate:
     def update(self, *, columns: dict[str, Any], where: dict[str, Any]) -> int:
         if (tuple(columns), tuple(where)) != self._names:
             raise TypeError(f"CompiledUpdate was compiled for {self._names}")
-        compiler: Any = None
-        params: list[Any] = []
-        for field, value in zip(self._set, columns.values(), strict=True):
-            if hasattr(value, "resolve_expression"):
-                raise TypeError(f"CompiledUpdate sends values, not expressions ({field.name})")
-            prepared = field.get_db_prep_save(value, connection=connection)
-            wrapped = hasattr(field, "get_placeholder")
-            if wrapped and field.get_placeholder(prepared, compiler, connection) != "%s":
-                raise TypeError(f"CompiledUpdate writes plain %s placeholders only ({field.name})")
-            params.append(prepared)
+        params = [
+            _saved_value(field, value, None, "CompiledUpdate")
+            for field, value in zip(self._set, columns.values(), strict=True)
+        ]
         for field, value in zip(self._where, where.values(), strict=True):
             if value is None or hasattr(value, "resolve_expression"):
                 raise TypeError(f"CompiledUpdate matches plain values, not None ({field.name})")
