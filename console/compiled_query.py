@@ -295,18 +295,14 @@ class CompiledInsert:
             connection.cursor() as cursor,
         ):
             cursor.execute(compiled.sql, params)
-            if compiled.returning:
-                returned: Any = cursor.fetchall()
-                inserted = len(returned) == len(objs)
-            else:
-                returned = []
-                inserted = cursor.rowcount == len(objs)
-        if not inserted:
+            # A row a row inserted: what the database returned, or nothing to set.
+            returned: Any = cursor.fetchall() if compiled.returning else [()] * cursor.rowcount
+        if len(returned) != len(objs):  # a conflict skipped the row
             return False
         if compiled.converters:
             returned = list(compiled.compiler.apply_converters(returned, compiled.converters))
         # The rows come back in the VALUES' order (bulk_create relies on it as well).
-        for obj, row in zip(objs, returned or [()] * len(objs), strict=True):
+        for obj, row in zip(objs, returned, strict=True):
             for value, field in zip(row, compiled.returning, strict=True):
                 setattr(obj, field.attname, value)
             obj._state.adding = False
@@ -404,7 +400,9 @@ class CompiledUpdate:
         ]
         for field, value in zip(self._where, where.values(), strict=True):
             if value is None or hasattr(value, "resolve_expression"):
-                raise TypeError(f"CompiledUpdate matches plain values, not None ({field.name})")
+                raise TypeError(
+                    f"CompiledUpdate matches plain values, not None or expressions ({field.name})"
+                )
             params.append(field.get_db_prep_value(value, connection, prepared=False))
         with (
             transaction.mark_for_rollback_on_error(using=connection.alias),
